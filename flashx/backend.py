@@ -1,0 +1,78 @@
+"""The backend protocol (SPEC section 8) and a declarative base class for it.
+
+A backend declares what it can do (devices, dtypes, head dims, features); ``supports()``
+turns every unmet declaration into a readable reason, so dispatch can show all of them.
+Nothing here imports a GPU library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashx.problem import FEATURES, Problem
+
+ALL_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+class Backend:
+    """Subclass, set the class attributes, implement ``forward`` and ``backward``.
+
+    ``forward(problem, q, k, v) -> (o, lse)`` and
+    ``backward(problem, q, k, v, o, lse, do) -> (dq, dk, dv)`` receive arrays of
+    ``array_kind`` on the problem's device, in the layout of SPEC section 2, with any
+    strides. Outputs may be returned in float32 where ``array_kind`` cannot hold the
+    input dtype (bfloat16 in NumPy); the core rounds them to the contract dtype.
+    """
+
+    name: str = ""
+    version: str = "0"
+    array_kind: str = "numpy"  # "numpy" | "torch" | "cupy": what forward/backward receive
+    devices: frozenset[str] = frozenset()  # "cpu", "cuda"
+    dtypes: frozenset[str] = ALL_DTYPES
+    max_head_dim: int = 256
+    features: frozenset[str] = frozenset(FEATURES)
+    deterministic_backward: bool = True
+
+    def available(self) -> str | None:
+        """None when the backend can run on this machine, else the reason it cannot."""
+        return None
+
+    def device_names(self) -> list[str]:
+        """The concrete devices it would run on here, for ``flashx info``."""
+        return sorted(self.devices)
+
+    def priority(self, problem: Problem) -> int:
+        """Higher wins in ``backend="auto"``."""
+        return 0
+
+    def supports(self, problem: Problem) -> list[str]:
+        reasons = []
+        if problem.device not in self.devices:
+            reasons.append(f"runs on {_names(self.devices)}, not {problem.device}")
+        if problem.dtype not in self.dtypes:
+            reasons.append(f"supports dtypes {_names(self.dtypes)}, not {problem.dtype}")
+        widest = max(problem.head_dim, problem.head_dim_v)
+        if widest > self.max_head_dim:
+            reasons.append(f"supports head dims up to {self.max_head_dim}, not {widest}")
+        for feature in sorted(problem.features - self.features):
+            reasons.append(f"does not support {FEATURES[feature]}")
+        if problem.deterministic and not self.deterministic_backward:
+            reasons.append("cannot promise a deterministic backward (deterministic=True)")
+        return reasons + self.extra_reasons(problem)
+
+    def extra_reasons(self, problem: Problem) -> list[str]:
+        """Reasons beyond the declarations (limits of a kernel, a missing device feature)."""
+        return []
+
+    def forward(self, problem: Problem, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def backward(self, problem: Problem, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any) -> tuple[Any, Any, Any]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<flashx backend {self.name} {self.version}>"
+
+
+def _names(items) -> str:
+    return ", ".join(sorted(items))

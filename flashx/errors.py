@@ -1,0 +1,27 @@
+"""The error classes of the contract (SPEC section 6).
+
+Each subclasses the builtin a Python user would catch for the same mistake, so
+``except ValueError`` keeps working for code that does not know flashx.
+"""
+
+from __future__ import annotations
+
+
+class FlashXError(Exception):
+    """Base class of every error flashx raises for bad input or an impossible request."""
+
+
+class ShapeError(FlashXError, ValueError):
+    """An argument has the wrong shape, length or value range."""
+
+
+class DTypeError(FlashXError, TypeError):
+    """An argument has the wrong dtype or is not an array flashx understands."""
+
+
+class DeviceError(FlashXError, ValueError):
+    """Arguments live on different devices, or on a device the call cannot use."""
+
+
+class UnsupportedError(FlashXError, NotImplementedError):
+    """No backend (or not the requested one) can run this problem; the message lists why."""
