@@ -3,8 +3,39 @@
 Importing flashx imports no GPU library and discovers no plugin: both happen on first use.
 """
 
+from flashx import registry
+from flashx.api import (
+    Residuals,
+    attention,
+    attention_backward,
+    attention_forward,
+    backends,
+    explain,
+    merge_states,
+)
+from flashx.backend import Backend
+from flashx.dispatch import use_backend
 from flashx.errors import DeviceError, DTypeError, FlashXError, ShapeError, UnsupportedError
 from flashx.problem import BlockMask, Problem
-from flashx.backend import Backend
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BlockMask",
+    "DTypeError",
+    "DeviceError",
+    "FlashXError",
+    "Problem",
+    "Residuals",
+    "ShapeError",
+    "UnsupportedError",
+    "attention",
+    "attention_backward",
+    "attention_forward",
+    "backends",
+    "explain",
+    "merge_states",
+    "registry",
+    "use_backend",
+]

@@ -1,0 +1,169 @@
+"""The public functions of SPEC section 1."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+from flashx import arrays, dispatch, registry
+from flashx.backend import Backend
+from flashx.errors import FlashXError, ShapeError
+from flashx.problem import Problem
+from flashx.validation import build_problem, check_like
+
+OPTIONS = tuple(inspect.signature(build_problem).parameters)[3:]
+
+
+class Residuals(NamedTuple):
+    """What the backward needs besides q, k, v, o: the LSE and the dropout RNG state used."""
+
+    lse: Any
+    seed: int
+    rng_offset: int
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window=None,
+    softmax_scale=None,
+    softcap=None,
+    alibi_slopes=None,
+    mask=None,
+    block_mask=None,
+    seqlens_q=None,
+    seqlens_k=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    seed=None,
+    rng_offset=0,
+    deterministic=False,
+    return_lse=False,
+    backend="auto",
+):
+    """softmax(scale * q k^T, masked) v, exactly, in O(N) extra memory.
+
+    q (B, Nq, Hq, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv) -> o (B, Nq, Hq, Dv), and with
+    ``return_lse`` also lse (B, Hq, Nq) in natural log. With cu_seqlens the packed layout
+    (T, H, D) is used. Differentiable through torch autograd when q, k, v require grad.
+    The README's semantics table says what every keyword means.
+    """
+    options = {name: value for name, value in locals().items() if name in OPTIONS}
+    problem = build_problem(q, k, v, **options)
+    impl = dispatch.choose(problem, backend)
+    if _wants_grad(q, k, v):
+        from flashx.autograd import differentiable_forward
+
+        o, lse = differentiable_forward(impl, problem, q, k, v)
+    else:
+        o, lse = run_forward(impl, problem, q, k, v)
+    return (o, lse) if return_lse else o
+
+
+def attention_forward(q, k, v, *, return_lse=True, backend="auto", **options) -> tuple[Any, Residuals]:
+    """(o, res) without autograd; ``res`` feeds ``attention_backward``."""
+    _check_option_names("attention_forward", options)
+    problem = build_problem(q, k, v, **options)
+    o, lse = run_forward(dispatch.choose(problem, backend), problem, q, k, v)
+    return o, Residuals(lse, problem.seed, problem.rng_offset)
+
+
+def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backend="auto", **options):
+    """(dq, dk, dv) for the upstream gradient ``do``, recomputing from ``res``."""
+    _check_option_names("attention_backward", options)
+    for name in ("seed", "rng_offset"):
+        given = options.pop(name, None)
+        if given is not None and given != getattr(res, name):
+            raise ShapeError(f"{name}: the backward regenerates dropout from res.{name}={getattr(res, name)}, got {given}")
+    problem = build_problem(q, k, v, seed=res.seed, rng_offset=res.rng_offset, **options)
+    return run_backward(dispatch.choose(problem, backend), problem, q, k, v, o, res.lse, do)
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Combine attention over two disjoint key sets (SPEC section 7); empty parts weigh 0.
+
+    o (..., N, H, Dv) with lse (..., H, N), as attention returns them, padded or varlen.
+    """
+    kind = arrays.require_array(o_a, "o_a")
+    for name, x in (("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        if arrays.require_array(x, name) != kind:
+            raise FlashXError(f"{name}: expected a {kind} array like o_a")
+    for name, o, lse in (("a", o_a, lse_a), ("b", o_b, lse_b)):
+        expected = tuple(o.shape[:-3]) + (o.shape[-2], o.shape[-3]) if o.ndim >= 3 else None
+        if expected is None or tuple(lse.shape) != expected:
+            raise ShapeError(f"lse_{name}: expected shape {expected} to match o_{name} {tuple(o.shape)}, got {tuple(lse.shape)}")
+    if tuple(o_a.shape) != tuple(o_b.shape):
+        raise ShapeError(f"o_b: expected the shape of o_a {tuple(o_a.shape)}, got {tuple(o_b.shape)}")
+    xp = arrays.module(kind)
+    lse = xp.logaddexp(lse_a, lse_b)
+    empty = lse == -float("inf")
+
+    def weight(part_lse):
+        w = xp.where(empty, 0.0, xp.exp(part_lse - xp.where(empty, 0.0, lse)))
+        return w.swapaxes(-1, -2)[..., None]
+
+    o = weight(lse_a) * o_a + weight(lse_b) * o_b
+    return arrays.to_caller(o, o_a, arrays.dtype_name(o_a)), lse
+
+
+def backends():
+    """Every registered backend (name, version, devices, available or why not), load failures included."""
+    return registry.infos()
+
+
+def explain(q, k, v, *, return_lse=False, backend="auto", **options) -> dispatch.Explanation:
+    """Which backend ``attention`` would run for these arguments, and why each other one would not."""
+    _check_option_names("explain", options)
+    return dispatch.explain(build_problem(q, k, v, **options))
+
+
+def run_forward(impl: Backend, problem: Problem, q, k, v):
+    if problem.is_empty:
+        return (
+            arrays.full(q, problem.o_shape, 0.0, problem.dtype),
+            arrays.full(q, problem.lse_shape, -float("inf"), problem.lse_dtype),
+        )
+    kind = impl.array_kind
+    o, lse = impl.forward(problem.with_arrays(lambda a: arrays.convert(a, kind)), *(arrays.convert(x, kind) for x in (q, k, v)))
+    _check_output(impl, "o", o, problem.o_shape)
+    _check_output(impl, "lse", lse, problem.lse_shape)
+    return arrays.to_caller(o, q, problem.dtype), arrays.to_caller(lse, q, problem.lse_dtype)
+
+
+def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
+    check_like("do", do, problem.o_shape, problem.dtype, q)
+    check_like("o", o, problem.o_shape, problem.dtype, q)
+    check_like("res.lse", lse, problem.lse_shape, problem.lse_dtype, q)
+    if problem.is_empty:
+        return tuple(arrays.full(q, x.shape, 0.0, problem.dtype) for x in (q, k, v))
+    kind = impl.array_kind
+    converted = (arrays.convert(x, kind) for x in (q, k, v, o, lse, do))
+    grads = impl.backward(problem.with_arrays(lambda a: arrays.convert(a, kind)), *converted)
+    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        _check_output(impl, name, grad, tuple(like.shape))
+    return tuple(arrays.to_caller(grad, q, problem.dtype) for grad in grads)
+
+
+def _check_output(impl, name, x, shape):
+    if tuple(x.shape) != tuple(shape):
+        raise FlashXError(f"backend {impl.name!r} returned {name} of shape {tuple(x.shape)}, expected {tuple(shape)}: a backend bug")
+
+
+def _check_option_names(function, options):
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}; known: {', '.join(OPTIONS)}")
+
+
+def _wants_grad(*tensors) -> bool:
+    if arrays.kind_of(tensors[0]) != "torch":
+        return False
+    import torch
+
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

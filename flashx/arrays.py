@@ -1,0 +1,93 @@
+"""Arrays in and out through DLPack: NumPy, torch (CPU/CUDA) and CuPy.
+
+flashx never imports an array library to inspect an array: it reads the type's module,
+and it converts through ``from_dlpack`` of the target library, which shares memory.
+The one copy the contract states: torch bfloat16 going to a NumPy backend (NumPy has no
+bfloat16) is widened to float32 on the way in and rounded back on the way out.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from flashx.errors import DTypeError
+
+KINDS = ("numpy", "torch", "cupy")
+
+
+def kind_of(x: Any) -> str | None:
+    """"numpy", "torch", "cupy", or None for anything else."""
+    root = type(x).__module__.partition(".")[0]
+    return root if root in KINDS else None
+
+
+def dtype_name(x: Any) -> str:
+    if kind_of(x) == "torch":
+        return str(x.dtype).removeprefix("torch.")
+    return x.dtype.name
+
+
+def device_of(x: Any) -> tuple[str, int | None]:
+    """("cpu", None) or ("cuda", index)."""
+    kind = kind_of(x)
+    if kind == "torch":
+        return x.device.type, x.device.index
+    if kind == "cupy":
+        return "cuda", x.device.id
+    return "cpu", None
+
+
+def module(kind: str):
+    return importlib.import_module(kind)
+
+
+def convert(x: Any, kind: str) -> Any:
+    """The same memory seen as an array of ``kind`` (no copy, except torch bfloat16 to NumPy)."""
+    source = kind_of(x)
+    if source == kind:
+        return x
+    if source == "torch":
+        x = x.detach()
+        if kind == "numpy" and dtype_name(x) == "bfloat16":
+            x = x.float()
+    return module(kind).from_dlpack(x)
+
+
+def to_caller(y: Any, like: Any, dtype: str) -> Any:
+    """A backend's output as the caller's kind of array, in the contract's dtype."""
+    y = convert(y, kind_of(like))
+    if dtype_name(y) == dtype:
+        return y
+    if kind_of(y) == "torch":
+        return y.to(getattr(module("torch"), dtype))
+    return y.astype(dtype)
+
+
+def to_host(x: Any):
+    """A NumPy copy of a small array (lengths, offsets) for validation."""
+    kind = kind_of(x)
+    if kind == "torch":
+        return x.detach().cpu().numpy()
+    if kind == "cupy":
+        return x.get()
+    return x
+
+
+def full(like: Any, shape: tuple[int, ...], value: float, dtype: str) -> Any:
+    """A new array of ``like``'s kind and device."""
+    kind = kind_of(like)
+    if kind == "torch":
+        torch = module("torch")
+        return torch.full(shape, value, dtype=getattr(torch, dtype), device=like.device)
+    if kind == "cupy":
+        with like.device:
+            return module("cupy").full(shape, value, dtype=dtype)
+    return module("numpy").full(shape, value, dtype=dtype)
+
+
+def require_array(x: Any, argument: str) -> str:
+    kind = kind_of(x)
+    if kind is None:
+        raise DTypeError(f"{argument}: expected a NumPy array, torch tensor or CuPy array, got {type(x).__name__}")
+    return kind

@@ -1,0 +1,34 @@
+"""torch autograd: saves o and the residuals, and calls the same backend's backward."""
+
+from __future__ import annotations
+
+import functools
+
+from flashx.api import run_backward, run_forward
+
+
+@functools.cache
+def _function():
+    import torch
+
+    class FlashAttentionFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, impl, problem):
+            o, lse = run_forward(impl, problem, q, k, v)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.impl, ctx.problem = impl, problem
+            ctx.mark_non_differentiable(lse)
+            return o, lse
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, do, _dlse):
+            q, k, v, o, lse = ctx.saved_tensors
+            dq, dk, dv = run_backward(ctx.impl, ctx.problem, q, k, v, o, lse, do)
+            return dq, dk, dv, None, None
+
+    return FlashAttentionFunction
+
+
+def differentiable_forward(impl, problem, q, k, v):
+    return _function().apply(q, k, v, impl, problem)

@@ -1,0 +1,254 @@
+"""Every argument checked once, turned into a ``Problem``.
+
+Each error names the argument, what was expected and what was given (SPEC section 6).
+Lengths and offsets (seqlens, cu_seqlens) are read on the host: a wrong value there
+would make a kernel read out of bounds, so it is worth one small copy.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from typing import Any
+
+from flashx import arrays
+from flashx.backend import ALL_DTYPES
+from flashx.errors import DeviceError, DTypeError, ShapeError
+from flashx.problem import BlockMask, Problem, default_scale
+
+U64 = 2**64
+
+
+def build_problem(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window=None,
+    softmax_scale=None,
+    softcap=None,
+    alibi_slopes=None,
+    mask=None,
+    block_mask=None,
+    seqlens_q=None,
+    seqlens_k=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    seed=None,
+    rng_offset=0,
+    deterministic=False,
+) -> Problem:
+    kind = arrays.require_array(q, "q")
+    device, device_index = arrays.device_of(q)
+    dtype = arrays.dtype_name(q)
+    if dtype not in ALL_DTYPES:
+        raise DTypeError(f"q: expected one of {sorted(ALL_DTYPES)}, got {dtype}")
+    for name, x in (("k", k), ("v", v)):
+        _same_array_as_q(name, x, kind, device, device_index)
+        if arrays.dtype_name(x) != dtype:
+            raise DTypeError(f"{name}: expected the dtype of q ({dtype}), got {arrays.dtype_name(x)}")
+
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
+        missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
+        raise ShapeError(f"{missing}: expected an int32 array with the other cu_seqlens, got None")
+    layout = "(T, H, D) (varlen, cu_seqlens given)" if varlen else "(B, N, H, D)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != (3 if varlen else 4):
+            raise ShapeError(f"{name}: expected {layout}, got shape {tuple(x.shape)}")
+    if varlen:
+        (total_q, heads_q, head_dim), (total_k, heads_k, dim_k) = q.shape, k.shape
+        batch = None
+    else:
+        (batch, seqlen_q, heads_q, head_dim), (batch_k, seqlen_k, heads_k, dim_k) = q.shape, k.shape
+        total_q = total_k = None
+        if batch_k != batch:
+            raise ShapeError(f"k: expected batch {batch} (from q), got shape {tuple(k.shape)}")
+    if dim_k != head_dim:
+        raise ShapeError(f"k: expected head dim {head_dim} (from q), got shape {tuple(k.shape)}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ShapeError(f"v: expected shape {tuple(k.shape[:-1])} + (Dv,) (from k), got {tuple(v.shape)}")
+    if heads_k == 0 or heads_q % heads_k:
+        raise ShapeError(f"k: expected a head count dividing q's {heads_q}, got {heads_k}")
+
+    if varlen:
+        for name, x in (("mask", mask), ("block_mask", block_mask), ("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)):
+            if x is not None:
+                raise ShapeError(f"{name}: indexes the padded layout and cannot be combined with cu_seqlens, got both")
+        seqlen_q = _cu_seqlens("q", cu_seqlens_q, total_q, max_seqlen_q, kind, device, device_index)
+        seqlen_k = _cu_seqlens("k", cu_seqlens_k, total_k, max_seqlen_k, kind, device, device_index)
+        batch = cu_seqlens_q.shape[0] - 1
+        if cu_seqlens_k.shape[0] - 1 != batch:
+            raise ShapeError(f"cu_seqlens_k: expected shape ({batch + 1},) like cu_seqlens_q, got {tuple(cu_seqlens_k.shape)}")
+    else:
+        for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if x is not None:
+                raise ShapeError(f"{name}: only meaningful with cu_seqlens (varlen layout), got {x!r}")
+        _seqlens("seqlens_q", seqlens_q, batch, seqlen_q, kind, device, device_index)
+        _seqlens("seqlens_k", seqlens_k, batch, seqlen_k, kind, device, device_index)
+
+    score_shape = (batch, heads_q, seqlen_q, seqlen_k)
+    if mask is not None:
+        _bool_broadcastable("mask", mask, score_shape, kind, device, device_index)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise DTypeError(f"block_mask: expected a flashx.BlockMask, got {type(block_mask).__name__}")
+        bq, bk = block_mask.block_size
+        grid = (batch, heads_q, -(-seqlen_q // bq), -(-seqlen_k // bk))
+        _bool_broadcastable("block_mask.blocks", block_mask.blocks, grid, kind, device, device_index)
+
+    if not isinstance(causal, bool):
+        raise DTypeError(f"causal: expected a bool, got {causal!r}")
+    if not isinstance(deterministic, bool):
+        raise DTypeError(f"deterministic: expected a bool, got {deterministic!r}")
+    if window is not None:
+        window = _window(window)
+    if softmax_scale is None:
+        softmax_scale = default_scale(head_dim)
+    elif not _is_real(softmax_scale) or not math.isfinite(softmax_scale):
+        raise DTypeError(f"softmax_scale: expected a finite real number or None, got {softmax_scale!r}")
+    if softcap is not None and (not _is_real(softcap) or not softcap > 0):
+        raise ShapeError(f"softcap: expected a positive number or None, got {softcap!r}")
+    if alibi_slopes is not None:
+        _same_array_as_q("alibi_slopes", alibi_slopes, kind, device, device_index)
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ShapeError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
+    if not _is_real(dropout_p) or not 0 <= dropout_p < 1:
+        raise ShapeError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    if seed is None:
+        seed = _draw_seed(kind) if dropout_p > 0 else 0
+    elif not _is_int(seed) or not 0 <= seed < U64:
+        raise ShapeError(f"seed: expected an int in [0, 2**64) or None, got {seed!r}")
+    if not _is_int(rng_offset) or not 0 <= rng_offset < U64:
+        raise ShapeError(f"rng_offset: expected an int in [0, 2**64), got {rng_offset!r}")
+
+    return Problem(
+        array_kind=kind,
+        device=device,
+        device_index=device_index,
+        dtype=dtype,
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        total_q=total_q,
+        total_k=total_k,
+        heads_q=heads_q,
+        heads_k=heads_k,
+        head_dim=head_dim,
+        head_dim_v=v.shape[-1],
+        softmax_scale=float(softmax_scale),
+        causal=causal,
+        window=window,
+        softcap=None if softcap is None else float(softcap),
+        alibi_slopes=alibi_slopes,
+        mask=mask,
+        block_mask=block_mask,
+        seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        dropout_p=float(dropout_p),
+        seed=int(seed),
+        rng_offset=int(rng_offset),
+        deterministic=deterministic,
+    )
+
+
+def check_like(name: str, x: Any, shape: tuple[int, ...], dtype: str, q: Any) -> None:
+    """``x`` (o, do, lse) must be an array like q's, of this shape and dtype."""
+    _same_array_as_q(name, x, arrays.kind_of(q), *arrays.device_of(q))
+    if tuple(x.shape) != tuple(shape):
+        raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if arrays.dtype_name(x) != dtype:
+        raise DTypeError(f"{name}: expected dtype {dtype}, got {arrays.dtype_name(x)}")
+
+
+def _same_array_as_q(name, x, kind, device, device_index):
+    if arrays.require_array(x, name) != kind:
+        raise DTypeError(f"{name}: expected a {kind} array like q, got {type(x).__module__}.{type(x).__name__}")
+    if arrays.device_of(x) != (device, device_index):
+        where = device if device_index is None else f"{device}:{device_index}"
+        got_device, got_index = arrays.device_of(x)
+        got = got_device if got_index is None else f"{got_device}:{got_index}"
+        raise DeviceError(f"{name}: expected an array on q's device {where}, got one on {got}")
+
+
+def _int_vector(name, x, length, kind, device, device_index, dtypes):
+    _same_array_as_q(name, x, kind, device, device_index)
+    if arrays.dtype_name(x) not in dtypes:
+        raise DTypeError(f"{name}: expected dtype {' or '.join(dtypes)}, got {arrays.dtype_name(x)}")
+    if tuple(x.shape) != (length,):
+        raise ShapeError(f"{name}: expected shape ({length},), got {tuple(x.shape)}")
+    import numpy as np
+
+    return np.asarray(arrays.to_host(x), dtype=np.int64)
+
+
+def _seqlens(name, x, batch, limit, kind, device, device_index):
+    if x is None:
+        return
+    values = _int_vector(name, x, batch, kind, device, device_index, ("int32", "int64"))
+    if values.size and (values.min() < 0 or values.max() > limit):
+        raise ShapeError(f"{name}: expected lengths in [0, {limit}], got values from {values.min()} to {values.max()}")
+
+
+def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
+    name = f"cu_seqlens_{side}"
+    _same_array_as_q(name, cu, kind, device, device_index)
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ShapeError(f"{name}: expected shape (B + 1,), got {tuple(cu.shape)}")
+    offsets = _int_vector(name, cu, cu.shape[0], kind, device, device_index, ("int32",))
+    lengths = offsets[1:] - offsets[:-1]
+    if offsets[0] != 0 or (lengths < 0).any() or offsets[-1] > total:
+        raise ShapeError(
+            f"{name}: expected offsets starting at 0, non-decreasing, ending at most at {total} (rows of {side}), "
+            f"got {offsets.tolist() if offsets.size <= 16 else f'{offsets[:8].tolist()}...'}"
+        )
+    longest = int(lengths.max()) if lengths.size else 0
+    if max_seqlen is None:
+        return longest
+    if not _is_int(max_seqlen) or max_seqlen < longest:
+        raise ShapeError(f"max_seqlen_{side}: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
+    return int(max_seqlen)
+
+
+def _bool_broadcastable(name, x, shape, kind, device, device_index):
+    _same_array_as_q(name, x, kind, device, device_index)
+    if arrays.dtype_name(x) != "bool":
+        raise DTypeError(f"{name}: expected a bool array (True = may attend), got dtype {arrays.dtype_name(x)}")
+    given = tuple(x.shape)
+    fits = len(given) <= len(shape) and all(g in (1, s) for g, s in zip(given[::-1], shape[::-1]))
+    if not fits:
+        raise ShapeError(f"{name}: expected a shape broadcastable to {shape}, got {given}")
+
+
+def _window(window):
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(_is_int(side) and side >= -1 for side in window)
+    ):
+        raise ShapeError(f"window: expected (left, right) ints >= -1 (-1 = unbounded) or None, got {window!r}")
+    return int(window[0]), int(window[1])
+
+
+def _draw_seed(kind: str) -> int:
+    # torch users expect torch.manual_seed to make dropout reproducible, as in flash-attn.
+    if kind == "torch":
+        import torch
+
+        return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
+    return secrets.randbits(64)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
