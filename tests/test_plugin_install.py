@@ -1,0 +1,100 @@
+"""Plugin installation end to end, as a user would do it.
+
+A throwaway venv that sees this interpreter's packages (torch, the editable flashx) gets,
+through pip, the out-of-tree example ``examples/flashx-sdpa`` and a plugin whose module raises
+on import. flashx must find the first through its entry point alone, report the second
+with its error without losing any other backend, and the conformance suite must grade SDPA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flashx-sdpa"
+
+BROKEN_PLUGIN = {
+    "pyproject.toml": """\
+[build-system]
+requires = ["setuptools>=64"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "flashx-broken"
+version = "0.0.1"
+
+[project.entry-points."flashx.backends"]
+broken = "flashx_broken"
+
+[tool.setuptools]
+packages = ["flashx_broken"]
+""",
+    "flashx_broken/__init__.py": 'raise RuntimeError("flashx_broken: this accelerator has no driver")\n',
+}
+
+LIST_BACKENDS = "import dataclasses, json, flashx; print(json.dumps([dataclasses.asdict(i) for i in flashx.backends()]))"
+
+
+def run(python, *args, cwd, timeout=120):
+    result = subprocess.run([str(python), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def plugin_venv(tmp_path_factory):
+    """The venv's python, with flashx-sdpa and flashx-broken installed (offline, no build isolation)."""
+    root = tmp_path_factory.mktemp("plugin-install")
+    try:
+        venv.create(root / "venv", system_site_packages=True, with_pip=False)
+    except OSError as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"cannot create a venv here: {error}")
+    python = root / "venv" / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    # Copies: setuptools builds in the source tree and would leave build/ and egg-info behind.
+    sdpa = shutil.copytree(EXAMPLE, root / "flashx-sdpa")
+    for relative, text in BROKEN_PLUGIN.items():
+        (root / "flashx-broken" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / "flashx-broken" / relative).write_text(text)
+    pip = ["-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--disable-pip-version-check", "-q"]
+    run(python, *pip, sdpa, root / "flashx-broken", cwd=root)
+    return python
+
+
+@pytest.fixture(scope="module")
+def listings(plugin_venv):
+    """flashx.backends() as rows keyed by name, from this interpreter and from the venv."""
+    cwd = plugin_venv.parents[2]
+
+    def listing(python):
+        return {row["name"]: row for row in json.loads(run(python, "-c", LIST_BACKENDS, cwd=cwd))}
+
+    here = listing(sys.executable)
+    here.pop("sdpa", None)  # a developer may have installed the example here too
+    return here, listing(plugin_venv)
+
+
+def test_installed_plugin_is_found_through_its_entry_point(listings):
+    sdpa = listings[1]["sdpa"]
+    assert sdpa["plugin"] == "sdpa"  # the entry point's name, not an in-process registration
+    assert sdpa["available"] and sdpa["load_error"] is None
+    assert sdpa["version"] == metadata.version("torch")
+
+
+def test_plugin_failing_on_import_is_reported_and_hides_nothing(listings):
+    here, there = listings
+    broken = there.pop("broken")
+    assert not broken["available"]
+    assert "this accelerator has no driver" in broken["reason"]
+    assert "RuntimeError" in broken["load_error"] and "flashx_broken" in broken["load_error"]
+    there.pop("sdpa")
+    assert there == here
