@@ -42,6 +42,11 @@ class _Registry:
                 self._discover()
             return self._backends
 
+    def reset(self) -> None:
+        """Forget everything; the next use discovers the entry points again (for tests)."""
+        with self._lock:
+            self._backends, self._origins, self._failures = None, {}, []
+
     def _discover(self):
         import pluggy
 
@@ -136,3 +141,4 @@ register = _registry.register
 unregister = _registry.unregister
 infos = _registry.infos
 failures = _registry.failures
+reset = _registry.reset

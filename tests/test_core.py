@@ -1,0 +1,431 @@
+"""The core contract: validation errors, dispatch, plugin discovery, DLPack, autograd, merging."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import flashx
+from flashx import registry
+from flashx.problem import FEATURES
+
+torch = pytest.importorskip("torch")
+
+RNG = np.random.default_rng(1234)
+
+
+def randn(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def qkv(batch=2, seqlen_q=5, seqlen_k=7, heads_q=4, heads_k=2, dim=8, dim_v=None, dtype=np.float32):
+    return (
+        randn(batch, seqlen_q, heads_q, dim, dtype=dtype),
+        randn(batch, seqlen_k, heads_k, dim, dtype=dtype),
+        randn(batch, seqlen_k, heads_k, dim_v or dim, dtype=dtype),
+    )
+
+
+def dense_reference(q, k, v, scale=None, causal=False):
+    """Plain float64 attention for the padded layout (bottom-right causal)."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scores = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    if causal:
+        nq, nk = q.shape[1], k.shape[1]
+        scores[..., np.arange(nk)[None, :] > np.arange(nq)[:, None] + nk - nq] = -np.inf
+    lse = np.logaddexp.reduce(scores, axis=-1)
+    probs = np.exp(scores - lse[..., None])
+    return np.einsum("bhij,bjhd->bihd", probs, v), lse
+
+
+class Marker(flashx.Backend):
+    """Answers with a constant so a test can tell which backend ran; records what it received."""
+
+    devices = frozenset({"cpu"})
+
+    def __init__(self, name, priority=0, features=frozenset(FEATURES), unavailable=None, fail=False):
+        self.name, self._priority, self.features = name, priority, frozenset(features)
+        self._unavailable, self._fail = unavailable, fail
+        self.received = None
+
+    def available(self):
+        return self._unavailable
+
+    def priority(self, problem):
+        return self._priority
+
+    def forward(self, problem, q, k, v):
+        if self._fail:
+            raise RuntimeError(f"{self.name} broke")
+        self.received = (problem, q, k, v)
+        o = np.full(problem.o_shape, float(self._priority + 1), dtype=np.float32)
+        return o, np.full(problem.lse_shape, 0.5, dtype=np.float32)
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """Only the backends a test registers (entry points still discovered, then removed)."""
+    registry.reset()
+    for name in list(registry.backends()):
+        registry.unregister(name)
+    monkeypatch.delenv("FLASHX_BACKEND", raising=False)
+    yield registry
+    registry.reset()
+
+
+# -- validation: every error class, each naming the argument ------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (lambda q, k, v: ([1.0], k, v, {}), flashx.DTypeError, "q: expected a NumPy array"),
+        (lambda q, k, v: (q.astype(np.int32), k, v, {}), flashx.DTypeError, "q: expected one of"),
+        (lambda q, k, v: (q, k.astype(np.float64), v, {}), flashx.DTypeError, "k: expected the dtype of q"),
+        (lambda q, k, v: (q, torch.from_numpy(k), v, {}), flashx.DTypeError, "k: expected a numpy array"),
+        (lambda q, k, v: (q[0], k, v, {}), flashx.ShapeError, "q: expected (B, N, H, D)"),
+        (lambda q, k, v: (q, k[..., :4], v, {}), flashx.ShapeError, "k: expected head dim 8"),
+        (lambda q, k, v: (q, k, v[:, :3], {}), flashx.ShapeError, "v: expected shape"),
+        (lambda q, k, v: (q[:, :, :3], k, v, {}), flashx.ShapeError, "k: expected a head count dividing"),
+        (lambda q, k, v: (q, k[:1], v[:1], {}), flashx.ShapeError, "k: expected batch 2"),
+        (lambda q, k, v: (q, k, v, {"causal": 1}), flashx.DTypeError, "causal: expected a bool"),
+        (lambda q, k, v: (q, k, v, {"window": (3,)}), flashx.ShapeError, "window: expected (left, right)"),
+        (lambda q, k, v: (q, k, v, {"window": (-2, 0)}), flashx.ShapeError, "window"),
+        (lambda q, k, v: (q, k, v, {"softmax_scale": float("nan")}), flashx.DTypeError, "softmax_scale"),
+        (lambda q, k, v: (q, k, v, {"dropout_p": 1.0}), flashx.ShapeError, "dropout_p: expected a number in [0, 1)"),
+        (lambda q, k, v: (q, k, v, {"seed": -1, "dropout_p": 0.1}), flashx.ShapeError, "seed"),
+        (lambda q, k, v: (q, k, v, {"rng_offset": 2**64}), flashx.ShapeError, "rng_offset"),
+        (lambda q, k, v: (q, k, v, {"mask": np.ones((5, 7))}), flashx.DTypeError, "mask: expected a bool array"),
+        (lambda q, k, v: (q, k, v, {"mask": np.ones((3, 5, 7), bool)}), flashx.ShapeError, "mask: expected a shape broadcastable"),
+        (
+            lambda q, k, v: (q, k, v, {"block_mask": flashx.BlockMask(np.ones((1, 3), bool), 4)}),
+            flashx.ShapeError,
+            "block_mask.blocks: expected a shape broadcastable to (2, 4, 2, 2)",
+        ),
+        (lambda q, k, v: (q, k, v, {"block_mask": np.ones((2, 2), bool)}), flashx.DTypeError, "block_mask: expected a flashx.BlockMask"),
+        (lambda q, k, v: (q, k, v, {"seqlens_q": np.array([6, 1], np.int32)}), flashx.ShapeError, "seqlens_q: expected lengths in [0, 5]"),
+        (lambda q, k, v: (q, k, v, {"seqlens_k": np.array([1.0, 2.0])}), flashx.DTypeError, "seqlens_k: expected dtype"),
+        (lambda q, k, v: (q, k, v, {"seqlens_k": np.array([1], np.int32)}), flashx.ShapeError, "seqlens_k: expected shape (2,)"),
+        (lambda q, k, v: (q, k, v, {"max_seqlen_q": 5}), flashx.ShapeError, "max_seqlen_q: only meaningful with cu_seqlens"),
+        (lambda q, k, v: (q, k, v, {"softcap": -1.0}), flashx.ShapeError, "softcap"),
+    ],
+)
+def test_bad_input_names_the_argument(change, error, words):
+    q, k, v, options = change(*qkv())
+    with pytest.raises(error) as caught:
+        flashx.attention(q, k, v, **options)
+    assert words in str(caught.value)
+    assert isinstance(caught.value, flashx.FlashXError)
+
+
+def varlen_inputs(lengths_q=(3, 0, 4), lengths_k=(2, 5, 1)):
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    return randn(cu_q[-1], 4, 8), randn(cu_k[-1], 2, 8), randn(cu_k[-1], 2, 8), cu_q, cu_k
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q}, flashx.ShapeError, "cu_seqlens_k: expected an int32 array"),
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q.astype(np.int64), "cu_seqlens_k": cu_k}, flashx.DTypeError, "cu_seqlens_q: expected dtype int32"),
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q[::-1].copy(), "cu_seqlens_k": cu_k}, flashx.ShapeError, "cu_seqlens_q: expected offsets starting at 0"),
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q + np.int32(1), "cu_seqlens_k": cu_k}, flashx.ShapeError, "cu_seqlens_q"),
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k[:-1]}, flashx.ShapeError, "cu_seqlens_k: expected shape (4,)"),
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 3}, flashx.ShapeError, "max_seqlen_q: expected an int >= the longest sequence (4)"),
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "mask": np.ones((1, 1), bool)}, flashx.ShapeError, "mask: indexes the padded layout"),
+    ],
+)
+def test_bad_varlen_input_names_the_argument(change, error, words):
+    q, k, v, cu_q, cu_k = varlen_inputs()
+    with pytest.raises(error) as caught:
+        flashx.attention(q, k, v, **change(cu_q, cu_k))
+    assert words in str(caught.value)
+
+
+def test_device_mismatch_is_a_device_error():
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    with pytest.raises(flashx.DeviceError, match="k: expected an array on q's device cpu, got one on meta"):
+        flashx.attention(q, k.to("meta"), v)
+
+
+def test_varlen_problem_shapes(fresh_registry):
+    backend = Marker("only")
+    registry.register(backend)
+    q, k, v, cu_q, cu_k = varlen_inputs()
+    o, lse = flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    problem = backend.received[0]
+    assert (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.total_q, problem.total_k) == (3, 4, 5, 7, 8)
+    assert o.shape == (7, 4, 8) and lse.shape == (4, 7)
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+
+def test_auto_picks_the_highest_priority_that_supports_the_problem(fresh_registry):
+    for backend in (Marker("low", 1), Marker("high", 5, features={"gqa"}), Marker("gone", 9, unavailable="no device")):
+        registry.register(backend)
+    q, k, v = qkv()
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 6.0  # "high"
+    assert flashx.attention(q, k, v, causal=True)[0, 0, 0, 0] == 2.0  # "high" cannot do causal
+    assert flashx.explain(q, k, v, causal=True).chosen == "low"
+
+
+def test_explicit_backend_never_falls_back(fresh_registry):
+    registry.register(Marker("low", 1))
+    registry.register(Marker("high", 5, features={"gqa"}))
+    q, k, v = qkv()
+    with pytest.raises(flashx.UnsupportedError, match="backend 'high' cannot run .*does not support causal masking"):
+        flashx.attention(q, k, v, causal=True, backend="high")
+    with pytest.raises(flashx.UnsupportedError, match="no backend named 'nope'; registered: high, low"):
+        flashx.attention(q, k, v, backend="nope")
+
+
+def test_auto_never_falls_back_after_a_runtime_error(fresh_registry):
+    registry.register(Marker("low", 1))
+    registry.register(Marker("broken", 5, fail=True))
+    with pytest.raises(RuntimeError, match="broken broke"):
+        flashx.attention(*qkv())
+
+
+def test_env_var_and_context_manager_set_the_default(fresh_registry, monkeypatch):
+    registry.register(Marker("low", 1))
+    registry.register(Marker("high", 5))
+    q, k, v = qkv()
+    monkeypatch.setenv("FLASHX_BACKEND", "low")
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+    with flashx.use_backend("high"):
+        assert flashx.attention(q, k, v)[0, 0, 0, 0] == 6.0
+        with flashx.use_backend("low"):
+            assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+        assert flashx.attention(q, k, v, backend="low")[0, 0, 0, 0] == 2.0  # explicit beats the default
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+    with pytest.raises(flashx.UnsupportedError, match="no backend named 'nope'"):
+        with flashx.use_backend("nope"):
+            pass
+
+
+def test_nothing_fits_lists_every_backend_with_all_reasons_once(fresh_registry):
+    class TwoReasons(Marker):
+        def extra_reasons(self, problem):
+            return ["tile too small", "tile too small"]
+
+    registry.register(TwoReasons("picky", 3, features=set()))
+    registry.register(Marker("gone", 1, unavailable="needs a GPU"))
+    q, k, v = qkv()
+    with pytest.raises(flashx.UnsupportedError) as caught:
+        flashx.attention(q, k, v, causal=True, dropout_p=0.1)
+    message = str(caught.value)
+    assert "picky  no: does not support causal masking; does not support dropout; " in message
+    assert message.count("tile too small") == 1
+    assert "gone   no: needs a GPU" in message
+
+
+# -- plugins ---------------------------------------------------------------------------------
+
+PLUGIN_SOURCE = """
+import numpy as np
+import flashx
+from flashx.hookspecs import hookimpl
+
+class Fake(flashx.Backend):
+    name = "fake"
+    version = "9.9"
+    devices = frozenset({"cpu"})
+
+@hookimpl
+def flashx_backends():
+    return [Fake()]
+"""
+
+
+def fake_distribution(root, name, module, source):
+    """A distribution on sys.path, found by importlib.metadata like an installed one."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[flashx.backends]\n{name} = {module}\n")
+
+
+def test_discovery_through_a_fake_distribution_with_a_broken_neighbour(tmp_path, monkeypatch):
+    fake_distribution(tmp_path, "fake-plugin", "fake_flashx_plugin", PLUGIN_SOURCE)
+    fake_distribution(tmp_path, "broken-plugin", "broken_flashx_plugin", "raise ImportError('missing libcuda.so')\n")
+    fake_distribution(
+        tmp_path,
+        "failing-hook",
+        "failing_hook_plugin",
+        "from flashx.hookspecs import hookimpl\n\n@hookimpl\ndef flashx_backends():\n    raise RuntimeError('no driver')\n",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.reset()
+    try:
+        infos = {info.name: info for info in flashx.backends()}
+        assert infos["fake"].version == "9.9" and infos["fake"].available and infos["fake"].plugin == "fake-plugin"
+        assert not infos["broken-plugin"].available
+        assert "missing libcuda.so" in infos["broken-plugin"].reason and "ImportError" in infos["broken-plugin"].load_error
+        assert "no driver" in infos["failing-hook"].reason
+        assert "numpy" in infos  # the built-in backends still load beside the broken ones
+        with pytest.raises(flashx.UnsupportedError, match="plugins that failed to load: broken-plugin, failing-hook"):
+            registry.get("missing")
+    finally:
+        registry.reset()
+
+
+def test_discovery_is_lazy_and_imports_no_gpu_library():
+    code = textwrap.dedent(
+        """
+        import sys, flashx
+        from flashx import registry
+        assert registry._registry._backends is None
+        heavy = [m for m in ("torch", "triton", "cupy", "numba", "numpy") if m in sys.modules]
+        assert not heavy, heavy
+        names = [info.name for info in flashx.backends()]
+        assert "numpy" in names, names
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_duplicate_backend_names_are_refused(fresh_registry):
+    registry.register(Marker("same"))
+    with pytest.raises(ValueError, match="backend name 'same' is taken"):
+        registry.register(Marker("same"))
+    registry.register(Marker("same", 3), replace=True)
+    assert registry.get("same")._priority == 3
+
+
+# -- arrays in and out -----------------------------------------------------------------------
+
+
+def test_arrays_cross_through_dlpack_without_copies(fresh_registry):
+    backend = Marker("numpy-kind")
+    registry.register(backend)
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    o = flashx.attention(q, k, v)
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.float32
+    received_q = backend.received[1]
+    assert isinstance(received_q, np.ndarray)
+    assert received_q.__array_interface__["data"][0] == q.data_ptr()
+    # strided views reach the backend as views, not copies
+    q_view = torch.from_numpy(randn(2, 4, 5, 8)).transpose(1, 2)
+    flashx.attention(q_view, k, v)
+    assert backend.received[1].strides == tuple(s * 4 for s in q_view.stride())
+    # bfloat16 is widened for NumPy and rounded back
+    o = flashx.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert o.dtype == torch.bfloat16 and backend.received[1].dtype == np.float32
+
+
+def test_empty_inputs_have_the_implied_shapes(fresh_registry):
+    registry.register(Marker("only"))
+    for batch, seqlen_q, seqlen_k in ((0, 5, 7), (2, 0, 7), (2, 5, 0)):
+        q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, dim_v=6)
+        o, res = flashx.attention_forward(q, k, v)
+        assert o.shape == (batch, seqlen_q, 4, 6) and res.lse.shape == (batch, 4, seqlen_q)
+        assert (o == 0).all() and np.isneginf(res.lse).all()
+        dq, dk, dv = flashx.attention_backward(randn(*o.shape), q, k, v, o, res)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert not dq.any() and not dk.any() and not dv.any()
+
+
+# -- numerics through the NumPy backend ------------------------------------------------------
+
+
+def test_forward_matches_dense_reference_through_numpy_backend():
+    q, k, v = qkv(seqlen_q=37, seqlen_k=53, dim_v=12)
+    o, lse = flashx.attention(q, k, v, causal=True, return_lse=True, backend="numpy")
+    ref_o, ref_lse = dense_reference(q, k, v, causal=True)
+    np.testing.assert_allclose(o, ref_o, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+
+
+def test_torch_autograd_gradcheck_float64():
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in qkv(seqlen_q=6, seqlen_k=9, dim_v=5, dtype=np.float64))
+
+    def f(q, k, v):
+        return flashx.attention(q, k, v, causal=True, window=(4, -1), backend="numpy")
+
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-8)
+
+
+def test_autograd_agrees_with_attention_backward():
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in qkv(seqlen_q=9, seqlen_k=11))
+    do = torch.from_numpy(randn(2, 9, 4, 8))
+    o, lse = flashx.attention(q, k, v, dropout_p=0.25, seed=7, return_lse=True, backend="numpy")
+    assert not lse.requires_grad
+    o.backward(do)
+    o2, res = flashx.attention_forward(q.detach(), k.detach(), v.detach(), dropout_p=0.25, seed=7, backend="numpy")
+    torch.testing.assert_close(o.detach(), o2, rtol=0, atol=0)
+    grads = flashx.attention_backward(do, q.detach(), k.detach(), v.detach(), o2, res, dropout_p=0.25, backend="numpy")
+    for auto, manual in zip((q.grad, k.grad, v.grad), grads):
+        torch.testing.assert_close(auto, manual, rtol=0, atol=0)
+    with pytest.raises(flashx.ShapeError, match="seed: the backward regenerates dropout from res.seed=7"):
+        flashx.attention_backward(do, q.detach(), k.detach(), v.detach(), o2, res, dropout_p=0.25, seed=8)
+
+
+def test_drawn_seed_is_returned_and_follows_torch_manual_seed():
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    torch.manual_seed(3)
+    _, first = flashx.attention_forward(q, k, v, dropout_p=0.5, backend="numpy")
+    torch.manual_seed(3)
+    _, second = flashx.attention_forward(q, k, v, dropout_p=0.5, backend="numpy")
+    assert first.seed == second.seed and first.rng_offset == 0
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_merge_states_of_two_key_halves_is_the_whole(varlen):
+    if varlen:
+        q, k, v, cu_q, cu_k = varlen_inputs(lengths_q=(3, 0, 4), lengths_k=(4, 6, 2))
+        half = (cu_k[:-1] + cu_k[1:]) // 2
+        first_k = np.concatenate([k[a:m] for a, m in zip(cu_k[:-1], half)])
+        first_v = np.concatenate([v[a:m] for a, m in zip(cu_k[:-1], half)])
+        second_k = np.concatenate([k[m:b] for m, b in zip(half, cu_k[1:])])
+        second_v = np.concatenate([v[m:b] for m, b in zip(half, cu_k[1:])])
+        cu_first = np.concatenate([[0], np.cumsum(half - cu_k[:-1])]).astype(np.int32)
+        cu_second = np.concatenate([[0], np.cumsum(cu_k[1:] - half)]).astype(np.int32)
+        whole = flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, backend="numpy")
+        part_a = flashx.attention(q, first_k, first_v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_first, return_lse=True, backend="numpy")
+        part_b = flashx.attention(q, second_k, second_v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_second, return_lse=True, backend="numpy")
+    else:
+        q, k, v = qkv(seqlen_k=12)
+        whole = flashx.attention(q, k, v, return_lse=True, backend="numpy")
+        part_a = flashx.attention(q, k[:, :5], v[:, :5], return_lse=True, backend="numpy")
+        part_b = flashx.attention(q, k[:, 5:], v[:, 5:], return_lse=True, backend="numpy")
+    o, lse = flashx.merge_states(*part_a, *part_b)
+    np.testing.assert_allclose(o, whole[0], atol=1e-6)
+    np.testing.assert_allclose(lse, whole[1], atol=1e-6)
+
+
+def test_merge_states_with_an_empty_part_weighs_it_zero():
+    o_a, lse_a = randn(1, 3, 2, 4), randn(1, 2, 3)
+    o_b, lse_b = np.zeros_like(o_a), np.full_like(lse_a, -np.inf)
+    o, lse = flashx.merge_states(o_a, lse_a, o_b, lse_b)
+    np.testing.assert_allclose(o, o_a, rtol=1e-6)
+    np.testing.assert_array_equal(lse, lse_a)
+    o, lse = flashx.merge_states(o_b, lse_b, o_b, lse_b)
+    assert not np.isnan(o).any() and (o == 0).all() and np.isneginf(lse).all()
+    with pytest.raises(flashx.ShapeError, match="lse_b: expected shape"):
+        flashx.merge_states(o_a, lse_a, o_b, lse_b[..., :2])
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def test_cli_info_lists_backends():
+    result = subprocess.run([sys.executable, "-m", "flashx.cli", "info"], capture_output=True, text=True, check=True)
+    assert "flashx 0.1.0" in result.stdout and "numpy" in result.stdout and "available on cpu" in result.stdout
+
+
+def test_cli_demo_runs_and_checks_itself():
+    result = subprocess.run(
+        [sys.executable, "-m", "flashx.cli", "demo", "--seqlen", "512", "--device", "cpu"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "backend (auto)       numpy" in result.stdout and "OK" in result.stdout
