@@ -1,0 +1,330 @@
+"""The dense reference: the whole of SPEC sections 2-4 in float64, for small shapes.
+
+Every (b, h, i, j) score is materialised, so there is no tiling, no online softmax and
+nothing in common with any backend. It computes in the precision of its inputs promoted
+to float64 at least: ``np.longdouble`` inputs give an extended-precision reference, which
+the tolerance rule uses to judge float64 backends.
+
+Garbage in positions no allowed pair reads (padding, masked keys, rows past the last
+sequence) never reaches an output, and NaN or inf that an allowed pair reads propagates
+exactly as plain IEEE arithmetic over the allowed pairs would: see ``_masked_matmul``.
+
+``naive`` is the other half of the tolerance rule: plain attention computed by torch on
+CPU in the input dtype itself (scores, softmax and products all rounded to that dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashx_conformance import philox
+
+#: The keywords of ``flashx.attention`` that determine the values (all are accepted here).
+OPTIONS = (
+    "causal",
+    "window",
+    "softmax_scale",
+    "softcap",
+    "alibi_slopes",
+    "mask",
+    "block_mask",
+    "seqlens_q",
+    "seqlens_k",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "dropout_p",
+    "seed",
+    "rng_offset",
+)
+#: Keywords accepted for call compatibility with flashx.attention; they change no value.
+HINTS = ("max_seqlen_q", "max_seqlen_k", "deterministic")
+
+
+def forward(q, k, v, **options):
+    """(o, lse) in the layout of SPEC section 2: padded o (B, Nq, Hq, Dv), lse (B, Hq, Nq)."""
+    dense = _prepare(q, k, v, None, options)
+    result = _attend(dense, gradients=False)
+    return dense.rows_q(result["o"], 0.0), dense.lse(result["lse"])
+
+
+def backward(do, q, k, v, **options):
+    """(dq, dk, dv) for the upstream gradient ``do``, shaped like q, k, v."""
+    return forward_backward(do, q, k, v, **options)[2:]
+
+
+def forward_backward(do, q, k, v, **options):
+    """(o, lse, dq, dk, dv) from one evaluation."""
+    dense = _prepare(q, k, v, do, options)
+    result = _attend(dense, gradients=True)
+    return (
+        dense.rows_q(result["o"], 0.0),
+        dense.lse(result["lse"]),
+        dense.rows_q(result["dq"], 0.0),
+        dense.rows_k(result["dk"]),
+        dense.rows_k(result["dv"]),
+    )
+
+
+def empty_rows(q, k, v, **options) -> np.ndarray:
+    """True where a query row has no allowed key (o = 0, lse = -inf, dq = 0), in lse's layout."""
+    dense = _prepare(q, k, v, None, options)
+    rows = ~dense.allowed.any(axis=-1)
+    return dense.lse(np.where(rows, -np.inf, 0.0)) == -np.inf
+
+
+def unread_keys(q, k, v, **options) -> np.ndarray:
+    """True where no allowed pair reads key j of kv head h (dk = dv = 0): (B, Nk, Hk) or (Tk, Hk)."""
+    dense = _prepare(q, k, v, None, options)
+    batch, heads_q, seqlen_q, seqlen_k = dense.allowed.shape
+    heads_k = dense.k.shape[1]
+    read = dense.allowed.reshape(batch, heads_k, heads_q // heads_k * seqlen_q, seqlen_k).any(axis=2)
+    # as a (B, Hk, Nk, 1) "gradient", so that the layout code of dk applies
+    return dense.rows_k(np.where(read, 0.0, 1.0)[..., None], fill=1.0)[..., 0] == 1.0
+
+
+def keep_mask(q, k, v, **options) -> np.ndarray:
+    """Z of SPEC section 4 on the padded score grid (B, Hq, Nq, Nk); varlen: per sequence, padded."""
+    dense = _prepare(q, k, v, None, options)
+    return dense.keep != 0 if dense.keep is not None else np.ones(dense.allowed.shape, dtype=bool)
+
+
+def naive(do, q, k, v, dtype: str, **options):
+    """(o, lse, dq, dk, dv) of plain attention computed by torch on CPU in ``dtype``.
+
+    The inputs must already be representable in ``dtype``. Rows without an allowed key
+    give 0 (not NaN), so the naive error is measured on what a backend is judged on.
+    """
+    import torch
+
+    dense = _prepare(q, k, v, do, options)
+    t = getattr(torch, dtype)
+
+    def tensor(x):
+        return torch.from_numpy(np.asarray(x, dtype=np.float64)).to(t)
+
+    q_, k_, v_ = (tensor(x).requires_grad_() for x in (dense.q, dense.k, dense.v))
+    group = q_.shape[1] // k_.shape[1]
+    allowed = torch.from_numpy(np.ascontiguousarray(dense.allowed))
+    scores = (q_ * dense.scale) @ k_.repeat_interleave(group, 1).transpose(-1, -2)
+    if dense.softcap is not None:
+        scores = dense.softcap * torch.tanh(scores / dense.softcap)
+    if dense.bias is not None:
+        scores = scores + tensor(dense.bias)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(~allowed, 0.0)
+    if dense.keep is not None:
+        p = p * tensor(dense.keep)
+    o = p @ v_.repeat_interleave(group, 1)
+    dq, dk, dv = torch.autograd.grad(o, (q_, k_, v_), tensor(dense.do))
+
+    def numpy(x):
+        return x.detach().double().numpy()
+
+    return (
+        dense.rows_q(numpy(o), 0.0),
+        dense.lse(numpy(lse)),
+        dense.rows_q(numpy(dq), 0.0),
+        dense.rows_k(numpy(dk)),
+        dense.rows_k(numpy(dv)),
+    )
+
+
+@dataclass
+class _Dense:
+    """One call on the padded score grid: q (B, Hq, Nq, D), k, v (B, Hk, Nk, D|Dv)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    do: np.ndarray | None  # (B, Hq, Nq, Dv)
+    allowed: np.ndarray  # (B, Hq, Nq, Nk) bool
+    keep: np.ndarray | None  # Z / (1 - p), (B, Hq, Nq, Nk), None without dropout
+    bias: np.ndarray | None  # ALiBi, broadcastable to (B, Hq, Nq, Nk)
+    scale: float
+    softcap: float | None
+    cu_seqlens_q: np.ndarray | None  # varlen: the outputs are packed back with these
+    cu_seqlens_k: np.ndarray | None
+    total_q: int
+    total_k: int
+
+    def rows_q(self, x, fill):
+        """(B, Hq, Nq, Dv) -> the caller's layout of o / dq."""
+        return self._rows(x, self.cu_seqlens_q, self.total_q, fill)
+
+    def rows_k(self, x, fill=0.0):
+        """(B, Hk, Nk, D) -> the caller's layout of dk / dv."""
+        return self._rows(x, self.cu_seqlens_k, self.total_k, fill)
+
+    def lse(self, x):
+        """(B, Hq, Nq) -> (B, Hq, Nq), or (Hq, Tq) packed."""
+        if self.cu_seqlens_q is None:
+            return x
+        return self._rows(x[..., None], self.cu_seqlens_q, self.total_q, -np.inf)[..., 0].T
+
+    @staticmethod
+    def _rows(x, cu, total, fill):
+        x = x.swapaxes(1, 2)
+        if cu is None:
+            return x
+        packed = np.full((total,) + x.shape[2:], fill, dtype=x.dtype)
+        for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+            packed[start:end] = x[b, : end - start]
+        return packed
+
+
+def _prepare(q, k, v, do, options) -> _Dense:
+    unknown = set(options) - set(OPTIONS) - set(HINTS)
+    if unknown:
+        raise TypeError(f"oracle: unknown keywords {sorted(unknown)}; known: {OPTIONS + HINTS}")
+    get = options.get
+    precision = np.result_type(np.asarray(q).dtype, np.asarray(k).dtype, np.asarray(v).dtype, np.float64)
+    q, k, v = (np.asarray(x, dtype=precision) for x in (q, k, v))
+    do = None if do is None else np.asarray(do, dtype=precision)
+    cu_q, cu_k = get("cu_seqlens_q"), get("cu_seqlens_k")
+    total_q, total_k = q.shape[0], k.shape[0]
+    if cu_q is not None:
+        cu_q, cu_k = (np.asarray(cu, dtype=np.int64) for cu in (cu_q, cu_k))
+        len_q, len_k = np.diff(cu_q), np.diff(cu_k)
+        seqlen_q, seqlen_k = (int(lengths.max(initial=0)) for lengths in (len_q, len_k))
+        q, do = (None if x is None else _padded(x, cu_q, seqlen_q) for x in (q, do))
+        k, v = (_padded(x, cu_k, seqlen_k) for x in (k, v))
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1:3]
+    if cu_q is None:
+        len_q, len_k = (
+            np.full(batch, n) if lengths is None else np.asarray(lengths, dtype=np.int64)
+            for lengths, n in ((get("seqlens_q"), seqlen_q), (get("seqlens_k"), seqlen_k))
+        )
+
+    i = np.arange(seqlen_q).reshape(-1, 1)
+    j = np.arange(seqlen_k).reshape(1, -1)
+    len_q, len_k = (lengths.reshape(-1, 1, 1, 1) for lengths in (len_q, len_k))
+    distance = j - (i + len_k - len_q)  # from the bottom-right aligned diagonal
+    allowed = (i < len_q) & (j < len_k)
+    if get("causal"):
+        allowed &= distance <= 0
+    if get("window") is not None:
+        left, right = get("window")
+        if left != -1:
+            allowed &= distance >= -left
+        if right != -1:
+            allowed &= distance <= right
+    grid = (batch, heads_q, seqlen_q, seqlen_k)
+    if get("mask") is not None:
+        allowed = allowed & np.asarray(get("mask"), dtype=bool)
+    if get("block_mask") is not None:
+        (bq, bk), blocks = get("block_mask").block_size, np.asarray(get("block_mask").blocks, dtype=bool)
+        blocks = np.broadcast_to(blocks, (batch, heads_q, -(-seqlen_q // bq), -(-seqlen_k // bk)))
+        allowed = allowed & blocks.repeat(bq, axis=-2)[..., :seqlen_q, :].repeat(bk, axis=-1)[..., :seqlen_k]
+    allowed = np.broadcast_to(allowed, grid)
+
+    bias = None
+    if get("alibi_slopes") is not None:
+        slopes = np.asarray(get("alibi_slopes"), dtype=precision)
+        slopes = slopes.reshape((-1 if slopes.ndim == 2 else 1, heads_q, 1, 1))
+        bias = -slopes * np.abs(distance)
+
+    keep = None
+    dropout_p = get("dropout_p") or 0.0
+    if dropout_p > 0:
+        if get("seed") is None:
+            raise ValueError("oracle: dropout needs the seed the backend used (res.seed)")
+        z = philox.keep_mask(get("seed"), get("rng_offset") or 0, dropout_p, *grid)
+        keep = z / np.asarray(1 - dropout_p, dtype=precision)
+
+    scale = get("softmax_scale")
+    return _Dense(
+        q=q.swapaxes(1, 2),
+        k=k.swapaxes(1, 2),
+        v=v.swapaxes(1, 2),
+        do=None if do is None else do.swapaxes(1, 2),
+        allowed=allowed,
+        keep=keep,
+        bias=bias,
+        scale=1 / math.sqrt(head_dim) if scale is None else scale,
+        softcap=get("softcap"),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        total_q=total_q,
+        total_k=total_k,
+    )
+
+
+def _padded(x, cu, seqlen):
+    """Packed (T, H, D) -> (B, seqlen, H, D); rows past a sequence are zero (and never allowed)."""
+    out = np.zeros((len(cu) - 1, seqlen) + x.shape[1:], dtype=x.dtype)
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        out[b, : end - start] = x[start:end]
+    return out
+
+
+def _attend(dense: _Dense, gradients: bool) -> dict:
+    allowed = dense.allowed
+    heads_q, heads_k = dense.q.shape[1], dense.k.shape[1]
+    group = heads_q // heads_k
+    k, v = (np.repeat(x, group, axis=1) for x in (dense.k, dense.v))
+    with np.errstate(all="ignore"):  # -inf - -inf, 0 * inf: the masking below decides
+        scores = dense.scale * (dense.q @ k.swapaxes(-1, -2))
+        if dense.softcap is not None:
+            capped = np.tanh(scores / dense.softcap)
+            scores = dense.softcap * capped
+        if dense.bias is not None:
+            scores = scores + dense.bias
+        scores = np.where(allowed, scores, -np.inf)
+        row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+        # an empty row has max -inf: shift by 0 so that exp gives 0, not NaN; NaN and +inf stay
+        row_max = np.where(row_max == -np.inf, 0.0, row_max)
+        e = np.exp(scores - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        p = e / np.where(total > 0, total, 1.0)
+        lse = (row_max + np.log(total))[..., 0]
+        p_dropped = p if dense.keep is None else p * dense.keep
+        result = {"o": _masked_matmul(p_dropped, v, allowed), "lse": lse}
+        if not gradients:
+            return result
+
+        dp = np.where(allowed, dense.do @ v.swapaxes(-1, -2), 0.0)
+        if dense.keep is not None:
+            dp = dp * dense.keep
+        delta = np.where(allowed, p * dp, 0.0).sum(axis=-1, keepdims=True)
+        ds = np.where(allowed, p * (dp - delta), 0.0)
+        if dense.softcap is not None:
+            ds = ds * (1 - capped * capped)
+        allowed_t = allowed.swapaxes(-1, -2)
+        result["dq"] = dense.scale * _masked_matmul(ds, k, allowed)
+        result["dk"] = _group_sum(dense.scale * _masked_matmul(ds.swapaxes(-1, -2), dense.q, allowed_t), heads_k)
+        result["dv"] = _group_sum(_masked_matmul(p_dropped.swapaxes(-1, -2), dense.do, allowed_t), heads_k)
+    return result
+
+
+def _group_sum(x, heads_k):
+    """(B, Hq, N, D) -> (B, Hk, N, D): kv head h collects the gradients of its query heads."""
+    batch, heads_q = x.shape[:2]
+    return x.reshape(batch, heads_k, heads_q // heads_k, *x.shape[2:]).sum(axis=2)
+
+
+def _masked_matmul(a, b, allowed):
+    """sum over allowed j of a[..., i, j] * b[..., j, d], in IEEE arithmetic; other j contribute 0.
+
+    A dense ``a @ b`` would turn a NaN or inf in b at a disallowed pair into 0 * inf = NaN.
+    Instead the finite part of b goes through one matmul, and the non-finite entries of b
+    add what plain arithmetic over the allowed pairs gives: NaN, +inf or -inf.
+    """
+    a = np.where(allowed, a, 0.0)
+    finite = np.isfinite(b)
+    out = a @ np.where(finite, b, 0.0)
+    if finite.all():
+        return out
+    allowed = allowed.astype(a.dtype)
+    positive, negative = (np.where(a > 0, 1.0, 0.0), np.where(a < 0, 1.0, 0.0))
+    zero = allowed - positive - negative  # allowed and 0 (or NaN, which is already in ``out``)
+    plus_inf, minus_inf, nan = ((b == np.inf) * 1.0, (b == -np.inf) * 1.0, np.isnan(b) * 1.0)
+    hits_nan = allowed @ nan + zero @ (plus_inf + minus_inf)
+    hits_plus = positive @ plus_inf + negative @ minus_inf
+    hits_minus = positive @ minus_inf + negative @ plus_inf
+    return out + np.where(hits_plus > 0, np.inf, 0.0) + np.where(hits_minus > 0, -np.inf, 0.0) + np.where(hits_nan > 0, np.nan, 0.0)
