@@ -1,1 +1,60 @@
-"""placeholder"""
+"""flashx's Triton backend: FlashAttention-2 forward and a deterministic (atomic-free) backward.
+
+Importing this module imports neither torch nor Triton: the kernels load on first use, so
+plugin discovery stays fast and a missing library shows up as a reason, not a crash.
+"""
+
+from __future__ import annotations
+
+import os
+
+import flashx
+from flashx.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class TritonBackend(flashx.Backend):
+    name = "triton"
+    version = __version__
+    array_kind = "torch"
+    dtypes = frozenset({"float16", "bfloat16", "float32"})
+    max_head_dim = 256
+    features = frozenset(flashx.problem.FEATURES) - {"softcap", "alibi"}
+    deterministic_backward = True
+
+    @property
+    def devices(self) -> frozenset[str]:
+        return frozenset({"cuda", "cpu"}) if _interpreting() else frozenset({"cuda"})
+
+    def available(self) -> str | None:
+        try:
+            import torch
+            import triton  # noqa: F401
+        except ImportError as error:
+            return f"cannot import {error.name}: pip install 'flashx[triton]'"
+        if not (_interpreting() or torch.cuda.is_available()):
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+        return None
+
+    def priority(self, problem) -> int:
+        return 100 if problem.device == "cuda" else 0
+
+    def forward(self, problem, q, k, v):
+        from flashx_triton.forward import forward
+
+        return forward(problem, q, k, v)
+
+    def backward(self, problem, q, k, v, o, lse, do):
+        from flashx_triton.backward import backward
+
+        return backward(problem, q, k, v, o, lse, do)
+
+
+@hookimpl
+def flashx_backends():
+    return [TritonBackend()]

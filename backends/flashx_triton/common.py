@@ -1,0 +1,168 @@
+"""What the forward and the backward kernels share.
+
+Device side: where a sequence lives, which tiles a band of rows meets, which (query, key)
+pairs are allowed, and the dropout draw of SPEC section 4. Host side: a ``Problem`` packed
+into the keyword arguments every kernel takes.
+
+Masking happens only in "masked" tiles (the band's edges, sequence ends, bool/block masks);
+the tiles fully inside the band run without a single compare.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def sequence_bounds(b, CU, SEQLENS, padded_length, IS_VARLEN: tl.constexpr, HAS_SEQLENS: tl.constexpr):
+    """(first row in the tensor, length) of sequence b."""
+    if IS_VARLEN:
+        start = tl.load(CU + b)
+        length = tl.load(CU + b + 1) - start
+    elif HAS_SEQLENS:
+        start = 0
+        length = tl.load(SEQLENS + b).to(tl.int32)
+    else:
+        start = 0
+        length = padded_length
+    return start, length
+
+
+@triton.jit
+def band_tiles(first_row, length, other_length, left, right, ROWS: tl.constexpr, TILE: tl.constexpr,
+               ALL_MASKED: tl.constexpr):
+    """The tiles of the other axis that rows [first_row, first_row + ROWS) meet.
+
+    Row r may use columns r + diag - left ..= r + diag + right (diag = other_length - length;
+    for keys looking at queries, pass left and right swapped). Returns (first, full_lo, full_hi,
+    end): columns [first, end) are used by some row; tiles in [full_lo, full_hi) are used by
+    every valid row and lie inside the other sequence, so they need no mask.
+    """
+    diag = other_length - length
+    last_row = tl.minimum(first_row + ROWS, length) - 1
+    first = tl.maximum(first_row + diag - left, 0)
+    end = tl.minimum(last_row + diag + right + 1, other_length)
+    # No row, or no column any row may use: every range is empty.
+    empty = (last_row < first_row) | (end <= first)
+    first = tl.where(empty, 0, first)
+    end = tl.where(empty, 0, end)
+    if ALL_MASKED:
+        full_lo = end
+        full_hi = end
+    else:
+        full_lo = tl.cdiv(tl.maximum(last_row + diag - left, 0), TILE) * TILE
+        full_lo = tl.minimum(tl.maximum(full_lo, first // TILE * TILE), end)
+        full_hi = tl.maximum(tl.minimum(first_row + diag + right + 1, other_length), 0) // TILE * TILE
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+    return first, full_lo, full_hi, end
+
+
+@triton.jit
+def allowed_pairs(i, j, q_len, k_len, left, right, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+                  stride_bj, block_q, block_k, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
+    """SPEC section 3 for query rows i and key columns j (broadcastable index tensors)."""
+    diag = k_len - q_len
+    ok = (i < q_len) & (j < k_len) & (j >= i + diag - left) & (j <= i + diag + right)
+    if HAS_MASK:
+        ok &= tl.load(mask_base + i.to(tl.int64) * stride_mi + j.to(tl.int64) * stride_mj, mask=ok, other=0) != 0
+    if HAS_BLOCK_MASK:
+        ok &= tl.load(blocks_base + (i // block_q) * stride_bi + (j // block_k) * stride_bj, mask=ok, other=0) != 0
+    return ok
+
+
+@triton.jit
+def dropout_keep(i, j, stream, seed, rng_offset, threshold):
+    """Z[i, j] of SPEC section 4: word j % 4 of Philox4x32-10((j // 4, i, stream, offset), seed) >= threshold."""
+    zero = i * 0 + j * 0
+    c0 = (zero + j // 4).to(tl.uint32)
+    c1 = (zero + i).to(tl.uint32)
+    c2 = (zero + stream).to(tl.uint32)
+    c3 = (zero + rng_offset).to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    word = zero + j % 4
+    r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
+    return r.to(tl.int64) >= threshold
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def row_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a (B, N, H, D) or varlen (T, H, D) tensor."""
+    return (0, x.stride(0), x.stride(1)) if varlen else (x.stride(0), x.stride(1), x.stride(2))
+
+
+def lse_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of an lse-shaped (B, H, N) or (H, T) tensor, rows contiguous."""
+    return (0, x.stride(0)) if varlen else (x.stride(0), x.stride(1))
+
+
+def problem_args(problem) -> dict:
+    """The kernel arguments that describe the problem rather than one tensor."""
+    varlen = problem.varlen
+    big = (problem.total_q + problem.total_k) if varlen else (problem.seqlen_q + problem.seqlen_k)
+    left, right = problem.band or (-1, -1)
+    args = dict(
+        CU_Q=problem.cu_seqlens_q,
+        CU_K=problem.cu_seqlens_k,
+        SEQLENS_Q=problem.seqlens_q,
+        SEQLENS_K=problem.seqlens_k,
+        padded_q=problem.seqlen_q,
+        padded_k=problem.seqlen_k,
+        heads_q=problem.heads_q,
+        group=problem.group,
+        # -1 (unbounded) becomes a reach no row can exceed, so one compare serves both.
+        left=big if left == -1 else left,
+        right=big if right == -1 else right,
+        IS_VARLEN=varlen,
+        HAS_SEQLENS_Q=problem.seqlens_q is not None,
+        HAS_SEQLENS_K=problem.seqlens_k is not None,
+        HEAD_DIM=problem.head_dim,
+        HEAD_DIM_V=problem.head_dim_v,
+        BLOCK_D=max(16, triton.next_power_of_2(problem.head_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(problem.head_dim_v)),
+        DOT_PRECISION="ieee" if problem.dtype == "float32" else "tf32",
+    )
+    args.update(_mask_args(problem))
+    args.update(_dropout_args(problem))
+    return args
+
+
+def _mask_args(problem) -> dict:
+    shape = (problem.batch, problem.heads_q)
+    if problem.mask is not None:
+        mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
+        mask_args = dict(MASK=mask, stride_mb=mask.stride(0), stride_mh=mask.stride(1), stride_mi=mask.stride(2),
+                         stride_mj=mask.stride(3), HAS_MASK=True)
+    else:
+        mask_args = dict(MASK=None, stride_mb=0, stride_mh=0, stride_mi=0, stride_mj=0, HAS_MASK=False)
+    if problem.block_mask is not None:
+        bq, bk = problem.block_mask.block_size
+        blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
+        block_args = dict(BLOCKS=blocks, stride_bb=blocks.stride(0), stride_bh=blocks.stride(1),
+                          stride_bi=blocks.stride(2), stride_bj=blocks.stride(3), block_q=bq, block_k=bk,
+                          HAS_BLOCK_MASK=True)
+    else:
+        block_args = dict(BLOCKS=None, stride_bb=0, stride_bh=0, stride_bi=0, stride_bj=0, block_q=1, block_k=1,
+                          HAS_BLOCK_MASK=False)
+    return mask_args | block_args
+
+
+def _dropout_args(problem) -> dict:
+    p = problem.dropout_p
+    seed = problem.seed & 0xFFFFFFFFFFFFFFFF
+    return dict(
+        # Passed as a signed 64-bit value with the same bits; tl.philox reads it as uint64.
+        seed=seed - (1 << 64) if seed >= 1 << 63 else seed,
+        rng_offset=problem.rng_offset & 0xFFFFFFFF,
+        drop_threshold=math.floor(p * 2**32),
+        drop_scale=1.0 / (1.0 - p),
+        DROPOUT=p > 0,
+    )

@@ -1,0 +1,165 @@
+"""The forward: one program per (sequence, query head, query tile), K/V streamed (FlashAttention-2).
+
+Online softmax in base 2: scores are scaled by softmax_scale * log2(e) in one multiply, the
+running max and sum stay in that base, and the LSE is converted to natural log on the way out.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashx_triton import tuning
+from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dropout_keep, last_dim_contiguous, lse_strides,
+                                  problem_args, row_strides, sequence_bounds)
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
+                  k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
+                  block_q, block_k, stream, seed, rng_offset, drop_threshold,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
+                  DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair."""
+    cols_in_tile = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + cols_in_tile
+        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + cols_in_tile[:, None] * stride_kn + dims[None, :]
+        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + cols_in_tile[:, None] * stride_vn + dims_v[None, :]
+        if MASKED:
+            ok = allowed_pairs(rows[:, None], cols[None, :], q_len, k_len, left, right, mask_base, stride_mi,
+                               stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
+                               HAS_BLOCK_MASK)
+            # Columns no row of this tile may use are never read: poison there must not leak.
+            used = (cols >= first_col) & (cols < end_col)
+            if HAS_MASK or HAS_BLOCK_MASK:
+                nonempty = tl.max(ok.to(tl.int32)) > 0
+            else:
+                nonempty = True
+        else:
+            nonempty = True
+        if nonempty:
+            if MASKED:
+                k = tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+                v = tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                s = tl.where(ok, s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_ref[:, None])
+                alpha = tl.exp2(m_i - m_ref)
+            else:
+                k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+                v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+                p = tl.exp2(s * scale_log2 - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:
+                keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
+                p = tl.where(keep, p, 0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
+    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
+    padded_q, padded_k, heads_q, group, left, right, scale_log2, seed, rng_offset, drop_threshold, drop_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
+    HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One axis (no 65535 limit); a head's tiles are adjacent so they share K/V in L2, and the
+    # last query tiles, which see the most keys under a causal band, start first.
+    num_tiles = tl.cdiv(padded_q, BLOCK_M)
+    pid = tl.program_id(0)
+    head = pid // num_tiles
+    m0 = (num_tiles - 1 - pid % num_tiles) * BLOCK_M
+    b = head // heads_q
+    h = head % heads_q
+    q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
+    k_start, k_len = sequence_bounds(b, CU_K, SEQLENS_K, padded_k, IS_VARLEN, HAS_SEQLENS_K)
+    rows_out = q_len if IS_VARLEN else padded_q  # padded rows past q_len still get o = 0, lse = -inf
+    if m0 >= rows_out:
+        return
+
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + (q_start + m0).to(tl.int64) * stride_qn + h.to(tl.int64) * stride_qh
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + (h // group).to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + (h // group).to(tl.int64) * stride_vh
+    mask_base = MASK + b64 * stride_mb + h.to(tl.int64) * stride_mh if HAS_MASK else MASK
+    blocks_base = BLOCKS + b64 * stride_bb + h.to(tl.int64) * stride_bh if HAS_BLOCK_MASK else BLOCKS
+
+    rows_in_tile = tl.arange(0, BLOCK_M)
+    rows = m0 + rows_in_tile
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(q_base + rows_in_tile[:, None] * stride_qn + dims[None, :],
+                mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM), other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+                                              HAS_MASK or HAS_BLOCK_MASK)
+    stream = b * heads_q + h
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
+        q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
+        block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+        True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi, first, end,
+        q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
+        block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+        False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end, first, end,
+        q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
+        block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+        True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+
+    # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
+    empty = (l_i == 0.0) | (rows >= q_len)
+    scale_out = drop_scale / l_i if DROPOUT else 1.0 / l_i
+    o = tl.where(empty[:, None], 0.0, acc * scale_out[:, None])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: back to natural log
+    dims_v = tl.arange(0, BLOCK_DV)
+    o_base = O + b64 * stride_ob + (q_start + m0).to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh
+    tl.store(o_base + rows_in_tile[:, None] * stride_on + dims_v[None, :], o.to(O.dtype.element_ty),
+             mask=(rows[:, None] < rows_out) & (dims_v[None, :] < HEAD_DIM_V))
+    lse_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m0
+    tl.store(lse_base + rows_in_tile, lse, mask=rows < rows_out)
+
+
+def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    varlen = problem.varlen
+    # Varlen rows past cu_seqlens[-1] belong to no sequence: they read as empty rows.
+    if varlen:
+        o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    config = tuning.forward_config(problem)
+    grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
+    _forward_kernel[grid](
+        q, k, v, o, lse,
+        *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(o, varlen),
+        *lse_strides(lse, varlen),
+        scale_log2=problem.softmax_scale * LOG2E,
+        **problem_args(problem), **config.launch_args(),
+    )
+    return o, lse
