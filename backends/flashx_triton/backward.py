@@ -1,0 +1,345 @@
+"""The backward: three launches and no atomics, so it is deterministic.
+
+1. ``_prepare_kernel``: per query row, D = rowsum(dO * O) and the LSE in the forward's base-2
+   scale (+inf for empty rows, so that exp2(s - lse) is exactly 0 there).
+2. ``_dkdv_kernel``: one program per key tile, K/V resident, streaming the query tiles of every
+   query head of its group: dV = P^T dO, dK = dS^T Q, summed over the group in registers.
+3. ``_dq_kernel``: one program per query tile, Q/dO resident, streaming key tiles: dQ = dS K.
+
+P is recomputed from the LSE; with dropout, Z is regenerated from (seed, rng_offset).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashx_triton import tuning
+from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dropout_keep, last_dim_contiguous, lse_strides,
+                                  problem_args, row_strides, sequence_bounds)
+
+
+@triton.jit
+def _prepare_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_on, stride_oh, stride_db, stride_dn, stride_dh,
+                    stride_lb, stride_lh, CU_Q, SEQLENS_Q, padded_q, heads_q,
+                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr):
+    num_tiles = tl.cdiv(padded_q, BLOCK_M)
+    pid = tl.program_id(0)
+    head = pid // num_tiles
+    m0 = (pid % num_tiles) * BLOCK_M
+    b = head // heads_q
+    h = head % heads_q
+    q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
+    rows_out = q_len if IS_VARLEN else padded_q
+    if m0 >= rows_out:
+        return
+    b64 = b.to(tl.int64)
+    rows_in_tile = tl.arange(0, BLOCK_M)
+    rows = m0 + rows_in_tile
+    dims = tl.arange(0, BLOCK_DV)
+    valid = (rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM_V)
+    row0 = (q_start + m0).to(tl.int64)
+    o = tl.load(O + b64 * stride_ob + row0 * stride_on + h.to(tl.int64) * stride_oh
+                + rows_in_tile[:, None] * stride_on + dims[None, :], mask=valid, other=0.0)
+    do = tl.load(DO + b64 * stride_db + row0 * stride_dn + h.to(tl.int64) * stride_dh
+                 + rows_in_tile[:, None] * stride_dn + dims[None, :], mask=valid, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row_offset = b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m0 + rows_in_tile
+    lse = tl.load(LSE + row_offset, mask=rows < q_len, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + row_offset, delta, mask=rows < rows_out)
+    tl.store(LSE2 + row_offset, lse2, mask=rows < rows_out)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first_row,
+                end_row, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base,
+                stride_bi, stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
+                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries."""
+    rows_in_tile = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + rows_in_tile
+        row0 = tl.cast(start_m, tl.int64)
+        q_ptrs = q_base + row0 * stride_qn + rows_in_tile[:, None] * stride_qn + dims[None, :]
+        do_ptrs = do_base + row0 * stride_dn + rows_in_tile[:, None] * stride_dn + dims_v[None, :]
+        if MASKED:
+            ok = allowed_pairs(rows[None, :], cols[:, None], q_len, k_len, left, right, mask_base, stride_mi,
+                               stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
+                               HAS_BLOCK_MASK)
+            if HAS_MASK or HAS_BLOCK_MASK:
+                nonempty = tl.max(ok.to(tl.int32)) > 0
+            else:
+                nonempty = True
+        else:
+            nonempty = True
+        if nonempty:
+            if MASKED:
+                lse2 = tl.load(lse2_base + rows, mask=rows < q_len, other=float("inf"))
+                delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
+                # Rows that no key of this tile may use, and empty rows (whose dO may hold
+                # anything), are never read: 0 * NaN would leak into dK and dV.
+                used = (rows >= first_row) & (rows < end_row) & (lse2 != float("inf"))
+                q = tl.load(q_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+                do = tl.load(do_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+                s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+                p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[None, :])
+            else:
+                lse2 = tl.load(lse2_base + rows)
+                delta = tl.load(delta_base + rows)
+                q = tl.load(q_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+                do = tl.load(do_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
+                s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+                p = tl.exp2(s * scale_log2 - lse2[None, :])
+            dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            if DROPOUT:
+                keep = dropout_keep(rows[None, :], cols[:, None], stream, seed, rng_offset, drop_threshold)
+                dv += tl.dot(tl.where(keep, p * drop_scale, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
+                dp = tl.where(keep, dp * drop_scale, 0.0)
+            else:
+                dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[None, :])
+            if MASKED:
+                ds = tl.where(ok, ds, 0.0)
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE2, DELTA,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
+    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
+    padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
+    drop_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
+    HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # First key tiles first: under a causal band they meet the most query rows.
+    num_tiles = tl.cdiv(padded_k, BLOCK_N)
+    pid = tl.program_id(0)
+    head_k = pid // num_tiles
+    n0 = (pid % num_tiles) * BLOCK_N
+    heads_k = heads_q // group
+    b = head_k // heads_k
+    hk = head_k % heads_k
+    q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
+    k_start, k_len = sequence_bounds(b, CU_K, SEQLENS_K, padded_k, IS_VARLEN, HAS_SEQLENS_K)
+    rows_out = k_len if IS_VARLEN else padded_k
+    if n0 >= rows_out:
+        return
+
+    b64 = b.to(tl.int64)
+    key_row0 = (k_start + n0).to(tl.int64)
+    cols_in_tile = tl.arange(0, BLOCK_N)
+    cols = n0 + cols_in_tile
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    live = cols[:, None] < k_len
+    k = tl.load(K + b64 * stride_kb + key_row0 * stride_kn + hk.to(tl.int64) * stride_kh
+                + cols_in_tile[:, None] * stride_kn + dims[None, :], mask=live & (dims[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(V + b64 * stride_vb + key_row0 * stride_vn + hk.to(tl.int64) * stride_vh
+                + cols_in_tile[:, None] * stride_vn + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V),
+                other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # Seen from the keys, the band is mirrored: left and right swap.
+    first, full_lo, full_hi, end = band_tiles(n0, k_len, q_len, right, left, BLOCK_N, BLOCK_M,
+                                              HAS_MASK or HAS_BLOCK_MASK)
+    start = first // BLOCK_M * BLOCK_M
+    for g in range(group):
+        h = (hk * group + g).to(tl.int64)
+        q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
+        do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
+        lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
+        delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
+        mask_base = MASK + b64 * stride_mb + h * stride_mh if HAS_MASK else MASK
+        blocks_base = BLOCKS + b64 * stride_bb + h * stride_bh if HAS_BLOCK_MASK else BLOCKS
+        stream = b * heads_q + h
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
+            end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
+            end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
+            end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+
+    # Padded keys past k_len get zero gradients, whatever K and V hold there.
+    dk = tl.where(live, dk * softmax_scale, 0.0)
+    dv = tl.where(live, dv, 0.0)
+    store_rows = cols[:, None] < rows_out
+    tl.store(DK + b64 * stride_dkb + key_row0 * stride_dkn + hk.to(tl.int64) * stride_dkh
+             + cols_in_tile[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty),
+             mask=store_rows & (dims[None, :] < HEAD_DIM))
+    tl.store(DV + b64 * stride_dvb + key_row0 * stride_dvn + hk.to(tl.int64) * stride_dvh
+             + cols_in_tile[:, None] * stride_dvn + dims_v[None, :], dv.to(DV.dtype.element_ty),
+             mask=store_rows & (dims_v[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
+              k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
+              block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
+              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add key tiles [lo, hi) into this query tile's dq."""
+    cols_in_tile = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + cols_in_tile
+        col0 = tl.cast(start_n, tl.int64)
+        k_ptrs = k_base + col0 * stride_kn + cols_in_tile[:, None] * stride_kn + dims[None, :]
+        v_ptrs = v_base + col0 * stride_vn + cols_in_tile[:, None] * stride_vn + dims_v[None, :]
+        if MASKED:
+            ok = allowed_pairs(rows[:, None], cols[None, :], q_len, k_len, left, right, mask_base, stride_mi,
+                               stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
+                               HAS_BLOCK_MASK)
+            if HAS_MASK or HAS_BLOCK_MASK:
+                nonempty = tl.max(ok.to(tl.int32)) > 0
+            else:
+                nonempty = True
+        else:
+            nonempty = True
+        if nonempty:
+            if MASKED:
+                used = (cols >= first_col) & (cols < end_col)
+                k = tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+                v = tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[:, None])
+            else:
+                k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+                v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                p = tl.exp2(s * scale_log2 - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            if DROPOUT:
+                keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
+                dp = tl.where(keep, dp * drop_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            if MASKED:
+                ds = tl.where(ok, ds, 0.0)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, DQ, LSE2, DELTA,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
+    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
+    padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
+    drop_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
+    HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    num_tiles = tl.cdiv(padded_q, BLOCK_M)
+    pid = tl.program_id(0)
+    head = pid // num_tiles
+    m0 = (num_tiles - 1 - pid % num_tiles) * BLOCK_M
+    b = head // heads_q
+    h = head % heads_q
+    q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
+    k_start, k_len = sequence_bounds(b, CU_K, SEQLENS_K, padded_k, IS_VARLEN, HAS_SEQLENS_K)
+    rows_out = q_len if IS_VARLEN else padded_q
+    if m0 >= rows_out:
+        return
+
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    row0 = (q_start + m0).to(tl.int64)
+    rows_in_tile = tl.arange(0, BLOCK_M)
+    rows = m0 + rows_in_tile
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    lse_offset = b64 * stride_lb + h64 * stride_lh + q_start + m0
+    lse2 = tl.load(LSE2 + lse_offset + rows_in_tile, mask=rows < q_len, other=float("inf"))
+    delta = tl.load(DELTA + lse_offset + rows_in_tile, mask=rows < q_len, other=0.0)
+    # Empty rows and padding are never read: their dO and Q may hold anything.
+    live = (lse2 != float("inf"))[:, None]
+    q = tl.load(Q + b64 * stride_qb + row0 * stride_qn + h64 * stride_qh + rows_in_tile[:, None] * stride_qn
+                + dims[None, :], mask=live & (dims[None, :] < HEAD_DIM), other=0.0)
+    do = tl.load(DO + b64 * stride_db + row0 * stride_dn + h64 * stride_dh + rows_in_tile[:, None] * stride_dn
+                 + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + (h // group).to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + (h // group).to(tl.int64) * stride_vh
+    mask_base = MASK + b64 * stride_mb + h64 * stride_mh if HAS_MASK else MASK
+    blocks_base = BLOCKS + b64 * stride_bb + h64 * stride_bh if HAS_BLOCK_MASK else BLOCKS
+    stream = b * heads_q + h
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+                                              HAS_MASK or HAS_BLOCK_MASK)
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
+        first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+        stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+        BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi,
+        first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+        stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+        BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end,
+        first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+        stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+        BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+
+    dq = tl.where(live, dq * softmax_scale, 0.0)
+    tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
+             + dims[None, :], dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < rows_out) & (dims[None, :] < HEAD_DIM))
+
+
+def backward(problem, q, k, v, o, lse, do):
+    q, k, v, o, do = (last_dim_contiguous(x) for x in (q, k, v, o, do))
+    varlen = problem.varlen
+    # Varlen rows past cu_seqlens[-1] belong to no sequence: their gradients are 0.
+    alloc = torch.zeros if varlen else torch.empty
+    dq, dk, dv = (alloc(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
+    args = problem_args(problem)
+    rows_q = dict(CU_Q=args["CU_Q"], SEQLENS_Q=args["SEQLENS_Q"], padded_q=problem.seqlen_q,
+                  heads_q=problem.heads_q, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"])
+
+    prepare_rows = 64 if not tuning.interpreting() else 16
+    _prepare_kernel[(problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, prepare_rows),)](
+        o, do, lse, delta, lse2, *row_strides(o, varlen), *row_strides(do, varlen), *lse_strides(lse, varlen),
+        HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"], BLOCK_M=prepare_rows, **rows_q)
+
+    dkdv_config, dq_config = tuning.backward_configs(problem)
+    scales = dict(softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
+    inputs = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen))
+    _dkdv_kernel[(problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, dkdv_config.block_n),)](
+        q, k, v, do, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen), *row_strides(dv, varlen),
+        *lse_strides(lse, varlen), **scales, **args, **dkdv_config.launch_args())
+    _dq_kernel[(problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, dq_config.block_m),)](
+        q, k, v, do, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
+        **scales, **args, **dq_config.launch_args())
+    return dq, dk, dv
