@@ -1,0 +1,1 @@
+"""flashx benchmarks: `python -m benchmarks` (see benchmarks/README.md)."""

@@ -1,0 +1,332 @@
+"""The GPU sweep: ceilings, a correctness check, memory, then the speed of every implementation.
+
+Every measurement lands in one JSON document, saved after each row, so that a run stopped
+at its time limit still leaves everything it measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import flashx
+from benchmarks import report
+from benchmarks.implementations import Implementation, Shape, implementations, to_bhsd, to_layout
+from benchmarks.progress import Progress
+
+MODES = ("fwd", "fwd+bwd")
+BACKWARD_FLOPS = 2.5  # the backward costs 2.5 forwards, as flash-attn counts (5 matmuls against 2)
+WARMUP_MS = 25
+REP_MS = 100
+CHECK_TOLERANCE = 1e-2  # SPEC section 5: relative error allowed to bf16 outputs and gradients
+MIB = 2**20
+
+
+def attention_flops(shape: Shape, mode: str) -> float:
+    """FLOPs as flash-attn counts them: two N x N x D matmuls a head, halved when causal."""
+    forward = 4 * shape.batch * shape.heads * shape.seqlen**2 * shape.head_dim / (2 if shape.causal else 1)
+    return forward * (1 + BACKWARD_FLOPS) if mode == "fwd+bwd" else forward
+
+
+def median_ms(fn, grad_to_none=None) -> float:
+    return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, grad_to_none=grad_to_none, return_mode="median")
+
+
+@dataclass(frozen=True)
+class Plan:
+    seqlens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
+    head_dims: tuple[int, ...] = (64, 128)
+    causals: tuple[bool, ...] = (False, True)
+    tokens: int = 16384  # B * N of every speed shape
+    model_dim: int = 2048  # H * D of every speed shape
+    check_seqlen: int = 1024
+    memory_seqlens: tuple[int, ...] = (4096, 16384, 65536, 131072)
+    memory_heads: int = 16
+    memory_head_dim: int = 128
+    matmul_size: int = 8192
+    copy_bytes: int = 2**31
+    dtype: str = "bfloat16"
+
+    def speed_shapes(self) -> list[Shape]:
+        # Longest sequences first: when a budget runs out, the shortest go untimed.
+        return [
+            Shape(self.tokens // n, n, self.model_dim // d, d, causal)
+            for n in sorted(self.seqlens, reverse=True)
+            for d in self.head_dims
+            for causal in self.causals
+        ]
+
+    def check_shapes(self) -> list[Shape]:
+        return [Shape(2, self.check_seqlen, 4, d, causal) for d in self.head_dims for causal in self.causals]
+
+    def memory_shapes(self) -> list[Shape]:
+        return [Shape(1, n, self.memory_heads, self.memory_head_dim, True) for n in self.memory_seqlens]
+
+
+FULL = Plan()
+QUICK = Plan(seqlens=(2048, 8192), head_dims=(128,), memory_seqlens=(4096, 16384))
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA GeForce RTX 4090' -> 'rtx4090'."""
+    words = [w for w in name.split() if w.lower() not in {"nvidia", "geforce", "tesla"}]
+    slug = []
+    for word in words:
+        slug.append(word.lower())
+        if any(c.isdigit() for c in word):
+            break
+    return "".join(slug) or "gpu"
+
+
+def _device_facts(device: torch.device) -> tuple[str, int]:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
+    return platform.processor() or platform.machine(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _failure(error: Exception) -> str:
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return "OOM"
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"error: {type(error).__name__}: {first_line[:200]}"
+
+
+class Sweep:
+    def __init__(self, plan: Plan, impls: list[Implementation], device: torch.device, out_dir: Path,
+                 time_limit_s: float | None = None, compile_budget_s: float | None = None, suffix: str = ""):
+        self.plan, self.impls, self.device = plan, impls, device
+        self.dtype = getattr(torch, plan.dtype)
+        self.deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+        self.compile_budget_s = compile_budget_s
+        self.compiled_s = 0.0
+        name, self.capacity = _device_facts(device)
+        today = datetime.date.today().isoformat()
+        slug = device_slug(name) if device.type == "cuda" else device.type
+        self.path = Path(out_dir) / f"{slug}-{today}{suffix}.json"
+        self.results = {
+            "kind": "gpu",
+            "device": name,
+            "device_memory_gib": round(self.capacity / 2**30, 1),
+            "date": today,
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "triton": triton.__version__,
+                "flashx": flashx.__version__,
+            },
+            "plan": asdict(plan),
+            "timing": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "statistic": "median", "check_tolerance": CHECK_TOLERANCE},
+            "implementations": [impl.describe() for impl in impls],
+            "ceilings": {},
+            "checks": [],
+            "memory": [],
+            "speed": [],
+            "sections_s": {},
+        }
+        steps_per_shape = len(impls)
+        self.progress = Progress(
+            2
+            + steps_per_shape * len(plan.check_shapes())
+            + steps_per_shape * len(plan.memory_shapes())
+            + steps_per_shape * len(MODES) * len(plan.speed_shapes())
+        )
+
+    def run(self) -> dict:
+        torch.manual_seed(0)
+        for section in (self.ceilings, self.check, self.memory, self.speed):
+            start = time.perf_counter()
+            section()
+            elapsed = time.perf_counter() - start
+            self.results["sections_s"][section.__name__] = round(elapsed, 1)
+            self.save()
+            self.progress.write(f"== {section.__name__}: {elapsed:.0f} s")
+        self.progress.close()
+        return self.results
+
+    def save(self) -> None:
+        report.save_json(self.results, self.path)
+
+    # Sections ---------------------------------------------------------------------------------
+
+    def ceilings(self) -> None:
+        n = self.plan.matmul_size
+        a, b = (torch.randn(n, n, device=self.device, dtype=self.dtype) for _ in range(2))
+        tflops = 2 * n**3 / median_ms(lambda: a @ b) / 1e9
+        self.progress.step(f"ceiling: {self.plan.dtype} {n}^3 matmul {tflops:.0f} TFLOP/s")
+        source = torch.randn(self.plan.copy_bytes // 4, device=self.device)
+        target = torch.empty_like(source)
+        tbps = 2 * self.plan.copy_bytes / median_ms(lambda: target.copy_(source)) / 1e9
+        self.progress.step(f"ceiling: device copy {tbps:.2f} TB/s (bytes read + written)")
+        self.results["ceilings"] = {"matmul_tflops": tflops, "copy_tbps": tbps}
+        del a, b, source, target
+
+    def check(self) -> None:
+        for shape in self.plan.check_shapes():
+            inputs = self._random(shape)
+            reference = _float32_reference(inputs, shape.causal)
+            for impl in self.impls:
+                with self._charged(impl):
+                    errors, status = _attempt(lambda: self._errors(impl, shape, inputs, reference))
+                if status == "ok" and not all(error <= CHECK_TOLERANCE for error in errors.values()):
+                    status = "wrong"
+                self.results["checks"].append({"impl": impl.name, **asdict(shape), "status": status, "errors": errors})
+                shown = ", ".join(f"{name} {error:.1e}" for name, error in (errors or {}).items())
+                self.progress.step(f"check {_label(shape)} {impl.name}: {status} {shown}")
+                self.save()
+
+    def memory(self) -> None:
+        for shape in self.plan.memory_shapes():
+            inputs = self._random(shape)
+            for impl in self.impls:
+                status = self._skip_reason(impl, shape, "fwd+bwd")
+                mib = None
+                if status is None:
+                    with self._charged(impl):
+                        mib, status = _attempt(lambda: self._peak_mib(impl, shape, inputs))
+                self.results["memory"].append({"impl": impl.name, **asdict(shape), "status": status, "mib": mib})
+                shown = f"{mib:.0f} MiB" if status == "ok" else status
+                self.progress.step(f"memory fwd+bwd N={shape.seqlen} {impl.name}: {shown}")
+                self.save()
+            del inputs
+            _release_memory()
+
+    def speed(self) -> None:
+        matmul = self.results["ceilings"]["matmul_tflops"]
+        for shape in self.plan.speed_shapes():
+            inputs = self._random(shape)
+            for impl in self.impls:
+                for mode, row in zip(MODES, self._time(impl, shape, inputs)):
+                    if row["status"] == "ok":
+                        row["tflops"] = attention_flops(shape, mode) / row["ms"] / 1e9
+                        row["fraction"] = row["tflops"] / matmul
+                        shown = f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s {row['fraction']:4.0%}"
+                    else:
+                        shown = row["status"]
+                    self.results["speed"].append({"impl": impl.name, "mode": mode, **asdict(shape), **row})
+                    self.progress.step(f"{mode:7} {_label(shape)} {impl.name:15} {shown}")
+                    self.save()
+            del inputs
+            _release_memory()
+        spent = {}
+        for row in self.results["speed"]:
+            spent[row["impl"]] = spent.get(row["impl"], 0.0) + row["wall_s"]
+        self.progress.write("time spent per implementation: " + ", ".join(f"{k} {v:.0f} s" for k, v in spent.items()))
+
+    # One implementation -----------------------------------------------------------------------
+
+    def _random(self, shape: Shape) -> list[torch.Tensor]:
+        """q, k, v, do in BSHD: fresh normal samples, never zeros."""
+        size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+        return [torch.randn(size, device=self.device, dtype=self.dtype) for _ in range(4)]
+
+    def _in_layout(self, impl: Implementation, inputs: list[torch.Tensor]):
+        q, k, v, do = (to_layout(x, impl.layout) for x in inputs)
+        return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+    def _skip_reason(self, impl: Implementation, shape: Shape, mode: str) -> str | None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            return "skipped: time limit"
+        if impl.compiled and self.compile_budget_s is not None and self.compiled_s > self.compile_budget_s:
+            return f"skipped: compile budget ({self.compile_budget_s:.0f} s) spent"
+        if impl.dense_scores:
+            # The forward holds the float32 scores and probabilities; the backward their gradients too.
+            needed = (2 if mode == "fwd" else 4) * shape.batch * shape.heads * shape.seqlen**2 * 4
+            if needed > self.capacity:
+                return f"skipped: N*N float32 scores need ~{needed / 2**30:.0f} GiB"
+        return None
+
+    def _time(self, impl: Implementation, shape: Shape, inputs: list[torch.Tensor]) -> list[dict]:
+        skips = [self._skip_reason(impl, shape, mode) for mode in MODES]
+        if all(skips):
+            return [{"status": skip, "ms": None, "wall_s": 0.0} for skip in skips]
+        q, k, v, do = self._in_layout(impl, inputs)
+        rows = []
+        with self._charged(impl), impl.context():
+            attend, built = _attempt(lambda: impl.build(shape, self.device))
+            # The forward is timed with inputs that require grad, as in training (and as
+            # flash-attn's benchmark does): one FlexAttention compile serves both modes.
+            runs = {"fwd": lambda: attend(q, k, v), "fwd+bwd": lambda: attend(q, k, v).backward(do)}
+            for mode, skip in zip(MODES, skips):
+                start = time.perf_counter()
+                ms, status = None, skip or built
+                if status == "ok":
+                    ms, status = _attempt(lambda: median_ms(runs[mode], grad_to_none=[q, k, v]))
+                rows.append({"status": status, "ms": ms, "wall_s": round(time.perf_counter() - start, 2)})
+        return rows
+
+    @contextlib.contextmanager
+    def _charged(self, impl: Implementation):
+        """Adds the wall time of a compiled implementation (compiles included) to its budget."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if impl.compiled:
+                self.compiled_s += time.perf_counter() - start
+
+    def _errors(self, impl: Implementation, shape: Shape, inputs, reference) -> dict[str, float]:
+        q, k, v, do = self._in_layout(impl, inputs)
+        with impl.context():
+            o = impl.build(shape, self.device)(q, k, v)
+            o.backward(do)
+        got = {"o": o, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        return {
+            name: ((to_bhsd(got[name], impl.layout).float() - ref).norm() / ref.norm()).item()
+            for name, ref in reference.items()
+        }
+
+    def _peak_mib(self, impl: Implementation, shape: Shape, inputs) -> float:
+        q, k, v, do = self._in_layout(impl, inputs)
+        with impl.context():
+            attend = impl.build(shape, self.device)
+            attend(q, k, v).backward(do)  # compiles, autotunes, creates workspaces
+            q.grad = k.grad = v.grad = None
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            inputs_bytes = torch.cuda.memory_allocated(self.device)
+            attend(q, k, v).backward(do)
+            torch.cuda.synchronize(self.device)
+        return (torch.cuda.max_memory_allocated(self.device) - inputs_bytes) / MIB
+
+
+def _float32_reference(inputs: list[torch.Tensor], causal: bool) -> dict[str, torch.Tensor]:
+    """o, dq, dk, dv in BHSD from SDPA's math kernel on the inputs upcast to float32."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, do = (x.transpose(1, 2).float() for x in inputs)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o.backward(do)
+    return {"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _attempt(measure):
+    """(value, "ok"), or (None, why not): one implementation's failure never ends the sweep."""
+    try:
+        return measure(), "ok"
+    except Exception as error:  # noqa: BLE001 - recorded in the results, shown in the tables
+        status = _failure(error)
+    _release_memory()  # outside the handler, once the traceback no longer holds the tensors
+    return None, status
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _label(shape: Shape) -> str:
+    return f"d{shape.head_dim} {'causal' if shape.causal else 'full  '} N={shape.seqlen:<6}"

@@ -1,0 +1,381 @@
+"""What a run's JSON becomes: markdown tables (flashx/peer ratios), the README headline, PNG plots.
+
+Everything here reads the JSON alone, so tables and plots can be redrawn on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+MODES = ("fwd", "fwd+bwd")
+
+
+def save_json(results: dict, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(results, indent=1))
+    os.replace(partial, path)  # a run killed while writing keeps its previous file
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# Reading the results -------------------------------------------------------------------------
+
+
+def _labels(results: dict) -> dict[str, str]:
+    return {impl["name"]: impl["label"] for impl in results["implementations"]}
+
+
+def _split(results: dict) -> tuple[list[str], list[str]]:
+    """(flashx implementations, peers), in the run's order."""
+    impls = results["implementations"]
+    return [i["name"] for i in impls if i["flashx"]], [i["name"] for i in impls if not i["flashx"]]
+
+
+def _marks(results: dict) -> dict[tuple[str, int, bool], str]:
+    """(implementation, head_dim, causal) whose check failed or could not run: their numbers
+    are marked, never hidden."""
+    return {
+        (c["impl"], c["head_dim"], c["causal"]): "WRONG" if c["status"] == "wrong" else "unchecked"
+        for c in results["checks"]
+        if c["status"] != "ok"
+    }
+
+
+def _speed_index(results: dict) -> dict[tuple, dict]:
+    return {(r["impl"], r["mode"], r["head_dim"], r["causal"], r["seqlen"]): r for r in results["speed"]}
+
+
+def _configurations(results: dict) -> list[tuple[int, bool, int]]:
+    """(head_dim, causal, seqlen) present in the speed rows, sorted."""
+    return sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in results["speed"]})
+
+
+def ratios(results: dict) -> list[dict]:
+    """Speed-up of each flashx implementation over each peer (peer time / flashx time), per configuration."""
+    index = _speed_index(results)
+    flashx_impls, peers = _split(results)
+    rows = []
+    for mode in MODES:
+        for head_dim, causal, seqlen in _configurations(results):
+            for ours in flashx_impls:
+                mine = index.get((ours, mode, head_dim, causal, seqlen))
+                for peer in peers:
+                    theirs = index.get((peer, mode, head_dim, causal, seqlen))
+                    if mine and theirs and mine["status"] == theirs["status"] == "ok":
+                        rows.append(
+                            {"mode": mode, "head_dim": head_dim, "causal": causal, "seqlen": seqlen,
+                             "flashx": ours, "peer": peer, "ratio": theirs["ms"] / mine["ms"]}
+                        )
+    return rows
+
+
+# Markdown ------------------------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _short(status: str) -> str:
+    return status.split(":")[0]
+
+
+def _speed_cell(row: dict | None, mark: str | None) -> str:
+    if row is None:
+        return "-"
+    if row["status"] != "ok":
+        return _short(row["status"])
+    return f"{row['tflops']:.0f} ({row['fraction']:.0%})" + (f" {mark}" if mark else "")
+
+
+def _seqlen(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _title(results: dict) -> str:
+    v = results["versions"]
+    return (
+        f"# flashx benchmarks: {results['device']}, {results['date']}\n\n"
+        f"torch {v['torch']} (CUDA {v['cuda']}), triton {v['triton']}, flashx {v['flashx']}, "
+        f"Python {v['python']}."
+    )
+
+
+def markdown(results: dict) -> str:
+    labels = _labels(results)
+    flashx_impls, peers = _split(results)
+    names = flashx_impls + peers
+    marks = _marks(results)
+    plan, timing, ceilings = results["plan"], results["timing"], results["ceilings"]
+    lines = [
+        _title(results),
+        "",
+        f"Ceilings measured in this run: {plan['dtype']} {plan['matmul_size']}^3 matmul "
+        f"**{ceilings.get('matmul_tflops', float('nan')):.0f} TFLOP/s**; device copy "
+        f"**{ceilings.get('copy_tbps', float('nan')):.2f} TB/s** (bytes read + written).",
+        "",
+        f"{plan['dtype']}, B*N = {plan['tokens']} tokens, H*D = {plan['model_dim']}. Times are medians of "
+        f"`triton.testing.do_bench` (CUDA events, {timing['warmup_ms']} ms warm-up, {timing['rep_ms']} ms of "
+        "repeats, L2 flushed before each). TFLOP/s as flash-attn counts: forward 4*B*H*N*N*D, halved when "
+        "causal; forward+backward 3.5x the forward. In parentheses: the fraction of the matmul ceiling. "
+        "flashx runs on BSHD inputs, the peers on BHSD, each contiguous in its own layout.",
+    ]
+
+    if results["checks"]:
+        checks = sorted({(c["head_dim"], c["causal"]) for c in results["checks"]})
+        found = {(c["impl"], c["head_dim"], c["causal"]): c for c in results["checks"]}
+        first = results["checks"][0]
+        lines += [
+            "",
+            f"## Check: largest relative error of o, dq, dk, dv against SDPA math in float32 "
+            f"(B={first['batch']}, N={first['seqlen']}, H={first['heads']}; WRONG above "
+            f"{timing['check_tolerance']:g})",
+            "",
+        ]
+        rows = []
+        for name in names:
+            cells = []
+            for head_dim, causal in checks:
+                check = found.get((name, head_dim, causal))
+                if check is None:
+                    cells.append("-")
+                elif check["errors"]:
+                    worst = max(check["errors"].values(), key=lambda e: e if e == e else float("inf"))
+                    cells.append(("WRONG " if check["status"] != "ok" else "") + f"{worst:.1e}")
+                else:
+                    cells.append(_short(check["status"]))
+            rows.append([labels[name]] + cells)
+        lines += _table(["implementation"] + [f"d{d}{' causal' if c else ''}" for d, c in checks], rows)
+
+    index = _speed_index(results)
+    by_config = {}
+    for r in ratios(results):
+        by_config[(r["mode"], r["head_dim"], r["causal"], r["seqlen"], r["flashx"], r["peer"])] = r["ratio"]
+    for mode in MODES:
+        configs = [c for c in _configurations(results) if any((n, mode, *c) in index for n in names)]
+        if not configs:
+            continue
+        title = "forward" if mode == "fwd" else "forward+backward"
+        lines += ["", f"## Speed, {title}: TFLOP/s (fraction of the matmul ceiling)", ""]
+        rows = [
+            [str(d), "yes" if c else "no", _seqlen(n)]
+            + [_speed_cell(index.get((name, mode, d, c, n)), marks.get((name, d, c))) for name in names]
+            for d, c, n in configs
+        ]
+        lines += _table(["d", "causal", "N"] + [labels[n] for n in names], rows)
+        pairs = [(ours, peer) for ours in flashx_impls for peer in peers]
+        if pairs:
+            lines += ["", f"## Speed-up of flashx over each peer, {title} (peer time / flashx time)", ""]
+            rows = [
+                [str(d), "yes" if c else "no", _seqlen(n)]
+                + [
+                    f"{by_config[key]:.2f}" if (key := (mode, d, c, n, ours, peer)) in by_config else "-"
+                    for ours, peer in pairs
+                ]
+                for d, c, n in configs
+            ]
+            lines += _table(["d", "causal", "N"] + [f"{labels[o]} / {labels[p]}" for o, p in pairs], rows)
+
+    if results["memory"]:
+        first = results["memory"][0]
+        memory = {(m["impl"], m["seqlen"]): m for m in results["memory"]}
+        seqlens = sorted({m["seqlen"] for m in results["memory"]})
+        lines += [
+            "",
+            f"## Memory: peak MiB allocated beyond q, k, v, do by forward+backward "
+            f"(B={first['batch']}, H={first['heads']}, D={first['head_dim']}, causal; gradients included)",
+            "",
+        ]
+        rows = []
+        for n in seqlens:
+            cells = []
+            for name in names:
+                m = memory.get((name, n))
+                cells.append("-" if m is None else f"{m['mib']:.0f}" if m["status"] == "ok" else _short(m["status"]))
+            rows.append([_seqlen(n)] + cells)
+        lines += _table(["N"] + [labels[n] for n in names], rows)
+
+    lines += _not_measured(results, labels)
+    if results.get("sections_s"):
+        lines += ["", "Seconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in results["sections_s"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _not_measured(results: dict, labels: dict[str, str]) -> list[str]:
+    """Every status other than ok, with the configurations it struck: nothing is dropped silently."""
+    struck: dict[tuple[str, str], list[str]] = {}
+    for row in results["speed"]:
+        if row["status"] != "ok":
+            where = f"{row['mode']} d{row['head_dim']}{' causal' if row['causal'] else ''} N={row['seqlen']}"
+            struck.setdefault((row["impl"], row["status"]), []).append(where)
+    for row in results["memory"]:
+        if row["status"] != "ok":
+            struck.setdefault((row["impl"], row["status"]), []).append(f"memory N={row['seqlen']}")
+    for row in results["checks"]:
+        if row["status"] not in ("ok", "wrong"):
+            where = f"check d{row['head_dim']}{' causal' if row['causal'] else ''}"
+            struck.setdefault((row["impl"], row["status"]), []).append(where)
+    if not struck:
+        return []
+    runs = {}
+    for row in results["speed"] + results["memory"] + results["checks"]:
+        runs[row["impl"]] = runs.get(row["impl"], 0) + 1
+    lines = ["", "## Not measured", ""]
+    for (name, status), where in struck.items():
+        shown = "everywhere" if len(where) == runs[name] else "; ".join(where)
+        lines.append(f"- {labels.get(name, name)}: {status} ({shown})")
+    return lines
+
+
+def headline(results: dict, seqlen: int = 8192) -> str:
+    """The project README's table: TFLOP/s of every implementation at one N, one column per configuration."""
+    labels = _labels(results)
+    flashx_impls, peers = _split(results)
+    index = _speed_index(results)
+    marks = _marks(results)
+    configs = [
+        (mode, d, c)
+        for d in sorted({r["head_dim"] for r in results["speed"]}, reverse=True)
+        for c in (False, True)
+        for mode in MODES
+        if any(r["head_dim"] == d and r["causal"] == c and r["mode"] == mode and r["seqlen"] == seqlen
+               for r in results["speed"])
+    ]
+    header = [f"N={_seqlen(seqlen)}"] + [f"{mode} d{d}{' causal' if c else ''}" for mode, d, c in configs]
+    rows = []
+    for name in flashx_impls + peers:
+        cells = []
+        for mode, d, c in configs:
+            row = index.get((name, mode, d, c, seqlen))
+            if row is None or row["status"] != "ok":
+                cells.append("-" if row is None else _short(row["status"]))
+            else:
+                mark = marks.get((name, d, c))
+                cells.append(f"{row['tflops']:.0f}" + (f" {mark}" if mark else ""))
+        rows.append([labels[name]] + cells)
+    ceilings = results["ceilings"]
+    caption = (
+        f"TFLOP/s on {results['device']} ({results['date']}), {results['plan']['dtype']}, "
+        f"B*N = {results['plan']['tokens']}, H*D = {results['plan']['model_dim']}; "
+        f"matmul ceiling {ceilings.get('matmul_tflops', float('nan')):.0f} TFLOP/s."
+    )
+    return "\n".join(_table(header, rows) + ["", caption]) + "\n"
+
+
+# Plots ---------------------------------------------------------------------------------------
+
+
+def plot(results: dict, stem: Path) -> list[Path]:
+    """``<stem>.png`` (TFLOP/s vs N, one panel per d x causal x mode) and ``<stem>-memory.png``.
+
+    Raises ModuleNotFoundError without matplotlib; the caller says how to draw them later.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stem = Path(stem)
+    labels = _labels(results)
+    marks = _marks(results)
+    names = [i["name"] for i in results["implementations"]]
+    title = f"{results['device']}, {results['date']}"
+    written = []
+
+    speed = [r for r in results["speed"] if r["status"] == "ok"]
+    if speed:
+        head_dims = sorted({r["head_dim"] for r in speed})
+        panels = [(c, mode) for c in (False, True) for mode in MODES if any(r["causal"] == c and r["mode"] == mode for r in speed)]
+        seqlens = sorted({r["seqlen"] for r in speed})
+        fig, axes = plt.subplots(len(head_dims), len(panels), figsize=(4.2 * len(panels), 3.4 * len(head_dims)),
+                                 squeeze=False, sharex=True, sharey=True)
+        for i, d in enumerate(head_dims):
+            for j, (c, mode) in enumerate(panels):
+                ax = axes[i][j]
+                for name in names:
+                    points = sorted((r["seqlen"], r["tflops"]) for r in speed
+                                    if r["impl"] == name and r["head_dim"] == d and r["causal"] == c and r["mode"] == mode)
+                    if points:
+                        mark = marks.get((name, d, c))
+                        label = labels[name] + (f" ({mark})" if mark else "")
+                        ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+                if "matmul_tflops" in results["ceilings"]:
+                    ax.axhline(results["ceilings"]["matmul_tflops"], color="gray", linestyle="--", linewidth=1,
+                               label=f"{results['plan']['dtype']} matmul ceiling")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(seqlens, [_seqlen(n) for n in seqlens])
+                ax.set_ylim(bottom=0)
+                ax.set_title(f"{mode}, d{d}{', causal' if c else ''}", fontsize=10)
+                ax.grid(alpha=0.3)
+                if j == 0:
+                    ax.set_ylabel("TFLOP/s")
+                if i == len(head_dims) - 1:
+                    ax.set_xlabel("N")
+        handles, legend = _legend(axes)
+        fig.legend(handles, legend, loc="lower center", ncol=min(len(legend), 4), fontsize=9)
+        fig.suptitle(f"Attention throughput, {title}")
+        fig.tight_layout(rect=(0, 0.04 + 0.03 * (len(legend) // 4), 1, 1))
+        written.append(_save(fig, stem.with_suffix(".png")))
+        plt.close(fig)
+
+    memory = [m for m in results["memory"] if m["status"] == "ok"]
+    if memory:
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        for name in names:
+            points = sorted((m["seqlen"], m["mib"]) for m in memory if m["impl"] == name)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=labels[name])
+        seqlens = sorted({m["seqlen"] for m in results["memory"]})
+        first = results["memory"][0]
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(seqlens, [_seqlen(n) for n in seqlens])
+        ax.set_xlabel("N")
+        ax.set_ylabel("MiB beyond q, k, v, do")
+        ax.set_title(f"Peak memory, forward+backward, H={first['heads']}, D={first['head_dim']}, causal\n{title}",
+                     fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, stem.parent / f"{stem.name}-memory.png"))
+        plt.close(fig)
+    return written
+
+
+def _legend(axes):
+    seen = {}
+    for ax in (a for row in axes for a in row):
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    return list(seen.values()), list(seen)
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def cpu_markdown(results: dict) -> str:
+    """The CPU comparison (benchmarks.cpu.run) as a two-column table of its flattened fields."""
+    rows = [[key, _value(value)] for key, value in _flatten(results)]
+    return "\n".join(["# flashx CPU benchmark", ""] + _table(["field", "value"], rows)) + "\n"
+
+
+def _flatten(value, prefix=""):
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _flatten(inner, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix, value
+
+
+def _value(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
