@@ -1,1 +1,38 @@
-"""placeholder"""
+"""flashx's NumPy CPU reference backend: the FlashAttention algorithm itself, tile by tile.
+
+Registered through the ``flashx.backends`` entry point like any third-party plugin.
+"""
+
+from __future__ import annotations
+
+import flashx
+from flashx.hookspecs import hookimpl
+from flashx_numpy.attention import BLOCK_K, BLOCK_Q, backward, forward
+
+
+class NumpyBackend(flashx.Backend):
+    name = "numpy"
+    version = flashx.__version__
+    array_kind = "numpy"
+    devices = frozenset({"cpu"})
+    max_head_dim = 1024
+    features = flashx.Backend.features - {"softcap", "alibi"}
+    deterministic_backward = True
+
+    def __init__(self, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, name: str = "numpy"):
+        """Tiles of ``block_q`` query rows (all heads of a group together) x ``block_k`` keys."""
+        self.block_q, self.block_k, self.name = block_q, block_k, name
+
+    def priority(self, problem):
+        return 10
+
+    def forward(self, problem, q, k, v):
+        return forward(problem, q, k, v, block_q=self.block_q, block_k=self.block_k)
+
+    def backward(self, problem, q, k, v, o, lse, do):
+        return backward(problem, q, k, v, o, lse, do, block_q=self.block_q, block_k=self.block_k)
+
+
+@hookimpl
+def flashx_backends():
+    return [NumpyBackend()]

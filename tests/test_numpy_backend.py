@@ -1,0 +1,303 @@
+"""The NumPy reference backend against a dense float64 reference (torch autograd), feature by feature.
+
+The backend runs through the public API under the name "numpy-small-tiles" with tiles of
+16 query rows x 24 keys, so every case crosses many tiles (diagonal, boundary, skipped).
+The full case catalogue and the independent oracle live in the conformance suite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import flashx
+from flashx_numpy import NumpyBackend
+from flashx_numpy.philox import dropout_keep, philox4x32
+
+SMALL = "numpy-small-tiles"
+# Relative Frobenius error against float64 (SPEC section 5; float64 runs in float64).
+RELATIVE_TOLERANCE = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 2e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_tiles():
+    flashx.registry.register(NumpyBackend(block_q=16, block_k=24, name=SMALL), replace=True)
+    yield
+    flashx.registry.unregister(SMALL)
+
+
+# ---------------------------------------------------------------- Philox
+
+
+@pytest.mark.parametrize(
+    "counter, key, expected",
+    [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ],
+)
+def test_philox_random123_vectors(counter, key, expected):
+    assert tuple(int(word) for word in philox4x32(*counter, *key)) == expected
+
+
+@pytest.mark.parametrize(
+    "seed, offset, heads_q, b, h, i, j, r",
+    [
+        (0x0, 0, 1, 0, 0, 0, 0, 0x6627E8D5),
+        (0x2A, 0, 4, 1, 2, 3, 5, 0x19D98DC7),
+        (0x1234567890ABCDEF, 7, 8, 0, 7, 100, 1023, 0x808F8A5C),
+        (0x7FFFFFFFFFFFFFFF, 4294967299, 16, 3, 15, 4095, 4094, 0x9B3AEA65),
+    ],
+)
+def test_dropout_vectors(seed, offset, heads_q, b, h, i, j, r):
+    for p in (0.1, 0.5, r / 2**32, (r + 1) / 2**32):
+        keep = dropout_keep(p, seed, offset, b, np.array([h]), heads_q, i, i + 1, j, j + 1)
+        assert keep.shape == (1, 1, 1)
+        assert bool(keep[0, 0, 0]) == (r >= math.floor(p * 2**32))
+
+
+def test_dropout_tiles_agree_with_one_big_tile():
+    whole = dropout_keep(0.4, 99, 3, 2, np.arange(6), 6, 0, 9, 0, 23)
+    part = dropout_keep(0.4, 99, 3, 2, np.arange(2, 5), 6, 3, 8, 5, 18)
+    np.testing.assert_array_equal(part, whole[3:8, 2:5, 5:18])
+    assert 0.45 < whole.mean() < 0.75
+
+
+# ---------------------------------------------------------------- dense float64 reference
+
+
+def reference(q, k, v, do, *, causal=False, window=None, softmax_scale=None, mask=None, block_mask=None,
+              seqlens_q=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              dropout_p=0.0, seed=0, rng_offset=0):
+    """(o, lse, dq, dk, dv) in float64: materialised scores, softmax, torch autograd, per sequence."""
+    heads_q, heads_k, dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = softmax_scale or 1 / math.sqrt(dim)
+    o = np.zeros(q.shape[:-1] + v.shape[-1:])
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    if cu_seqlens_q is not None:
+        lse = np.full((heads_q, q.shape[0]), -np.inf)
+        sequences = [((slice(a, b),), (slice(c, d),)) for a, b, c, d in
+                     zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:])]
+    else:
+        batch, nq, nk = q.shape[0], q.shape[1], k.shape[1]
+        lse = np.full((batch, heads_q, nq), -np.inf)
+        lq = [nq] * batch if seqlens_q is None else list(seqlens_q)
+        lk = [nk] * batch if seqlens_k is None else list(seqlens_k)
+        sequences = [((b, slice(0, lq[b])), (b, slice(0, lk[b]))) for b in range(batch)]
+    for b, (rows_q, rows_k) in enumerate(sequences):
+        qb, kb, vb = (torch.tensor(x[rows].astype(np.float64), requires_grad=True)
+                      for x, rows in ((q, rows_q), (k, rows_k), (v, rows_k)))
+        len_q, len_k = qb.shape[0], kb.shape[0]
+        if len_q == 0 or len_k == 0:
+            continue  # o, dq, dk, dv = 0 and lse = -inf already
+        i, j = np.arange(len_q)[:, None], np.arange(len_k)[None, :]
+        diagonal = i + len_k - len_q
+        allowed = np.ones((heads_q, len_q, len_k), bool)
+        if causal:
+            allowed &= j <= diagonal
+        if window is not None:
+            left, right = window
+            if left >= 0:
+                allowed &= j >= diagonal - left
+            if right >= 0:
+                allowed &= j <= diagonal + right
+        if mask is not None:
+            allowed &= np.broadcast_to(mask, (len(sequences), heads_q) + mask.shape[-2:])[b, :, :len_q, :len_k]
+        if block_mask is not None:
+            (bq, bk), blocks = block_mask.block_size, block_mask.blocks
+            blocks = np.broadcast_to(blocks, (len(sequences), heads_q) + blocks.shape[-2:])[b]
+            allowed &= blocks[:, i // bq, j // bk]
+        keep = np.ones_like(allowed)
+        if dropout_p:
+            keep = dropout_keep(dropout_p, seed, rng_offset, b, np.arange(heads_q), heads_q, 0, len_q, 0, len_k)
+            keep = keep.transpose(1, 0, 2)
+        group = heads_q // heads_k
+        s = scale * qb.transpose(0, 1) @ kb.transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2)
+        s = s.masked_fill(torch.tensor(~allowed), -math.inf)
+        top = s.amax(-1, keepdim=True).detach()
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        e = torch.exp(s - top)
+        total = e.sum(-1, keepdim=True)
+        probs = e / torch.where(total > 0, total, 1.0)
+        ob = (probs * torch.tensor(keep) / (1 - dropout_p)) @ vb.transpose(0, 1).repeat_interleave(group, 0)
+        grads = torch.autograd.grad(ob, (qb, kb, vb), torch.tensor(do[rows_q].astype(np.float64)).transpose(0, 1))
+        o[rows_q] = ob.detach().transpose(0, 1).numpy()
+        lse[rows_q[:-1] + (slice(None),) + rows_q[-1:]] = (top + torch.log(total)).squeeze(-1).detach().numpy()
+        dq[rows_q], dk[rows_k], dv[rows_k] = (g.numpy() for g in grads)
+    return o, lse, dq, dk, dv
+
+
+# ---------------------------------------------------------------- cases
+
+
+def arrays(rng, q_rows, k_rows, heads_q, heads_k, dim, dim_v, dtype):
+    """Random normal q, k, v, do with leading row shapes q_rows, k_rows."""
+    normal = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+    return (normal(*q_rows, heads_q, dim), normal(*k_rows, heads_k, dim),
+            normal(*k_rows, heads_k, dim_v), normal(*q_rows, heads_q, dim_v))
+
+
+def padded(rng, batch, nq, nk, heads_q=2, heads_k=2, dim=16, dim_v=16, dtype=np.float32):
+    return arrays(rng, (batch, nq), (batch, nk), heads_q, heads_k, dim, dim_v, dtype)
+
+
+def case(name):
+    """(q, k, v, do, keywords) of a named case; lengths are never tile multiples."""
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    if name == "plain":
+        return (*padded(rng, 2, 37, 53), {})
+    if name == "causal, Nq < Nk":
+        return (*padded(rng, 2, 29, 70), dict(causal=True))
+    if name == "causal, Nq > Nk":  # the first 41 rows have no key
+        return (*padded(rng, 1, 70, 29), dict(causal=True))
+    if name == "window":
+        return (*padded(rng, 1, 50, 61), dict(window=(9, 5)))
+    if name == "window, causal":
+        return (*padded(rng, 1, 66, 45), dict(window=(13, -1), causal=True))
+    if name == "mask":
+        mask = rng.random((2, 1, 41, 50)) < 0.3
+        mask[0, 0, 7] = False  # a row with no allowed key
+        mask[1, 0, :, 30:] = True  # fully allowed tiles
+        return (*padded(rng, 2, 41, 50), dict(mask=mask))
+    if name == "block_mask":
+        blocks = rng.random((1, 2, 6, 4)) < 0.5
+        blocks[..., 0, :] = False  # rows 0:8 have no key
+        return (*padded(rng, 1, 45, 60), dict(block_mask=flashx.BlockMask(blocks, (8, 16)), causal=True))
+    if name == "seqlens":
+        return (*padded(rng, 3, 40, 52),
+                dict(seqlens_q=np.array([40, 3, 0]), seqlens_k=np.array([11, 52, 30]), causal=True))
+    if name == "varlen":  # sequences: 13x20, 0x11, 27x0, 3x5; 4 rows of q and 2 of k past the end
+        return (*arrays(rng, (47,), (38,), 4, 2, 16, 16, np.float32),
+                dict(cu_seqlens_q=np.array([0, 13, 13, 40, 43], np.int32),
+                     cu_seqlens_k=np.array([0, 20, 31, 31, 36], np.int32), causal=True))
+    if name == "gqa 7:1":
+        return (*padded(rng, 1, 33, 47, heads_q=14, heads_k=2), dict(causal=True))
+    if name == "mqa":
+        return (*padded(rng, 2, 35, 35, heads_q=4, heads_k=1), dict(window=(4, 4)))
+    if name == "dv != d, scale":
+        return (*padded(rng, 1, 30, 40, dim=16, dim_v=24), dict(softmax_scale=0.3))
+    if name == "dropout":
+        return (*padded(rng, 2, 38, 51, heads_q=4, heads_k=2), dict(dropout_p=0.3, seed=1234, rng_offset=5, causal=True))
+    if name == "dropout, varlen":
+        return (*arrays(rng, (30,), (40,), 2, 1, 16, 8, np.float32),
+                dict(cu_seqlens_q=np.array([0, 9, 30], np.int32), cu_seqlens_k=np.array([0, 25, 40], np.int32),
+                     dropout_p=0.6, seed=2**40 + 3, rng_offset=2**32 + 1))
+    if name == "growing scores":  # later key tiles beat the running max by far: rescaling
+        q, k, v, do = padded(rng, 1, 20, 90)
+        return q * 3, k * np.linspace(0.2, 4, 90, dtype=np.float32)[None, :, None, None], v, do, {}
+    raise KeyError(name)
+
+
+CASES = ["plain", "causal, Nq < Nk", "causal, Nq > Nk", "window", "window, causal", "mask", "block_mask",
+         "seqlens", "varlen", "gqa 7:1", "mqa", "dv != d, scale", "dropout", "dropout, varlen", "growing scores"]
+
+
+def padding_rows(keywords, q_shape, k_shape):
+    """Boolean row masks (over q rows, over k rows) of the padding, in the array layout."""
+    if "cu_seqlens_q" in keywords:
+        rows_q, rows_k = np.ones(q_shape[0], bool), np.ones(k_shape[0], bool)
+        rows_q[: keywords["cu_seqlens_q"][-1]] = False
+        rows_k[: keywords["cu_seqlens_k"][-1]] = False
+        return rows_q, rows_k
+    rows_q, rows_k = np.zeros(q_shape[:2], bool), np.zeros(k_shape[:2], bool)
+    for b, n in enumerate(keywords.get("seqlens_q", [])):
+        rows_q[b, n:] = True
+    for b, n in enumerate(keywords.get("seqlens_k", [])):
+        rows_k[b, n:] = True
+    return rows_q, rows_k
+
+
+def run(q, k, v, do, backend=SMALL, **keywords):
+    o, res = flashx.attention_forward(q, k, v, backend=backend, **keywords)
+    return (o, res.lse, *flashx.attention_backward(do, q, k, v, o, res, backend=backend, **keywords))
+
+
+def check(results, expected, dtype):
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), results, expected):
+        assert got.shape == want.shape, name
+        assert got.dtype == (np.float64 if dtype == np.float64 else (np.float32 if name == "lse" else dtype)), name
+        got = got.astype(np.float64)
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=name)  # lse of empty rows
+        assert np.isfinite(got[~np.isneginf(want)]).all(), f"{name}: NaN or inf where the reference is finite"
+        finite = np.isfinite(want)
+        error = np.linalg.norm(got[finite] - want[finite]) / max(np.linalg.norm(want[finite]), 1e-30)
+        assert error <= RELATIVE_TOLERANCE[dtype], f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_feature_matches_dense_reference(name):
+    q, k, v, do, keywords = case(name)
+    rows_q, rows_k = padding_rows(keywords, q.shape, k.shape)
+    expected = reference(q, k, v, do, **keywords)
+    # Padding holds poison: it must reach no output and no gradient.
+    for x, rows in ((q, rows_q), (do, rows_q), (k, rows_k), (v, rows_k)):
+        x[rows] = np.nan
+    results = run(q, k, v, do, **keywords)
+    check(results, expected, np.float32)
+    o, lse, dq, dk, dv = results
+    assert not np.any(o[rows_q]) and not np.any(dq[rows_q]) and not np.any(dk[rows_k]) and not np.any(dv[rows_k])
+    empty = np.isneginf(expected[1])  # rows with no allowed key (padding included)
+    heads_first = (lambda x: np.moveaxis(x, -2, 0)) if "cu_seqlens_q" in keywords else (lambda x: np.moveaxis(x, -2, 1))
+    assert not np.any(heads_first(o)[empty]) and not np.any(heads_first(dq)[empty])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+@pytest.mark.parametrize("name", ["dropout", "varlen", "gqa 7:1"])
+def test_dtypes(name, dtype):
+    q, k, v, do, keywords = case(name)
+    q, k, v, do = (x.astype(dtype) for x in (q, k, v, do))
+    check(run(q, k, v, do, **keywords), reference(q, k, v, do, **keywords), dtype)
+
+
+def test_bfloat16_through_torch():
+    q, k, v, do = (torch.tensor(x).to(torch.bfloat16) for x in padded(np.random.default_rng(5), 2, 33, 41)[:4])
+    q.requires_grad_(True)
+    o = flashx.attention(q, k, v, causal=True, backend=SMALL)
+    (dq,) = torch.autograd.grad(o, q, do)
+    assert o.dtype == dq.dtype == torch.bfloat16
+    want_o, _, want_dq, _, _ = reference(*(x.detach().float().numpy() for x in (q, k, v, do)), causal=True)
+    for got, want in ((o, want_o), (dq, want_dq)):
+        assert np.linalg.norm(got.detach().double().numpy() - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_default_tiles():
+    """The shipped tile sizes: several query tiles, two key tiles, GQA, causal."""
+    rng = np.random.default_rng(7)
+    q, k, v, do = padded(rng, 1, 700, 1100, heads_q=4, heads_k=2, dim=32, dim_v=32)
+    check(run(q, k, v, do, backend="numpy", causal=True), reference(q, k, v, do, causal=True), np.float32)
+
+
+def test_nan_reaches_exactly_the_pairs_that_read_it():
+    """Causal, Nq=30, Nk=40: query i sees keys j <= i + 10. Head 1: key 25 is NaN (seen by
+    queries 15..29). Head 0: query 3 and its dO are NaN (it sees keys 0..13)."""
+    q, k, v, do = padded(np.random.default_rng(3), 1, 30, 40)
+    k[0, 25, 1] = v[0, 25, 1] = np.nan
+    q[0, 3, 0] = do[0, 3, 0] = np.nan
+    o, lse, dq, dk, dv = run(q, k, v, do, causal=True)
+    sees_25 = np.arange(30) >= 15
+    for x in (o, dq):
+        assert np.isnan(x[0, sees_25, 1]).all() and np.isfinite(x[0, ~sees_25, 1]).all()
+        assert np.isnan(x[0, 3, 0]).all() and np.isfinite(np.delete(x[0, :, 0], 3, axis=0)).all()
+    assert np.isnan(lse[0, 1, sees_25]).all() and np.isfinite(lse[0, 1, ~sees_25]).all()
+    for x in (dk, dv):
+        assert np.isnan(x[0, :14, 0]).all() and np.isfinite(x[0, 14:, 0]).all()
+
+
+def test_bitwise_deterministic():
+    q, k, v, do, keywords = case("dropout")
+    first, second = run(q, k, v, do, **keywords), run(q, k, v, do, **keywords)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_registered_through_the_entry_point():
+    info = {b.name: b for b in flashx.backends()}["numpy"]
+    assert info.available and info.plugin == "numpy"
