@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 MODES = ("fwd", "fwd+bwd")
+HEADLINE_SEQLEN = 8192
 
 
 def save_json(results: dict, path: Path) -> None:
@@ -127,6 +128,8 @@ def markdown(results: dict) -> str:
         "causal; forward+backward 3.5x the forward. In parentheses: the fraction of the matmul ceiling. "
         "flashx runs on BSHD inputs, the peers on BHSD, each contiguous in its own layout.",
     ]
+    if any(r["seqlen"] == HEADLINE_SEQLEN for r in results["speed"]):
+        lines += ["", f"## Headline: TFLOP/s at N={_seqlen(HEADLINE_SEQLEN)}", "", headline(results).rstrip()]
 
     if results["checks"]:
         checks = sorted({(c["head_dim"], c["causal"]) for c in results["checks"]})
@@ -234,7 +237,7 @@ def _not_measured(results: dict, labels: dict[str, str]) -> list[str]:
     return lines
 
 
-def headline(results: dict, seqlen: int = 8192) -> str:
+def headline(results: dict, seqlen: int = HEADLINE_SEQLEN) -> str:
     """The project README's table: TFLOP/s of every implementation at one N, one column per configuration."""
     labels = _labels(results)
     flashx_impls, peers = _split(results)
@@ -286,6 +289,7 @@ def plot(results: dict, stem: Path) -> list[Path]:
     labels = _labels(results)
     marks = _marks(results)
     names = [i["name"] for i in results["implementations"]]
+    colors = {name: f"C{i}" for i, name in enumerate(names)}  # the same in both figures
     title = f"{results['device']}, {results['date']}"
     written = []
 
@@ -305,7 +309,7 @@ def plot(results: dict, stem: Path) -> list[Path]:
                     if points:
                         mark = marks.get((name, d, c))
                         label = labels[name] + (f" ({mark})" if mark else "")
-                        ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+                        ax.plot(*zip(*points), marker="o", markersize=3, label=label, color=colors[name])
                 if "matmul_tflops" in results["ceilings"]:
                     ax.axhline(results["ceilings"]["matmul_tflops"], color="gray", linestyle="--", linewidth=1,
                                label=f"{results['plan']['dtype']} matmul ceiling")
@@ -331,7 +335,7 @@ def plot(results: dict, stem: Path) -> list[Path]:
         for name in names:
             points = sorted((m["seqlen"], m["mib"]) for m in memory if m["impl"] == name)
             if points:
-                ax.plot(*zip(*points), marker="o", label=labels[name])
+                ax.plot(*zip(*points), marker="o", label=labels[name], color=colors[name])
         seqlens = sorted({m["seqlen"] for m in results["memory"]})
         first = results["memory"][0]
         ax.set_xscale("log", base=2)
