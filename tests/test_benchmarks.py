@@ -189,4 +189,5 @@ def test_dense_scores_are_skipped_where_they_cannot_fit(tmp_path):
 def test_cpu_mode_writes_json_and_markdown(tmp_path):
     pytest.importorskip("benchmarks.cpu")
     path = cli.run_cpu(tmp_path, batch=1, heads=2, seqlen=128, head_dim=16, memory_seqlen=128, repeats=1)
-    assert path.exists() and path.with_suffix(".md").exists()
+    assert report.load_json(path)["shape"]["seqlen"] == 128
+    assert "| flashx numpy |" in path.with_suffix(".md").read_text()
