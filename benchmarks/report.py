@@ -396,7 +396,7 @@ def cpu_markdown(results: dict) -> str:
         "",
         f"Memory at N={memory['seqlen']}: the NumPy backend's forward allocates at most "
         f"{memory['peak_extra_bytes'] / 2**20:.1f} MiB beyond its inputs (tracemalloc, output included), "
-        f"{memory['fraction_of_dense']:.1%} of the {memory["dense_scores_bytes"] / 2**20:.1f} MiB of dense "
+        f"{memory['fraction_of_dense']:.1%} of the {memory['dense_scores_bytes'] / 2**20:.1f} MiB of dense "
         f"float32 scores it never materialises.",
     ]
     return "\n".join(lines) + "\n"
