@@ -11,6 +11,7 @@ the tiles fully inside the band run without a single compare.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -77,6 +78,16 @@ def allowed_pairs(i, j, q_len, k_len, left, right, mask_base, stride_mi, stride_
 
 
 @triton.jit
+def dot(a, b, PRECISION: tl.constexpr):
+    """tl.dot with fp32 accumulation. PRECISION "upcast" multiplies bf16 tiles as fp32 (exact:
+    bf16 products fit fp32), for Triton's CPU interpreter, whose bf16 tl.dot is wrong (3.9)."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def dropout_keep(i, j, stream, seed, rng_offset, threshold):
     """Z[i, j] of SPEC section 4: word j % 4 of Philox4x32-10((j // 4, i, stream, offset), seed) >= threshold."""
     zero = i * 0 + j * 0
@@ -128,11 +139,19 @@ def problem_args(problem) -> dict:
         HEAD_DIM_V=problem.head_dim_v,
         BLOCK_D=max(16, triton.next_power_of_2(problem.head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(problem.head_dim_v)),
-        DOT_PRECISION="ieee" if problem.dtype == "float32" else "tf32",
+        DOT_PRECISION=_dot_precision(problem.dtype),
     )
     args.update(_mask_args(problem))
     args.update(_dropout_args(problem))
     return args
+
+
+def _dot_precision(dtype: str) -> str:
+    if dtype == "float32":
+        return "ieee"  # SPEC section 5: no TF32 unless asked
+    if dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1":
+        return "upcast"
+    return "tf32"  # ignored for 16-bit inputs
 
 
 def _mask_args(problem) -> dict:

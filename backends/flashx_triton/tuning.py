@@ -21,7 +21,7 @@ class Config:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-INTERPRETED = Config(16, 16, 1, 1)
+INTERPRETED = Config(32, 32, 1, 1)
 
 
 def interpreting() -> bool:
