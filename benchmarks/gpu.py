@@ -144,6 +144,12 @@ class Sweep:
 
     def run(self) -> dict:
         torch.manual_seed(0)
+        plan = self.plan
+        self.progress.write(
+            f"{self.results['device']}: {', '.join(impl.name for impl in self.impls)}; "
+            f"{len(plan.check_shapes())} check shapes, {len(plan.memory_shapes())} memory shapes, "
+            f"{len(plan.speed_shapes())} speed shapes x {len(MODES)} modes; writing {self.path}"
+        )
         for section in (self.ceilings, self.check, self.memory, self.speed):
             start = time.perf_counter()
             section()
@@ -213,6 +219,8 @@ class Sweep:
                         shown = f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s {row['fraction']:4.0%}"
                     else:
                         shown = row["status"]
+                    if impl.compiled:
+                        shown += f" ({row['wall_s']:.0f} s with compiles)"
                     self.results["speed"].append({"impl": impl.name, "mode": mode, **asdict(shape), **row})
                     self.progress.step(f"{mode:7} {_label(shape)} {impl.name:15} {shown}")
                     self.save()
