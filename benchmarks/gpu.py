@@ -134,13 +134,8 @@ class Sweep:
             "speed": [],
             "sections_s": {},
         }
-        steps_per_shape = len(impls)
-        self.progress = Progress(
-            2
-            + steps_per_shape * len(plan.check_shapes())
-            + steps_per_shape * len(plan.memory_shapes())
-            + steps_per_shape * len(MODES) * len(plan.speed_shapes())
-        )
+        shapes = len(plan.check_shapes()) + len(plan.memory_shapes()) + len(MODES) * len(plan.speed_shapes())
+        self.progress = Progress(2 + len(impls) * shapes)  # the two ceilings, then one step a row
 
     def run(self) -> dict:
         torch.manual_seed(0)
@@ -175,7 +170,6 @@ class Sweep:
         tbps = 2 * self.plan.copy_bytes / median_ms(lambda: target.copy_(source)) / 1e9
         self.progress.step(f"ceiling: device copy {tbps:.2f} TB/s (bytes read + written)")
         self.results["ceilings"] = {"matmul_tflops": tflops, "copy_tbps": tbps}
-        del a, b, source, target
 
     def check(self) -> None:
         for shape in self.plan.check_shapes():
