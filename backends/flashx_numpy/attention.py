@@ -1,23 +1,25 @@
 """FlashAttention in NumPy: the tiled online-softmax forward and the recomputing backward.
 
-Work is cut into tiles of query rows x keys. The g = Hq // Hk query heads that read one
+Work is cut into tiles of keys x query rows. The g = Hq // Hk query heads that read one
 key/value head are folded into the rows (row r of a tile is query i0 + r // g, head
 r % g of the group), so a single matmul serves the whole group and K/V are never
-repeated; masks view a tile's scores as (queries, g, keys). Tiles whose every element
-is disallowed (band, block_mask, mask, lengths) are skipped, fully allowed tiles take
-a mask-free path, and only the rest build a mask.
+repeated. Score tiles are stored keys-first, (keys, rows): OpenBLAS runs K Q^T faster
+than Q K^T for these thin shapes, and the row maxima become a reduction over the
+leading axis. Tiles whose every element is disallowed (band, block_mask, mask,
+lengths) are skipped, fully allowed tiles take a mask-free path, and only the rest
+build a mask.
 
 Two extra columns let BLAS do two of the elementwise passes over the scores:
-- the scaled q carries a column holding -ref and k^T a row of ones, so Q K^T is
-  already S - ref (ref: each row's reference maximum);
+- k carries a column of ones and the scaled q^T a row holding -ref, so K Q^T is already
+  (S - ref)^T (ref: each row's reference maximum);
 - v carries a column of ones, so P V also yields each row's sum of P.
 ref moves only when a tile's maximum runs ahead of it by more than log(256) (the
 conditional rescaling of FlashAttention-4): exp(S - ref) then stays <= 256 and the
 accumulator is rescaled only on those tiles. The forward saves lse = ref + log(sum P);
 the backward rebuilds P = exp(S - lse) tile by tile, with D = rowsum(dO * O).
 
-Peak extra memory: one (rows x keys) score tile per worker, plus per-head copies of K
-and V (and, in the backward, of the head group's q, dO and dq): O(N * block), never N^2.
+Peak extra memory: one score tile per worker plus per-head copies of K and V (and, in
+the backward, of the head group's q, dO and dq): O(N * block), never N^2.
 """
 
 from __future__ import annotations
@@ -110,22 +112,22 @@ class _Tiles:
 
     def disallowed(self, heads: slice, i0: int, i1: int, j0: int, j1: int):
         """(any allowed, disallowed): disallowed is None when the whole tile is allowed, else
-        a bool array broadcastable to (i1 - i0, heads, j1 - j0), True where disallowed."""
+        a bool array (keys j0:j1, rows) in the layout of the score tiles, True where disallowed."""
         parts = []
         band_inside = (self.left < 0 or j0 >= i1 - 1 + self.diagonal - self.left) and (
             self.right < 0 or j1 - 1 <= i0 + self.diagonal + self.right
         )
         if not band_inside:
-            centre = np.arange(i0, i1)[:, None, None] + self.diagonal
-            j = np.arange(j0, j1)
-            outside = np.zeros((i1 - i0, 1, j1 - j0), bool)
+            j = np.arange(j0, j1)[:, None, None]
+            centre = np.arange(i0, i1)[:, None] + self.diagonal
+            outside = np.zeros((j1 - j0, i1 - i0, 1), bool)
             if self.left >= 0:
                 outside |= j < centre - self.left
             if self.right >= 0:
                 outside |= j > centre + self.right
             parts.append(outside)
         if self.mask is not None:
-            allowed = self.mask[heads, i0:i1, j0:j1].transpose(1, 0, 2)
+            allowed = self.mask[heads, i0:i1, j0:j1].transpose(2, 1, 0)
             if not allowed.any():
                 return False, None
             if not allowed.all():
@@ -135,40 +137,31 @@ class _Tiles:
             blocks = self.blocks[heads]
             if not blocks[:, i0 // bq : (i1 - 1) // bq + 1, j0 // bk : (j1 - 1) // bk + 1].any():
                 return False, None
-            allowed = blocks[:, (np.arange(i0, i1) // bq)[:, None], np.arange(j0, j1) // bk].transpose(1, 0, 2)
+            allowed = blocks[:, np.arange(i0, i1) // bq, (np.arange(j0, j1) // bk)[:, None]].transpose(1, 2, 0)
             if not allowed.all():
                 parts.append(~allowed)
         if not parts:
             return True, None
-        outside = functools.reduce(np.logical_or, parts)
+        group = heads.stop - heads.start
+        outside = np.broadcast_to(functools.reduce(np.logical_or, parts), (j1 - j0, i1 - i0, group))
         if outside.all():
             return False, None
-        return True, outside
+        return True, outside.reshape(j1 - j0, (i1 - i0) * group)
 
-
-def _pairs(disallowed, m: int, group: int):
-    """The (rows, keys) bool array of a tile's disallowed pairs, built on demand; None if none."""
-    if disallowed is None:
-        return None
-    return lambda: np.broadcast_to(disallowed, (m, group, disallowed.shape[-1])).reshape(m * group, -1)
-
-
-def _masked_matmul(a, b, disallowed_pairs, out=None):
+def _masked_matmul(a, b, disallowed, out=None):
     """a @ b in which a disallowed pair (i, j) adds exactly 0 (a[i, j] is 0 there), even when
     b[j] holds NaN or inf that BLAS would turn into 0 * inf = NaN: masked-out data never leaks.
 
-    ``disallowed_pairs``: None when every pair is allowed, else a callable returning the
-    bool array shaped like ``a``; it is only called when b holds a non-finite value.
+    ``disallowed``: None when every pair is allowed, else the bool array shaped like ``a``.
     """
-    if disallowed_pairs is None:
+    if disallowed is None:
         return np.matmul(a, b, out=out)
     finite = np.isfinite(b).all(axis=1)
     if finite.all():
         return np.matmul(a, b, out=out)
     out = np.matmul(a, np.where(finite[:, None], b, 0), out=out)
-    allowed = ~disallowed_pairs()
     for j in np.flatnonzero(~finite):
-        out += np.where(allowed[:, j, None], a[:, j, None] * b[j], 0)
+        out += np.where(disallowed[:, j, None], 0, a[:, j, None] * b[j])
     return out
 
 
@@ -176,31 +169,29 @@ def _compute_dtype(problem: Problem):
     return np.float64 if problem.dtype == "float64" else np.float32
 
 
-def _keys_transposed(k: np.ndarray, dtype) -> np.ndarray:
-    """(L, H, D) keys -> (H, D + 1, L): k^T per head with a row of ones below."""
-    length, heads, dim = k.shape
-    out = np.empty((heads, dim + 1, length), dtype)
-    out[:, :dim] = k.transpose(1, 2, 0)
-    out[:, dim] = 1
-    return out
-
-
-def _values_with_ones(v: np.ndarray, dtype) -> np.ndarray:
-    """(L, H, Dv) values -> (H, L, Dv + 1): v per head with a column of ones on the right."""
-    length, heads, dim = v.shape
+def _with_ones(x: np.ndarray, dtype) -> np.ndarray:
+    """(L, H, D) keys or values -> (H, L, D + 1): per head, with a column of ones on the right."""
+    length, heads, dim = x.shape
     out = np.empty((heads, length, dim + 1), dtype)
-    out[..., :dim] = v.transpose(1, 0, 2)
+    out[..., :dim] = x.transpose(1, 0, 2)
     out[..., dim] = 1
     return out
 
 
-def _scaled_queries(problem: Problem, q: np.ndarray, heads: slice, i0: int, i1: int, dtype) -> np.ndarray:
-    """(rows, D + 1): softmax_scale * q of queries i0:i1 and the group's heads, folded into rows;
-    the last column (for -ref) is left for the caller."""
+def _scaled_queries_t(problem: Problem, q: np.ndarray, heads: slice, i0: int, i1: int, dtype) -> np.ndarray:
+    """(D + 1, rows): (softmax_scale * q)^T of queries i0:i1 and the group's heads, folded
+    into rows; the last row (for -ref or -lse) is left to the caller."""
     group, dim = problem.group, problem.head_dim
-    out = np.empty((i1 - i0, group, dim + 1), dtype)
-    np.multiply(q[i0:i1, heads], problem.softmax_scale, out=out[..., :dim], dtype=dtype)
-    return out.reshape((i1 - i0) * group, dim + 1)
+    out = np.empty((dim + 1, i1 - i0, group), dtype)
+    np.multiply(q[i0:i1, heads].transpose(2, 0, 1), problem.softmax_scale, out=out[:dim], dtype=dtype)
+    return out.reshape(dim + 1, (i1 - i0) * group)
+
+
+def _keep(problem: Problem, seq, heads: slice, i0, i1, j0, j1) -> np.ndarray:
+    """The dropout keep mask of a tile, (keys, rows) like its scores."""
+    keep = dropout_keep(problem.dropout_p, problem.seed, problem.rng_offset, seq.b,
+                        np.arange(heads.start, heads.stop), problem.heads_q, i0, i1, j0, j1)
+    return keep.reshape(j1 - j0, -1)
 
 
 def forward(problem: Problem, q, k, v, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
@@ -215,8 +206,7 @@ def forward(problem: Problem, q, k, v, *, block_q: int = BLOCK_Q, block_k: int =
     queries_per_tile = max(1, block_q // problem.group)
     tasks = []
     for seq in sequences:
-        keys = _keys_transposed(k[seq.rows_k], dtype)
-        values = _values_with_ones(v[seq.rows_k], dtype)
+        keys, values = _with_ones(k[seq.rows_k], dtype), _with_ones(v[seq.rows_k], dtype)
         tiles = _Tiles(problem, seq)
         for head_k in range(problem.heads_k):
             for i0 in range(0, seq.lq, queries_per_tile):
@@ -232,15 +222,15 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
     """Queries i0:i1 of one sequence and of the heads reading kv head ``head_k``: every key tile."""
     group, dim_v, p = problem.group, problem.head_dim_v, problem.dropout_p
     heads = slice(head_k * group, (head_k + 1) * group)
-    m, rows = i1 - i0, (i1 - i0) * group
+    rows = (i1 - i0) * group
     dtype = keys.dtype
-    qa = _scaled_queries(problem, q, heads, i0, i1, dtype)
-    qa[:, -1] = 0
+    qa = _scaled_queries_t(problem, q, heads, i0, i1, dtype)
+    qa[-1] = 0
     ref = np.zeros(rows, dtype)
     started = np.zeros(rows, bool)  # ref is a maximum this row has seen
     acc = np.zeros((rows, dim_v + 1), dtype)  # [sum_j P_ij v_j | sum_j P_ij], in units of exp(ref)
     pv = np.empty_like(acc)
-    scores_buffer = np.empty(rows * block_k, dtype)
+    scores_buffer = np.empty(block_k * rows, dtype)
     with np.errstate(all="ignore"):  # exp(-inf) = 0 and log(0) = -inf are the intended values
         lo, hi = tiles.keys(i0, i1)
         for j0 in range(lo, hi, block_k):
@@ -248,34 +238,32 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
             any_allowed, disallowed = tiles.disallowed(heads, i0, i1, j0, j1)
             if not any_allowed:
                 continue
-            s = scores_buffer[: rows * (j1 - j0)].reshape(rows, j1 - j0)
-            np.matmul(qa, keys[:, j0:j1], out=s)  # S - ref
+            s = scores_buffer[: (j1 - j0) * rows].reshape(j1 - j0, rows)
+            np.matmul(keys[j0:j1], qa, out=s)  # (S - ref)^T
             if disallowed is not None:
-                np.copyto(s.reshape(m, group, j1 - j0), -np.inf, where=disallowed)
-            ahead = s.max(axis=1)
+                np.copyto(s, -np.inf, where=disallowed)
+            ahead = s.max(axis=0)
             moved = (ahead > _RESCALE_MARGIN) | (~started & (ahead > -np.inf))
             if moved.any():
                 shift = np.where(moved, ahead, 0)
-                s -= shift[:, None]
+                s -= shift
                 acc *= np.where(started, np.exp(-shift), 0)[:, None]
                 ref += shift
                 started |= moved
-                qa[:, -1] = -ref
+                qa[-1] = -ref
             np.exp(s, out=s)
             if p:
-                total = s.sum(axis=1)  # the normaliser counts dropped elements too
-                keep = dropout_keep(p, problem.seed, problem.rng_offset, seq.b, np.arange(heads.start, heads.stop),
-                                    problem.heads_q, i0, i1, j0, j1)
-                np.copyto(s.reshape(m, group, j1 - j0), 0, where=~keep)
-            _masked_matmul(s, values[j0:j1], _pairs(disallowed, m, group), out=pv)
+                total = s.sum(axis=0)  # the normaliser counts dropped elements too
+                np.copyto(s, 0, where=~_keep(problem, seq, heads, i0, i1, j0, j1))
+            _masked_matmul(s.T, values[j0:j1], None if disallowed is None else disallowed.T, out=pv)
             if p:
                 pv[:, -1] = total
             acc += pv
         total = acc[:, -1]
         out = acc[:, :-1] / (total * (1 - p))[:, None]
         np.copyto(out, 0, where=(total == 0)[:, None])  # rows with no allowed key
-        o[i0:i1, heads] = out.reshape(m, group, dim_v)
-        lse[heads, i0:i1] = (ref + np.log(total)).reshape(m, group).T
+        o[i0:i1, heads] = out.reshape(i1 - i0, group, dim_v)
+        lse[heads, i0:i1] = (ref + np.log(total)).reshape(i1 - i0, group).T
 
 
 def backward(problem: Problem, q, k, v, o, lse, do, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
@@ -305,50 +293,46 @@ def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, block_
     rows = seq.lq * group
     dtype = _compute_dtype(problem)
     tiles = _Tiles(problem, seq)
-    qa = _scaled_queries(problem, q, heads, 0, seq.lq, dtype)
-    qa[:, -1] = -lse[heads].T.reshape(rows)  # qa @ [k^T; 1] = S - lse
+    qa = _scaled_queries_t(problem, q, heads, 0, seq.lq, dtype)
+    qa[-1] = -lse[heads].T.reshape(rows)  # [k | 1] @ qa = (S - lse)^T
+    queries = qa[:-1].T  # (rows, D), scaled
     d_out = do[:, heads].reshape(rows, dim_v).astype(dtype)
     delta = np.einsum("rd,rd->r", d_out, o[:, heads].reshape(rows, dim_v).astype(dtype))
-    keys_t = _keys_transposed(k[:, head_k : head_k + 1], dtype)[0]
-    keys = k[:, head_k].astype(dtype)
-    values_t = v[:, head_k].T.astype(dtype)
+    keys = _with_ones(k[:, head_k : head_k + 1], dtype)[0]  # (Lk, D + 1)
+    values = v[:, head_k].astype(dtype)
     dq_acc = np.zeros((rows, dim), dtype)
     queries_per_tile = max(1, block_q // group)
     with np.errstate(all="ignore"):
         for j0 in range(0, seq.lk, block_k):
             j1 = min(j0 + block_k, seq.lk)
-            n = j1 - j0
-            dk_acc = np.zeros((n, dim), dtype)
-            dv_acc = np.zeros((n, dim_v), dtype)
+            dk_acc = np.zeros((j1 - j0, dim), dtype)
+            dv_acc = np.zeros((j1 - j0, dim_v), dtype)
             lo, hi = tiles.queries(j0, j1)
             for i0 in range(lo, hi, queries_per_tile):
                 i1 = min(i0 + queries_per_tile, hi)
-                r0, r1, m = i0 * group, i1 * group, i1 - i0
+                r0, r1 = i0 * group, i1 * group
                 any_allowed, disallowed = tiles.disallowed(heads, i0, i1, j0, j1)
                 if not any_allowed:
                     continue
-                probs = qa[r0:r1] @ keys_t[:, j0:j1]
+                probs = keys[j0:j1] @ qa[:, r0:r1]  # P^T, (keys, rows) like every tile here
                 if disallowed is not None:
-                    np.copyto(probs.reshape(m, group, n), -np.inf, where=disallowed)
+                    np.copyto(probs, -np.inf, where=disallowed)
                 np.exp(probs, out=probs)
-                pairs = _pairs(disallowed, m, group)
-                transposed_pairs = None if pairs is None else (lambda pairs=pairs: pairs().T)
-                d_scores = d_out[r0:r1] @ values_t[:, j0:j1]  # dP
+                d_scores = values[j0:j1] @ d_out[r0:r1].T  # dP^T
                 kept_probs = probs
                 if p:
-                    dropped = ~dropout_keep(p, problem.seed, problem.rng_offset, seq.b,
-                                            np.arange(heads.start, heads.stop), problem.heads_q, i0, i1, j0, j1)
+                    dropped = ~_keep(problem, seq, heads, i0, i1, j0, j1)
                     kept_probs = probs / (1 - p)
-                    np.copyto(kept_probs.reshape(m, group, n), 0, where=dropped)
-                    np.copyto(d_scores.reshape(m, group, n), 0, where=dropped)
+                    np.copyto(kept_probs, 0, where=dropped)
+                    np.copyto(d_scores, 0, where=dropped)
                     d_scores /= 1 - p
-                dv_acc += _masked_matmul(kept_probs.T, d_out[r0:r1], transposed_pairs)
-                d_scores -= delta[r0:r1, None]
-                d_scores *= probs  # dS = P * (dP - D)
+                dv_acc += _masked_matmul(kept_probs, d_out[r0:r1], disallowed)
+                d_scores -= delta[r0:r1]
+                d_scores *= probs  # dS^T = P^T * (dP^T - D)
                 if disallowed is not None:  # P = 0 there, but dP may hold NaN from masked-out data
-                    np.copyto(d_scores.reshape(m, group, n), 0, where=disallowed)
-                dq_acc[r0:r1] += _masked_matmul(d_scores, keys[j0:j1], pairs)
-                dk_acc += _masked_matmul(d_scores.T, qa[r0:r1, :-1], transposed_pairs)
+                    np.copyto(d_scores, 0, where=disallowed)
+                dk_acc += _masked_matmul(d_scores, queries[r0:r1], disallowed)
+                dq_acc[r0:r1] += _masked_matmul(d_scores.T, keys[j0:j1, :-1], None if disallowed is None else disallowed.T)
             dk[j0:j1, head_k] = dk_acc
             dv[j0:j1, head_k] = dv_acc
     dq[:, heads] = (dq_acc * problem.softmax_scale).reshape(seq.lq, group, dim)

@@ -28,21 +28,22 @@ def philox4x32(c0, c1, c2, c3, key0: int, key1: int) -> tuple[np.ndarray, ...]:
 
 def dropout_keep(p: float, seed: int, rng_offset: int, b: int, heads: np.ndarray, heads_q: int,
                  i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
-    """Z for queries i0:i1 (within sequence b), query heads ``heads``, keys j0:j1.
+    """Z for keys j0:j1, queries i0:i1 (within sequence b) and query heads ``heads``.
 
-    Returns bool of shape (i1 - i0, len(heads), j1 - j0): True where the element is kept.
-    One Philox call yields the words for four consecutive keys (counter word 0 is j // 4).
+    Returns bool of shape (j1 - j0, i1 - i0, len(heads)), keys first like the backend's
+    score tiles: True where the element is kept. One Philox call yields the words of four
+    consecutive keys (counter word 0 is j // 4).
     """
     first, last = j0 // 4, (j1 + 3) // 4
     words = philox4x32(
-        np.arange(first, last, dtype=np.uint32)[None, None, :],
-        np.arange(i0, i1, dtype=np.uint32)[:, None, None],
-        (b * heads_q + np.asarray(heads, dtype=np.int64)).astype(np.uint32)[None, :, None],
+        np.arange(first, last, dtype=np.uint32)[:, None, None],
+        np.arange(i0, i1, dtype=np.uint32)[None, :, None],
+        (b * heads_q + np.asarray(heads, dtype=np.int64)).astype(np.uint32)[None, None, :],
         rng_offset & _WORD,
         seed & _WORD,
         (seed >> 32) & _WORD,
     )
-    # words[w][..., t] belongs to key 4 * (first + t) + w: interleave them into key order.
-    r = np.stack(words, axis=-1).reshape(i1 - i0, len(heads), 4 * (last - first))
+    # words[w][t] belongs to key 4 * (first + t) + w: interleave them into key order.
+    r = np.stack(words, axis=1).reshape(4 * (last - first), i1 - i0, len(heads))
     start = j0 - 4 * first
-    return r[:, :, start : start + j1 - j0] >= np.uint32(int(p * 2**32))
+    return r[start : start + j1 - j0] >= np.uint32(int(p * 2**32))
