@@ -91,11 +91,16 @@ def keep_mask(q, k, v, **options) -> np.ndarray:
     return dense.keep != 0 if dense.keep is not None else np.ones(dense.allowed.shape, dtype=bool)
 
 
-def naive(do, q, k, v, dtype: str, **options):
+def naive(do, q, k, v, dtype: str, *, backward: str = "autograd", **options):
     """(o, lse, dq, dk, dv) of plain attention computed by torch on CPU in ``dtype``.
 
     The inputs must already be representable in ``dtype``. Rows without an allowed key
     give 0 (not NaN), so the naive error is measured on what a backend is judged on.
+    ``backward`` picks one of two plain formulations of the gradients, both in ``dtype``:
+    "autograd" (torch differentiates the forward) or "rowsum" (explicit formulas with
+    delta = rowsum(dO * O), as FlashAttention's backward computes it). Where a gradient
+    vanishes by cancellation (one key per row: dS = P (dP - delta) = 0), autograd is exact
+    by accident while every flash kernel leaves rounding noise; "rowsum" measures that noise.
     """
     import torch
 
@@ -103,24 +108,37 @@ def naive(do, q, k, v, dtype: str, **options):
     t = getattr(torch, dtype)
 
     def tensor(x):
-        return torch.from_numpy(np.asarray(x, dtype=np.float64)).to(t)
+        return torch.from_numpy(np.array(x, dtype=np.float64)).to(t)
 
-    q_, k_, v_ = (tensor(x).requires_grad_() for x in (dense.q, dense.k, dense.v))
+    q_, k_, v_ = (tensor(x).requires_grad_(backward == "autograd") for x in (dense.q, dense.k, dense.v))
     group = q_.shape[1] // k_.shape[1]
-    allowed = torch.from_numpy(np.ascontiguousarray(dense.allowed))
-    scores = (q_ * dense.scale) @ k_.repeat_interleave(group, 1).transpose(-1, -2)
-    if dense.softcap is not None:
-        scores = dense.softcap * torch.tanh(scores / dense.softcap)
+    k_all, v_all = k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1)
+    allowed = torch.from_numpy(np.array(dense.allowed))
+    raw = (q_ * dense.scale) @ k_all.transpose(-1, -2)
+    scores = raw if dense.softcap is None else dense.softcap * torch.tanh(raw / dense.softcap)
     if dense.bias is not None:
         scores = scores + tensor(dense.bias)
     scores = scores.masked_fill(~allowed, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     empty = ~allowed.any(dim=-1, keepdim=True)
     p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(~allowed, 0.0)
-    if dense.keep is not None:
-        p = p * tensor(dense.keep)
-    o = p @ v_.repeat_interleave(group, 1)
-    dq, dk, dv = torch.autograd.grad(o, (q_, k_, v_), tensor(dense.do))
+    keep = None if dense.keep is None else tensor(dense.keep)
+    p_dropped = p if keep is None else p * keep
+    o = p_dropped @ v_all
+    do_ = tensor(dense.do)
+    if backward == "autograd":
+        dq, dk, dv = torch.autograd.grad(o, (q_, k_, v_), do_)
+    else:
+        dp = (do_ @ v_all.transpose(-1, -2)).masked_fill(~allowed, 0.0)
+        if keep is not None:
+            dp = dp * keep
+        ds = p * (dp - (do_ * o).sum(dim=-1, keepdim=True))
+        if dense.softcap is not None:
+            ds = ds * (1 - torch.tanh(raw / dense.softcap) ** 2)
+        batch, heads_k = k_.shape[:2]
+        dq = dense.scale * (ds @ k_all)
+        dk = (dense.scale * (ds.transpose(-1, -2) @ q_)).reshape(batch, heads_k, group, *k_.shape[2:]).sum(2)
+        dv = (p_dropped.transpose(-1, -2) @ do_).reshape(batch, heads_k, group, *v_.shape[2:]).sum(2)
 
     def numpy(x):
         return x.detach().double().numpy()

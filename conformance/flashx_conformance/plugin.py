@@ -1,1 +1,227 @@
-"""placeholder"""
+"""The pytest plugin of the conformance suite (entry point ``pytest11``: loaded by every pytest run).
+
+Nothing here imports flashx, NumPy or a GPU library until a backend is named with
+``--flashx-backend NAME`` (or ``FLASHX_CONFORMANCE_BACKEND``); without one every hook
+returns at once and the conformance tests skip, saying how to name one.
+
+    pytest --pyargs flashx_conformance --flashx-backend numpy [--flashx-device cuda]
+           [--flashx-tier small|full] [--flashx-report results.json]
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+import os
+import platform
+import time
+import zlib
+
+import pytest
+
+ENV_VAR = "FLASHX_CONFORMANCE_BACKEND"
+#: Set by the CPU stand-ins of GPU backends; their kernels run thousands of times slower.
+SIMULATORS = ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")
+FULL_ONLY = "flashx_full"
+#: Libraries named in the report header, with the distributions that provide them (read, not imported).
+LIBRARIES = {
+    "numpy": ("numpy",),
+    "torch": ("torch",),
+    "triton": ("triton",),
+    "cupy": ("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+    "numba": ("numba-cuda", "numba"),
+}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("flashx", "flashx conformance suite")
+    group.addoption(
+        "--flashx-backend",
+        default=os.environ.get(ENV_VAR),
+        metavar="NAME",
+        help=f"the flashx backend to test (default: ${ENV_VAR}); without one the suite skips",
+    )
+    group.addoption(
+        "--flashx-device",
+        default=None,
+        metavar="DEVICE",
+        help='"cpu", "cuda" or "cuda:N" (default: cuda when the backend runs there and a GPU is present, else cpu)',
+    )
+    group.addoption(
+        "--flashx-tier",
+        choices=("small", "full"),
+        default=None,
+        help=f"case sizes (default: small when {' or '.join(SIMULATORS)} is set, else full)",
+    )
+    group.addoption("--flashx-report", default=None, metavar="PATH", help="write every case's outcome as JSON to PATH")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long or memory-hungry GPU cases (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", f"{FULL_ONLY}: a case too big for the small tier (interpreters, simulators)")
+    if config.getoption("flashx_backend"):
+        session = _Session(config)
+        config.stash[_SESSION] = session
+        config.pluginmanager.register(session, "flashx_conformance_session")
+
+
+@pytest.fixture(scope="session")
+def flashx_target(request):
+    """The backend under test (``harness.Target``); skips when none is named or it cannot run here."""
+    session = request.config.stash.get(_SESSION, None)
+    if session is None:
+        pytest.skip(f"no flashx backend named: pass --flashx-backend NAME or set {ENV_VAR}")
+    return session.target()
+
+
+@pytest.fixture
+def flashx_rng(request):
+    """A NumPy generator seeded from the test's id: every case draws the same inputs on every run."""
+    import numpy as np
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+class _Session:
+    """The named backend, its device and tier, and the outcomes recorded for the report."""
+
+    def __init__(self, config):
+        self.config = config
+        self.name = config.getoption("flashx_backend")
+        simulated = [var for var in SIMULATORS if os.environ.get(var, "0") not in ("", "0")]
+        self.tier = config.getoption("flashx_tier") or ("small" if simulated else "full")
+        self.simulators = simulated
+        self.results: list[dict] = []
+        self._target = None
+        self._skip_reason = None
+        self._device = None
+
+    @property
+    def device(self) -> str:
+        if self._device is None:
+            chosen = self.config.getoption("flashx_device")
+            if chosen is None:
+                chosen = "cuda" if self._backend_runs_on_cuda() and _gpu_present() else "cpu"
+            self._device = chosen
+        return self._device
+
+    def _backend_runs_on_cuda(self) -> bool:
+        import flashx
+
+        try:
+            return "cuda" in flashx.registry.get(self.name).devices
+        except flashx.UnsupportedError:
+            return False
+
+    def target(self):
+        if self._target is None and self._skip_reason is None:
+            import flashx
+            from flashx_conformance.harness import Target
+
+            backend = flashx.registry.get(self.name)  # an unknown name is an error, not a skip
+            unavailable = backend.available()
+            if unavailable:
+                self._skip_reason = f"backend {self.name!r} is not available here: {unavailable}"
+            else:
+                self._target = Target(self.name, self.device, self.tier)
+        if self._skip_reason:
+            pytest.skip(self._skip_reason)
+        return self._target
+
+    def describe(self) -> dict:
+        import flashx
+
+        info = next((i for i in flashx.backends() if i.name == self.name), None)
+        versions = {"python": platform.python_version(), "flashx": flashx.__version__}
+        for library, distributions in LIBRARIES.items():
+            found = [_version(d) for d in distributions if _version(d)]
+            if found:
+                versions[library] = found[0]
+        return {
+            "backend": self.name,
+            "version": info.version if info else "?",
+            "available": info.reason is None if info else False,
+            "reason": info.reason if info else "not registered",
+            "device": self.device + (f" ({_device_name(self.device)})" if self.device.startswith("cuda") else ""),
+            "tier": self.tier,
+            "simulators": self.simulators,
+            "versions": versions,
+        }
+
+    # -- hooks: registered as a plugin only when a backend is named ---------------------------
+    def pytest_report_header(self) -> list[str]:
+        d = self.describe()
+        status = "available" if d["available"] else f"NOT available: {d['reason']}"
+        simulated = f" under {', '.join(f'{v}=1' for v in d['simulators'])}" if d["simulators"] else ""
+        return [
+            f"flashx conformance: backend {d['backend']} {d['version']} ({status}) on {d['device']}{simulated}, tier {d['tier']}",
+            "flashx conformance: " + ", ".join(f"{k} {v}" for k, v in d["versions"].items()),
+        ]
+
+    def pytest_runtest_setup(self, item):
+        if item.get_closest_marker(FULL_ONLY) and self.tier != "full":
+            pytest.skip("full tier only (--flashx-tier full): too big for the small tier of interpreters and simulators")
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            reason = None
+            if report.skipped:
+                reason = report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.results.append(
+                {
+                    "nodeid": report.nodeid,
+                    "case": report.nodeid.rpartition("/")[2],
+                    "outcome": "xfailed" if hasattr(report, "wasxfail") else report.outcome,
+                    "reason": reason,
+                    "duration": round(report.duration, 4),
+                }
+            )
+
+    def pytest_terminal_summary(self, terminalreporter):
+        """Skips are never silent: every distinct reason with its count."""
+        counts = Counter(result["outcome"] for result in self.results)
+        skipped = Counter(result["reason"] for result in self.results if result["outcome"] == "skipped")
+        terminal = terminalreporter
+        terminal.section(f"flashx conformance: {self.name} on {self.device}, tier {self.tier}")
+        terminal.line(", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no cases ran")
+        for reason, n in skipped.most_common():
+            terminal.line(f"  skipped {n:4d} x  {reason}")
+
+    def pytest_sessionfinish(self):
+        path = self.config.getoption("flashx_report")
+        if not path:
+            return
+        report = {**self.describe(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": self.results}
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+_SESSION = pytest.StashKey[_Session]()
+
+
+def _version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _device_name(device: str) -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    except Exception as error:  # noqa: BLE001 - only a label
+        return f"unknown: {type(error).__name__}"

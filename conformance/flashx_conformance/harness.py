@@ -1,0 +1,309 @@
+"""Cases and the backend under test: build inputs, call flashx, compare with the oracle.
+
+Inputs are drawn in float64 (seeded normal, never zeros), rounded to the case's dtype, and
+handed to ``flashx.attention_forward`` / ``attention_backward`` with ``backend=NAME`` as
+arrays of the backend's kind on the chosen device. The oracle sees the very same rounded
+values. A problem the backend declares unsupported is skipped with the backend's reasons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+import flashx
+from flashx_conformance import oracle
+from flashx_conformance.tolerance import AXES, judge, judge_exact, reference_precision, round_to
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: Marks a parameter too big for the small tier (interpreters, simulators): it is skipped there.
+full_only = pytest.mark.flashx_full
+TENSORS = ("q", "k", "v", "do")
+OUTPUTS = ("o", "lse", "dq", "dk", "dv")
+
+#: How an input is laid out in memory; every layout shows the values of the contiguous one.
+#: Gaps and neighbours hold NaN, so a kernel that misreads strides returns NaN.
+LAYOUTS = {
+    "contiguous": None,
+    "transposed": "stored (B, H, N, D) and seen through a transposed view",
+    "packed": "a slice [..., 1, :, :] of a packed qkv tensor (..., 3, H, D)",
+    "strided": "every other element of a last dim twice as long",
+}
+
+
+@dataclass
+class Case:
+    """One attention problem: clean float64 inputs, the dtype, and flashx.attention's keywords."""
+
+    inputs: dict[str, np.ndarray]  # q, k, v, do in float64; never rounded here
+    dtype: str
+    options: dict = field(default_factory=dict)  # auxiliary arrays as NumPy arrays
+    poison: dict[str, tuple[np.ndarray, float]] = field(default_factory=dict)  # name -> (where, value)
+    layouts: dict[str, str] = field(default_factory=dict)  # name -> a key of LAYOUTS
+
+    @property
+    def varlen(self) -> bool:
+        return self.options.get("cu_seqlens_q") is not None
+
+    def with_poison(self, name: str, where, value: float = math.nan) -> "Case":
+        """The case with ``value`` written into input ``name`` where ``where`` (broadcast) holds."""
+        where = np.broadcast_to(where, self.inputs[name].shape)
+        if name in self.poison:
+            old, old_value = self.poison[name]
+            if old_value != value and not (math.isnan(old_value) and math.isnan(value)):
+                raise ValueError(f"{name} is already poisoned with {old_value}")
+            where = where | old
+        return dataclasses.replace(self, poison={**self.poison, name: (where, value)})
+
+    def rounded(self, poisoned: bool = True) -> dict[str, np.ndarray]:
+        """The inputs as the backend receives them: rounded to the dtype, poison written."""
+        out = {}
+        for name, x in self.inputs.items():
+            x = round_to(x, self.dtype)
+            if poisoned and name in self.poison:
+                where, value = self.poison[name]
+                x = np.where(where, value, x)
+            out[name] = x
+        return out
+
+    def describe(self) -> str:
+        shapes = " ".join(f"{name}{self.inputs[name].shape}" for name in TENSORS)
+        options = ", ".join(f"{name}={_short(value)}" for name, value in self.options.items())
+        parts = [f"{shapes} {self.dtype}", options]
+        parts += [f"{name}: {int(np.sum(where))} elements set to {value}" for name, (where, value) in self.poison.items()]
+        parts += [f"{name} {LAYOUTS[layout]}" for name, layout in self.layouts.items()]
+        return "case: " + "; ".join(part for part in parts if part)
+
+
+def make_case(
+    rng: np.random.Generator,
+    *,
+    batch: int = 2,
+    seqlen_q: int = 64,
+    seqlen_k: int | None = None,
+    heads_q: int = 2,
+    heads_k: int | None = None,
+    head_dim: int = 64,
+    head_dim_v: int | None = None,
+    dtype: str = "float32",
+    **options,
+) -> Case:
+    """A padded-layout case with standard normal inputs."""
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    heads_k = heads_q if heads_k is None else heads_k
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    shapes = {
+        "q": (batch, seqlen_q, heads_q, head_dim),
+        "k": (batch, seqlen_k, heads_k, head_dim),
+        "v": (batch, seqlen_k, heads_k, head_dim_v),
+        "do": (batch, seqlen_q, heads_q, head_dim_v),
+    }
+    return Case({name: rng.standard_normal(shape) for name, shape in shapes.items()}, dtype, options)
+
+
+def make_varlen_case(
+    rng: np.random.Generator,
+    *,
+    lengths_q: list[int],
+    lengths_k: list[int],
+    spare_rows: int = 0,
+    heads_q: int = 2,
+    heads_k: int | None = None,
+    head_dim: int = 64,
+    head_dim_v: int | None = None,
+    dtype: str = "float32",
+    **options,
+) -> Case:
+    """A packed (cu_seqlens) case; ``spare_rows`` rows past the last sequence belong to none."""
+    heads_k = heads_q if heads_k is None else heads_k
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32) for lengths in (lengths_q, lengths_k))
+    rows_q, rows_k = int(cu_q[-1]) + spare_rows, int(cu_k[-1]) + spare_rows
+    shapes = {
+        "q": (rows_q, heads_q, head_dim),
+        "k": (rows_k, heads_k, head_dim),
+        "v": (rows_k, heads_k, head_dim_v),
+        "do": (rows_q, heads_q, head_dim_v),
+    }
+    inputs = {name: rng.standard_normal(shape) for name, shape in shapes.items()}
+    return Case(inputs, dtype, {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, **options})
+
+
+class Target:
+    """The backend under test, on one device, with the array kind it declares."""
+
+    def __init__(self, name: str, device: str, tier: str):
+        self.name, self.device, self.tier = name, device, tier
+        self.backend = flashx.registry.get(name)
+        self.kind = self.backend.array_kind
+
+    @property
+    def full(self) -> bool:
+        return self.tier == "full"
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of the feature cases: float32 (the tightest bound of SPEC 5) where supported."""
+        declared = getattr(self.backend, "dtypes", DTYPES)
+        return next((t for t in ("float32", "float16", "bfloat16", "float64") if t in declared), "float32")
+
+    # -- arrays --------------------------------------------------------------------------
+    def caller_kind(self, dtype: str) -> str:
+        """The kind of array the suite passes: the backend's, or torch where that kind lacks the dtype."""
+        return "torch" if dtype == "bfloat16" and self.kind in ("numpy", "cupy") else self.kind
+
+    def array(self, x: np.ndarray, dtype: str, layout: str = "contiguous", element: str | None = None):
+        """``x`` as an array of the caller kind for ``dtype``, on the device.
+
+        Floating inputs become ``dtype`` (they must be representable in it); other arrays keep
+        their element type unless ``element`` names one.
+        """
+        x = np.asarray(x)
+        element = element or (dtype if x.dtype.kind == "f" else str(x.dtype))
+        base, view = _layout(x, layout)
+        kind = self.caller_kind(dtype)
+        if kind == "torch":
+            import torch
+
+            return view(torch.from_numpy(base).to(device=self.device, dtype=getattr(torch, element)))
+        if kind == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(_index(self.device)):
+                return view(cupy.asarray(base.astype(element)))
+        return view(base.astype(element))
+
+    def auxiliary(self, options: dict, dtype: str) -> dict:
+        """The case's keywords with NumPy arrays turned into arrays like q's (ALiBi slopes in float32)."""
+
+        def convert(value):
+            if isinstance(value, flashx.BlockMask):
+                return flashx.BlockMask(self.array(value.blocks, dtype), value.block_size)
+            if isinstance(value, np.ndarray):
+                return self.array(value, dtype, element="float32" if value.dtype.kind == "f" else None)
+            return value
+
+        return {name: convert(value) for name, value in options.items()}
+
+    @staticmethod
+    def numpy(x) -> np.ndarray:
+        """Any output as a float64 NumPy array (exact for every dtype of the contract)."""
+        module = type(x).__module__.partition(".")[0]
+        if module == "torch":
+            return x.detach().cpu().double().numpy()
+        if module == "cupy":
+            return x.get().astype(np.float64)
+        return np.asarray(x, dtype=np.float64)
+
+    # -- calls -----------------------------------------------------------------------------
+    def call(self, case: Case, **extra):
+        """Forward and backward through the public API: (o, res, dq, dk, dv) as the backend's arrays.
+
+        A problem the backend does not support skips the test with the backend's own reasons.
+        """
+        inputs = {name: self.array(x, case.dtype, case.layouts.get(name, "contiguous")) for name, x in case.rounded().items()}
+        options = {**self.auxiliary(case.options, case.dtype), **extra}
+        q, k, v, do = (inputs[name] for name in TENSORS)
+        self.skip_unless_supported(q, k, v, **options)
+        o, res = flashx.attention_forward(q, k, v, backend=self.name, **options)
+        dq, dk, dv = flashx.attention_backward(do, q, k, v, o, res, backend=self.name, **options)
+        self.check_kinds(case, q, {"o": o, "lse": res.lse, "dq": dq, "dk": dk, "dv": dv})
+        return o, res, dq, dk, dv
+
+    def skip_unless_supported(self, q, k, v, **options):
+        explanation = flashx.explain(q, k, v, **options)
+        for row in explanation.rows:
+            if row.name == self.name and row.reasons:
+                pytest.skip(f"{self.name}: " + "; ".join(row.reasons))
+
+    def check_kinds(self, case: Case, q, outputs: dict):
+        """Outputs are arrays like q (kind, device), o and gradients in q's dtype, lse in float32/float64."""
+        problems = []
+        for name, x in outputs.items():
+            expected = ("float64" if case.dtype == "float64" else "float32") if name == "lse" else case.dtype
+            got = flashx.arrays.dtype_name(x)
+            if type(x) is not type(q) or flashx.arrays.device_of(x) != flashx.arrays.device_of(q) or got != expected:
+                problems.append(f"{name}: {type(x).__name__} {got} on {flashx.arrays.device_of(x)}, expected {type(q).__name__} {expected} on {flashx.arrays.device_of(q)}")
+        assert not problems, case.describe() + "\n" + "\n".join(problems)
+
+    def outputs(self, case: Case, **extra) -> dict[str, np.ndarray]:
+        """The backend's o, lse, dq, dk, dv as float64 NumPy arrays."""
+        o, res, dq, dk, dv = self.call(case, **extra)
+        return dict(zip(OUTPUTS, (self.numpy(x) for x in (o, res.lse, dq, dk, dv))))
+
+    def check(self, case: Case) -> dict[str, np.ndarray]:
+        """Run the case and hold every output to the oracle; returns the backend's outputs."""
+        got = self.outputs(case)
+        failures = conformance_failures(case, got)
+        assert not failures, case.describe() + "\n" + "\n".join(failures)
+        return got
+
+    def require_free_memory(self, nbytes: int):
+        """Skip unless the device has ``nbytes`` free (GPU tier)."""
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+        if free < nbytes:
+            pytest.skip(f"needs {nbytes / 2**30:.1f} GiB free on {self.device}, has {free / 2**30:.1f} GiB")
+
+
+def conformance_failures(case: Case, got: dict[str, np.ndarray]) -> list[str]:
+    """Everything in ``got`` (float64 outputs) that breaks the contract for ``case``."""
+    precision = reference_precision(case.dtype)
+    poisoned, clean = case.rounded(poisoned=True), case.rounded(poisoned=False)
+    expected = oracle.forward_backward(*(poisoned[name].astype(precision) for name in ("do", "q", "k", "v")), **case.options)
+    naive = [
+        oracle.naive(*(clean[name] for name in ("do", "q", "k", "v")), case.dtype, backward=backward, **case.options)
+        for backward in ("autograd", "rowsum")
+    ]
+    axes = AXES["varlen" if case.varlen else "padded"]
+    failures = [
+        judge(name, got[name], expected[n], [baseline[n] for baseline in naive], case.dtype, axes[name])
+        for n, name in enumerate(OUTPUTS)
+    ]
+    shapes = {name: poisoned[name] for name in ("q", "k", "v")}
+    empty = oracle.empty_rows(**shapes, **case.options)  # lse layout
+    rows = empty.T if case.varlen else empty.swapaxes(1, 2)  # (Tq, Hq) or (B, Nq, Hq)
+    unread = oracle.unread_keys(**shapes, **case.options)[..., None]
+    why_row, why_key = "rows with no allowed key", "keys no allowed pair reads"
+    failures += [
+        judge_exact("o", got["o"], 0.0, rows[..., None], axes["o"], why_row),
+        judge_exact("lse", got["lse"], -math.inf, empty, axes["lse"], why_row),
+        judge_exact("dq", got["dq"], 0.0, rows[..., None], axes["dq"], why_row),
+        judge_exact("dk", got["dk"], 0.0, unread, axes["dk"], why_key),
+        judge_exact("dv", got["dv"], 0.0, unread, axes["dv"], why_key),
+    ]
+    return [failure for failure in failures if failure]
+
+
+def _layout(x: np.ndarray, layout: str):
+    """(contiguous base array, the view of it that shows x) for a key of LAYOUTS."""
+    if layout == "contiguous":
+        return np.ascontiguousarray(x), lambda a: a
+    if layout == "transposed":
+        return np.ascontiguousarray(x.swapaxes(-3, -2)), lambda a: a.swapaxes(-3, -2)
+    if layout == "packed":
+        base = np.full(x.shape[:-2] + (3,) + x.shape[-2:], np.nan, dtype=x.dtype)
+        base[..., 1, :, :] = x
+        return base, lambda a: a[..., 1, :, :]
+    if layout == "strided":
+        base = np.full(x.shape[:-1] + (2 * x.shape[-1],), np.nan, dtype=x.dtype)
+        base[..., ::2] = x
+        return base, lambda a: a[..., ::2]
+    raise ValueError(f"unknown layout {layout!r}; known: {sorted(LAYOUTS)}")
+
+
+def _index(device: str) -> int:
+    return int(device.partition(":")[2] or 0)
+
+
+def _short(value) -> str:
+    if isinstance(value, flashx.BlockMask):
+        return f"BlockMask(blocks{np.shape(value.blocks)}, block_size={value.block_size})"
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{value.shape}" if value.size > 8 else repr(value.tolist())
+    return repr(value)

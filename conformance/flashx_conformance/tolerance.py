@@ -1,0 +1,101 @@
+"""The exactness rule of SPEC section 5, with failures that say where and by how much.
+
+For each output X of a backend in input dtype t:
+    max|X - X_ref| <= k * max|X_naive_t - X_ref| + floor_t       k = 2 for o and lse, 3 for dq, dk, dv
+    ||X - X_ref|| / ||X_ref|| <= 1e-5 (float32), 1e-2 (bfloat16), 2e-3 (float16)
+X_ref is the float64 oracle; for float64 backends, whose error the float64 oracle cannot
+measure, it is the oracle in extended precision (``np.longdouble``). X_naive_t is plain
+attention in dtype t (``oracle.naive``) and floor_t = max|round_t(X_ref) - X_ref|.
+Non-finite values must match exactly: NaN where the reference has NaN, the same infinities.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FACTOR = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
+RELATIVE_NORM_BOUND = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+
+#: The names of the axes of each output, to say where an element is.
+AXES = {
+    "padded": {"o": "bihd", "lse": "bhi", "dq": "bihd", "dk": "bjhd", "dv": "bjhd"},
+    "varlen": {"o": "thd", "lse": "ht", "dq": "thd", "dk": "thd", "dv": "thd"},
+}
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x rounded to ``dtype`` (round to nearest even), returned as float64."""
+    x = np.asarray(x)
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(x.astype(np.float64)).to(torch.bfloat16).double().numpy()
+    return x.astype(dtype).astype(np.float64)
+
+
+def reference_precision(dtype: str):
+    """The NumPy type the oracle computes in to judge a backend running in ``dtype``."""
+    if dtype == "float64" and np.finfo(np.longdouble).eps < np.finfo(np.float64).eps:
+        return np.longdouble
+    return np.float64
+
+
+def where(index, axes: str) -> str:
+    return "(" + ", ".join(f"{axis}={i}" for axis, i in zip(axes, index)) + ")"
+
+
+def judge(name: str, actual, expected, naive: list, dtype: str, axes: str) -> str | None:
+    """None if ``actual`` meets the rule for output ``name``, else a readable account of why not.
+
+    ``naive`` lists plain computations in ``dtype`` (formulations); the largest error counts.
+    """
+    with np.errstate(invalid="ignore"):  # inf - inf where both are infinite: compared exactly below
+        return _judge(name, *(np.asarray(x) for x in (actual, expected)), [np.asarray(x) for x in naive], dtype, axes)
+
+
+def _judge(name, actual, expected, naive, dtype, axes):
+    if actual.shape != expected.shape:
+        return f"{name}: shape {actual.shape}, expected {expected.shape}"
+    finite = np.isfinite(expected)
+    mismatch = np.isfinite(actual) != finite
+    mismatch |= ~finite & ~((actual == expected) | (np.isnan(actual) & np.isnan(expected)))
+    if mismatch.any():
+        index = tuple(int(i) for i in np.argwhere(mismatch)[0])
+        return (
+            f"{name}: {int(mismatch.sum())} of {mismatch.size} elements differ in finiteness from the oracle, "
+            f"first at {where(index, axes)}: got {actual[index]}, oracle {expected[index]}"
+        )
+    if not finite.any():
+        return None
+    error = np.where(finite, np.abs(actual - expected), 0)
+    index = np.unravel_index(int(np.argmax(error)), error.shape)
+    max_error = error[index]
+    naive_error = max(np.where(finite & np.isfinite(x), np.abs(x - expected), 0).max() for x in naive)
+    exact = np.where(finite, expected, 0)
+    floor = np.abs(round_to(exact, dtype) - exact).max()
+    allowed = FACTOR[name] * naive_error + floor
+    problems = []
+    if max_error > allowed:
+        problems.append(
+            f"max |error| {float(max_error):.3e} > allowed {float(allowed):.3e} "
+            f"= {FACTOR[name]} x naive {dtype} error {float(naive_error):.3e} + {dtype} rounding floor {float(floor):.3e}; "
+            f"worst at {where(index, axes)}: got {float(actual[index])!r}, oracle {float(expected[index])!r}"
+        )
+    bound = RELATIVE_NORM_BOUND.get(dtype)
+    norm = np.sqrt((exact * exact).sum())
+    if bound is not None and norm > 0:
+        relative = np.sqrt((error * error).sum()) / norm
+        if relative > bound:
+            problems.append(f"relative norm error {float(relative):.3e} > {bound:g} (max |error| {float(max_error):.3e} at {where(index, axes)})")
+    return f"{name}: " + "; ".join(problems) if problems else None
+
+
+def judge_exact(name: str, actual, value: float, selected, axes: str, why: str) -> str | None:
+    """None if ``actual`` equals ``value`` exactly wherever ``selected`` (broadcast) holds."""
+    actual = np.asarray(actual)
+    selected = np.broadcast_to(selected, actual.shape)
+    wrong = selected & ~(actual == value)
+    if not wrong.any():
+        return None
+    index = tuple(int(i) for i in np.argwhere(wrong)[0])
+    return f"{name}: {int(wrong.sum())} elements are not exactly {value} ({why}), first at {where(index, axes)}: got {actual[index]}"
