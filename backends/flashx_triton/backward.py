@@ -333,13 +333,22 @@ def backward(problem, q, k, v, o, lse, do):
         o, do, lse, delta, lse2, *row_strides(o, varlen), *row_strides(do, varlen), *lse_strides(lse, varlen),
         HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"], BLOCK_M=prepare_rows, **rows_q)
 
-    dkdv_config, dq_config = tuning.backward_configs(problem)
     scales = dict(softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
     inputs = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen))
-    _dkdv_kernel[(problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, dkdv_config.block_n),)](
-        q, k, v, do, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen), *row_strides(dv, varlen),
-        *lse_strides(lse, varlen), **scales, **args, **dkdv_config.launch_args())
-    _dq_kernel[(problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, dq_config.block_m),)](
-        q, k, v, do, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
-        **scales, **args, **dq_config.launch_args())
+
+    def run_dkdv(config):
+        grid = (problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, config.block_n),)
+        _dkdv_kernel[grid](q, k, v, do, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen),
+                           *row_strides(dv, varlen), *lse_strides(lse, varlen), **scales, **args,
+                           **config.launch_args())
+        return dk, dv
+
+    def run_dq(config):
+        grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
+        _dq_kernel[grid](q, k, v, do, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
+                         **scales, **args, **config.launch_args())
+        return (dq,)
+
+    run_dkdv(tuning.choose("dkdv", problem, run_dkdv))
+    run_dq(tuning.choose("dq", problem, run_dq))
     return dq, dk, dv

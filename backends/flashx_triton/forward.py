@@ -153,13 +153,15 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     else:
         o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-    config = tuning.forward_config(problem)
-    grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
-    _forward_kernel[grid](
-        q, k, v, o, lse,
-        *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(o, varlen),
-        *lse_strides(lse, varlen),
-        scale_log2=problem.softmax_scale * LOG2E,
-        **problem_args(problem), **config.launch_args(),
-    )
+    strides = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(o, varlen),
+               *lse_strides(lse, varlen))
+    args = problem_args(problem)
+
+    def run(config):
+        grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
+        _forward_kernel[grid](q, k, v, o, lse, *strides, scale_log2=problem.softmax_scale * LOG2E, **args,
+                              **config.launch_args())
+        return o, lse
+
+    run(tuning.choose("forward", problem, run))
     return o, lse

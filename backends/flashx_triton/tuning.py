@@ -1,13 +1,18 @@
-"""Tile shapes, warps and pipeline depth for each kernel.
+"""Tile shapes, warps and pipeline depth for each kernel, picked by timing on first use.
 
-Under TRITON_INTERPRET=1 (CI, CPU) one small fixed configuration runs: interpreting is slow
-and the tile shape does not change the function computed.
+Each kernel has a short list of candidate configurations per head-dim class and dtype. The
+first time a (kernel, head dims, dtype, causal, GPU) key is seen, every candidate runs on the
+call's own inputs; one that fails to compile, or whose output has NaN where the first
+candidate's has none, is dropped (some tile shapes have miscompiled on Hopper), and the
+fastest of the rest is cached for the process. Under TRITON_INTERPRET=1 (CI, CPU), or with
+FLASHX_TRITON_AUTOTUNE=0, the first candidate runs untimed.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -21,29 +26,83 @@ class Config:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+# Interpreting is slow per program and per tile; 32 rows still give several tiles on test shapes.
 INTERPRETED = Config(32, 32, 1, 1)
+
+C = Config
+FORWARD = {
+    64: [C(128, 128, 4, 3), C(128, 64, 4, 3), C(128, 128, 8, 3), C(64, 64, 4, 3)],
+    128: [C(128, 64, 4, 2), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 128, 4, 2), C(64, 64, 4, 3)],
+    256: [C(64, 64, 4, 2), C(128, 64, 8, 2), C(64, 32, 4, 2)],
+}
+FORWARD_FP32 = [C(64, 32, 4, 2), C(64, 64, 4, 2), C(32, 32, 4, 2)]
+# dK/dV: block_n keys stay resident while block_m query rows stream.
+DKDV = {
+    64: [C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 128, 8, 3)],
+    128: [C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 128, 8, 2), C(64, 128, 8, 2)],
+    256: [C(32, 64, 4, 2), C(64, 64, 8, 2), C(32, 32, 4, 2)],
+}
+DKDV_FP32 = [C(32, 64, 4, 2), C(32, 32, 4, 2)]
+DQ = {
+    64: [C(128, 64, 8, 3), C(64, 64, 4, 3), C(128, 128, 8, 3)],
+    128: [C(128, 64, 8, 3), C(64, 64, 4, 3), C(128, 64, 8, 2), C(128, 32, 4, 3)],
+    256: [C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 32, 4, 2)],
+}
+DQ_FP32 = [C(64, 32, 4, 2), C(32, 32, 4, 2)]
+
+_chosen: dict[tuple, Config] = {}
+#: Per key, every candidate that ran and its median milliseconds (None: dropped), for the notes.
+measured: dict[tuple, list[tuple[Config, float | None]]] = {}
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def forward_config(problem) -> Config:
+def candidates(kernel: str, problem) -> list[Config]:
     if interpreting():
-        return INTERPRETED
+        return [INTERPRETED]
+    if problem.dtype == "float32":
+        return {"forward": FORWARD_FP32, "dkdv": DKDV_FP32, "dq": DQ_FP32}[kernel]
+    table = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}[kernel]
     wide = max(problem.head_dim, problem.head_dim_v)
-    if wide <= 64:
-        return Config(128, 128, 4, 3)
-    if wide <= 128:
-        return Config(128, 64, 4, 2) if problem.dtype != "float32" else Config(64, 32, 4, 2)
-    return Config(64, 32, 4, 2)
+    return table[64 if wide <= 64 else 128 if wide <= 128 else 256]
 
 
-def backward_configs(problem) -> tuple[Config, Config]:
-    """(dK/dV config, dQ config): the dK/dV kernel holds a key tile of block_n rows."""
-    if interpreting():
-        return INTERPRETED, INTERPRETED
-    wide = max(problem.head_dim, problem.head_dim_v)
-    if wide <= 128 and problem.dtype != "float32":
-        return Config(64, 128, 8, 3), Config(128, 64, 8, 3)
-    return Config(32, 64, 4, 2), Config(64, 32, 4, 2)
+def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config:
+    """The configuration for ``kernel`` on ``problem``; ``run(config)`` launches it and returns its outputs."""
+    options = candidates(kernel, problem)
+    if len(options) == 1 or os.environ.get("FLASHX_TRITON_AUTOTUNE") == "0":
+        return options[0]
+    import torch
+
+    key = (kernel, problem.head_dim, problem.head_dim_v, problem.dtype, problem.band is not None,
+           torch.cuda.get_device_name(problem.device_index))
+    if key not in _chosen:
+        _chosen[key] = _fastest(options, run, measured.setdefault(key, []))
+    return _chosen[key]
+
+
+def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list) -> Config:
+    import torch
+    from triton.runtime.errors import OutOfResources
+    from triton.testing import do_bench
+
+    reference_nans = None
+    best, best_ms = options[0], float("inf")
+    for config in options:
+        try:
+            nans = [x.isnan() for x in run(config)]
+        except OutOfResources:  # too much shared memory for this GPU: not a candidate here
+            log.append((config, None))
+            continue
+        if reference_nans is None:
+            reference_nans = nans
+        elif not all(torch.equal(a, b) for a, b in zip(nans, reference_nans)):
+            log.append((config, None))
+            continue
+        ms = do_bench(lambda: run(config), warmup=5, rep=25, return_mode="median")
+        log.append((config, ms))
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best
