@@ -269,7 +269,7 @@ def test_bfloat16_through_torch():
 
 
 def test_default_tiles():
-    """The shipped tile sizes: several query tiles, two key tiles, GQA, causal."""
+    """The shipped tile sizes: several query and key tiles, GQA, causal."""
     rng = np.random.default_rng(7)
     q, k, v, do = padded(rng, 1, 700, 1100, heads_q=4, heads_k=2, dim=32, dim_v=32)
     check(run(q, k, v, do, backend="numpy", causal=True), reference(q, k, v, do, causal=True), np.float32)
