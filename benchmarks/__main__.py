@@ -24,14 +24,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="after S seconds, skip what is left (marked in the results) and write the outputs")
     parser.add_argument("--compile-budget", type=float, metavar="S",
                         help="after S seconds spent on FlexAttention (compiles included), skip its remaining shapes")
-    commands = parser.add_subparsers(dest="command", metavar="{table,plot,headline}")
+    commands = parser.add_subparsers(dest="command", metavar="{table,plot,headline,merge}")
     for name, help_text in (("table", "rewrite FILE.md from FILE.json and print it"),
                             ("plot", "draw FILE.png and FILE-memory.png from FILE.json"),
-                            ("headline", "print the README's table (one N) from FILE.json")):
+                            ("headline", "print the README's table (one N) from FILE.json"),
+                            ("merge", "put the rows of the runs EXTRA (say, --impl flex alone) into FILE.json, "
+                                      "then rewrite its tables and plots")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("file", type=Path)
         if name == "headline":
             command.add_argument("--seqlen", type=int, default=8192)
+        if name == "merge":
+            command.add_argument("extra", type=Path, nargs="+")
     args = parser.parse_args(argv)
 
     if args.command is None:
@@ -41,6 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "table":
         print(write_markdown(results, args.file), end="")
     elif args.command == "plot":
+        write_plots(results, args.file)
+    elif args.command == "merge":
+        for extra in args.extra:
+            results = report.merge(results, report.load_json(extra))
+        report.save_json(results, args.file)
+        write_markdown(results, args.file)
         write_plots(results, args.file)
     else:
         print(report.headline(results, args.seqlen), end="")

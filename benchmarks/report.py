@@ -5,6 +5,7 @@ Everything here reads the JSON alone, so tables and plots can be redrawn on any 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -23,6 +24,27 @@ def save_json(results: dict, path: Path) -> None:
 
 def load_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """``base`` with the rows of ``extra`` (a later run of some implementations on the same device)
+    in place of its rows for the same implementation and configuration."""
+    if extra["device"] != base["device"]:
+        raise ValueError(f"results from {extra['device']} do not merge into results from {base['device']}")
+    merged = copy.deepcopy(base)
+    known = {impl["name"] for impl in merged["implementations"]}
+    merged["implementations"] += [impl for impl in extra["implementations"] if impl["name"] not in known]
+    for section in ("checks", "memory", "speed"):
+        rows = {_row_key(row): row for row in merged[section]}
+        rows.update({_row_key(row): row for row in extra[section]})
+        merged[section] = list(rows.values())
+    merged.setdefault("merged", []).append({"date": extra["date"], "versions": extra["versions"],
+                                            "ceilings": extra["ceilings"]})
+    return merged
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(row.get(field) for field in ("impl", "mode", "batch", "seqlen", "heads", "head_dim", "causal"))
 
 
 # Reading the results -------------------------------------------------------------------------

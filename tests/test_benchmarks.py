@@ -144,6 +144,22 @@ def test_commands_redraw_from_json(results, tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_merge_replaces_rows_of_a_rerun(results):
+    rerun = {**results, "date": "2026-11-22", "checks": [], "memory": [],
+             "implementations": results["implementations"][:1] + [
+                 {"name": "flex", "label": "FlexAttention (compiled)", "flashx": False, "layout": "BHSD"}],
+             "speed": [_row("flashx-triton", "fwd", 128, True, 8192, 0.5), _row("flex", "fwd", 128, True, 8192, 1.0)]}
+    merged = report.merge(results, rerun)
+    assert [i["name"] for i in merged["implementations"]] == ["flashx-triton", "sdpa-cudnn", "sdpa-math", "flex"]
+    assert len(merged["speed"]) == len(results["speed"]) + 1
+    ours = [r for r in merged["speed"] if r["impl"] == "flashx-triton" and r["mode"] == "fwd" and r["causal"]
+            and r["head_dim"] == 128 and r["seqlen"] == 8192]
+    assert [r["ms"] for r in ours] == [0.5]
+    assert merged["checks"] == results["checks"] and merged["merged"][0]["date"] == "2026-11-22"
+    with pytest.raises(ValueError):
+        report.merge(results, {**rerun, "device": "NVIDIA H200"})
+
+
 def _host_median_ms(fn, grad_to_none=None):
     """do_bench's protocol with a host clock: the CPU has no CUDA events."""
     fn()
