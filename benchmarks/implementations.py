@@ -37,11 +37,11 @@ class Implementation:
     label: str
     is_flashx: bool
     layout: str  # "BSHD" or "BHSD"
-    build: Callable[[Shape, torch.device], Attend]  # per shape; FlexAttention compiles here
+    build: Callable[[Shape, torch.device], Attend]  # once per shape, before its first call
     # Entered once around a whole timing loop, so that selecting an SDPA kernel is not timed.
     context: Callable[[], ContextManager] = contextlib.nullcontext
     dense_scores: bool = False  # materialises B*H*N*N float32 scores (SDPA math)
-    compiled: bool = False
+    compiled: bool = False  # every new shape costs a compile, charged to --compile-budget
 
     def describe(self) -> dict:
         return {"name": self.name, "label": self.label, "flashx": self.is_flashx, "layout": self.layout}
