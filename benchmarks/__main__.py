@@ -64,7 +64,12 @@ def run_gpu(args) -> None:
     from benchmarks import gpu
     from benchmarks.implementations import implementations
 
+    import flashx
+
     started = time.perf_counter()
+    for info in flashx.backends():
+        if not info.available:
+            print(f"flashx backend {info.name} is not timed: {info.reason}")
     device = torch.device("cuda")
     sweep = gpu.Sweep(gpu.QUICK if args.quick else gpu.FULL, implementations(device, args.impl), device, args.out,
                       time_limit_s=args.time_limit, compile_budget_s=args.compile_budget,
