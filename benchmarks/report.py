@@ -132,10 +132,6 @@ def _title(results: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    labels = _labels(results)
-    flashx_impls, peers = _split(results)
-    names = flashx_impls + peers
-    marks = _marks(results)
     plan, timing, ceilings = results["plan"], results["timing"], results["ceilings"]
     lines = [
         _title(results),
@@ -152,89 +148,102 @@ def markdown(results: dict) -> str:
     ]
     if any(r["seqlen"] == HEADLINE_SEQLEN for r in results["speed"]):
         lines += ["", f"## Headline: TFLOP/s at N={_seqlen(HEADLINE_SEQLEN)}", "", headline(results).rstrip()]
-
-    if results["checks"]:
-        checks = sorted({(c["head_dim"], c["causal"]) for c in results["checks"]})
-        found = {(c["impl"], c["head_dim"], c["causal"]): c for c in results["checks"]}
-        first = results["checks"][0]
-        lines += [
-            "",
-            f"## Check: largest relative error of o, dq, dk, dv against SDPA math in float32 "
-            f"(B={first['batch']}, N={first['seqlen']}, H={first['heads']}; WRONG above "
-            f"{timing['check_tolerance']:g})",
-            "",
-        ]
-        rows = []
-        for name in names:
-            cells = []
-            for head_dim, causal in checks:
-                check = found.get((name, head_dim, causal))
-                if check is None:
-                    cells.append("-")
-                elif check["errors"]:
-                    worst = max(check["errors"].values(), key=lambda e: e if e == e else float("inf"))
-                    cells.append(("WRONG " if check["status"] != "ok" else "") + f"{worst:.1e}")
-                else:
-                    cells.append(_short(check["status"]))
-            rows.append([labels[name]] + cells)
-        lines += _table(["implementation"] + [f"d{d}{' causal' if c else ''}" for d, c in checks], rows)
-
-    index = _speed_index(results)
-    by_config = {}
-    for r in ratios(results):
-        by_config[(r["mode"], r["head_dim"], r["causal"], r["seqlen"], r["flashx"], r["peer"])] = r["ratio"]
-    for mode in MODES:
-        configs = [c for c in _configurations(results) if any((n, mode, *c) in index for n in names)]
-        if not configs:
-            continue
-        title = "forward" if mode == "fwd" else "forward+backward"
-        lines += ["", f"## Speed, {title}: TFLOP/s (fraction of the matmul ceiling)", ""]
-        rows = [
-            [str(d), "yes" if c else "no", _seqlen(n)]
-            + [_speed_cell(index.get((name, mode, d, c, n)), marks.get((name, d, c))) for name in names]
-            for d, c, n in configs
-        ]
-        lines += _table(["d", "causal", "N"] + [labels[n] for n in names], rows)
-        pairs = [(ours, peer) for ours in flashx_impls for peer in peers]
-        if pairs:
-            lines += ["", f"## Speed-up of flashx over each peer, {title} (peer time / flashx time)", ""]
-            rows = [
-                [str(d), "yes" if c else "no", _seqlen(n)]
-                + [
-                    f"{by_config[key]:.2f}" if (key := (mode, d, c, n, ours, peer)) in by_config else "-"
-                    for ours, peer in pairs
-                ]
-                for d, c, n in configs
-            ]
-            lines += _table(["d", "causal", "N"] + [f"{labels[o]} / {labels[p]}" for o, p in pairs], rows)
-
-    if results["memory"]:
-        first = results["memory"][0]
-        memory = {(m["impl"], m["seqlen"]): m for m in results["memory"]}
-        seqlens = sorted({m["seqlen"] for m in results["memory"]})
-        lines += [
-            "",
-            f"## Memory: peak MiB allocated beyond q, k, v, do by forward+backward "
-            f"(B={first['batch']}, H={first['heads']}, D={first['head_dim']}, causal; gradients included)",
-            "",
-        ]
-        rows = []
-        for n in seqlens:
-            cells = []
-            for name in names:
-                m = memory.get((name, n))
-                cells.append("-" if m is None else f"{m['mib']:.0f}" if m["status"] == "ok" else _short(m["status"]))
-            rows.append([_seqlen(n)] + cells)
-        lines += _table(["N"] + [labels[n] for n in names], rows)
-
-    lines += _not_measured(results, labels)
+    lines += _check_section(results) + _speed_sections(results) + _memory_section(results)
+    lines += _not_measured(results)
     if results.get("sections_s"):
         lines += ["", "Seconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in results["sections_s"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
-def _not_measured(results: dict, labels: dict[str, str]) -> list[str]:
+def _check_section(results: dict) -> list[str]:
+    if not results["checks"]:
+        return []
+    labels = _labels(results)
+    checks = sorted({(c["head_dim"], c["causal"]) for c in results["checks"]})
+    found = {(c["impl"], c["head_dim"], c["causal"]): c for c in results["checks"]}
+    first = results["checks"][0]
+    rows = []
+    for name in sum(_split(results), []):
+        cells = []
+        for head_dim, causal in checks:
+            check = found.get((name, head_dim, causal))
+            if check is None:
+                cells.append("-")
+            elif check["errors"]:
+                worst = max(check["errors"].values(), key=lambda e: e if e == e else float("inf"))  # NaN is worst
+                cells.append(("WRONG " if check["status"] != "ok" else "") + f"{worst:.1e}")
+            else:
+                cells.append(_short(check["status"]))
+        rows.append([labels[name]] + cells)
+    return [
+        "",
+        f"## Check: largest relative error of o, dq, dk, dv against SDPA math in float32 "
+        f"(B={first['batch']}, N={first['seqlen']}, H={first['heads']}; WRONG above "
+        f"{results['timing']['check_tolerance']:g})",
+        "",
+        *_table(["implementation"] + [f"d{d}{' causal' if c else ''}" for d, c in checks], rows),
+    ]
+
+
+def _speed_sections(results: dict) -> list[str]:
+    """Per mode: TFLOP/s of every implementation, then the speed-up of each flashx backend over each peer."""
+    labels, marks, index = _labels(results), _marks(results), _speed_index(results)
+    flashx_impls, peers = _split(results)
+    names = flashx_impls + peers
+    pairs = [(ours, peer) for ours in flashx_impls for peer in peers]
+    speedups = {(r["mode"], r["head_dim"], r["causal"], r["seqlen"], r["flashx"], r["peer"]): r["ratio"]
+                for r in ratios(results)}
+    lines = []
+    for mode in MODES:
+        configs = [c for c in _configurations(results) if any((n, mode, *c) in index for n in names)]
+        if not configs:
+            continue
+        title = "forward" if mode == "fwd" else "forward+backward"
+        rows = [
+            [str(d), "yes" if c else "no", _seqlen(n)]
+            + [_speed_cell(index.get((name, mode, d, c, n)), marks.get((name, d, c))) for name in names]
+            for d, c, n in configs
+        ]
+        lines += ["", f"## Speed, {title}: TFLOP/s (fraction of the matmul ceiling)", ""]
+        lines += _table(["d", "causal", "N"] + [labels[n] for n in names], rows)
+        if not pairs:
+            continue
+        rows = [
+            [str(d), "yes" if c else "no", _seqlen(n)]
+            + [f"{speedups[key]:.2f}" if (key := (mode, d, c, n, ours, peer)) in speedups else "-" for ours, peer in pairs]
+            for d, c, n in configs
+        ]
+        lines += ["", f"## Speed-up of flashx over each peer, {title} (peer time / flashx time)", ""]
+        lines += _table(["d", "causal", "N"] + [f"{labels[o]} / {labels[p]}" for o, p in pairs], rows)
+    return lines
+
+
+def _memory_section(results: dict) -> list[str]:
+    if not results["memory"]:
+        return []
+    labels = _labels(results)
+    names = sum(_split(results), [])
+    memory = {(m["impl"], m["seqlen"]): m for m in results["memory"]}
+    rows = []
+    for n in sorted({m["seqlen"] for m in results["memory"]}):
+        cells = []
+        for name in names:
+            m = memory.get((name, n))
+            cells.append("-" if m is None else f"{m['mib']:.0f}" if m["status"] == "ok" else _short(m["status"]))
+        rows.append([_seqlen(n)] + cells)
+    first = results["memory"][0]
+    return [
+        "",
+        f"## Memory: peak MiB allocated beyond q, k, v, do by forward+backward "
+        f"(B={first['batch']}, H={first['heads']}, D={first['head_dim']}, causal; gradients included)",
+        "",
+        *_table(["N"] + [labels[n] for n in names], rows),
+    ]
+
+
+def _not_measured(results: dict) -> list[str]:
     """Every status other than ok, with the configurations it struck: nothing is dropped silently."""
+    labels = _labels(results)
     struck: dict[tuple[str, str], list[str]] = {}
     for row in results["speed"]:
         if row["status"] != "ok":
