@@ -1,0 +1,55 @@
+"""The conformance suite catches what it names.
+
+Each toy in ``toys`` breaks plain attention in one way. The suite, run against it as a
+backend author runs it (``--pyargs flashx_conformance --flashx-backend NAME -k CASE``),
+must fail the case meant for that flaw, and pass the same selection for the flawless toy:
+the control shows that the failure is the flaw's, not the harness's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import toys
+
+import flashx
+
+# The case meant to catch each flaw, narrowed to a few cheap parametrizations of it.
+CAUGHT_BY = {
+    toys.UnmaskedTail: "test_exactness and Nq17-Nk17 and float32",
+    toys.GqaFirstHeadOnly: "test_gqa and full-4-2-float32",
+}
+
+
+class Outcomes:
+    """A pytest plugin keeping {test id: "passed" | "failed" | "skipped"} of a run."""
+
+    def __init__(self):
+        self.by_test = {}
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            self.by_test[report.nodeid.rpartition("::")[2]] = report.outcome
+
+
+def run_conformance(toy, selection, directory, monkeypatch) -> dict[str, str]:
+    """The suite's cases ``-k selection`` run on ``toy``, in this process (pytester's fresh
+    imports per run would import torch twice, which its C extension does not survive)."""
+    monkeypatch.chdir(directory)  # away from this repository's pytest configuration
+    outcomes = Outcomes()
+    flashx.registry.register(toy, replace=True)
+    try:
+        args = ["--pyargs", "flashx_conformance", "--flashx-backend", toy.name, "-k", selection]
+        pytest.main([*args, "-q", "-p", "no:cacheprovider"], plugins=[outcomes])
+    finally:
+        flashx.registry.unregister(toy.name)
+    return outcomes.by_test
+
+
+@pytest.mark.parametrize("flawed, selection", list(CAUGHT_BY.items()), ids=lambda x: getattr(x, "name", ""))
+def test_case_fails_the_flaw_and_passes_the_control(flawed, selection, tmp_path, monkeypatch):
+    case = selection.split()[0]
+    control = run_conformance(toys.Correct(), selection, tmp_path, monkeypatch)
+    assert any(test.startswith(case + "[") for test in control), f"-k {selection!r} selected no {case}: {control}"
+    assert set(control.values()) == {"passed"}, f"the flawless toy does not pass {case}: {control}"
+    caught = run_conformance(flawed(), selection, tmp_path, monkeypatch)
+    assert caught.keys() == control.keys() and "failed" in caught.values(), f"{case} does not catch {flawed.name}: {caught}"
