@@ -24,10 +24,9 @@ the backward, of the head group's q, dO and dq): O(N * block), never N^2.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, reduce
 
 import numpy as np
 
@@ -89,7 +88,7 @@ def _layout(problem: Problem):
 
 
 class _Tiles:
-    """Which elements of a (queries i0:i1, group heads, keys j0:j1) tile are allowed."""
+    """Which elements of a tile (keys j0:j1, queries i0:i1, the heads of one group) are allowed."""
 
     def __init__(self, problem: Problem, seq: _Sequence):
         self.lq, self.lk = seq.lq, seq.lk
@@ -135,18 +134,20 @@ class _Tiles:
         if self.blocks is not None:
             bq, bk = self.block_size
             blocks = self.blocks[heads]
-            if not blocks[:, i0 // bq : (i1 - 1) // bq + 1, j0 // bk : (j1 - 1) // bk + 1].any():
+            covering = blocks[:, i0 // bq : (i1 - 1) // bq + 1, j0 // bk : (j1 - 1) // bk + 1]
+            if not covering.any():
                 return False, None
-            allowed = blocks[:, np.arange(i0, i1) // bq, (np.arange(j0, j1) // bk)[:, None]].transpose(1, 2, 0)
-            if not allowed.all():
-                parts.append(~allowed)
+            if not covering.all():
+                allowed = blocks[:, np.arange(i0, i1) // bq, (np.arange(j0, j1) // bk)[:, None]]
+                parts.append(~allowed.transpose(1, 2, 0))
         if not parts:
             return True, None
         group = heads.stop - heads.start
-        outside = np.broadcast_to(functools.reduce(np.logical_or, parts), (j1 - j0, i1 - i0, group))
+        outside = np.broadcast_to(reduce(np.logical_or, parts), (j1 - j0, i1 - i0, group))
         if outside.all():
             return False, None
         return True, outside.reshape(j1 - j0, (i1 - i0) * group)
+
 
 def _masked_matmul(a, b, disallowed, out=None):
     """a @ b in which a disallowed pair (i, j) adds exactly 0 (a[i, j] is 0 there), even when
