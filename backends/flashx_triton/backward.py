@@ -88,26 +88,26 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, 
                 used = (rows >= first_row) & (rows < end_row) & (lse2 != float("inf"))
                 q = tl.load(q_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
                 do = tl.load(do_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
-                s = dot(k, tl.trans(q), DOT_PRECISION)
+                s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[None, :])
             else:
                 lse2 = tl.load(lse2_base + rows)
                 delta = tl.load(delta_base + rows)
                 q = tl.load(q_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
                 do = tl.load(do_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
-                s = dot(k, tl.trans(q), DOT_PRECISION)
+                s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[None, :])
-            dp = dot(v, tl.trans(do), DOT_PRECISION)
+            dp = dot(v, tl.trans(do), None, DOT_PRECISION)
             if DROPOUT:
                 keep = dropout_keep(rows[None, :], cols[:, None], stream, seed, rng_offset, drop_threshold)
-                dv += dot(tl.where(keep, p * drop_scale, 0.0).to(do.dtype), do, DOT_PRECISION)
+                dv = dot(tl.where(keep, p * drop_scale, 0.0).to(do.dtype), do, dv, DOT_PRECISION)
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             else:
-                dv += dot(p.to(do.dtype), do, DOT_PRECISION)
+                dv = dot(p.to(do.dtype), do, dv, DOT_PRECISION)
             ds = p * (dp - delta[None, :])
             if MASKED:
                 ds = tl.where(ok, ds, 0.0)
-            dk += dot(ds.to(q.dtype), q, DOT_PRECISION)
+            dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
 
 
@@ -225,21 +225,21 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows
                 used = (cols >= first_col) & (cols < end_col)
                 k = tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
                 v = tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
-                s = dot(q, tl.trans(k), DOT_PRECISION)
+                s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[:, None])
             else:
                 k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
                 v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
-                s = dot(q, tl.trans(k), DOT_PRECISION)
+                s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[:, None])
-            dp = dot(do, tl.trans(v), DOT_PRECISION)
+            dp = dot(do, tl.trans(v), None, DOT_PRECISION)
             if DROPOUT:
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             if MASKED:
                 ds = tl.where(ok, ds, 0.0)
-            dq += dot(ds.to(k.dtype), k, DOT_PRECISION)
+            dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
 
 

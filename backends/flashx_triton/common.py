@@ -78,13 +78,15 @@ def allowed_pairs(i, j, q_len, k_len, left, right, mask_base, stride_mi, stride_
 
 
 @triton.jit
-def dot(a, b, PRECISION: tl.constexpr):
-    """tl.dot with fp32 accumulation. PRECISION "upcast" multiplies bf16 tiles as fp32 (exact:
-    bf16 products fit fp32), for Triton's CPU interpreter, whose bf16 tl.dot is wrong (3.9)."""
+def dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in fp32 (acc None: a fresh product). Accumulating inside tl.dot keeps one
+    register accumulator instead of a product plus a sum. PRECISION "upcast" multiplies bf16
+    tiles as fp32 (exact: bf16 products fit fp32) for Triton's CPU interpreter, whose bf16
+    tl.dot is wrong (3.9)."""
     if PRECISION == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=PRECISION)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit

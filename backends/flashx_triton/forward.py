@@ -46,7 +46,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, 
             if MASKED:
                 k = tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
                 v = tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
-                s = dot(q, tl.trans(k), DOT_PRECISION)
+                s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 s = tl.where(ok, s * scale_log2, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
@@ -56,7 +56,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, 
             else:
                 k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
                 v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
-                s = dot(q, tl.trans(k), DOT_PRECISION)
+                s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
                 p = tl.exp2(s * scale_log2 - m_new[:, None])
                 alpha = tl.exp2(m_i - m_new)
@@ -64,7 +64,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, 
             if DROPOUT:
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
                 p = tl.where(keep, p, 0.0)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION)
+            acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
     return acc, m_i, l_i
 
