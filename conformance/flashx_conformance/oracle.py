@@ -94,8 +94,12 @@ def keep_mask(q, k, v, **options) -> np.ndarray:
 def naive(do, q, k, v, dtype: str, *, backward: str = "autograd", **options):
     """(o, lse, dq, dk, dv) of plain attention computed by torch on CPU in ``dtype``.
 
-    The inputs must already be representable in ``dtype``. Rows without an allowed key
-    give 0 (not NaN), so the naive error is measured on what a backend is judged on.
+    The inputs must already be representable in ``dtype``. 16-bit dtypes are emulated: each
+    operation runs in float32 and its result is rounded to ``dtype`` (what a 16-bit matmul
+    with float32 accumulation gives, without torch's slow 16-bit CPU kernels); autograd
+    rounds each gradient the same way. Rows without an allowed key give 0 (not NaN), so
+    the naive error is measured on what a backend is judged on.
+
     ``backward`` picks one of two plain formulations of the gradients, both in ``dtype``:
     "autograd" (torch differentiates the forward) or "rowsum" (explicit formulas with
     delta = rowsum(dO * O), as FlashAttention's backward computes it). Where a gradient
@@ -105,40 +109,45 @@ def naive(do, q, k, v, dtype: str, *, backward: str = "autograd", **options):
     import torch
 
     dense = _prepare(q, k, v, do, options)
-    t = getattr(torch, dtype)
+    rounded = getattr(torch, dtype)
+    work = torch.float32 if dtype in ("float16", "bfloat16") else rounded
+
+    def r(x):
+        return x.to(rounded).to(work)
 
     def tensor(x):
-        return torch.from_numpy(np.array(x, dtype=np.float64)).to(t)
+        return torch.from_numpy(np.array(x, dtype=np.float64)).to(work)
 
     q_, k_, v_ = (tensor(x).requires_grad_(backward == "autograd") for x in (dense.q, dense.k, dense.v))
     group = q_.shape[1] // k_.shape[1]
     k_all, v_all = k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1)
     allowed = torch.from_numpy(np.array(dense.allowed))
-    raw = (q_ * dense.scale) @ k_all.transpose(-1, -2)
-    scores = raw if dense.softcap is None else dense.softcap * torch.tanh(raw / dense.softcap)
+    raw = r(r(q_ * dense.scale) @ k_all.transpose(-1, -2))
+    scores = raw if dense.softcap is None else r(dense.softcap * r(torch.tanh(r(raw / dense.softcap))))
     if dense.bias is not None:
-        scores = scores + tensor(dense.bias)
+        scores = r(scores + r(tensor(dense.bias)))
     scores = scores.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
+    lse = r(torch.logsumexp(scores, dim=-1))
     empty = ~allowed.any(dim=-1, keepdim=True)
-    p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(~allowed, 0.0)
-    keep = None if dense.keep is None else tensor(dense.keep)
-    p_dropped = p if keep is None else p * keep
-    o = p_dropped @ v_all
+    p = r(torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)).masked_fill(~allowed, 0.0)
+    keep = None if dense.keep is None else r(tensor(dense.keep))
+    p_dropped = p if keep is None else r(p * keep)
+    o = r(p_dropped @ v_all)
     do_ = tensor(dense.do)
     if backward == "autograd":
-        dq, dk, dv = torch.autograd.grad(o, (q_, k_, v_), do_)
+        dq, dk, dv = (r(g) for g in torch.autograd.grad(o, (q_, k_, v_), do_))
     else:
-        dp = (do_ @ v_all.transpose(-1, -2)).masked_fill(~allowed, 0.0)
+        dp = r(do_ @ v_all.transpose(-1, -2)).masked_fill(~allowed, 0.0)
         if keep is not None:
-            dp = dp * keep
-        ds = p * (dp - (do_ * o).sum(dim=-1, keepdim=True))
+            dp = r(dp * keep)
+        ds = r(p * r(dp - r((do_ * o).sum(dim=-1, keepdim=True))))
         if dense.softcap is not None:
-            ds = ds * (1 - torch.tanh(raw / dense.softcap) ** 2)
+            ds = r(ds * r(1 - r(torch.tanh(raw / dense.softcap)) ** 2))
         batch, heads_k = k_.shape[:2]
-        dq = dense.scale * (ds @ k_all)
-        dk = (dense.scale * (ds.transpose(-1, -2) @ q_)).reshape(batch, heads_k, group, *k_.shape[2:]).sum(2)
-        dv = (p_dropped.transpose(-1, -2) @ do_).reshape(batch, heads_k, group, *v_.shape[2:]).sum(2)
+        dq = r(dense.scale * r(ds @ k_all))
+        dk = r(dense.scale * r(ds.transpose(-1, -2) @ q_)).reshape(batch, heads_k, group, *k_.shape[2:]).sum(2)
+        dv = r(p_dropped.transpose(-1, -2) @ do_).reshape(batch, heads_k, group, *v_.shape[2:]).sum(2)
+        dk, dv = r(dk), r(dv)
 
     def numpy(x):
         return x.detach().double().numpy()

@@ -5,7 +5,14 @@ For each output X of a backend in input dtype t:
     ||X - X_ref|| / ||X_ref|| <= 1e-5 (float32), 1e-2 (bfloat16), 2e-3 (float16)
 X_ref is the float64 oracle; for float64 backends, whose error the float64 oracle cannot
 measure, it is the oracle in extended precision (``np.longdouble``). X_naive_t is plain
-attention in dtype t (``oracle.naive``) and floor_t = max|round_t(X_ref) - X_ref|.
+attention in dtype t (``oracle.naive``, the larger error of its two formulations) and
+    floor_t = max|round_t(X_ref) - X_ref| + ACCUMULATION_ULPS * eps_acc * max|X_ref|
+where eps_acc is the machine epsilon of the accumulation dtype (float32 for 16-bit and float32
+inputs, float64 for float64). The second term is this suite's reading of "the rounding noise
+at the magnitude of X": without it, an output that the naive computation gets exactly right
+by its structure (one key per row: P = 1, dv = dO) would have to be bit-exact in every kernel,
+and float32 kernels, which accumulate in the input precision, would be held to within 2x of
+a naive computation in the same precision -- a ratio that tiling alone can exceed.
 Non-finite values must match exactly: NaN where the reference has NaN, the same infinities.
 """
 
@@ -15,6 +22,8 @@ import numpy as np
 
 FACTOR = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
 RELATIVE_NORM_BOUND = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+ACCUMULATION_ULPS = 4
+ACCUMULATION_EPS = {t: float(np.finfo(np.float32).eps) for t in ("float16", "bfloat16", "float32")} | {"float64": float(np.finfo(np.float64).eps)}
 
 #: The names of the axes of each output, to say where an element is.
 AXES = {
@@ -44,16 +53,18 @@ def where(index, axes: str) -> str:
     return "(" + ", ".join(f"{axis}={i}" for axis, i in zip(axes, index)) + ")"
 
 
-def judge(name: str, actual, expected, naive: list, dtype: str, axes: str) -> str | None:
+def judge(name: str, actual, expected, naive: list, dtype: str, axes: str, relative_norm: bool = True) -> str | None:
     """None if ``actual`` meets the rule for output ``name``, else a readable account of why not.
 
     ``naive`` lists plain computations in ``dtype`` (formulations); the largest error counts.
+    ``relative_norm=False`` drops the relative-norm bound, for cases where no kernel can meet it.
     """
     with np.errstate(invalid="ignore"):  # inf - inf where both are infinite: compared exactly below
-        return _judge(name, *(np.asarray(x) for x in (actual, expected)), [np.asarray(x) for x in naive], dtype, axes)
+        actual, expected = np.asarray(actual), np.asarray(expected)
+        return _judge(name, actual, expected, [np.asarray(x) for x in naive], dtype, axes, relative_norm)
 
 
-def _judge(name, actual, expected, naive, dtype, axes):
+def _judge(name, actual, expected, naive, dtype, axes, relative_norm):
     if actual.shape != expected.shape:
         return f"{name}: shape {actual.shape}, expected {expected.shape}"
     finite = np.isfinite(expected)
@@ -72,7 +83,7 @@ def _judge(name, actual, expected, naive, dtype, axes):
     max_error = error[index]
     naive_error = max(np.where(finite & np.isfinite(x), np.abs(x - expected), 0).max() for x in naive)
     exact = np.where(finite, expected, 0)
-    floor = np.abs(round_to(exact, dtype) - exact).max()
+    floor = np.abs(round_to(exact, dtype) - exact).max() + ACCUMULATION_ULPS * ACCUMULATION_EPS[dtype] * np.abs(exact).max()
     allowed = FACTOR[name] * naive_error + floor
     problems = []
     if max_error > allowed:
@@ -81,7 +92,7 @@ def _judge(name, actual, expected, naive, dtype, axes):
             f"= {FACTOR[name]} x naive {dtype} error {float(naive_error):.3e} + {dtype} rounding floor {float(floor):.3e}; "
             f"worst at {where(index, axes)}: got {float(actual[index])!r}, oracle {float(expected[index])!r}"
         )
-    bound = RELATIVE_NORM_BOUND.get(dtype)
+    bound = RELATIVE_NORM_BOUND.get(dtype) if relative_norm else None
     norm = np.sqrt((exact * exact).sum())
     if bound is not None and norm > 0:
         relative = np.sqrt((error * error).sum()) / norm

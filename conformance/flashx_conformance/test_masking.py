@@ -1,0 +1,138 @@
+"""Masking (SPEC 3): causal (bottom-right), windows, boolean, tree and block masks, seqlens, varlen.
+
+Every case runs the forward and the backward and is held to the oracle element by element;
+rows left with no key must give o = 0, lse = -inf and dq = 0 exactly, unread keys dk = dv = 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashx
+from flashx_conformance.harness import full_only, make_case, make_varlen_case
+
+SHAPES_NQ_NK = [(1, 239), (3, 799), (127, 513), (5, 2), (97, 97), (113, 64), (1, 1), pytest.param(1025, 1023, marks=full_only)]
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", SHAPES_NQ_NK, ids=lambda n: str(n))
+def test_causal(flashx_target, flashx_rng, seqlen_q, seqlen_k):
+    """Bottom-right aligned: key j is allowed for query i iff j <= i + Nk - Nq (rows above it are empty)."""
+    case = make_case(flashx_rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=2, head_dim=32, dtype=flashx_target.dtype, causal=True)
+    flashx_target.check(case)
+
+
+WINDOWS = {
+    "left-only": ((16, -1), False),
+    "right-only": ((-1, 16), False),
+    "both": ((8, 4), False),
+    "size-0": ((0, 0), False),
+    "left-0": ((0, -1), False),
+    "at-least-N": ((200, 200), False),
+    "unbounded": ((-1, -1), False),
+    "causal-left": ((8, -1), True),
+    "causal-right-5": ((8, 5), True),
+}
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(97, 97), (33, 143), (143, 33)], ids=lambda n: str(n))
+@pytest.mark.parametrize("window, causal", WINDOWS.values(), ids=WINDOWS.keys())
+def test_window(flashx_target, flashx_rng, window, causal, seqlen_q, seqlen_k):
+    """i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 is unbounded; causal caps right at 0."""
+    case = make_case(
+        flashx_rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32, dtype=flashx_target.dtype, window=window, causal=causal
+    )
+    flashx_target.check(case)
+
+
+MASK_SHAPES = {"full": lambda b, h, m, n: (b, h, m, n), "per-batch": lambda b, h, m, n: (b, 1, m, n), "shared": lambda b, h, m, n: (m, n)}
+
+
+@pytest.mark.parametrize("broadcast", MASK_SHAPES.keys())
+@pytest.mark.parametrize("density", [0.5, 0.05])
+def test_bool_mask(flashx_target, flashx_rng, broadcast, density):
+    """True = may attend, broadcast to (B, Hq, Nq, Nk); sparse masks leave rows and keys empty."""
+    batch, heads, seqlen_q, seqlen_k = 2, 3, 67, 91
+    mask = flashx_rng.random(MASK_SHAPES[broadcast](batch, heads, seqlen_q, seqlen_k)) < density
+    case = make_case(
+        flashx_rng, batch=batch, heads_q=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32, dtype=flashx_target.dtype, mask=mask
+    )
+    flashx_target.check(case)
+
+
+def tree_mask(rng, prefix: int, drafts: int) -> np.ndarray:
+    """Speculative decoding: each draft token sees the prefix, its ancestors in a random tree, and itself."""
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, drafts)]
+    mask = np.zeros((drafts, prefix + drafts), dtype=bool)
+    mask[:, :prefix] = True
+    for i in range(drafts):
+        node = i
+        while node != -1:
+            mask[i, prefix + node] = True
+            node = parent[node]
+    return mask
+
+
+@pytest.mark.parametrize("prefix, drafts", [(50, 12), (0, 7), (130, 31)], ids=lambda n: str(n))
+def test_tree_mask(flashx_target, flashx_rng, prefix, drafts):
+    mask = tree_mask(flashx_rng, prefix, drafts)
+    case = make_case(flashx_rng, batch=2, heads_q=4, seqlen_q=drafts, seqlen_k=prefix + drafts, head_dim=64, dtype=flashx_target.dtype, mask=mask)
+    flashx_target.check(case)
+
+
+@pytest.mark.parametrize("block_size", [(16, 16), (32, 64), (64, 64), (128, 128), (7, 13)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_block_mask(flashx_target, flashx_rng, block_size):
+    """Tiles of (bq, bk); all-false blocks, an all-false block row and column; lengths not block multiples."""
+    batch, heads, seqlen_q, seqlen_k = 2, 2, 143, 131
+    bq, bk = block_size
+    blocks = flashx_rng.random((batch, heads, -(-seqlen_q // bq), -(-seqlen_k // bk))) < 0.6
+    blocks[0, 0, 0, :] = False
+    blocks[1, 1, :, -1] = False
+    case = make_case(
+        flashx_rng,
+        batch=batch,
+        heads_q=heads,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        head_dim=32,
+        dtype=flashx_target.dtype,
+        block_mask=flashx.BlockMask(blocks, block_size),
+    )
+    flashx_target.check(case)
+
+
+SEQLENS = {
+    "both": ([97, 40, 0, 13], [97, 0, 50, 77]),
+    "q-only": ([1, 96, 50, 97], None),
+    "k-only": (None, [1, 96, 0, 97]),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lengths", SEQLENS.values(), ids=SEQLENS.keys())
+def test_seqlens(flashx_target, flashx_rng, lengths, causal):
+    """Rows i >= seqlens_q[b] and keys j >= seqlens_k[b] are padding; causal aligns to each sequence's end."""
+    seqlens_q, seqlens_k = (None if n is None else np.array(n, dtype=np.int32) for n in lengths)
+    case = make_case(
+        flashx_rng, batch=4, seqlen_q=97, head_dim=32, dtype=flashx_target.dtype, seqlens_q=seqlens_q, seqlens_k=seqlens_k, causal=causal
+    )
+    flashx_target.check(case)
+
+
+VARLEN = {
+    "zero-length": ([5, 0, 17, 33, 1], [7, 3, 0, 40, 1]),
+    "one": ([97], [143]),
+    "long": ([130, 3, 64], [128, 150, 64]),
+}
+OPTIONS = {"full": {}, "causal": {"causal": True}, "window": {"window": (9, 3)}}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("lengths", VARLEN.values(), ids=VARLEN.keys())
+def test_varlen(flashx_target, flashx_rng, lengths, options):
+    """Packed sequences by cu_seqlens, zero-length ones included, and rows past the last sequence."""
+    lengths_q, lengths_k = lengths
+    case = make_varlen_case(
+        flashx_rng, lengths_q=lengths_q, lengths_k=lengths_k, spare_rows=3, heads_q=4, heads_k=2, head_dim=32, dtype=flashx_target.dtype, **options
+    )
+    flashx_target.check(case)

@@ -1,0 +1,149 @@
+"""NaN safety (SPEC 3, "Empty rows"): empty rows, poisoned padding, NaN propagation, extreme values.
+
+Garbage (NaN, +-inf) written where no allowed pair reads -- past seqlens, past the last
+cu_seqlens row, outside every window, at masked rows and keys -- must change no output;
+a NaN that an allowed pair reads must reach exactly the outputs that read it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import flashx
+from flashx_conformance.harness import DTYPES, OUTPUTS, conformance_failures, make_case, make_varlen_case
+
+EVERY_FOURTH = np.arange(40)[:, None] % 4 != 0
+
+
+def _empty_row_cases(rng, dtype):
+    blocks = np.ones((1, 1, 3, 2), dtype=bool)
+    blocks[0, 0, 1, :] = False
+    return {
+        "causal-nq-gt-nk": make_case(rng, seqlen_q=17, seqlen_k=5, dtype=dtype, causal=True),
+        "every-fourth-row": make_case(rng, seqlen_q=40, seqlen_k=29, dtype=dtype, mask=np.broadcast_to(EVERY_FOURTH, (40, 29))),
+        "window-off-grid": make_case(rng, seqlen_q=40, seqlen_k=10, dtype=dtype, window=(0, 0)),
+        "zero-seqlens": make_case(
+            rng, seqlen_q=23, seqlen_k=31, dtype=dtype, seqlens_q=np.array([0, 5], np.int32), seqlens_k=np.array([7, 0], np.int32)
+        ),
+        "block-row": make_case(rng, seqlen_q=40, seqlen_k=29, dtype=dtype, block_mask=flashx.BlockMask(blocks, (16, 16))),
+        "all-masked": make_case(rng, seqlen_q=19, seqlen_k=21, dtype=dtype, mask=np.zeros((19, 21), dtype=bool)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_empty_row_cases(np.random.default_rng(0), "float32")))
+def test_empty_rows(flashx_target, flashx_rng, name):
+    """A row with no allowed key: o = 0, lse = -inf, dq = 0 exactly, and no NaN anywhere."""
+    case = _empty_row_cases(flashx_rng, flashx_target.dtype)[name]
+    got = flashx_target.check(case)
+    assert not any(np.isnan(got[n]).any() for n in OUTPUTS), "NaN produced by masking"
+    assert np.isneginf(got["lse"]).any(), "the case has no empty row: it tests nothing"
+
+
+def _rows(lengths, n):
+    """(B, n, 1, 1): True at rows i >= lengths[b]."""
+    return (np.arange(n)[None, :] >= np.asarray(lengths)[:, None])[:, :, None, None]
+
+
+def _poisoned_cases(rng, dtype, value):
+    cases = {}
+    lengths_q, lengths_k = [64, 20, 0], [30, 64, 5]
+    case = make_case(
+        rng, batch=3, seqlen_q=64, dtype=dtype, seqlens_q=np.array(lengths_q, np.int32), seqlens_k=np.array(lengths_k, np.int32)
+    )
+    for name, lengths in (("q", lengths_q), ("do", lengths_q), ("k", lengths_k), ("v", lengths_k)):
+        case = case.with_poison(name, _rows(lengths, 64), value)
+    cases["past-seqlens"] = case
+
+    case = make_varlen_case(rng, lengths_q=[5, 0, 17], lengths_k=[7, 3, 0], spare_rows=4, heads_q=2, dtype=dtype, causal=True)
+    for name in ("q", "k", "v", "do"):
+        rows = case.inputs[name].shape[0]
+        case = case.with_poison(name, (np.arange(rows) >= rows - 4)[:, None, None], value)
+    cases["past-cu-seqlens"] = case
+
+    case = make_case(rng, seqlen_q=16, seqlen_k=80, dtype=dtype, window=(4, 0))
+    unread = (np.arange(80) < 80 - 16 - 4)[None, :, None, None]
+    cases["outside-window"] = case.with_poison("k", unread, value).with_poison("v", unread, value)
+
+    mask = rng.random((37, 53)) < 0.7
+    mask[:, [3, 7, 52]] = False
+    mask[[2, 5], :] = False
+    case = make_case(rng, seqlen_q=37, seqlen_k=53, dtype=dtype, mask=mask)
+    keys, rows = (~mask.any(axis=0))[None, :, None, None], (~mask.any(axis=1))[None, :, None, None]
+    cases["masked"] = case.with_poison("k", keys, value).with_poison("v", keys, value).with_poison("q", rows, value).with_poison("do", rows, value)
+
+    blocks = np.ones((2, 3), dtype=bool)
+    blocks[:, 1] = False
+    case = make_case(rng, seqlen_q=30, seqlen_k=40, dtype=dtype, block_mask=flashx.BlockMask(blocks, (16, 16)))
+    keys = ((np.arange(40) >= 16) & (np.arange(40) < 32))[None, :, None, None]
+    cases["block-masked"] = case.with_poison("k", keys, value).with_poison("v", keys, value)
+
+    case = make_case(rng, seqlen_q=30, seqlen_k=12, dtype=dtype, causal=True)
+    rows = (np.arange(30) < 30 - 12)[None, :, None, None]
+    cases["causal-empty-rows"] = case.with_poison("q", rows, value).with_poison("do", rows, value)
+    return cases
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", list(_poisoned_cases(np.random.default_rng(0), "float32", math.nan)))
+def test_padding_poison(flashx_target, flashx_rng, where, value):
+    case = _poisoned_cases(flashx_rng, flashx_target.dtype, value)[where]
+    got = flashx_target.check(case)
+    assert not any(np.isnan(got[n]).any() for n in OUTPUTS), "poison leaked into an output"
+
+
+NAN_AT = {"q": (1, 20, 3, 5), "k": (1, 20, 1, 5), "v": (1, 20, 1, 5), "do": (1, 20, 3, 5)}
+
+
+@pytest.mark.parametrize("name", NAN_AT)
+def test_nan_propagation(flashx_target, flashx_rng, name):
+    """One NaN in an attended input: NaN in exactly the outputs that read it (causal, GQA), nowhere else."""
+    case = make_case(flashx_rng, seqlen_q=45, heads_q=4, heads_k=2, head_dim=32, dtype=flashx_target.dtype, causal=True)
+    where = np.zeros(case.inputs[name].shape, dtype=bool)
+    where[NAN_AT[name]] = True
+    got = flashx_target.check(case.with_poison(name, where))
+    nan_outputs = [n for n in OUTPUTS if np.isnan(got[n]).any()]
+    finite_outputs = [n for n in OUTPUTS if (np.isfinite(got[n]) | np.isneginf(got[n])).any()]
+    assert nan_outputs and finite_outputs, f"NaN in {nan_outputs}, finite values in {finite_outputs}: the case tests nothing"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_magnitudes(flashx_target, flashx_rng, dtype):
+    """Scores near 1e4 that still differ by O(1): the row max must be subtracted before exp.
+
+    Half of each head dim holds 50 in q and k (a common offset of 1e4 in every score), the
+    other half normal noise. The scores then carry an absolute rounding error near
+    |S| * eps of the accumulation (1e-3 in float32) in every implementation, naive included,
+    so the max-error rule applies but SPEC's relative-norm bounds, met by no kernel here, do not.
+    """
+    case = make_case(flashx_rng, seqlen_q=77, seqlen_k=99, head_dim=64, dtype=dtype, causal=True)
+    for name in ("q", "k"):
+        case.inputs[name][..., :32] = 50.0
+    flashx_target.check(case, relative_norm=False)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_large_magnitudes_constant(flashx_target, flashx_rng, dtype):
+    """q = k = 256: q.k = 2**22 overflows 16-bit types, so it must be accumulated in float32.
+
+    The scale puts every score at 1e4: all equal, so o is mean(v). The gradients go through
+    P = exp(S - lse) with lse in float32 (SPEC 5), whose rounding at 1e4 no kernel avoids
+    while naive autograd never meets it: they are held to finiteness only.
+    """
+    case = make_case(flashx_rng, seqlen_q=33, seqlen_k=70, head_dim=64, dtype=dtype, softmax_scale=1e4 / 2**22)
+    case.inputs["q"][:] = 256.0
+    case.inputs["k"][:] = 256.0
+    got = flashx_target.outputs(case)
+    failures = [f for f in conformance_failures(case, got) if f.startswith(("o:", "lse:"))]
+    assert not failures, case.describe() + "\n" + "\n".join(failures)
+    for name in ("dq", "dk", "dv"):
+        assert np.isfinite(got[name]).all(), f"{name}: not finite at {np.argwhere(~np.isfinite(got[name]))[:3].tolist()}"
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3, 2.0, 1e-3], ids=lambda s: f"scale={s}")
+def test_scale(flashx_target, flashx_rng, scale):
+    """softmax_scale is used as given: 0 (uniform weights, dq = dk = 0), negative, sharp, flat."""
+    case = make_case(flashx_rng, seqlen_q=57, seqlen_k=83, head_dim=32, dtype=flashx_target.dtype, causal=True, softmax_scale=scale)
+    flashx_target.check(case)
