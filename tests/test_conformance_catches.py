@@ -16,6 +16,8 @@ import flashx
 # The case meant to catch each flaw, narrowed to a few cheap parametrizations of it.
 CAUGHT_BY = {
     toys.UnmaskedTail: "test_exactness and Nq17-Nk17 and float32",
+    toys.TopLeftCausal: "test_causal and 5-2",
+    toys.NanEmptyRows: "test_empty_rows and (all-masked or zero-seqlens)",
     toys.GqaFirstHeadOnly: "test_gqa and full-4-2-float32",
 }
 
