@@ -301,3 +301,15 @@ def test_bitwise_deterministic():
 def test_registered_through_the_entry_point():
     info = {b.name: b for b in flashx.backends()}["numpy"]
     assert info.available and info.plugin == "numpy"
+
+
+@pytest.mark.parametrize("backend", [SMALL, "numpy"])
+@pytest.mark.parametrize("nq, nk", [(33, 143), (143, 33), (5, 2)])
+def test_one_key_per_row_is_exact(nq, nk, backend):
+    """window (0, 0): every row reads at most one key, with P = 1, so o = v and dv = dO exactly;
+    that needs the backward to recompute S bitwise as the forward did."""
+    q, k, v, do = padded(np.random.default_rng(11), 2, nq, nk, dim=32, dim_v=32)
+    o, lse, dq, dk, dv = run(q, k, v, do, window=(0, 0), backend=backend)
+    rows, keys = np.arange(max(0, nq - nk), nq), np.arange(max(0, nk - nq), nk)  # the diagonal
+    np.testing.assert_array_equal(o[:, rows], v[:, keys])
+    np.testing.assert_array_equal(dv[:, keys], do[:, rows])

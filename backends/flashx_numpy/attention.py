@@ -234,8 +234,8 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
     scores_buffer = np.empty(block_k * rows, dtype)
     with np.errstate(all="ignore"):  # exp(-inf) = 0 and log(0) = -inf are the intended values
         lo, hi = tiles.keys(i0, i1)
-        for j0 in range(lo, hi, block_k):
-            j1 = min(j0 + block_k, hi)
+        for j0 in range(lo - lo % block_k, hi, block_k):  # the backward's tile grid (see there)
+            j1 = min(j0 + block_k, seq.lk)
             any_allowed, disallowed = tiles.disallowed(heads, i0, i1, j0, j1)
             if not any_allowed:
                 continue
@@ -295,8 +295,9 @@ def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, block_
     dtype = _compute_dtype(problem)
     tiles = _Tiles(problem, seq)
     qa = _scaled_queries_t(problem, q, heads, 0, seq.lq, dtype)
-    qa[-1] = -lse[heads].T.reshape(rows)  # [k | 1] @ qa = (S - lse)^T
+    qa[-1] = 0
     queries = qa[:-1].T  # (rows, D), scaled
+    lse_rows = lse[heads].T.reshape(rows)
     d_out = do[:, heads].reshape(rows, dim_v).astype(dtype)
     delta = np.einsum("rd,rd->r", d_out, o[:, heads].reshape(rows, dim_v).astype(dtype))
     keys = _with_ones(k[:, head_k : head_k + 1], dtype)[0]  # (Lk, D + 1)
@@ -309,13 +310,16 @@ def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, block_
             dk_acc = np.zeros((j1 - j0, dim), dtype)
             dv_acc = np.zeros((j1 - j0, dim_v), dtype)
             lo, hi = tiles.queries(j0, j1)
-            for i0 in range(lo, hi, queries_per_tile):
-                i1 = min(i0 + queries_per_tile, hi)
+            for i0 in range(lo - lo % queries_per_tile, hi, queries_per_tile):
+                i1 = min(i0 + queries_per_tile, seq.lq)
                 r0, r1 = i0 * group, i1 * group
                 any_allowed, disallowed = tiles.disallowed(heads, i0, i1, j0, j1)
                 if not any_allowed:
                     continue
-                probs = keys[j0:j1] @ qa[:, r0:r1]  # P^T, (keys, rows) like every tile here
+                # The forward's tiles and product again, so S comes out bitwise as the forward
+                # saw it: a row with a single key then gets P = exp(0) = 1 exactly.
+                probs = keys[j0:j1] @ qa[:, r0:r1]  # S^T: (keys, rows) like every tile here
+                probs -= lse_rows[r0:r1]
                 if disallowed is not None:
                     np.copyto(probs, -np.inf, where=disallowed)
                 np.exp(probs, out=probs)
