@@ -19,6 +19,7 @@ CAUGHT_BY = {
     toys.TopLeftCausal: "test_causal and 5-2",
     toys.NanEmptyRows: "test_empty_rows and (all-masked or zero-seqlens)",
     toys.GqaFirstHeadOnly: "test_gqa and full-4-2-float32",
+    toys.UnscaledDropout: "test_dropout_matches_oracle and padded-p0.5",
 }
 
 
