@@ -16,7 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton", reason="the Triton backend needs triton (pip install 'flashx[triton]')")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import flashx  # noqa: E402
+from flashx_triton.common import dropout_keep  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's 1/0 on empty rows
 
@@ -260,18 +264,14 @@ FLASHX_DROPOUT_VECTORS = [  # seed, rng_offset, Hq, b, h, i, j, r (shared/refere
 ]
 
 
+@triton.jit
+def draw(OUT, i, j, stream, seed, rng_offset, threshold):
+    tl.store(OUT + tl.arange(0, 2), dropout_keep(i, j + tl.arange(0, 2) * 0, stream, seed, rng_offset,
+                                                 threshold).to(tl.int8))
+
+
 @pytest.mark.parametrize("seed, offset, hq, b, h, i, j, r", FLASHX_DROPOUT_VECTORS)
 def test_kernel_dropout_draw_matches_the_spec_vectors(seed, offset, hq, b, h, i, j, r):
-    import triton
-    import triton.language as tl
-
-    from flashx_triton.common import dropout_keep
-
-    @triton.jit
-    def draw(OUT, i, j, stream, seed, rng_offset, threshold):
-        tl.store(OUT + tl.arange(0, 2), dropout_keep(i, j + tl.arange(0, 2) * 0, stream, seed, rng_offset,
-                                                     threshold).to(tl.int8))
-
     assert dropout_r(seed, offset, b * hq + h, i, j) == r
     for threshold in (r, r + 1):  # r >= r keeps, r >= r + 1 drops: the kernel saw exactly r
         out = torch.empty(2, dtype=torch.int8)

@@ -17,7 +17,8 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
-                                  problem_args, row_strides, sequence_bounds)
+                                  load_rows, problem_args, row_descriptor, row_strides,
+                                  sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -54,21 +55,16 @@ def _prepare_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_on, stride_oh, st
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first_row,
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first_row,
                 end_row, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base,
                 stride_bi, stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries."""
     rows_in_tile = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + rows_in_tile
-        row0 = tl.cast(start_m, tl.int64)
-        q_ptrs = q_base + row0 * stride_qn + rows_in_tile[:, None] * stride_qn + dims[None, :]
-        do_ptrs = do_base + row0 * stride_dn + rows_in_tile[:, None] * stride_dn + dims_v[None, :]
         if MASKED:
             ok = allowed_pairs(rows[None, :], cols[:, None], q_len, k_len, left, right, mask_base, stride_mi,
                                stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
@@ -86,15 +82,17 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, 
                 # Rows that no key of this tile may use, and empty rows (whose dO may hold
                 # anything), are never read: 0 * NaN would leak into dK and dV.
                 used = (rows >= first_row) & (rows < end_row) & (lse2 != float("inf"))
-                q = tl.load(q_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-                do = tl.load(do_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+                q = load_rows(q_desc, q_base, start_m, stride_qn, used, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, True)
+                do = load_rows(do_desc, do_base, start_m, stride_dn, used, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA,
+                               True)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[None, :])
             else:
                 lse2 = tl.load(lse2_base + rows)
                 delta = tl.load(delta_base + rows)
-                q = tl.load(q_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
-                do = tl.load(do_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
+                q = load_rows(q_desc, q_base, start_m, stride_qn, rows, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, False)
+                do = load_rows(do_desc, do_base, start_m, stride_dn, rows, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA,
+                               False)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
@@ -123,7 +121,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # First key tiles first: under a causal band they meet the most query rows.
     num_tiles = tl.cdiv(padded_k, BLOCK_N)
@@ -163,24 +161,26 @@ def _dkdv_kernel(
         do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
         lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
         delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
+        q_desc = row_descriptor(q_base, q_len, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_desc = row_descriptor(do_base, q_len, stride_dn, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
         mask_base = MASK + b64 * stride_mb + h * stride_mh if HAS_MASK else MASK
         blocks_base = BLOCKS + b64 * stride_bb + h * stride_bh if HAS_BLOCK_MASK else BLOCKS
         stream = b * heads_q + h
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
+            dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
             end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+            BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
+            dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
             end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
+            dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
             end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+            BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     # Padded keys past k_len get zero gradients, whatever K and V hold there.
     dk = tl.where(live, dk * softmax_scale, 0.0)
@@ -195,21 +195,16 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
+def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
               k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
               block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Add key tiles [lo, hi) into this query tile's dq."""
     cols_in_tile = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
-        col0 = tl.cast(start_n, tl.int64)
-        k_ptrs = k_base + col0 * stride_kn + cols_in_tile[:, None] * stride_kn + dims[None, :]
-        v_ptrs = v_base + col0 * stride_vn + cols_in_tile[:, None] * stride_vn + dims_v[None, :]
         if MASKED:
             ok = allowed_pairs(rows[:, None], cols[None, :], q_len, k_len, left, right, mask_base, stride_mi,
                                stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
@@ -218,18 +213,17 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows
                 nonempty = tl.max(ok.to(tl.int32)) > 0
             else:
                 nonempty = True
+            used = (cols >= first_col) & (cols < end_col)
         else:
+            used = cols_in_tile  # not read: unmasked tiles lie inside the band and the sequence
             nonempty = True
         if nonempty:
+            k = load_rows(k_desc, k_base, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, MASKED)
+            v = load_rows(v_desc, v_base, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, MASKED)
             if MASKED:
-                used = (cols >= first_col) & (cols < end_col)
-                k = tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-                v = tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[:, None])
             else:
-                k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
-                v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[:, None])
             dp = dot(do, tl.trans(v), None, DOT_PRECISION)
@@ -255,7 +249,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     num_tiles = tl.cdiv(padded_q, BLOCK_M)
     pid = tl.program_id(0)
@@ -287,6 +281,8 @@ def _dq_kernel(
                  + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + (h // group).to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + (h // group).to(tl.int64) * stride_vh
+    k_desc = row_descriptor(k_base, k_len, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = row_descriptor(v_base, k_len, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base = MASK + b64 * stride_mb + h64 * stride_mh if HAS_MASK else MASK
     blocks_base = BLOCKS + b64 * stride_bb + h64 * stride_bh if HAS_BLOCK_MASK else BLOCKS
     stream = b * heads_q + h
@@ -295,20 +291,20 @@ def _dq_kernel(
     first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                               HAS_MASK or HAS_BLOCK_MASK)
     dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
+        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
         first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
         stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+        BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi,
+        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi,
         first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
         stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+        BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end,
+        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end,
         first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
         stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+        BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     dq = tl.where(live, dq * softmax_scale, 0.0)
     tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
@@ -333,7 +329,7 @@ def backward(problem, q, k, v, o, lse, do):
         o, do, lse, delta, lse2, *row_strides(o, varlen), *row_strides(do, varlen), *lse_strides(lse, varlen),
         HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"], BLOCK_M=prepare_rows, **rows_q)
 
-    scales = dict(softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
+    scales = dict(USE_TMA=tma_ready(q, k, v, do), softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
     inputs = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen))
 
     def run_dkdv(config):

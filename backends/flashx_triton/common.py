@@ -78,6 +78,36 @@ def allowed_pairs(i, j, q_len, k_len, left, right, mask_base, stride_mi, stride_
 
 
 @triton.jit
+def load_rows(desc, base, start, stride, used, WIDTH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+              USE_TMA: tl.constexpr, MASKED: tl.constexpr):
+    """Rows [start, start + ROWS) of one head's (length, WIDTH) matrix, zero past WIDTH and, in
+    masked tiles, in rows not ``used``. TMA (``desc``) zero-fills past the sequence by itself."""
+    if USE_TMA:
+        tile = desc.load([start, 0])
+        if MASKED:
+            tile = tl.where(used[:, None], tile, 0.0)
+    else:
+        rows = tl.arange(0, ROWS)
+        cols = tl.arange(0, COLS)
+        ptrs = base + tl.cast(start, tl.int64) * stride + rows[:, None] * stride + cols[None, :]
+        if MASKED:
+            tile = tl.load(ptrs, mask=used[:, None] & (cols[None, :] < WIDTH), other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=cols[None, :] < WIDTH, other=0.0)
+    return tile
+
+
+@triton.jit
+def row_descriptor(base, length, stride, WIDTH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                   USE_TMA: tl.constexpr):
+    """A TMA descriptor over one head's rows of one sequence (None without TMA)."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, [length, WIDTH], [stride, 1], [ROWS, COLS])
+    else:
+        return None
+
+
+@triton.jit
 def dot(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b in fp32 (acc None: a fresh product). Accumulating inside tl.dot keeps one
     register accumulator instead of a product plus a sum. PRECISION "upcast" multiplies bf16
@@ -101,6 +131,16 @@ def dropout_keep(i, j, stream, seed, rng_offset, threshold):
     word = zero + j % 4
     r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
     return r.to(tl.int64) >= threshold
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and leading strides; then set the scratch allocator it needs."""
+    ready = all(
+        x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
+    )
+    if ready and tensors[0].is_cuda:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+    return ready
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

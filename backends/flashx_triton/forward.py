@@ -12,40 +12,38 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
-                                  problem_args, row_strides, sequence_bounds)
+                                  load_rows, problem_args, row_descriptor, row_strides,
+                                  sequence_bounds, tma_ready)
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
+def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
                   k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
                   block_q, block_k, stream, seed, rng_offset, drop_threshold,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                  DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair."""
     cols_in_tile = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
-        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + cols_in_tile[:, None] * stride_kn + dims[None, :]
-        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + cols_in_tile[:, None] * stride_vn + dims_v[None, :]
         if MASKED:
             ok = allowed_pairs(rows[:, None], cols[None, :], q_len, k_len, left, right, mask_base, stride_mi,
                                stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
                                HAS_BLOCK_MASK)
-            # Columns no row of this tile may use are never read: poison there must not leak.
+            # Columns no row of this tile may use are zeroed: poison there must not leak.
             used = (cols >= first_col) & (cols < end_col)
             if HAS_MASK or HAS_BLOCK_MASK:
                 nonempty = tl.max(ok.to(tl.int32)) > 0
             else:
                 nonempty = True
         else:
+            used = cols_in_tile  # unused: unmasked tiles lie inside the band and the sequence
             nonempty = True
         if nonempty:
+            k = load_rows(k_desc, k_base, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, MASKED)
+            v = load_rows(v_desc, v_base, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, MASKED)
             if MASKED:
-                k = tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-                v = tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 s = tl.where(ok, s * scale_log2, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -54,8 +52,6 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, 
                 p = tl.exp2(s - m_ref[:, None])
                 alpha = tl.exp2(m_i - m_ref)
             else:
-                k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
-                v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
                 p = tl.exp2(s * scale_log2 - m_new[:, None])
@@ -79,7 +75,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # One axis (no 65535 limit); a head's tiles are adjacent so they share K/V in L2, and the
     # last query tiles, which see the most keys under a causal band, start first.
@@ -99,6 +95,8 @@ def _forward_kernel(
     q_base = Q + b64 * stride_qb + (q_start + m0).to(tl.int64) * stride_qn + h.to(tl.int64) * stride_qh
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + (h // group).to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + (h // group).to(tl.int64) * stride_vh
+    k_desc = row_descriptor(k_base, k_len, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = row_descriptor(v_base, k_len, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base = MASK + b64 * stride_mb + h.to(tl.int64) * stride_mh if HAS_MASK else MASK
     blocks_base = BLOCKS + b64 * stride_bb + h.to(tl.int64) * stride_bh if HAS_BLOCK_MASK else BLOCKS
 
@@ -115,20 +113,20 @@ def _forward_kernel(
                                               HAS_MASK or HAS_BLOCK_MASK)
     stream = b * heads_q + h
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
+        acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
         q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
         block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+        True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi, first, end,
+        acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi, first, end,
         q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
         block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+        False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end, first, end,
+        acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end, first, end,
         q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
         block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION)
+        True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
     empty = (l_i == 0.0) | (rows >= q_len)
@@ -156,11 +154,12 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     strides = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(o, varlen),
                *lse_strides(lse, varlen))
     args = problem_args(problem)
+    use_tma = tma_ready(k, v)
 
     def run(config):
         grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
         _forward_kernel[grid](q, k, v, o, lse, *strides, scale_log2=problem.softmax_scale * LOG2E, **args,
-                              **config.launch_args())
+                              USE_TMA=use_tma, **config.launch_args())
         return o, lse
 
     run(tuning.choose("forward", problem, run))
