@@ -313,3 +313,15 @@ def test_one_key_per_row_is_exact(nq, nk, backend):
     rows, keys = np.arange(max(0, nq - nk), nq), np.arange(max(0, nk - nq), nk)  # the diagonal
     np.testing.assert_array_equal(o[:, rows], v[:, keys])
     np.testing.assert_array_equal(dv[:, keys], do[:, rows])
+
+
+def test_blas_threads_are_restored_after_parallel_tiles():
+    from flashx_numpy.parallel import _openblas_controls, workers
+
+    controls = _openblas_controls()
+    if controls is None or workers.count == 1:
+        pytest.skip("tiles run in the caller's thread here: NumPy's BLAS is not a reachable OpenBLAS or has one thread")
+    before = controls[0]()
+    q, k, v, do = padded(np.random.default_rng(2), 2, 64, 64, heads_q=4)
+    run(q, k, v, do)
+    assert controls[0]() == before > 1
