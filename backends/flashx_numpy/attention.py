@@ -198,8 +198,9 @@ def _keep(problem: Problem, seq, heads: slice, i0, i1, j0, j1) -> np.ndarray:
 def forward(problem: Problem, q, k, v, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
     """(o, lse) in the layout of SPEC section 2; o in q's dtype."""
     dtype = _compute_dtype(problem)
-    o = np.empty(problem.o_shape, q.dtype)
-    lse = np.empty(problem.lse_shape, problem.lse_dtype)
+    # NaN until written: an element the tiles miss cannot pass for a result.
+    o = np.full(problem.o_shape, np.nan, q.dtype)
+    lse = np.full(problem.lse_shape, np.nan, problem.lse_dtype)
     sequences, padding, _ = _layout(problem)
     for rows in padding:
         o[rows] = 0
@@ -269,7 +270,7 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
 
 def backward(problem: Problem, q, k, v, o, lse, do, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
     """(dq, dk, dv) like q, k, v; dk and dv summed over each group of query heads."""
-    dq, dk, dv = np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
+    dq, dk, dv = (np.full(x.shape, np.nan, x.dtype) for x in (q, k, v))  # NaN until written
     sequences, padding_q, padding_k = _layout(problem)
     for rows in padding_q:
         dq[rows] = 0
