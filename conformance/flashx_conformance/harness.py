@@ -260,9 +260,10 @@ def conformance_failures(case: Case, got: dict[str, np.ndarray], relative_norm: 
         oracle.naive(*(clean[name] for name in ("do", "q", "k", "v")), case.dtype, backward=backward, **case.options)
         for backward in ("autograd", "rowsum")
     ]
+    terms = oracle.term_magnitudes(*(clean[name] for name in ("do", "q", "k", "v")), **case.options)
     axes = AXES["varlen" if case.varlen else "padded"]
     failures = [
-        judge(name, got[name], expected[n], [baseline[n] for baseline in naive], case.dtype, axes[name], relative_norm)
+        judge(name, got[name], expected[n], [baseline[n] for baseline in naive], terms[n], case.dtype, axes[name], relative_norm)
         for n, name in enumerate(OUTPUTS)
     ]
     shapes = {name: poisoned[name] for name in ("q", "k", "v")}

@@ -68,6 +68,23 @@ def forward_backward(do, q, k, v, **options):
     )
 
 
+def term_magnitudes(do, q, k, v, **options):
+    """For each of (o, lse, dq, dk, dv): the sum of the absolute values of the terms summed into it.
+
+    The size of rounding noise: a gradient that cancels to 0 (dS = P (dP - delta) with one
+    key per row) still carries noise at the magnitude of P |dP| and P |delta|.
+    """
+    dense = _prepare(q, k, v, do, options)
+    result = _attend(dense, gradients=True, magnitudes=True)
+    return (
+        dense.rows_q(result["o"], 0.0),
+        dense.lse(np.abs(result["lse"])),
+        dense.rows_q(result["dq"], 0.0),
+        dense.rows_k(result["dk"]),
+        dense.rows_k(result["dv"]),
+    )
+
+
 def empty_rows(q, k, v, **options) -> np.ndarray:
     """True where a query row has no allowed key (o = 0, lse = -inf, dq = 0), in lse's layout."""
     dense = _prepare(q, k, v, None, options)
@@ -83,6 +100,11 @@ def unread_keys(q, k, v, **options) -> np.ndarray:
     read = dense.allowed.reshape(batch, heads_k, heads_q // heads_k * seqlen_q, seqlen_k).any(axis=2)
     # as a (B, Hk, Nk, 1) "gradient", so that the layout code of dk applies
     return dense.rows_k(np.where(read, 0.0, 1.0)[..., None], fill=1.0)[..., 0] == 1.0
+
+
+def allowed(q, k, v, **options) -> np.ndarray:
+    """Which (b, h, i, j) pairs may attend, on the padded score grid (B, Hq, Nq, Nk); varlen: per sequence."""
+    return _prepare(q, k, v, None, options).allowed
 
 
 def keep_mask(q, k, v, **options) -> np.ndarray:
@@ -290,7 +312,8 @@ def _padded(x, cu, seqlen):
     return out
 
 
-def _attend(dense: _Dense, gradients: bool) -> dict:
+def _attend(dense: _Dense, gradients: bool, magnitudes: bool = False) -> dict:
+    """o, lse and (with ``gradients``) dq, dk, dv; ``magnitudes``: their term magnitudes instead."""
     allowed = dense.allowed
     heads_q, heads_k = dense.q.shape[1], dense.k.shape[1]
     group = heads_q // heads_k
@@ -311,21 +334,28 @@ def _attend(dense: _Dense, gradients: bool) -> dict:
         p = e / np.where(total > 0, total, 1.0)
         lse = (row_max + np.log(total))[..., 0]
         p_dropped = p if dense.keep is None else p * dense.keep
+        if magnitudes:
+            q, k, v, do = (np.abs(x) for x in (dense.q, k, v, dense.do))
+        else:
+            q, do = dense.q, dense.do
         result = {"o": _masked_matmul(p_dropped, v, allowed), "lse": lse}
         if not gradients:
             return result
 
-        dp = np.where(allowed, dense.do @ v.swapaxes(-1, -2), 0.0)
+        dp = np.where(allowed, do @ v.swapaxes(-1, -2), 0.0)
         if dense.keep is not None:
             dp = dp * dense.keep
         delta = np.where(allowed, p * dp, 0.0).sum(axis=-1, keepdims=True)
-        ds = np.where(allowed, p * (dp - delta), 0.0)
-        if dense.softcap is not None:
+        if magnitudes:  # dp and delta are sums of absolute values here
+            ds, scale = np.where(allowed, p * (dp + delta), 0.0), abs(dense.scale)
+        else:
+            ds, scale = np.where(allowed, p * (dp - delta), 0.0), dense.scale
+        if dense.softcap is not None and not magnitudes:
             ds = ds * (1 - capped * capped)
         allowed_t = allowed.swapaxes(-1, -2)
-        result["dq"] = dense.scale * _masked_matmul(ds, k, allowed)
-        result["dk"] = _group_sum(dense.scale * _masked_matmul(ds.swapaxes(-1, -2), dense.q, allowed_t), heads_k)
-        result["dv"] = _group_sum(_masked_matmul(p_dropped.swapaxes(-1, -2), dense.do, allowed_t), heads_k)
+        result["dq"] = scale * _masked_matmul(ds, k, allowed)
+        result["dk"] = _group_sum(scale * _masked_matmul(ds.swapaxes(-1, -2), q, allowed_t), heads_k)
+        result["dv"] = _group_sum(_masked_matmul(p_dropped.swapaxes(-1, -2), do, allowed_t), heads_k)
     return result
 
 

@@ -1,0 +1,207 @@
+"""The public API around the kernels: determinism, empty inputs, strides, errors, autograd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashx
+from flashx_conformance.harness import LAYOUTS, OUTPUTS, TENSORS, Case, conformance_failures, make_case, make_varlen_case
+
+REPEATS = 20
+
+
+def _bits(target, arrays):
+    return [target.numpy(x) for x in arrays]
+
+
+def _same_bits(first, later):
+    return all(np.array_equal(a, b, equal_nan=True) for a, b in zip(first, later))
+
+
+def test_determinism(flashx_target, flashx_rng):
+    """20 forwards are bitwise identical; so are 20 backwards with deterministic=True (where promised)."""
+    case = make_case(flashx_rng, batch=2, heads_q=4, heads_k=2, seqlen_q=67, seqlen_k=93, head_dim=32, dtype=flashx_target.dtype, causal=True)
+    inputs = {name: flashx_target.array(x, case.dtype) for name, x in case.rounded().items()}
+    q, k, v, do = (inputs[n] for n in TENSORS)
+    flashx_target.skip_unless_supported(q, k, v)
+    first = None
+    for _ in range(REPEATS):
+        o, res = flashx.attention_forward(q, k, v, causal=True, backend=flashx_target.name)
+        bits = _bits(flashx_target, (o, res.lse))
+        first = first or bits
+        assert _same_bits(first, bits), "the forward is not bitwise reproducible"
+
+    flashx_target.skip_unless_supported(q, k, v, causal=True, deterministic=True)
+    first = None
+    for _ in range(REPEATS):
+        grads = flashx.attention_backward(do, q, k, v, o, res, causal=True, deterministic=True, backend=flashx_target.name)
+        bits = _bits(flashx_target, grads)
+        first = first or bits
+        assert _same_bits(first, bits), "the backward with deterministic=True is not bitwise reproducible"
+
+
+EMPTY = {
+    "B=0": dict(batch=0),
+    "Nq=0": dict(seqlen_q=0, seqlen_k=17),
+    "Nk=0": dict(seqlen_q=17, seqlen_k=0),
+    "Nk=0-causal": dict(seqlen_q=5, seqlen_k=0, causal=True),
+}
+
+
+@pytest.mark.parametrize("name", EMPTY)
+def test_empty_inputs(flashx_target, flashx_rng, name):
+    """Zero-size problems have outputs of the implied shapes; rows with no keys give o = 0, lse = -inf."""
+    case = make_case(flashx_rng, **{"seqlen_q": 9, "dtype": flashx_target.dtype, **EMPTY[name]})
+    got = flashx_target.check(case)
+    shapes = {n: case.inputs[m].shape for n, m in (("o", "do"), ("dq", "q"), ("dk", "k"), ("dv", "v"))}
+    for n, shape in shapes.items():
+        assert got[n].shape == shape, f"{n}: shape {got[n].shape}, expected {shape}"
+
+
+def test_empty_varlen(flashx_target, flashx_rng):
+    """Every sequence of length 0, and rows that belong to none."""
+    case = make_varlen_case(flashx_rng, lengths_q=[0, 0], lengths_k=[0, 0], spare_rows=2, dtype=flashx_target.dtype)
+    flashx_target.check(case)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "contiguous"])
+def test_noncontiguous(flashx_target, flashx_rng, layout, varlen):
+    """Any strides are read correctly: BHSD-transposed views, slices of a packed qkv tensor, strided last dims.
+
+    The memory around each view holds NaN: a kernel that assumes contiguity reads it.
+    """
+    if varlen:
+        case = make_varlen_case(flashx_rng, lengths_q=[7, 30], lengths_k=[19, 41], heads_q=4, heads_k=2, head_dim=32, dtype=flashx_target.dtype, causal=True)
+    else:
+        case = make_case(flashx_rng, heads_q=4, heads_k=2, seqlen_q=37, seqlen_k=53, head_dim=32, dtype=flashx_target.dtype, causal=True)
+    flashx_target.check(Case(case.inputs, case.dtype, case.options, layouts={name: layout for name in TENSORS}))
+
+
+class _Inputs:
+    """Well-formed arrays like q's for the error cases, built on first use."""
+
+    def __init__(self, target, dtype):
+        self.target, self.dtype = target, dtype
+        rng = np.random.default_rng(0)
+        self.q, self.k, self.v = (self.float(rng.standard_normal(s)) for s in ((2, 9, 4, 16), (2, 11, 2, 16), (2, 11, 2, 8)))
+        self.packed_q, self.packed_k, self.packed_v = (self.float(rng.standard_normal(s)) for s in ((9, 4, 16), (9, 2, 16), (9, 2, 8)))
+        self.cu = self.aux(np.array([0, 4, 9], np.int32))
+
+    def float(self, x, dtype=None):
+        return self.target.array(x, dtype or self.dtype)
+
+    def aux(self, x):
+        return self.target.array(x, self.dtype)
+
+    def packed(self):
+        return self.packed_q, self.packed_k, self.packed_v
+
+
+def _other_dtype(dtype):
+    return "float64" if dtype != "float64" else "float32"
+
+
+# name -> (inputs -> ((q, k, v), keywords), the FlashXError subclass, a word the message must contain)
+ERRORS = {
+    "q-3d-padded": (lambda a: ((a.packed_q, a.k, a.v), {}), flashx.ShapeError, "q"),
+    "head-dim-mismatch": (lambda a: ((a.q, a.float(np.ones((2, 11, 2, 8))), a.v), {}), flashx.ShapeError, "k"),
+    "batch-mismatch": (lambda a: ((a.q, a.float(np.ones((3, 11, 2, 16))), a.float(np.ones((3, 11, 2, 8)))), {}), flashx.ShapeError, "k"),
+    "v-rows-mismatch": (lambda a: ((a.q, a.k, a.float(np.ones((2, 10, 2, 8)))), {}), flashx.ShapeError, "v"),
+    "heads-not-divisible": (lambda a: ((a.q, a.float(np.ones((2, 11, 3, 16))), a.float(np.ones((2, 11, 3, 8)))), {}), flashx.ShapeError, "k"),
+    "dtype-mismatch": (lambda a: ((a.q, a.float(np.ones((2, 11, 2, 16)), _other_dtype(a.dtype)), a.v), {}), flashx.DTypeError, "k"),
+    "integer-q": (lambda a: ((a.aux(np.ones((2, 9, 4, 16), np.int32)), a.k, a.v), {}), flashx.DTypeError, "q"),
+    "not-an-array": (lambda a: (([[1.0]], a.k, a.v), {}), flashx.DTypeError, "q"),
+    "window-bad": (lambda a: ((a.q, a.k, a.v), {"window": (-2, 0)}), flashx.ShapeError, "window"),
+    "window-not-pair": (lambda a: ((a.q, a.k, a.v), {"window": 5}), flashx.ShapeError, "window"),
+    "dropout-p-1": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 1.0}), flashx.ShapeError, "dropout_p"),
+    "dropout-p-negative": (lambda a: ((a.q, a.k, a.v), {"dropout_p": -0.1}), flashx.ShapeError, "dropout_p"),
+    "seed-negative": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 0.1, "seed": -1}), flashx.ShapeError, "seed"),
+    "scale-nan": (lambda a: ((a.q, a.k, a.v), {"softmax_scale": float("nan")}), flashx.DTypeError, "softmax_scale"),
+    "mask-not-bool": (lambda a: ((a.q, a.k, a.v), {"mask": a.aux(np.ones((9, 11), np.int32))}), flashx.DTypeError, "mask"),
+    "mask-shape": (lambda a: ((a.q, a.k, a.v), {"mask": a.aux(np.ones((9, 12), bool))}), flashx.ShapeError, "mask"),
+    "block-mask-shape": (
+        lambda a: ((a.q, a.k, a.v), {"block_mask": flashx.BlockMask(a.aux(np.ones((1, 1, 5, 5), bool)), (4, 4))}),
+        flashx.ShapeError,
+        "block_mask",
+    ),
+    "seqlens-too-long": (lambda a: ((a.q, a.k, a.v), {"seqlens_q": a.aux(np.array([3, 10], np.int32))}), flashx.ShapeError, "seqlens_q"),
+    "seqlens-wrong-count": (lambda a: ((a.q, a.k, a.v), {"seqlens_k": a.aux(np.array([3], np.int32))}), flashx.ShapeError, "seqlens_k"),
+    "cu-seqlens-one-side": (lambda a: (a.packed(), {"cu_seqlens_q": a.cu}), flashx.ShapeError, "cu_seqlens_k"),
+    "cu-seqlens-decreasing": (
+        lambda a: (a.packed(), {"cu_seqlens_q": a.aux(np.array([0, 5, 4], np.int32)), "cu_seqlens_k": a.cu}),
+        flashx.ShapeError,
+        "cu_seqlens_q",
+    ),
+    "cu-seqlens-past-end": (
+        lambda a: (a.packed(), {"cu_seqlens_q": a.cu, "cu_seqlens_k": a.aux(np.array([0, 4, 10], np.int32))}),
+        flashx.ShapeError,
+        "cu_seqlens_k",
+    ),
+    "cu-seqlens-float": (
+        lambda a: (a.packed(), {"cu_seqlens_q": a.aux(np.array([0.0, 4.0, 9.0], np.float32)), "cu_seqlens_k": a.cu}),
+        flashx.DTypeError,
+        "cu_seqlens_q",
+    ),
+    "max-seqlen-too-small": (
+        lambda a: (a.packed(), {"cu_seqlens_q": a.cu, "cu_seqlens_k": a.cu, "max_seqlen_q": 3}),
+        flashx.ShapeError,
+        "max_seqlen_q",
+    ),
+    "mask-with-varlen": (
+        lambda a: (a.packed(), {"cu_seqlens_q": a.cu, "cu_seqlens_k": a.cu, "mask": a.aux(np.ones((5, 5), bool))}),
+        flashx.ShapeError,
+        "mask",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_errors(flashx_target, name):
+    """Each bad input raises its documented FlashXError subclass, and the message names the argument."""
+    build, error, word = ERRORS[name]
+    (q, k, v), options = build(_Inputs(flashx_target, flashx_target.dtype))
+    with pytest.raises(error) as raised:
+        flashx.attention_forward(q, k, v, backend=flashx_target.name, **options)
+    assert word in str(raised.value), f"{error.__name__} does not name {word!r}: {raised.value}"
+
+
+def test_unknown_backend(flashx_target):
+    a = _Inputs(flashx_target, flashx_target.dtype)
+    with pytest.raises(flashx.UnsupportedError, match="no-such-backend"):
+        flashx.attention_forward(a.q, a.k, a.v, backend="no-such-backend")
+
+
+def test_device_mismatch(flashx_target, flashx_rng):
+    """q on one device, k on another: DeviceError (needs a GPU)."""
+    if not flashx_target.device.startswith("cuda") or flashx_target.caller_kind(flashx_target.dtype) != "torch":
+        pytest.skip("needs torch tensors on a CUDA device")
+    case = make_case(flashx_rng, dtype=flashx_target.dtype)
+    q, k, v = (flashx_target.array(case.rounded()[n], case.dtype) for n in ("q", "k", "v"))
+    with pytest.raises(flashx.DeviceError, match="k"):
+        flashx.attention_forward(q, k.cpu(), v, backend=flashx_target.name)
+
+
+def test_autograd(flashx_target, flashx_rng):
+    """flashx.attention(...).backward() on torch tensors meets the oracle and, when the backward is
+    deterministic, gives attention_backward's gradients bit for bit."""
+    torch = pytest.importorskip("torch")
+    dtype = flashx_target.dtype
+    case = make_case(flashx_rng, heads_q=4, heads_k=2, seqlen_q=37, seqlen_k=53, head_dim=32, dtype=dtype, causal=True)
+    rounded = case.rounded()
+    q, k, v, do = (torch.from_numpy(rounded[n]).to(device=flashx_target.device, dtype=getattr(torch, dtype)) for n in TENSORS)
+    options = dict(causal=True, deterministic=bool(getattr(flashx_target.backend, "deterministic_backward", False)))
+    flashx_target.skip_unless_supported(q, k, v, **options)
+    o, res = flashx.attention_forward(q, k, v, backend=flashx_target.name, **options)
+    expected = flashx.attention_backward(do, q, k, v, o, res, backend=flashx_target.name, **options)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = flashx.attention(*leaves, backend=flashx_target.name, return_lse=True, **options)
+    assert out.requires_grad, "flashx.attention did not build an autograd graph"
+    out.backward(do)
+    got = dict(zip(OUTPUTS, (flashx_target.numpy(x) for x in (out, lse, *(leaf.grad for leaf in leaves)))))
+    failures = conformance_failures(case, got)
+    assert not failures, case.describe() + "\n" + "\n".join(failures)
+    if options["deterministic"]:
+        for name, want in zip(("dq", "dk", "dv"), expected):
+            assert np.array_equal(got[name], flashx_target.numpy(want)), f"{name}: autograd differs from attention_backward"
