@@ -1,11 +1,12 @@
 """Tile shapes, warps and pipeline depth for each kernel, picked by timing on first use.
 
 Each kernel has a short list of candidate configurations per head-dim class and dtype. The
-first time a (kernel, head dims, dtype, causal, GPU) key is seen, every candidate runs on the
-call's own inputs; one that fails to compile, or whose output has NaN where the first
-candidate's has none, is dropped (some tile shapes have miscompiled on Hopper), and the
-fastest of the rest is cached for the process. Under TRITON_INTERPRET=1 (CI, CPU), or with
-FLASHX_TRITON_AUTOTUNE=0, the first candidate runs untimed.
+first time a (kernel, head dims, dtype, band or not, GPU) key is seen, every candidate runs on
+the call's own inputs; one that needs more shared memory than the GPU has, or whose output has
+NaN where the first candidate's has none, is dropped (some tile shapes have miscompiled on
+Hopper), and the fastest of the rest is cached for the process. With FLASHX_TRITON_AUTOTUNE=0
+the first candidate that fits is taken untimed; under TRITON_INTERPRET=1 (CI, CPU) one small
+fixed configuration runs.
 """
 
 from __future__ import annotations
@@ -35,20 +36,20 @@ FORWARD = {
     128: [C(128, 64, 4, 2), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 128, 4, 2), C(64, 64, 4, 3)],
     256: [C(64, 64, 4, 2), C(128, 64, 8, 2), C(64, 32, 4, 2)],
 }
-FORWARD_FP32 = [C(64, 32, 4, 2), C(64, 64, 4, 2), C(32, 32, 4, 2)]
+FORWARD_FP32 = [C(64, 32, 4, 2), C(64, 64, 4, 2), C(32, 32, 4, 2), C(32, 32, 4, 1)]
 # dK/dV: block_n keys stay resident while block_m query rows stream.
 DKDV = {
     64: [C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 128, 8, 3)],
     128: [C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 128, 8, 2), C(64, 128, 8, 2)],
     256: [C(32, 64, 4, 2), C(64, 64, 8, 2), C(32, 32, 4, 2)],
 }
-DKDV_FP32 = [C(32, 64, 4, 2), C(32, 32, 4, 2)]
+DKDV_FP32 = [C(32, 64, 4, 2), C(32, 32, 4, 2), C(16, 32, 4, 1)]
 DQ = {
     64: [C(128, 64, 8, 3), C(64, 64, 4, 3), C(128, 128, 8, 3)],
     128: [C(128, 64, 8, 3), C(64, 64, 4, 3), C(128, 64, 8, 2), C(128, 32, 4, 3)],
     256: [C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 32, 4, 2)],
 }
-DQ_FP32 = [C(64, 32, 4, 2), C(32, 32, 4, 2)]
+DQ_FP32 = [C(64, 32, 4, 2), C(32, 32, 4, 2), C(32, 16, 4, 1)]
 
 _chosen: dict[tuple, Config] = {}
 #: Per key, every candidate that ran and its median milliseconds (None: dropped), for the notes.
@@ -72,18 +73,20 @@ def candidates(kernel: str, problem) -> list[Config]:
 def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config:
     """The configuration for ``kernel`` on ``problem``; ``run(config)`` launches it and returns its outputs."""
     options = candidates(kernel, problem)
-    if len(options) == 1 or os.environ.get("FLASHX_TRITON_AUTOTUNE") == "0":
+    if len(options) == 1:
         return options[0]
     import torch
 
+    timed = os.environ.get("FLASHX_TRITON_AUTOTUNE") != "0"
     key = (kernel, problem.head_dim, problem.head_dim_v, problem.dtype, problem.band is not None,
-           torch.cuda.get_device_name(problem.device_index))
+           torch.cuda.get_device_name(problem.device_index), timed)
     if key not in _chosen:
-        _chosen[key] = _fastest(options, run, measured.setdefault(key, []))
+        _chosen[key] = _fastest(options, run, measured.setdefault(key, []), timed)
     return _chosen[key]
 
 
-def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list) -> Config:
+def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list, timed: bool) -> Config:
+    """The fastest candidate that fits the GPU and agrees with the first on NaNs; untimed: the first that fits."""
     import torch
     from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench
@@ -101,6 +104,8 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
         elif not all(torch.equal(a, b) for a, b in zip(nans, reference_nans)):
             log.append((config, None))
             continue
+        if not timed:
+            return config
         ms = do_bench(lambda: run(config), warmup=5, rep=25, return_mode="median")
         log.append((config, ms))
         if ms < best_ms:
