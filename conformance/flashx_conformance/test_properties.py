@@ -49,7 +49,8 @@ def cases(draw, backend, dropout: bool):
     options = dict(
         causal=maybe("causal", st.just(True), False),
         window=maybe("window", st.tuples(sides, sides)),
-        softmax_scale=draw(st.none() | st.floats(-1.0, 1.0, width=32)),
+        # 0 and negative scales are valid; magnitudes below 1e-3 only measure float32 underflow
+        softmax_scale=draw(st.none() | st.just(0.0) | st.floats(1e-3, 2.0) | st.floats(-2.0, -1e-3)),
     )
     if dropout:
         options.update(
