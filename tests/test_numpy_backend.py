@@ -8,6 +8,7 @@ The full case catalogue and the independent oracle live in the conformance suite
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -151,7 +152,7 @@ def padded(rng, batch, nq, nk, heads_q=2, heads_k=2, dim=16, dim_v=16, dtype=np.
 
 def case(name):
     """(q, k, v, do, keywords) of a named case; lengths are never tile multiples."""
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same inputs on every run
     if name == "plain":
         return (*padded(rng, 2, 37, 53), {})
     if name == "causal, Nq < Nk":
