@@ -63,8 +63,9 @@ def _attend(problem, q, k, v, allowed):
     if not problem.dropout_p:
         return _sdpa(problem, q, k, v, allowed)
     with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else []):
-        # Each rng_offset must draw a different mask, and the backward the forward's one.
-        torch.manual_seed((problem.seed + problem.rng_offset * 0x9E3779B97F4A7C15) % 2**64)
+        # Each rng_offset (taken modulo 2**32, as the contract's counter does) must draw another
+        # mask, and the backward the forward's one.
+        torch.manual_seed((problem.seed + problem.rng_offset % 2**32 * 0x9E3779B97F4A7C15) % 2**64)
         return _sdpa(problem, q, k, v, allowed)
 
 
