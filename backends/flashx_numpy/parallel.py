@@ -51,28 +51,26 @@ def _openblas_controls():
 
 
 class _Workers:
+    """A lazily started pool of one worker per BLAS thread (one worker: the caller's thread)."""
+
     def __init__(self):
         self._lock = threading.Lock()
         self._controls = None
         self._pool = None
-        self._started = False
+        self._count = 0  # 0 until started
         self._active = 0
         self._saved_threads = 1
-
-    def _start(self):
-        self._controls = _openblas_controls()
-        threads = self._controls[0]() if self._controls else 1
-        if threads > 1:
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="flashx-numpy")
-        self._started = True
 
     @property
     def count(self) -> int:
         """How many tiles run at once."""
         with self._lock:
-            if not self._started:
-                self._start()
-        return self._pool._max_workers if self._pool else 1
+            if not self._count:
+                self._controls = _openblas_controls()
+                self._count = max(1, self._controls[0]()) if self._controls else 1
+                if self._count > 1:
+                    self._pool = ThreadPoolExecutor(self._count, thread_name_prefix="flashx-numpy")
+        return self._count
 
     def run(self, tasks: Iterable[Callable[[], None]]) -> None:
         """Run every task (they must touch disjoint outputs); re-raise the first failure."""
