@@ -159,7 +159,9 @@ def main():
         peak_memory(report)
     report["autotune"] = {str(key): [(str(c), ms) for c, ms in runs] for key, runs in tuning.measured.items()}
     for key, runs in report["autotune"].items():
-        print(key, *(f"{c.replace('Config', '')}: {ms if ms is None else round(ms, 3)}" for c, ms in runs), sep="\n  ")
+        if runs:
+            print(key, *(f"{c.replace('Config', '')}: {ms if ms is None else round(ms, 3)}" for c, ms in runs),
+                  sep="\n  ")
     with open(os.path.join(args.out, "triton-measure.json"), "w") as f:
         json.dump(report, f, indent=1)
     for row in report["speed"]:

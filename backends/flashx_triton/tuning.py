@@ -11,6 +11,7 @@ fixed configuration runs.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -32,21 +33,21 @@ INTERPRETED = Config(32, 32, 1, 1)
 
 C = Config
 FORWARD = {
-    64: [C(128, 128, 4, 3), C(128, 64, 4, 3), C(128, 128, 8, 3), C(64, 64, 4, 3)],
-    128: [C(128, 64, 4, 2), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 128, 4, 2), C(64, 64, 4, 3)],
+    64: [C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 128, 4, 3), C(64, 128, 4, 3)],
+    128: [C(64, 64, 4, 3), C(128, 64, 8, 3), C(128, 128, 8, 2), C(64, 64, 4, 4), C(64, 128, 4, 3)],
     256: [C(64, 64, 4, 2), C(128, 64, 8, 2), C(64, 32, 4, 2)],
 }
 FORWARD_FP32 = [C(64, 32, 4, 2), C(64, 64, 4, 2), C(32, 32, 4, 2), C(32, 32, 4, 1)]
 # dK/dV: block_n keys stay resident while block_m query rows stream.
 DKDV = {
-    64: [C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 128, 8, 3)],
-    128: [C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 128, 8, 2), C(64, 128, 8, 2)],
+    64: [C(64, 64, 4, 3), C(64, 128, 8, 3), C(32, 64, 4, 3)],
+    128: [C(64, 128, 8, 3), C(64, 128, 8, 2), C(64, 64, 4, 3), C(128, 128, 8, 2)],
     256: [C(32, 64, 4, 2), C(64, 64, 8, 2), C(32, 32, 4, 2)],
 }
 DKDV_FP32 = [C(32, 64, 4, 2), C(32, 32, 4, 2), C(16, 32, 4, 1)]
 DQ = {
-    64: [C(128, 64, 8, 3), C(64, 64, 4, 3), C(128, 128, 8, 3)],
-    128: [C(128, 64, 8, 3), C(64, 64, 4, 3), C(128, 64, 8, 2), C(128, 32, 4, 3)],
+    64: [C(64, 64, 4, 3), C(128, 64, 8, 3), C(64, 32, 4, 3)],
+    128: [C(128, 64, 8, 3), C(64, 64, 4, 3), C(128, 64, 8, 4), C(64, 32, 4, 3)],
     256: [C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 32, 4, 2)],
 }
 DQ_FP32 = [C(64, 32, 4, 2), C(32, 32, 4, 2), C(32, 16, 4, 1)]
@@ -75,14 +76,21 @@ def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config:
     options = candidates(kernel, problem)
     if len(options) == 1:
         return options[0]
-    import torch
-
     timed = os.environ.get("FLASHX_TRITON_AUTOTUNE") != "0"
-    key = (kernel, problem.head_dim, problem.head_dim_v, problem.dtype, problem.band is not None,
-           torch.cuda.get_device_name(problem.device_index), timed)
+    # Short sequences want other tiles than long ones (fewer programs than SMs): bucket by length.
+    length_class = min(problem.seqlen_q, 8192).bit_length()
+    key = (kernel, problem.head_dim, problem.head_dim_v, problem.dtype, problem.band is not None, length_class,
+           _device_name(problem.device_index), timed)
     if key not in _chosen:
         _chosen[key] = _fastest(options, run, measured.setdefault(key, []), timed)
     return _chosen[key]
+
+
+@functools.cache
+def _device_name(index) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(index)
 
 
 def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list, timed: bool) -> Config:
