@@ -11,7 +11,7 @@ from flashx.errors import FlashXError, ShapeError
 from flashx.problem import Problem
 from flashx.validation import build_problem, check_like
 
-OPTIONS = tuple(inspect.signature(build_problem).parameters)[3:]
+OPTIONS = frozenset(tuple(inspect.signature(build_problem).parameters)[3:])
 
 
 class Residuals(NamedTuple):
@@ -158,7 +158,7 @@ def _check_output(impl, name, x, shape):
 def _check_option_names(function, options):
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}; known: {', '.join(OPTIONS)}")
+        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}; known: {', '.join(sorted(OPTIONS))}")
 
 
 def _wants_grad(*tensors) -> bool:

@@ -16,16 +16,26 @@ from flashx.errors import DTypeError
 KINDS = ("numpy", "torch", "cupy")
 
 
+_kind_by_type: dict[type, str | None] = {}
+_dtype_names: dict[Any, str] = {}
+
+
 def kind_of(x: Any) -> str | None:
     """"numpy", "torch", "cupy", or None for anything else."""
-    root = type(x).__module__.partition(".")[0]
-    return root if root in KINDS else None
+    cls = type(x)
+    kind = _kind_by_type.get(cls, "?")
+    if kind == "?":
+        root = cls.__module__.partition(".")[0]
+        kind = _kind_by_type[cls] = root if root in KINDS else None
+    return kind
 
 
 def dtype_name(x: Any) -> str:
-    if kind_of(x) == "torch":
-        return str(x.dtype).removeprefix("torch.")
-    return x.dtype.name
+    dtype = x.dtype
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.") if kind_of(x) == "torch" else dtype.name
+    return name
 
 
 def device_of(x: Any) -> tuple[str, int | None]:

@@ -7,6 +7,7 @@ The core validates every argument once (``flashx.validation``) and hands backend
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -108,7 +109,7 @@ class Problem:
     def lse_dtype(self) -> str:
         return "float64" if self.dtype == "float64" else "float32"
 
-    @property
+    @functools.cached_property
     def band(self) -> tuple[int, int] | None:
         """The diagonal band with causal folded in, or None when neither is set.
 
@@ -120,7 +121,7 @@ class Problem:
         left, right = self.window or (-1, -1)
         return left, 0 if right == -1 else min(right, 0)
 
-    @property
+    @functools.cached_property
     def features(self) -> frozenset[str]:
         """The optional features (keys of ``FEATURES``) this problem uses."""
         used = {
@@ -178,11 +179,15 @@ class Problem:
 
     def with_arrays(self, convert: Callable[[Any], Any]) -> "Problem":
         """A copy whose auxiliary arrays (mask, seqlens, ...) went through ``convert``."""
-        names = ("alibi_slopes", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
-        changes = {n: convert(getattr(self, n)) for n in names if getattr(self, n) is not None}
-        if self.block_mask is not None:
-            changes["block_mask"] = BlockMask(convert(self.block_mask.blocks), self.block_mask.block_size)
-        return dataclasses.replace(self, **changes)
+        changes = {}
+        for name in ("alibi_slopes", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k"):
+            array = getattr(self, name)
+            if array is not None and convert(array) is not array:
+                changes[name] = convert(array)
+        blocks = self.block_mask.blocks if self.block_mask is not None else None
+        if blocks is not None and convert(blocks) is not blocks:
+            changes["block_mask"] = BlockMask(convert(blocks), self.block_mask.block_size)
+        return dataclasses.replace(self, **changes) if changes else self
 
     def describe(self) -> str:
         """One line for error messages and tables."""
