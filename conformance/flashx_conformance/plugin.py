@@ -179,6 +179,8 @@ class _Session:
 
     def pytest_terminal_summary(self, terminalreporter):
         """Skips are never silent: every distinct reason with its count."""
+        if not self.results:
+            return
         counts = Counter(result["outcome"] for result in self.results)
         skipped = Counter(result["reason"] for result in self.results if result["outcome"] == "skipped")
         terminal = terminalreporter

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flashx
-from flashx_conformance.harness import full_only, make_case, make_varlen_case
+from flashx_conformance.harness import diagonal, full_only, make_case, make_varlen_case
 
 SHAPES_NQ_NK = [(1, 239), (3, 799), (127, 513), (5, 2), (97, 97), (113, 64), (1, 1), pytest.param(1025, 1023, marks=full_only)]
 
@@ -35,10 +35,10 @@ WINDOWS = {
 }
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(97, 97), (33, 143), (143, 33)], ids=lambda n: str(n))
-@pytest.mark.parametrize("window, causal", WINDOWS.values(), ids=WINDOWS.keys())
-def test_window(flashx_target, flashx_rng, window, causal, seqlen_q, seqlen_k):
+@pytest.mark.parametrize("name, lengths", diagonal(list(WINDOWS), [(97, 97), (33, 143), (143, 33)]), ids=str)
+def test_window(flashx_target, flashx_rng, name, lengths):
     """i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 is unbounded; causal caps right at 0."""
+    (window, causal), (seqlen_q, seqlen_k) = WINDOWS[name], lengths
     case = make_case(
         flashx_rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32, dtype=flashx_target.dtype, window=window, causal=causal
     )
@@ -108,11 +108,10 @@ SEQLENS = {
 }
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("lengths", SEQLENS.values(), ids=SEQLENS.keys())
+@pytest.mark.parametrize("lengths, causal", diagonal(list(SEQLENS), [False, True]), ids=str)
 def test_seqlens(flashx_target, flashx_rng, lengths, causal):
     """Rows i >= seqlens_q[b] and keys j >= seqlens_k[b] are padding; causal aligns to each sequence's end."""
-    seqlens_q, seqlens_k = (None if n is None else np.array(n, dtype=np.int32) for n in lengths)
+    seqlens_q, seqlens_k = (None if n is None else np.array(n, dtype=np.int32) for n in SEQLENS[lengths])
     case = make_case(
         flashx_rng, batch=4, seqlen_q=97, head_dim=32, dtype=flashx_target.dtype, seqlens_q=seqlens_q, seqlens_k=seqlens_k, causal=causal
     )
@@ -127,11 +126,10 @@ VARLEN = {
 OPTIONS = {"full": {}, "causal": {"causal": True}, "window": {"window": (9, 3)}}
 
 
-@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
-@pytest.mark.parametrize("lengths", VARLEN.values(), ids=VARLEN.keys())
+@pytest.mark.parametrize("lengths, options", diagonal(list(VARLEN), list(OPTIONS)), ids=str)
 def test_varlen(flashx_target, flashx_rng, lengths, options):
     """Packed sequences by cu_seqlens, zero-length ones included, and rows past the last sequence."""
-    lengths_q, lengths_k = lengths
+    (lengths_q, lengths_k), options = VARLEN[lengths], OPTIONS[options]
     case = make_varlen_case(
         flashx_rng, lengths_q=lengths_q, lengths_k=lengths_k, spare_rows=3, heads_q=4, heads_k=2, head_dim=32, dtype=flashx_target.dtype, **options
     )
