@@ -118,8 +118,9 @@ class _Session:
             import flashx
             from flashx_conformance.harness import Target
 
-            backend = flashx.registry.get(self.name)  # an unknown name is an error, not a skip
-            unavailable = backend.available()
+            failed = {info.name: info.reason for info in flashx.registry.failures()}
+            # a plugin that failed to load is reported like an unavailable backend; an unknown name is an error
+            unavailable = failed.get(self.name) or flashx.registry.get(self.name).available()
             if unavailable:
                 self._skip_reason = f"backend {self.name!r} is not available here: {unavailable}"
             else:
