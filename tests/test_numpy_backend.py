@@ -326,3 +326,16 @@ def test_blas_threads_are_restored_after_parallel_tiles():
     q, k, v, do = padded(np.random.default_rng(2), 2, 64, 64, heads_q=4)
     run(q, k, v, do)
     assert controls[0]() == before > 1
+
+
+@pytest.mark.parametrize("block_q, block_k", [(1, 1), (3, 5), (7, 13)])
+@pytest.mark.parametrize("name", ["dropout", "block_mask", "varlen", "gqa 7:1"])
+def test_odd_tile_sizes(name, block_q, block_k):
+    """Tiles smaller than a GQA group, key tiles that split Philox's groups of four keys."""
+    flashx.registry.register(NumpyBackend(block_q=block_q, block_k=block_k, name="numpy-odd-tiles"), replace=True)
+    try:
+        *inputs, keywords = case(name)
+        q, k, v, do = (x.astype(np.float64) for x in inputs)
+        check(run(q, k, v, do, backend="numpy-odd-tiles", **keywords), reference(q, k, v, do, **keywords), np.float64)
+    finally:
+        flashx.registry.unregister("numpy-odd-tiles")
