@@ -13,10 +13,14 @@ Two extra columns let BLAS do two of the elementwise passes over the scores:
 - k carries a column of ones and the scaled q^T a row holding -ref, so K Q^T is already
   (S - ref)^T (ref: each row's reference maximum);
 - v carries a column of ones, so P V also yields each row's sum of P.
-ref moves only when a tile's maximum runs ahead of it by more than log(256) (the
+A row's first tile with an allowed key sets ref to that tile's exact maximum; after
+that ref moves only when a tile's maximum runs ahead of it by more than log(256) (the
 conditional rescaling of FlashAttention-4): exp(S - ref) then stays <= 256 and the
 accumulator is rescaled only on those tiles. The forward saves lse = ref + log(sum P);
-the backward rebuilds P = exp(S - lse) tile by tile, with D = rowsum(dO * O).
+the backward rebuilds P = exp(S - lse) tile by tile, on the forward's tile grid so that
+S comes out bitwise the same (a row with one key gets P = 1 exactly), with
+D = rowsum(dO * O). Products with masked-out pairs add exactly 0 even where the data
+holds NaN or inf (``_masked_matmul``); padding is never read at all.
 
 Peak extra memory: one score tile per worker plus per-head copies of K and V (and, in
 the backward, of the head group's q, dO and dq): O(N * block), never N^2.
