@@ -13,6 +13,8 @@ the same examples. The number of examples follows the suite's tier.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
@@ -21,13 +23,22 @@ from hypothesis import strategies as st
 import flashx
 from flashx_conformance.harness import DTYPES, make_case, make_varlen_case
 
-EXAMPLES = {"small": 10, "full": 40}  # small: kernels run under an interpreter or simulator
-MAX_LEN = 24
-HEAD_DIMS = (8, 16, 24, 32, 40, 64)
+
+@dataclass(frozen=True)
+class Sizes:
+    examples: int
+    max_len: int  # of a sequence, and of a window side
+    max_batch: int
+    max_heads: int  # of kv heads, and of query heads per kv head
+    head_dims: tuple[int, ...]
+
+
+# small: kernels run under an interpreter or a simulator, where every program instance costs
+SIZES = {"small": Sizes(6, 16, 1, 2, (8, 16, 32)), "full": Sizes(40, 24, 3, 4, (8, 16, 24, 32, 40, 64))}
 
 
 @st.composite
-def cases(draw, backend, dropout: bool):
+def cases(draw, backend, sizes: Sizes, dropout: bool):
     """A ``harness.Case`` using only the dtypes and features ``backend`` declares."""
     features = backend.features
 
@@ -35,17 +46,17 @@ def cases(draw, backend, dropout: bool):
         return draw(strategy) if feature in features and draw(st.booleans()) else default
 
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    heads_k = draw(st.integers(1, 3))
-    heads_q = heads_k * maybe("gqa", st.integers(2, 4), 1)
-    head_dim = draw(st.sampled_from(HEAD_DIMS))
+    heads_k = draw(st.integers(1, sizes.max_heads))
+    heads_q = heads_k * maybe("gqa", st.integers(2, sizes.max_heads), 1)
+    head_dim = draw(st.sampled_from(sizes.head_dims))
     shape = dict(
         dtype=draw(st.sampled_from([d for d in DTYPES if d in backend.dtypes])),
         heads_q=heads_q,
         heads_k=heads_k,
         head_dim=head_dim,
-        head_dim_v=maybe("dv_ne_d", st.sampled_from(HEAD_DIMS), head_dim),
+        head_dim_v=maybe("dv_ne_d", st.sampled_from(sizes.head_dims), head_dim),
     )
-    sides = st.integers(-1, MAX_LEN)  # -1: unbounded
+    sides = st.integers(-1, sizes.max_len)  # -1: unbounded
     options = dict(
         causal=maybe("causal", st.just(True), False),
         window=maybe("window", st.tuples(sides, sides)),
@@ -60,13 +71,14 @@ def cases(draw, backend, dropout: bool):
         )
 
     if "varlen" in features and draw(st.booleans()):
-        batch = draw(st.integers(1, 3))
-        lengths = st.lists(st.integers(0, MAX_LEN), min_size=batch, max_size=batch)
+        batch = draw(st.integers(1, sizes.max_batch))
+        lengths = st.lists(st.integers(0, sizes.max_len), min_size=batch, max_size=batch)
         return make_varlen_case(
             rng, lengths_q=draw(lengths), lengths_k=draw(lengths), spare_rows=draw(st.integers(0, 3)), **shape, **options
         )
 
-    batch, seqlen_q, seqlen_k = draw(st.integers(1, 3)), draw(st.integers(1, MAX_LEN)), draw(st.integers(1, MAX_LEN))
+    lengths = st.integers(1, sizes.max_len)
+    batch, seqlen_q, seqlen_k = draw(st.integers(1, sizes.max_batch)), draw(lengths), draw(lengths)
     if maybe("seqlens", st.just(True)):
         options["seqlens_q"] = rng.integers(0, seqlen_q, size=batch, endpoint=True).astype(np.int32)
         options["seqlens_k"] = rng.integers(0, seqlen_k, size=batch, endpoint=True).astype(np.int32)
@@ -83,8 +95,10 @@ def cases(draw, backend, dropout: bool):
 
 
 def check_all(target, dropout: bool):
-    @settings(max_examples=EXAMPLES[target.tier], deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(cases(target.backend, dropout))
+    sizes = SIZES[target.tier]
+
+    @settings(max_examples=sizes.examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(cases(target.backend, sizes, dropout))
     def matches_oracle(case):
         try:
             target.check(case)
