@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
-                                  load_rows, problem_args, row_descriptor, row_strides,
+                                  load_rows, masked_dot, problem_args, row_descriptor, row_strides,
                                   sequence_bounds, tma_ready)
 
 
@@ -98,14 +98,17 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
             if DROPOUT:
                 keep = dropout_keep(rows[None, :], cols[:, None], stream, seed, rng_offset, drop_threshold)
-                dv = dot(tl.where(keep, p * drop_scale, 0.0).to(do.dtype), do, dv, DOT_PRECISION)
+                p_kept = tl.where(keep, p * drop_scale, 0.0)
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             else:
-                dv = dot(p.to(do.dtype), do, dv, DOT_PRECISION)
+                p_kept = p
             ds = p * (dp - delta[None, :])
             if MASKED:
-                ds = tl.where(ok, ds, 0.0)
-            dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION)
+                dv = masked_dot(p_kept.to(do.dtype), do, ok, dv, DOT_PRECISION)
+                dk = masked_dot(ds.to(q.dtype), q, ok, dk, DOT_PRECISION)
+            else:
+                dv = dot(p_kept.to(do.dtype), do, dv, DOT_PRECISION)
+                dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
 
 
@@ -232,8 +235,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             if MASKED:
-                ds = tl.where(ok, ds, 0.0)
-            dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
+                dq = masked_dot(ds.to(k.dtype), k, ok, dq, DOT_PRECISION)
+            else:
+                dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
 
 

@@ -120,6 +120,37 @@ def dot(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def masked_dot(a, b, allowed, acc, PRECISION: tl.constexpr):
+    """acc + the sum over allowed j of a[i, j] * b[j, :] in IEEE arithmetic, for masked tiles.
+
+    A plain dot adds 0 * NaN = NaN where a disallowed pair meets a NaN or inf in b (or where a
+    holds NaN there, as P does in a row whose LSE is NaN), so NaN would leak into outputs that
+    never read it. The finite part of b goes through the dot; the few non-finite entries add
+    what plain arithmetic over the allowed pairs gives (NaN, +inf or -inf), as the oracle's
+    ``_masked_matmul`` does, through 0/1 indicator products that count the allowed terms
+    meeting each kind. Unmasked tiles need none of this: every pair there is allowed.
+    """
+    a = tl.where(allowed, a, 0.0)
+    finite = tl.abs(b) < float("inf")  # False for NaN too
+    out = dot(a, tl.where(finite, b, 0.0), acc, PRECISION)
+    # A runtime branch on one scalar: tiles of finite data skip the indicator products.
+    if tl.min(finite.to(tl.int32)) == 0:
+        plus_inf = (b == float("inf")).to(b.dtype)
+        minus_inf = (b == float("-inf")).to(b.dtype)
+        nan = (~finite & (tl.abs(b) != float("inf"))).to(b.dtype)
+        positive = (a > 0).to(b.dtype)
+        negative = (a < 0).to(b.dtype)
+        # 0 times inf is NaN; a NaN in a already made its output NaN.
+        zero = (allowed & ~(a > 0) & ~(a < 0)).to(b.dtype)
+        hits_nan = dot(allowed.to(b.dtype), nan, dot(zero, plus_inf + minus_inf, None, PRECISION), PRECISION)
+        hits_plus = dot(positive, plus_inf, dot(negative, minus_inf, None, PRECISION), PRECISION)
+        hits_minus = dot(positive, minus_inf, dot(negative, plus_inf, None, PRECISION), PRECISION)
+        out += (tl.where(hits_plus > 0, float("inf"), 0.0) + tl.where(hits_minus > 0, float("-inf"), 0.0)
+                + tl.where(hits_nan > 0, float("nan"), 0.0))
+    return out
+
+
+@triton.jit
 def dropout_keep(i, j, stream, seed, rng_offset, threshold):
     """Z[i, j] of SPEC section 4: word j % 4 of Philox4x32-10((j // 4, i, stream, offset), seed) >= threshold."""
     zero = i * 0 + j * 0

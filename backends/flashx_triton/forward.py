@@ -12,7 +12,7 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
-                                  load_rows, problem_args, row_descriptor, row_strides,
+                                  load_rows, masked_dot, problem_args, row_descriptor, row_strides,
                                   sequence_bounds, tma_ready)
 
 
@@ -60,7 +60,10 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, s
             if DROPOUT:
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
                 p = tl.where(keep, p, 0.0)
-            acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+            if MASKED:
+                acc = masked_dot(p.to(v.dtype), v, ok, acc * alpha[:, None], DOT_PRECISION)
+            else:
+                acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
     return acc, m_i, l_i
 
