@@ -51,7 +51,7 @@ def run_conformance(toy, selection, directory, *options) -> dict[str, str]:
     return outcomes.by_test
 
 
-@pytest.mark.parametrize("flawed, selection", list(CAUGHT_BY.items()), ids=lambda x: getattr(x, "name", ""))
+@pytest.mark.parametrize("flawed, selection", list(CAUGHT_BY.items()), ids=[toy.name for toy in CAUGHT_BY])
 def test_case_fails_the_flaw_and_passes_the_control(flawed, selection, tmp_path):
     case = selection.split()[0]
     control = run_conformance(toys.Correct(), selection, tmp_path)

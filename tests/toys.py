@@ -23,7 +23,6 @@ class Correct(flashx.Backend):
     array_kind = "numpy"
     devices = frozenset({"cpu"})
     dtypes = frozenset({"float32", "float64"})
-    features = frozenset(flashx.problem.FEATURES) - {"softcap", "alibi"}
 
     def forward(self, problem, q, k, v):
         o, lse = self.forward64(problem, *_as64(q, k, v))
