@@ -77,10 +77,10 @@ def test_dropout_matches_oracle(flashx_target, flashx_rng, name):
     assert_same_mask(*keep_masks(flashx_target, case), case)
 
 
-@pytest.mark.parametrize("seqlen_q", [128, pytest.param(512, marks=full_only)])
+@pytest.mark.parametrize("seqlen_q", [64, pytest.param(512, marks=full_only)])
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5])
 def test_dropout_keep_fraction(flashx_target, flashx_rng, seqlen_q, dropout_p):
-    """The kept fraction of a large tile is within 0.01 of 1 - p (5 standard deviations at 65536 draws)."""
+    """The kept fraction of a large tile is within 0.01 of 1 - p (3.6 standard deviations at 32768 draws)."""
     case = make_case(flashx_rng, batch=1, heads_q=4, seqlen_q=seqlen_q, seqlen_k=128, head_dim=128, dtype=flashx_target.dtype,
                      dropout_p=dropout_p, seed=7, rng_offset=0)
     got, expected = keep_masks(flashx_target, case)
