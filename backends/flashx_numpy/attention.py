@@ -39,7 +39,8 @@ from flashx_numpy.parallel import workers
 from flashx_numpy.philox import dropout_keep
 
 # How far a row's maximum may run ahead of its reference before the accumulator is rescaled.
-_RESCALE_MARGIN = math.log(256.0)
+_RESCALE_LIMIT = 256.0
+_RESCALE_MARGIN = math.log(_RESCALE_LIMIT)
 
 BLOCK_Q = 512  # query rows per tile, all heads of a group together
 BLOCK_K = 512  # keys per tile: a 512 x 512 float32 score tile fits a 1 MiB L2
@@ -237,6 +238,23 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
     acc = np.zeros((rows, dim_v + 1), dtype)  # [sum_j P_ij v_j | sum_j P_ij], in units of exp(ref)
     pv = np.empty_like(acc)
     scores_buffer = np.empty(block_k * rows, dtype)
+    def scores(j0, j1, disallowed):  # (S - ref)^T of a tile, disallowed elements -inf
+        s = scores_buffer[: (j1 - j0) * rows].reshape(j1 - j0, rows)
+        np.matmul(keys[j0:j1], qa, out=s)
+        if disallowed is not None:
+            np.copyto(s, -np.inf, where=disallowed)
+        return s
+
+    def exp_times_values(s, j0, j1, disallowed):  # [P V | sum_j P]: s becomes P in place
+        np.exp(s, out=s)
+        if p:
+            total = s.sum(axis=0)  # the normaliser counts dropped elements too
+            np.copyto(s, 0, where=~_keep(problem, seq, heads, i0, i1, j0, j1))
+        _masked_matmul(s.T, values[j0:j1], None if disallowed is None else disallowed.T, out=pv)
+        if p:
+            pv[:, -1] = total
+        return pv
+
     with np.errstate(all="ignore"):  # exp(-inf) = 0 and log(0) = -inf are the intended values
         lo, hi = tiles.keys(i0, i1)
         for j0 in range(lo - lo % block_k, hi, block_k):  # the backward's tile grid (see there)
@@ -244,10 +262,16 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
             any_allowed, disallowed = tiles.disallowed(heads, i0, i1, j0, j1)
             if not any_allowed:
                 continue
-            s = scores_buffer[: (j1 - j0) * rows].reshape(j1 - j0, rows)
-            np.matmul(keys[j0:j1], qa, out=s)  # (S - ref)^T
-            if disallowed is not None:
-                np.copyto(s, -np.inf, where=disallowed)
+            s = scores(j0, j1, disallowed)
+            if started.all():
+                # The usual tile once every row has its ref: no pass for the maxima. A row
+                # that ran far ahead (or holds NaN) shows in its sum of P; then the tile is
+                # done again the careful way.
+                exp_times_values(s, j0, j1, disallowed)
+                if np.all(pv[:, -1] <= _RESCALE_LIMIT * (j1 - j0)):
+                    acc += pv
+                    continue
+                s = scores(j0, j1, disallowed)
             ahead = s.max(axis=0)
             moved = (ahead > _RESCALE_MARGIN) | (~started & (ahead > -np.inf))
             if moved.any():
@@ -257,14 +281,7 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
                 ref += shift
                 started |= moved
                 qa[-1] = -ref
-            np.exp(s, out=s)
-            if p:
-                total = s.sum(axis=0)  # the normaliser counts dropped elements too
-                np.copyto(s, 0, where=~_keep(problem, seq, heads, i0, i1, j0, j1))
-            _masked_matmul(s.T, values[j0:j1], None if disallowed is None else disallowed.T, out=pv)
-            if p:
-                pv[:, -1] = total
-            acc += pv
+            acc += exp_times_values(s, j0, j1, disallowed)
         total = acc[:, -1]
         out = acc[:, :-1] / (total * (1 - p))[:, None]
         np.copyto(out, 0, where=(total == 0)[:, None])  # rows with no allowed key
