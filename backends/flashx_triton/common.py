@@ -140,13 +140,15 @@ def masked_dot(a, b, allowed, acc, PRECISION: tl.constexpr):
         nan = (~finite & (tl.abs(b) != float("inf"))).to(b.dtype)
         positive = (a > 0).to(b.dtype)
         negative = (a < 0).to(b.dtype)
-        # 0 times inf is NaN; a NaN in a already made its output NaN.
-        zero = (allowed & ~(a > 0) & ~(a < 0)).to(b.dtype)
+        # 0 times inf is NaN (a NaN in a already made its output NaN in the dot above).
+        zero = (allowed & (a == 0)).to(b.dtype)
+        # One count tile live at a time (registers); NaN + x and inf + -inf are NaN in any order.
         hits_nan = dot(allowed.to(b.dtype), nan, dot(zero, plus_inf + minus_inf, None, PRECISION), PRECISION)
+        out += tl.where(hits_nan > 0, float("nan"), 0.0)
         hits_plus = dot(positive, plus_inf, dot(negative, minus_inf, None, PRECISION), PRECISION)
+        out += tl.where(hits_plus > 0, float("inf"), 0.0)
         hits_minus = dot(positive, minus_inf, dot(negative, plus_inf, None, PRECISION), PRECISION)
-        out += (tl.where(hits_plus > 0, float("inf"), 0.0) + tl.where(hits_minus > 0, float("-inf"), 0.0)
-                + tl.where(hits_nan > 0, float("nan"), 0.0))
+        out += tl.where(hits_minus > 0, float("-inf"), 0.0)
     return out
 
 
