@@ -135,15 +135,17 @@ def masked_dot(a, b, allowed, acc, PRECISION: tl.constexpr):
     out = dot(a, tl.where(finite, b, 0.0), acc, PRECISION)
     # A runtime branch on one scalar: tiles of finite data skip the indicator products.
     if tl.min(finite.to(tl.int32)) == 0:
-        plus_inf = (b == float("inf")).to(b.dtype)
-        minus_inf = (b == float("-inf")).to(b.dtype)
-        nan = (~finite & (tl.abs(b) != float("inf"))).to(b.dtype)
-        positive = (a > 0).to(b.dtype)
-        negative = (a < 0).to(b.dtype)
+        # 0/1 indicators in fp32: exact under every PRECISION, and the interpreter turns a bool
+        # into bf16 as raw bits (a denormal), which would count nothing.
+        plus_inf = tl.where(b == float("inf"), 1.0, 0.0)
+        minus_inf = tl.where(b == float("-inf"), 1.0, 0.0)
+        nan = tl.where(finite | (tl.abs(b) == float("inf")), 0.0, 1.0)
+        positive = tl.where(a > 0, 1.0, 0.0)
+        negative = tl.where(a < 0, 1.0, 0.0)
         # 0 times inf is NaN (a NaN in a already made its output NaN in the dot above).
-        zero = (allowed & (a == 0)).to(b.dtype)
+        zero = tl.where(allowed & (a == 0), 1.0, 0.0)
         # One count tile live at a time (registers); NaN + x and inf + -inf are NaN in any order.
-        hits_nan = dot(allowed.to(b.dtype), nan, dot(zero, plus_inf + minus_inf, None, PRECISION), PRECISION)
+        hits_nan = dot(tl.where(allowed, 1.0, 0.0), nan, dot(zero, plus_inf + minus_inf, None, PRECISION), PRECISION)
         out += tl.where(hits_nan > 0, float("nan"), 0.0)
         hits_plus = dot(positive, plus_inf, dot(negative, minus_inf, None, PRECISION), PRECISION)
         out += tl.where(hits_plus > 0, float("inf"), 0.0)
