@@ -238,6 +238,7 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
     acc = np.zeros((rows, dim_v + 1), dtype)  # [sum_j P_ij v_j | sum_j P_ij], in units of exp(ref)
     pv = np.empty_like(acc)
     scores_buffer = np.empty(block_k * rows, dtype)
+
     def scores(j0, j1, disallowed):  # (S - ref)^T of a tile, disallowed elements -inf
         s = scores_buffer[: (j1 - j0) * rows].reshape(j1 - j0, rows)
         np.matmul(keys[j0:j1], qa, out=s)
