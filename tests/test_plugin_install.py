@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -107,18 +106,25 @@ SDPA_FAILS = {
     "test_padding_poison": "NaN or inf in a masked key's v reaches o as 0 * NaN (pytorch#101967)",
     "test_nan_propagation": "its backward spreads one NaN to keys the poisoned row never reads",
 }
-# A cheap parametrization of each of those, and of cases it passes; the full grading is the doc's.
-GRADED = (
-    "test_dropout_matches_oracle and padded-p0.5 or test_padding_poison and masked-nan or test_nan_propagation and v"
-    " or test_exactness and Nq17-Nk17 or test_causal and 5-2 or test_window and left-only or test_gqa and Hq4-Hk2 and causal"
-    " or test_bool_mask or test_block_mask and 7x13 or test_seqlens or test_empty_rows or test_varlen and causal"
-)
+# Those, and cases it passes, in the suite's small tier; the full grading is the doc's.
+GRADED = [
+    *SDPA_FAILS,
+    "test_causal",
+    "test_gqa",
+    "test_bool_mask",
+    "test_block_mask",
+    "test_seqlens",
+    "test_empty_rows",
+    "test_scale",
+    "test_lse_is_natural_logsumexp",
+    "test_varlen",
+]
 
 
 def test_conformance_suite_grades_sdpa(plugin_venv, tmp_path):
     report = tmp_path / "sdpa.json"
-    # the full tier explicitly: other test modules may set TRITON_INTERPRET, which defaults it to small
-    args = ["--pyargs", "flashx_conformance", "--flashx-backend", "sdpa", "--flashx-tier", "full", "-k", GRADED, "--flashx-report", report]
+    args = ["--pyargs", "flashx_conformance", "--flashx-backend", "sdpa", "--flashx-tier", "small", "--flashx-report", report]
+    args += ["-k", " or ".join(GRADED)]
     result = subprocess.run(
         [plugin_venv, "-m", "pytest", *args, "-p", "no:cacheprovider", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
@@ -128,9 +134,11 @@ def test_conformance_suite_grades_sdpa(plugin_venv, tmp_path):
     outcomes = {}
     for case in graded["results"]:
         function = case["nodeid"].rpartition("::")[2].partition("[")[0]
-        outcomes.setdefault(function, set()).add(case["outcome"])
-    assert outcomes.keys() == set(re.findall(r"test_\w+", GRADED)), "a selection above matched no case"
+        if function in GRADED:  # -k matches substrings: test_varlen also selects the oracle's test_varlen_is_...
+            outcomes.setdefault(function, set()).add(case["outcome"])
+    assert outcomes.keys() == set(GRADED), f"no parametrization ran of {set(GRADED) - outcomes.keys()}"
     failing = {function for function, seen in outcomes.items() if "failed" in seen}
     assert failing == set(SDPA_FAILS), f"expected to fail only {SDPA_FAILS}\n{result.stdout}"
     assert outcomes.pop("test_varlen") == {"skipped"}  # SDPA has no cu_seqlens; the adapter does not claim it
-    assert all(seen == {"passed"} for function, seen in outcomes.items() if function not in SDPA_FAILS), outcomes
+    passing = {function: seen for function, seen in outcomes.items() if function not in SDPA_FAILS}
+    assert all("passed" in seen and seen <= {"passed", "skipped"} for seen in passing.values()), passing  # skipped: full tier
