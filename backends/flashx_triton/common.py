@@ -121,36 +121,23 @@ def dot(a, b, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def masked_dot(a, b, allowed, acc, PRECISION: tl.constexpr):
-    """acc + the sum over allowed j of a[i, j] * b[j, :] in IEEE arithmetic, for masked tiles.
+    """acc + the sum over allowed j of a[i, j] * b[j, :], for masked tiles.
 
-    A plain dot adds 0 * NaN = NaN where a disallowed pair meets a NaN or inf in b (or where a
-    holds NaN there, as P does in a row whose LSE is NaN), so NaN would leak into outputs that
-    never read it. The finite part of b goes through the dot; the few non-finite entries add
-    what plain arithmetic over the allowed pairs gives (NaN, +inf or -inf), as the oracle's
-    ``_masked_matmul`` does, through 0/1 indicator products that count the allowed terms
-    meeting each kind. Unmasked tiles need none of this: every pair there is allowed.
+    A plain dot adds 0 * NaN = NaN where a disallowed pair meets a NaN or inf in b, so NaN
+    would reach outputs that never read it. The finite part of b goes through the dot; an
+    output whose allowed terms meet a non-finite entry of b becomes NaN (SPEC: NaN in, NaN
+    out), found by one 0/1 indicator product that runs only in tiles holding non-finite data.
+    Unmasked tiles need none of this: every pair there is allowed.
     """
     a = tl.where(allowed, a, 0.0)
     finite = tl.abs(b) < float("inf")  # False for NaN too
     out = dot(a, tl.where(finite, b, 0.0), acc, PRECISION)
-    # A runtime branch on one scalar: tiles of finite data skip the indicator products.
     if tl.min(finite.to(tl.int32)) == 0:
-        # 0/1 indicators in fp32: exact under every PRECISION, and the interpreter turns a bool
-        # into bf16 as raw bits (a denormal), which would count nothing.
-        plus_inf = tl.where(b == float("inf"), 1.0, 0.0)
-        minus_inf = tl.where(b == float("-inf"), 1.0, 0.0)
-        nan = tl.where(finite | (tl.abs(b) == float("inf")), 0.0, 1.0)
-        positive = tl.where(a > 0, 1.0, 0.0)
-        negative = tl.where(a < 0, 1.0, 0.0)
-        # 0 times inf is NaN (a NaN in a already made its output NaN in the dot above).
-        zero = tl.where(allowed & (a == 0), 1.0, 0.0)
-        # One count tile live at a time (registers); NaN + x and inf + -inf are NaN in any order.
-        hits_nan = dot(tl.where(allowed, 1.0, 0.0), nan, dot(zero, plus_inf + minus_inf, None, PRECISION), PRECISION)
-        out += tl.where(hits_nan > 0, float("nan"), 0.0)
-        hits_plus = dot(positive, plus_inf, dot(negative, minus_inf, None, PRECISION), PRECISION)
-        out += tl.where(hits_plus > 0, float("inf"), 0.0)
-        hits_minus = dot(positive, minus_inf, dot(negative, plus_inf, None, PRECISION), PRECISION)
-        out += tl.where(hits_minus > 0, float("-inf"), 0.0)
+        # 0/1 in b's dtype are exact and their counts accumulate exactly in fp32. Built from
+        # floats: the interpreter turns a bool into bf16 as raw bits (a denormal).
+        ones = tl.where(allowed, 1.0, 0.0).to(b.dtype)
+        hits = dot(ones, tl.where(finite, 0.0, 1.0).to(b.dtype), None, PRECISION)
+        out = tl.where(hits > 0, float("nan"), out)
     return out
 
 
