@@ -39,7 +39,9 @@ def _gpu_present() -> bool:
 
 @nox.session(python=False)
 def tests(session):
-    session.run("pytest", "tests", *session.posargs)
+    # The Triton interpreter is chosen when triton is first imported: its tests get a process of their own.
+    session.run("pytest", "tests", "--ignore=tests/test_triton_backend.py", *session.posargs)
+    session.run("pytest", "tests/test_triton_backend.py", *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=False)
