@@ -21,7 +21,7 @@ def _same_bits(first, later):
 
 def test_determinism(flashx_target, flashx_rng):
     """20 forwards are bitwise identical; so are 20 backwards with deterministic=True (where promised)."""
-    case = make_case(flashx_rng, batch=1, heads_q=2, heads_k=1, seqlen_q=37, seqlen_k=45, head_dim=32, dtype=flashx_target.dtype, causal=True)
+    case = make_case(flashx_rng, batch=1, heads_q=2, heads_k=1, seqlen_q=17, seqlen_k=29, head_dim=16, dtype=flashx_target.dtype, causal=True)
     inputs = {name: flashx_target.array(x, case.dtype) for name, x in case.rounded().items()}
     q, k, v, do = (inputs[n] for n in TENSORS)
     flashx_target.skip_unless_supported(q, k, v)

@@ -12,7 +12,9 @@ import pytest
 import flashx
 from flashx_conformance.harness import diagonal, full_only, make_case, make_varlen_case
 
-SHAPES_NQ_NK = [(1, 239), (3, 799), (127, 513), (5, 2), (97, 97), (113, 64), (1, 1), pytest.param(1025, 1023, marks=full_only)]
+SHAPES_NQ_NK = [(1, 239), (3, 799), (5, 2), (97, 97), (113, 64), (1, 1)] + [
+    pytest.param(*lengths, marks=full_only) for lengths in ((127, 513), (1025, 1023))
+]
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", SHAPES_NQ_NK, ids=lambda n: str(n))
@@ -48,8 +50,7 @@ def test_window(flashx_target, flashx_rng, name, lengths):
 MASK_SHAPES = {"full": lambda b, h, m, n: (b, h, m, n), "per-batch": lambda b, h, m, n: (b, 1, m, n), "shared": lambda b, h, m, n: (m, n)}
 
 
-@pytest.mark.parametrize("broadcast", MASK_SHAPES.keys())
-@pytest.mark.parametrize("density", [0.5, 0.05])
+@pytest.mark.parametrize("broadcast, density", diagonal(list(MASK_SHAPES), [0.5, 0.05]), ids=str)
 def test_bool_mask(flashx_target, flashx_rng, broadcast, density):
     """True = may attend, broadcast to (B, Hq, Nq, Nk); sparse masks leave rows and keys empty."""
     batch, heads, seqlen_q, seqlen_k = 2, 3, 67, 91
@@ -80,7 +81,11 @@ def test_tree_mask(flashx_target, flashx_rng, prefix, drafts):
     flashx_target.check(case)
 
 
-@pytest.mark.parametrize("block_size", [(16, 16), (32, 64), (64, 64), (128, 128), (7, 13)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize(
+    "block_size",
+    [(16, 16), (64, 64), (7, 13)] + [pytest.param(size, marks=full_only) for size in ((32, 64), (128, 128))],
+    ids=lambda s: f"{s[0]}x{s[1]}",
+)
 def test_block_mask(flashx_target, flashx_rng, block_size):
     """Tiles of (bq, bk); all-false blocks, an all-false block row and column; lengths not block multiples."""
     batch, heads, seqlen_q, seqlen_k = 2, 2, 143, 131
