@@ -1,8 +1,10 @@
 """The pytest plugin of the conformance suite (entry point ``pytest11``: loaded by every pytest run).
 
 Nothing here imports flashx, NumPy or a GPU library until a backend is named with
-``--flashx-backend NAME`` (or ``FLASHX_CONFORMANCE_BACKEND``); without one every hook
-returns at once and the conformance tests skip, saying how to name one.
+``--flashx-backend NAME`` (or ``FLASHX_CONFORMANCE_BACKEND``). Without one only the options,
+the markers and two fixtures exist, and the conformance tests skip, saying how to name one;
+with one, a ``_Session`` plugin adds the report header, the tier skips, the skip summary and
+the JSON report.
 
     pytest --pyargs flashx_conformance --flashx-backend numpy [--flashx-device cuda]
            [--flashx-tier small|full] [--flashx-report results.json]
@@ -11,11 +13,11 @@ returns at once and the conformance tests skip, saying how to name one.
 from __future__ import annotations
 
 import json
-from collections import Counter
 import os
 import platform
 import time
 import zlib
+from collections import Counter
 
 import pytest
 
