@@ -92,7 +92,9 @@ def demo(seqlen: int | None, device: str) -> int:
     where = "cuda: " + _devices()[1] if use_cuda else "cpu"
     print(f"flashx demo: causal GQA attention, B={batch} N={seqlen} Hq={heads_q} Hk={heads_k} D={dim} {_dtype(q)} on {where}")
     print(f"  backend (auto)       {chosen}")
-    print(f"  time                 {seconds * 1e3:.2f} ms  ({flops / seconds / 1e9:.1f} GFLOP/s)")
+    rate = flops / seconds
+    shown = f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+    print(f"  time                 {seconds * 1e3:.2f} ms  ({shown}, one call, launch included)")
     print(f"  peak extra memory    {peak / 2**20:.1f} MiB  (the naive N x N float32 scores alone: {naive / 2**20:.0f} MiB)")
     print(f"  check vs float64     max |o - o_ref| = {error:.2e} over the last 64 query rows of the first and last head")
     if not error <= tolerance:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (no network, no nox): install, then either the conformance
+# suite for every GPU backend or the benchmark sweep. Full results under $OUT; a short table last.
+#   scripts/gpu-session.sh conformance   # ~8 min: flashx info, demo, conformance (full tier + slow)
+#   scripts/gpu-session.sh bench         # ~9 min: python -m benchmarks (ceilings, check, memory, sweep)
+set -uo pipefail
+OUT=${OUT:-/tmp/flashx-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+
+case "${1:-conformance}" in
+conformance)
+    flashx info 2>&1 | tee "$OUT/info.txt"
+    flashx demo 2>&1 | tee -a "$OUT/info.txt"
+    for backend in $(python3 -c "import flashx; print(' '.join(i.name for i in flashx.backends() if i.available and 'cuda' in i.devices))"); do
+        # SIGINT lets pytest finish its report when the time box closes
+        timeout -s INT "${CONFORMANCE_SECONDS:-420}" python3 -m pytest --pyargs flashx_conformance \
+            --flashx-backend "$backend" --flashx-device cuda --flashx-report "$OUT/conformance-$backend.json" \
+            -p no:cacheprovider -q -rfE 2>&1 | tee "$OUT/conformance-$backend.log" | grep -vE "^\.|^s|^$" | tail -40
+    done
+    python3 -m flashx_conformance.summary "$OUT"/conformance-*.json --markdown "$OUT/conformance.md" --json "$OUT/conformance-summary.json"
+    ;;
+bench)
+    python3 -m benchmarks --out "$OUT" --time-limit "${BENCH_SECONDS:-500}" --compile-budget 240 2>&1 | tee "$OUT/bench.log" | tail -60
+    ;;
+esac
