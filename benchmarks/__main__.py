@@ -89,20 +89,13 @@ def run_cpu(out_dir: Path, **shape) -> Path:
     results = cpu.run(**shape)
     path = Path(out_dir) / f"cpu-{datetime.date.today().isoformat()}.json"
     report.save_json(results, path)
-    print(write_cpu_markdown(results, path), end="")
+    print(write_markdown(results, path, report.cpu_markdown), end="")
     return path
 
 
-def write_markdown(results: dict, json_path: Path) -> str:
-    text = report.markdown(results)
-    path = Path(json_path).with_suffix(".md")
-    path.write_text(text)
-    print(f"wrote {path}")
-    return text
-
-
-def write_cpu_markdown(results: dict, json_path: Path) -> str:
-    text = report.cpu_markdown(results)
+def write_markdown(results: dict, json_path: Path, render=report.markdown) -> str:
+    """``render(results)`` written beside the JSON as .md."""
+    text = render(results)
     path = Path(json_path).with_suffix(".md")
     path.write_text(text)
     print(f"wrote {path}")
