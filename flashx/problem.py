@@ -171,12 +171,6 @@ class Problem:
         keys = self.total_k if self.varlen else self.seqlen_k
         return rows * self.heads_q == 0 or keys == 0
 
-    @property
-    def flops_forward(self) -> float:
-        """Matmul FLOPs of the forward as flash-attn counts them (halved when causal)."""
-        flops = 2.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)
-        return flops / 2 if self.causal else flops
-
     def with_arrays(self, convert: Callable[[Any], Any]) -> "Problem":
         """A copy whose auxiliary arrays (mask, seqlens, ...) went through ``convert``."""
         changes = {}
