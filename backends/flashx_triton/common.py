@@ -36,6 +36,25 @@ def sequence_bounds(b, CU, SEQLENS, padded_length, IS_VARLEN: tl.constexpr, HAS_
 
 
 @triton.jit
+def query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q, BLOCK_M: tl.constexpr,
+               IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr, HAS_SEQLENS_K: tl.constexpr):
+    """(m0, b, h, q_start, q_len, k_start, k_len) of this program's query tile.
+
+    One axis (no 65535 limit); a head's tiles are adjacent so they share K/V in L2, and the
+    last query tiles, which see the most keys under a causal band, start first.
+    """
+    num_tiles = tl.cdiv(padded_q, BLOCK_M)
+    pid = tl.program_id(0)
+    head = pid // num_tiles
+    m0 = (num_tiles - 1 - pid % num_tiles) * BLOCK_M
+    b = head // heads_q
+    h = head % heads_q
+    q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
+    k_start, k_len = sequence_bounds(b, CU_K, SEQLENS_K, padded_k, IS_VARLEN, HAS_SEQLENS_K)
+    return m0, b, h, q_start, q_len, k_start, k_len
+
+
+@triton.jit
 def band_tiles(first_row, length, other_length, left, right, ROWS: tl.constexpr, TILE: tl.constexpr,
                ALL_MASKED: tl.constexpr):
     """The tiles of the other axis that rows [first_row, first_row + ROWS) meet.

@@ -13,7 +13,7 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
                                   load_rows, masked_dot, problem_args, row_descriptor, row_strides,
-                                  sequence_bounds, tma_ready)
+                                  query_tile, tma_ready)
 
 
 @triton.jit
@@ -80,16 +80,8 @@ def _forward_kernel(
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    # One axis (no 65535 limit); a head's tiles are adjacent so they share K/V in L2, and the
-    # last query tiles, which see the most keys under a causal band, start first.
-    num_tiles = tl.cdiv(padded_q, BLOCK_M)
-    pid = tl.program_id(0)
-    head = pid // num_tiles
-    m0 = (num_tiles - 1 - pid % num_tiles) * BLOCK_M
-    b = head // heads_q
-    h = head % heads_q
-    q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
-    k_start, k_len = sequence_bounds(b, CU_K, SEQLENS_K, padded_k, IS_VARLEN, HAS_SEQLENS_K)
+    m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
+                                                          BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
     rows_out = q_len if IS_VARLEN else padded_q  # padded rows past q_len still get o = 0, lse = -inf
     if m0 >= rows_out:
         return
