@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
-                                  load_rows, masked_dot, problem_args, row_descriptor, row_strides,
+                                  load_rows, masked_dot, masked_tiles, problem_args, row_descriptor, row_strides,
                                   query_tile, sequence_bounds, tma_ready)
 
 
@@ -124,7 +124,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
 ):
     # First key tiles first: under a causal band they meet the most query rows.
     num_tiles = tl.cdiv(padded_k, BLOCK_N)
@@ -169,21 +169,23 @@ def _dkdv_kernel(
         mask_base = MASK + b64 * stride_mb + h * stride_mh if HAS_MASK else MASK
         blocks_base = BLOCKS + b64 * stride_bb + h * stride_bh if HAS_BLOCK_MASK else BLOCKS
         stream = b * heads_q + h
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
-            end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+        if MASKED_TILES:
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
+                end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+                stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
             end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
-            end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+        if MASKED_TILES:
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
+                end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+                stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     # Padded keys past k_len get zero gradients, whatever K and V hold there.
     dk = tl.where(live, dk * softmax_scale, 0.0)
@@ -253,7 +255,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
 ):
     m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
                                                           BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
@@ -288,21 +290,23 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                               HAS_MASK or HAS_BLOCK_MASK)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
-        first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-        stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+    if MASKED_TILES:
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
+            first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi,
         first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
         stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end,
-        first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-        stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+    if MASKED_TILES:
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end,
+            first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
+            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     dq = tl.where(live, dq * softmax_scale, 0.0)
     tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
@@ -334,13 +338,14 @@ def backward(problem, q, k, v, o, lse, do):
         grid = (problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, config.block_n),)
         _dkdv_kernel[grid](q, k, v, do, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen),
                            *row_strides(dv, varlen), *lse_strides(lse, varlen), **scales, **args,
-                           **config.launch_args())
+                           MASKED_TILES=masked_tiles(problem, problem.seqlen_q, config.block_m), **config.launch_args())
         return dk, dv
 
     def run_dq(config):
         grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
         _dq_kernel[grid](q, k, v, do, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
-                         **scales, **args, **config.launch_args())
+                         **scales, **args, MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
+                         **config.launch_args())
         return (dq,)
 
     run_dkdv(tuning.choose("dkdv", problem, run_dkdv))

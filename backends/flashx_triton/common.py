@@ -10,6 +10,7 @@ the tiles fully inside the band run without a single compare.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -175,13 +176,29 @@ def dropout_keep(i, j, stream, seed, rng_offset, threshold):
 
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and leading strides; then set the scratch allocator it needs."""
+    """TMA needs 16-byte aligned bases and leading strides, and a scratch allocator for descriptors."""
     ready = all(
         x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
     )
     if ready and tensors[0].is_cuda:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+        _install_descriptor_allocator()
     return ready
+
+
+@functools.cache
+def _install_descriptor_allocator():
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+
+
+def masked_tiles(problem, length: int, tile: int) -> bool:
+    """Whether some tile of the streamed axis (``length`` rows, ``tile`` at a time) needs a mask.
+
+    When none can, the kernel is compiled without its masked loops: their code (masked_dot's
+    NaN path above all) holds registers and shared memory even in a loop that never runs.
+    """
+    uniform = (problem.band is None and problem.mask is None and problem.block_mask is None
+               and problem.seqlens_q is None and problem.seqlens_k is None and not problem.varlen)
+    return not uniform or length % tile != 0
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

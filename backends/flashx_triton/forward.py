@@ -12,7 +12,7 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
-                                  load_rows, masked_dot, problem_args, row_descriptor, row_strides,
+                                  load_rows, masked_dot, masked_tiles, problem_args, row_descriptor, row_strides,
                                   query_tile, tma_ready)
 
 
@@ -78,7 +78,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
 ):
     m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
                                                           BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
@@ -107,21 +107,23 @@ def _forward_kernel(
     first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                               HAS_MASK or HAS_BLOCK_MASK)
     stream = b * heads_q + h
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
-        q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
-        block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+    if MASKED_TILES:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
+            q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
+            block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+            True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi, first, end,
         q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
         block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
         False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end, first, end,
-        q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
-        block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+    if MASKED_TILES:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end, first, end,
+            q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
+            block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+            True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
     empty = (l_i == 0.0) | (rows >= q_len)
@@ -154,7 +156,8 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     def run(config):
         grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
         _forward_kernel[grid](q, k, v, o, lse, *strides, scale_log2=problem.softmax_scale * LOG2E, **args,
-                              USE_TMA=use_tma, **config.launch_args())
+                              USE_TMA=use_tma, MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
+                              **config.launch_args())
         return o, lse
 
     run(tuning.choose("forward", problem, run))
