@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import cProfile
+import io
 import math
 import os
+import pstats
+import time
 
 import torch
 import torch.nn.functional as F
@@ -138,12 +142,62 @@ def peak_memory(report):
     report["peak_memory_mib"] = extra
 
 
+def host_overhead(report):
+    q, k, v, do = (torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    grads = [x.clone().requires_grad_() for x in (q, k, v)]
+    problem = flashx.validation.build_problem(q, k, v)
+    backend = flashx.registry.get("triton")
+    calls = {
+        "attention": lambda: flashx.attention(q, k, v, backend="triton"),
+        "backend.forward": lambda: backend.forward(problem, q, k, v),
+        "attention fwd+bwd": lambda: flashx.attention(*grads, backend="triton").backward(do),
+        "sdpa (flash)": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+    }
+    report["host_us"] = {}
+    for name, call in calls.items():
+        for _ in range(50):
+            call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(1000):
+            call()
+        torch.cuda.synchronize()
+        report["host_us"][name] = round((time.perf_counter() - start) * 1000, 1)  # s per 1000 calls -> us per call
+        print(f"host time per call, {name}: {report['host_us'][name]} us", flush=True)
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [calls["attention"]() for _ in range(1000)])
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+    report["host_profile"] = text.getvalue()
+    print(text.getvalue()[-3000:], flush=True)
+
+
+def compiled_variants(report):
+    """Registers, spills and shared memory of every kernel variant compiled in this process."""
+    from flashx_triton import backward, forward
+
+    report["compiled"] = []
+    for kernel in (forward._forward_kernel, backward._dkdv_kernel, backward._dq_kernel):
+        for cache in kernel.device_caches.values():
+            for compiled in cache[0].values():
+                names = kernel.arg_names
+                constants = {(key if isinstance(key, str) else names[key[0]]): value
+                             for key, value in compiled.src.constants.items()}
+                shown = {name: constants.get(name) for name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "MASKED_TILES",
+                                                                 "WARP_SPECIALIZE", "HAS_MASK")}
+                row = dict(kernel=kernel.__name__, **shown, warps=compiled.metadata.num_warps,
+                           stages=compiled.metadata.num_stages, shared=compiled.metadata.shared,
+                           regs=compiled.n_regs, spills=compiled.n_spills)
+                report["compiled"].append(row)
+                print(json.dumps(row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="8192")
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--no-peers", action="store_true")
-    parser.add_argument("--skip", default="", help="comma list of: correctness, speed, memory")
+    parser.add_argument("--skip", default="", help="comma list of: correctness, speed, memory, overhead")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     skip = set(args.skip.split(","))
@@ -157,6 +211,9 @@ def main():
                    not args.no_peers)
     if "memory" not in skip:
         peak_memory(report)
+    if "overhead" not in skip:
+        host_overhead(report)
+    compiled_variants(report)
     report["autotune"] = {str(key): [(str(c), ms) for c, ms in runs] for key, runs in tuning.measured.items()}
     for key, runs in report["autotune"].items():
         if runs:
