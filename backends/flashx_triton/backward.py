@@ -60,12 +60,10 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
                 stride_bi, stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                WARP_SPECIALIZE: tl.constexpr):
+                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries."""
     rows_in_tile = tl.arange(0, BLOCK_M)
-    # Warp specialization (a producer warp feeding the tensor cores) suits only the unmasked loop.
-    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE and not MASKED):
+    for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + rows_in_tile
         if MASKED:
             ok = allowed_pairs(rows[None, :], cols[:, None], q_len, k_len, left, right, mask_base, stride_mi,
@@ -127,7 +125,6 @@ def _dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     # First key tiles first: under a causal band they meet the most query rows.
     num_tiles = tl.cdiv(padded_k, BLOCK_N)
@@ -177,18 +174,18 @@ def _dkdv_kernel(
                 dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
                 end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
                 stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
             end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
         if MASKED_TILES:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
                 end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
                 stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     # Padded keys past k_len get zero gradients, whatever K and V hold there.
     dk = tl.where(live, dk * softmax_scale, 0.0)
@@ -208,12 +205,10 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
               block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-              WARP_SPECIALIZE: tl.constexpr):
+              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Add key tiles [lo, hi) into this query tile's dq."""
     cols_in_tile = tl.arange(0, BLOCK_N)
-    # Warp specialization (a producer warp feeding the tensor cores) suits only the unmasked loop.
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
         if MASKED:
             ok = allowed_pairs(rows[:, None], cols[None, :], q_len, k_len, left, right, mask_base, stride_mi,
@@ -261,7 +256,6 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
                                                           BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
@@ -301,18 +295,18 @@ def _dq_kernel(
             dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
             first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi,
         first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
         stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+        BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     if MASKED_TILES:
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end,
             first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     dq = tl.where(live, dq * softmax_scale, 0.0)
     tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn

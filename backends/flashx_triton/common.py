@@ -10,7 +10,6 @@ the tiles fully inside the band run without a single compare.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -181,13 +180,14 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
         x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
     )
     if ready and tensors[0].is_cuda:
-        _install_descriptor_allocator()
+        # Per call, not once: Triton keeps the allocator per thread, and autograd runs the
+        # backward on a thread of its own.
+        triton.set_allocator(_descriptor_scratch)
     return ready
 
 
-@functools.cache
-def _install_descriptor_allocator():
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def masked_tiles(problem, length: int, tile: int) -> bool:

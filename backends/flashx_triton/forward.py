@@ -22,12 +22,10 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, s
                   block_q, block_k, stream, seed, rng_offset, drop_threshold,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                  DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                  WARP_SPECIALIZE: tl.constexpr):
+                  DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair."""
     cols_in_tile = tl.arange(0, BLOCK_N)
-    # Warp specialization (a producer warp feeding the tensor cores) suits only the unmasked loop.
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
         if MASKED:
             ok = allowed_pairs(rows[:, None], cols[None, :], q_len, k_len, left, right, mask_base, stride_mi,
@@ -81,7 +79,6 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
                                                           BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
@@ -115,18 +112,18 @@ def _forward_kernel(
             acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
             q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
             block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-            True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+            True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi, first, end,
         q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
         block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+        False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     if MASKED_TILES:
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end, first, end,
             q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
             block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-            True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+            True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
 
     # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
     empty = (l_i == 0.0) | (rows >= q_len)
