@@ -73,6 +73,7 @@ def time_speed(report, lengths, head_dims, with_peers):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
+    printed = set()
     for d in head_dims:
         for n in lengths:
             for causal in (False, True):
@@ -123,6 +124,16 @@ def time_speed(report, lengths, head_dims, with_peers):
                         row[name] = repr(error)[:80]
                 print(json.dumps(row), flush=True)
                 report["speed"].append(row)
+                print_new_tunings(printed)
+
+
+def print_new_tunings(printed: set):
+    """The autotuner's timing of every candidate, for each key not printed before (ms; None: dropped)."""
+    for key, runs in tuning.measured.items():
+        if runs and key not in printed:
+            printed.add(key)
+            print(key, *(f"{config}: {ms if ms is None else round(ms, 3)}" for config, ms in runs), sep="\n  ",
+                  flush=True)
 
 
 def peak_memory(report):
@@ -214,10 +225,6 @@ def main():
         host_overhead(report)
     compiled_variants(report)
     report["autotune"] = {str(key): [(str(c), ms) for c, ms in runs] for key, runs in tuning.measured.items()}
-    for key, runs in report["autotune"].items():
-        if runs:
-            print(key, *(f"{c.replace('Config', '')}: {ms if ms is None else round(ms, 3)}" for c, ms in runs),
-                  sep="\n  ")
     with open(os.path.join(args.out, "triton-measure.json"), "w") as f:
         json.dump(report, f, indent=1)
     for row in report["speed"]:
