@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, NamedTuple
 
 from flashx import arrays, dispatch, registry
 from flashx.backend import Backend
 from flashx.errors import FlashXError, ShapeError
+from flashx.plan import DEFAULTS, plan
 from flashx.problem import Problem
 from flashx.validation import build_problem, check_like
 
-OPTIONS = frozenset(tuple(inspect.signature(build_problem).parameters)[3:])
+OPTIONS = frozenset(DEFAULTS)
 
 
 class Residuals(NamedTuple):
@@ -55,8 +55,7 @@ def attention(
     The README's semantics table says what every keyword means.
     """
     options = {name: value for name, value in locals().items() if name in OPTIONS}
-    problem = build_problem(q, k, v, **options)
-    impl = dispatch.choose(problem, backend)
+    problem, impl = plan(q, k, v, backend, options)
     if _wants_grad(q, k, v):
         from flashx.autograd import differentiable_forward
 
@@ -69,8 +68,8 @@ def attention(
 def attention_forward(q, k, v, *, return_lse=True, backend="auto", **options) -> tuple[Any, Residuals]:
     """(o, res) without autograd; ``res`` feeds ``attention_backward``."""
     _check_option_names("attention_forward", options)
-    problem = build_problem(q, k, v, **options)
-    o, lse = run_forward(dispatch.choose(problem, backend), problem, q, k, v)
+    problem, impl = plan(q, k, v, backend, options)
+    o, lse = run_forward(impl, problem, q, k, v)
     return o, Residuals(lse, problem.seed, problem.rng_offset)
 
 
@@ -81,8 +80,8 @@ def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backe
         given = options.pop(name, None)
         if given is not None and given != getattr(res, name):
             raise ShapeError(f"{name}: the backward regenerates dropout from res.{name}={getattr(res, name)}, got {given}")
-    problem = build_problem(q, k, v, seed=res.seed, rng_offset=res.rng_offset, **options)
-    return run_backward(dispatch.choose(problem, backend), problem, q, k, v, o, res.lse, do)
+    problem, impl = plan(q, k, v, backend, {**options, "seed": res.seed, "rng_offset": res.rng_offset})
+    return run_backward(impl, problem, q, k, v, o, res.lse, do)
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
@@ -129,25 +128,30 @@ def run_forward(impl: Backend, problem: Problem, q, k, v):
             arrays.full(q, problem.o_shape, 0.0, problem.dtype),
             arrays.full(q, problem.lse_shape, -float("inf"), problem.lse_dtype),
         )
-    kind = impl.array_kind
-    o, lse = impl.forward(problem.with_arrays(lambda a: arrays.convert(a, kind)), *(arrays.convert(x, kind) for x in (q, k, v)))
+    o, lse = impl.forward(*_for_backend(impl, problem, q, k, v))
     _check_output(impl, "o", o, problem.o_shape)
     _check_output(impl, "lse", lse, problem.lse_shape)
     return arrays.to_caller(o, q, problem.dtype), arrays.to_caller(lse, q, problem.lse_dtype)
 
 
 def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
-    check_like("do", do, problem.o_shape, problem.dtype, q)
-    check_like("o", o, problem.o_shape, problem.dtype, q)
-    check_like("res.lse", lse, problem.lse_shape, problem.lse_dtype, q)
+    check_like("do", do, problem.o_shape, problem.dtype, problem)
+    check_like("o", o, problem.o_shape, problem.dtype, problem)
+    check_like("res.lse", lse, problem.lse_shape, problem.lse_dtype, problem)
     if problem.is_empty:
         return tuple(arrays.full(q, x.shape, 0.0, problem.dtype) for x in (q, k, v))
-    kind = impl.array_kind
-    converted = (arrays.convert(x, kind) for x in (q, k, v, o, lse, do))
-    grads = impl.backward(problem.with_arrays(lambda a: arrays.convert(a, kind)), *converted)
+    grads = impl.backward(*_for_backend(impl, problem, q, k, v, o, lse, do))
     for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
         _check_output(impl, name, grad, tuple(like.shape))
     return tuple(arrays.to_caller(grad, q, problem.dtype) for grad in grads)
+
+
+def _for_backend(impl: Backend, problem: Problem, *xs):
+    """The problem and arrays as the backend's kind of array: as they are when it is the caller's."""
+    kind = impl.array_kind
+    if kind == problem.array_kind:
+        return (problem, *xs)
+    return (problem.with_arrays(lambda a: arrays.convert(a, kind)), *(arrays.convert(x, kind) for x in xs))
 
 
 def _check_output(impl, name, x, shape):
@@ -161,9 +165,9 @@ def _check_option_names(function, options):
         raise TypeError(f"{function}() got unexpected keyword arguments {unknown}; known: {', '.join(sorted(OPTIONS))}")
 
 
-def _wants_grad(*tensors) -> bool:
-    if arrays.kind_of(tensors[0]) != "torch":
+def _wants_grad(q, k, v) -> bool:
+    if arrays.kind_of(q) != "torch":
         return False
     import torch
 
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -42,10 +42,19 @@ def device_of(x: Any) -> tuple[str, int | None]:
     """("cpu", None) or ("cuda", index)."""
     kind = kind_of(x)
     if kind == "torch":
-        return x.device.type, x.device.index
+        device = x.device
+        return device.type, device.index
     if kind == "cupy":
         return "cuda", x.device.id
     return "cpu", None
+
+
+def signature(x: Any) -> tuple | None:
+    """Type, shape, dtype and device, hashable: all that validation reads of an array (None: not one)."""
+    kind = kind_of(x)
+    if kind is None:
+        return None
+    return type(x), x.shape, x.dtype, x.device if kind == "torch" else device_of(x)
 
 
 def module(kind: str):

@@ -151,11 +151,11 @@ class Problem:
     def v_shape(self) -> tuple[int, ...]:
         return self._rows_shape(self.total_k, self.seqlen_k, self.heads_k, self.head_dim_v)
 
-    @property
+    @functools.cached_property
     def o_shape(self) -> tuple[int, ...]:
         return self._rows_shape(self.total_q, self.seqlen_q, self.heads_q, self.head_dim_v)
 
-    @property
+    @functools.cached_property
     def lse_shape(self) -> tuple[int, ...]:
         if self.varlen:
             return (self.heads_q, self.total_q)
@@ -164,7 +164,7 @@ class Problem:
     def _rows_shape(self, total, seqlen, heads, dim):
         return (total, heads, dim) if self.varlen else (self.batch, seqlen, heads, dim)
 
-    @property
+    @functools.cached_property
     def is_empty(self) -> bool:
         """No output element reads any key: the core answers without a kernel."""
         rows = self.total_q if self.varlen else self.batch * self.seqlen_q

@@ -35,6 +35,10 @@ class _Registry:
         self._backends: dict[str, Backend] | None = None
         self._origins: dict[str, str] = {}
         self._failures: list[BackendInfo] = []
+        self._version = 0  # counts changes, so that the calls cached in flashx.plan follow them
+
+    def version(self) -> int:
+        return self._version
 
     def backends(self) -> dict[str, Backend]:
         with self._lock:
@@ -46,6 +50,7 @@ class _Registry:
         """Forget everything; the next use discovers the entry points again (for tests)."""
         with self._lock:
             self._backends, self._origins, self._failures = None, {}, []
+            self._version += 1
 
     def _discover(self):
         import pluggy
@@ -95,12 +100,14 @@ class _Registry:
             if replace:
                 backends.pop(backend.name, None)
             self._add(backend, "<registered>")
+            self._version += 1
 
     def unregister(self, name: str) -> None:
         self.backends()
         with self._lock:
             self._backends.pop(name, None)
             self._origins.pop(name, None)
+            self._version += 1
 
     def get(self, name: str) -> Backend:
         backends = self.backends()
@@ -142,3 +149,4 @@ unregister = _registry.unregister
 infos = _registry.infos
 failures = _registry.failures
 reset = _registry.reset
+version = _registry.version

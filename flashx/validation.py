@@ -159,9 +159,9 @@ def build_problem(
     )
 
 
-def check_like(name: str, x: Any, shape: tuple[int, ...], dtype: str, q: Any) -> None:
-    """``x`` (o, do, lse) must be an array like q's, of this shape and dtype."""
-    _same_array_as_q(name, x, arrays.kind_of(q), *arrays.device_of(q))
+def check_like(name: str, x: Any, shape: tuple[int, ...], dtype: str, problem: Problem) -> None:
+    """``x`` (o, do, lse) must be an array like the problem's q, of this shape and dtype."""
+    _same_array_as_q(name, x, problem.array_kind, problem.device, problem.device_index)
     if tuple(x.shape) != tuple(shape):
         raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
     if arrays.dtype_name(x) != dtype:

@@ -302,6 +302,137 @@ def test_duplicate_backend_names_are_refused(fresh_registry):
     assert registry.get("same")._priority == 3
 
 
+# -- repeated calls: the Problem and backend remembered by flashx.plan ------------------------
+
+
+def test_a_repeated_call_reuses_its_problem_and_any_change_makes_a_new_one(fresh_registry):
+    backend = Marker("only")
+    registry.register(backend)
+    q, k, v = qkv()
+    flashx.attention(q, k, v)
+    first = backend.received[0]
+    flashx.attention(q.copy(), k.copy(), v.copy())
+    assert backend.received[0] is first  # equal signature: remembered
+    changes = [
+        ((q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)), {}, "dtype", "float64"),
+        ((q[:, :3], k, v), {}, "seqlen_q", 3),
+        ((q, k, v), {"causal": True}, "causal", True),
+        ((q, k, v), {"softmax_scale": 0.5}, "softmax_scale", 0.5),
+        ((q, k, v), {"softmax_scale": 2}, "softmax_scale", 2.0),
+        ((q, k, v), {"window": (2, 0)}, "window", (2, 0)),
+        ((q, k, v), {"softcap": 30.0}, "softcap", 30.0),
+        ((q, k, v), {"deterministic": True}, "deterministic", True),
+        ((q, k, v), {"dropout_p": 0.25, "seed": 11}, "seed", 11),
+        ((q, k, v), {"dropout_p": 0.25, "seed": 12}, "seed", 12),
+    ]
+    for inputs, options, field, value in changes:
+        flashx.attention(*inputs, **options)
+        assert getattr(backend.received[0], field) == value, (field, value)
+        assert backend.received[0] is not first
+    flashx.attention(q, k, v)
+    assert backend.received[0] is first
+
+
+def test_a_remembered_call_still_gets_its_own_arrays(fresh_registry):
+    backend = Marker("only")
+    registry.register(backend)
+    q, k, v = qkv()
+    flashx.attention(q, k, v)
+    # same shape, dtype and device, other memory and strides: the backend sees this call's arrays
+    q_view = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    flashx.attention(q_view, k, v)
+    assert backend.received[1] is q_view and backend.received[1].strides != q.strides
+    registry.reset()  # the entry points again: the numbers follow each call's arrays
+    for x in (q, q_view, q * 2):
+        np.testing.assert_allclose(flashx.attention(x, k, v, backend="numpy"), dense_reference(x, k, v)[0], atol=2e-5)
+
+
+def test_a_remembered_call_follows_the_backend_choice(fresh_registry, monkeypatch):
+    registry.register(Marker("low", 1))
+    q, k, v = qkv()
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+    registry.register(Marker("high", 5))
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 6.0
+    with flashx.use_backend("low"):
+        assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+        assert flashx.attention(q, k, v, backend="high")[0, 0, 0, 0] == 6.0
+    monkeypatch.setenv("FLASHX_BACKEND", "low")
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+    monkeypatch.delenv("FLASHX_BACKEND")
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 6.0
+    registry.register(Marker("high", 8), replace=True)
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 9.0
+    registry.unregister("high")
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+    with pytest.raises(flashx.UnsupportedError, match="no backend named 'high'"):
+        flashx.attention(q, k, v, backend="high")
+    registry.reset()  # rediscovers the entry points: the NumPy backend computes again
+    np.testing.assert_allclose(flashx.attention(q, k, v), dense_reference(q, k, v)[0], atol=2e-5)
+
+
+def test_a_drawn_dropout_seed_is_drawn_again_on_every_call():
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    seeds = {flashx.attention_forward(q, k, v, dropout_p=0.5, backend="numpy")[1].seed for _ in range(4)}
+    assert len(seeds) == 4 and 0 not in seeds
+    assert flashx.attention_forward(q, k, v, dropout_p=0.5, seed=5, backend="numpy")[1].seed == 5
+    assert {flashx.attention_forward(q, k, v, backend="numpy")[1].seed for _ in range(2)} == {0}
+
+
+@pytest.mark.parametrize(
+    "valid, invalid, error, words",
+    [
+        ({"causal": True}, {"causal": 1}, flashx.DTypeError, "causal: expected a bool"),
+        ({"deterministic": False}, {"deterministic": 0}, flashx.DTypeError, "deterministic: expected a bool"),
+        ({"softmax_scale": 1.0}, {"softmax_scale": True}, flashx.DTypeError, "softmax_scale"),
+        ({"window": (1, 1)}, {"window": (1, True)}, flashx.ShapeError, "window: expected (left, right)"),
+        ({"window": (1, 2)}, {"window": (1.0, 2)}, flashx.ShapeError, "window: expected (left, right)"),
+        ({"dropout_p": 0.0}, {"dropout_p": False}, flashx.ShapeError, "dropout_p: expected a number"),
+        ({"seed": 1}, {"seed": True}, flashx.ShapeError, "seed: expected an int"),
+        ({"rng_offset": 0}, {"rng_offset": 0.0}, flashx.ShapeError, "rng_offset: expected an int"),
+        ({"backend": "numpy"}, {"backend": None}, flashx.DTypeError, "backend: expected a backend name"),
+        ({}, {"max_seqlen_q": 5}, flashx.ShapeError, "max_seqlen_q: only meaningful with cu_seqlens"),
+    ],
+)
+def test_a_wrong_call_raises_after_a_similar_right_one(valid, invalid, error, words):
+    q, k, v = qkv()
+    for _ in range(2):
+        assert flashx.attention(q, k, v, **valid).shape == (2, 5, 4, 8)
+        with pytest.raises(error) as caught:
+            flashx.attention(q, k, v, **invalid)
+        assert words in str(caught.value)
+
+
+def test_a_wrong_array_raises_after_a_right_one_of_the_same_shape():
+    q, k, v = qkv()
+    flashx.attention(q, k, v)
+    with pytest.raises(flashx.DTypeError, match="k: expected the dtype of q"):
+        flashx.attention(q, k.astype(np.float64), v)
+    with pytest.raises(flashx.DTypeError, match="k: expected a numpy array like q"):
+        flashx.attention(q, torch.from_numpy(k), v)
+    # array options are checked on every call: their contents matter, not only their shape
+    seqlens_k = np.array([7, 3], np.int32)
+    flashx.attention(q, k, v, seqlens_k=seqlens_k)
+    seqlens_k[0] = 9
+    with pytest.raises(flashx.ShapeError, match=r"seqlens_k: expected lengths in \[0, 7\]"):
+        flashx.attention(q, k, v, seqlens_k=seqlens_k)
+    # the backward's checks of do, o and res.lse run on every call
+    o, res = flashx.attention_forward(q, k, v)
+    flashx.attention_backward(o, q, k, v, o, res)
+    with pytest.raises(flashx.ShapeError, match=r"do: expected shape \(2, 5, 4, 8\), got \(2, 5, 4, 4\)"):
+        flashx.attention_backward(o[..., :4], q, k, v, o, res)
+    with pytest.raises(flashx.DTypeError, match="res.lse: expected dtype float32, got float64"):
+        flashx.attention_backward(o, q, k, v, o, res._replace(lse=res.lse.astype(np.float64)))
+
+
+def test_the_remembered_calls_are_bounded():
+    from flashx import plan
+
+    q, k, v = qkv()
+    for scale in range(1, plan._LIMIT + 20):
+        flashx.attention(q, k, v, softmax_scale=float(scale))
+    assert 0 < len(plan._plans) <= plan._LIMIT
+
+
 # -- arrays in and out -----------------------------------------------------------------------
 
 

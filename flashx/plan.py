@@ -1,0 +1,71 @@
+"""A call's validated ``Problem`` and chosen backend, remembered for calls that repeat.
+
+Benchmarks and training loops call ``attention`` again and again with arrays of the same
+shapes and the same options; at short sequences, validating and dispatching each time
+would cost more than the kernel. Both outcomes depend only on what the key holds:
+
+- of q, k and v: type, shape, dtype and device (validation and dispatch read nothing else;
+  strides and contents reach the backend with each call's own arrays),
+- the scalar options with their types (``causal=1`` is an error where ``causal=True`` is
+  not, and ``1 == True`` in Python),
+- the backend name once ``use_backend`` and ``FLASHX_BACKEND`` are applied, and the
+  registry's version, which register, unregister and reset change. A backend's
+  ``available()`` and ``supports()`` are taken to answer alike for equal problems.
+
+Only successes are stored, so a wrong call always meets every check and raises as before.
+Calls with array options (masks, seqlens, ...) are validated every time, since their
+contents matter, and so are calls that draw a dropout seed, which must be fresh.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from flashx import arrays, dispatch, registry
+from flashx.backend import Backend
+from flashx.problem import Problem
+from flashx.validation import build_problem
+
+#: build_problem's keywords with their defaults, in its order: the order of the key.
+DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(build_problem).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY
+}
+_SCALARS = frozenset({type(None), bool, int, float})
+_LIMIT = 256  # distinct calls remembered; past it the cache starts again empty
+
+_plans: dict[tuple, tuple[Problem, Backend]] = {}
+
+
+def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
+    """``build_problem`` then ``dispatch.choose``, or their result for an identical earlier call."""
+    key = _key(q, k, v, backend, options)
+    found = _plans.get(key) if key is not None else None
+    if found is not None:
+        return found
+    problem = build_problem(q, k, v, **options)
+    found = problem, dispatch.choose(problem, backend)
+    if key is not None:
+        if len(_plans) >= _LIMIT:
+            _plans.clear()
+        _plans[key] = found
+    return found
+
+
+def _key(q, k, v, backend, options):
+    """Everything the outcome depends on, or None when the call must be checked in full."""
+    options = {**DEFAULTS, **options}
+    window = options.pop("window")
+    values = tuple(options.values())
+    types = tuple(map(type, values))
+    cacheable = (
+        isinstance(backend, str)
+        and _SCALARS.issuperset(types)  # not with an array option, nor a number of another type
+        and (window is None or (type(window) is tuple and all(type(side) is int for side in window)))
+        and (options["seed"] is not None or options["dropout_p"] == 0)  # else a seed is drawn
+    )
+    if not cacheable:
+        return None
+    signatures = (arrays.signature(q), arrays.signature(k), arrays.signature(v))
+    return dispatch.requested(backend), registry.version(), signatures, window, values, types
