@@ -152,17 +152,6 @@ def test_causal_bottom_right_with_gqa(nq, nk):
     run_and_check(q, k, v, do, allowed_pairs(B, Hq, nq, nk, causal=True), causal=True)
 
 
-@pytest.mark.parametrize("sweep_heads", [3, 8])
-def test_banded_programs_cover_every_head_and_tile_when_heads_are_swept_in_groups(sweep_heads, monkeypatch):
-    # 10 heads: groups of 3 leave a last group of 1, groups of 8 one of 2.
-    from flashx_triton import common
-
-    monkeypatch.setattr(common, "SWEEP_HEADS", sweep_heads)
-    B, H, N, D = 2, 5, 70, 16
-    q, k, v, do = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
-    run_and_check(q, k, v, do, allowed_pairs(B, H, N, N, causal=True), causal=True)
-
-
 @pytest.mark.parametrize("window, causal", [((9, 20), False), ((40, -1), True), ((-1, 3), False)])
 def test_window(window, causal):
     B, H, N, D = 1, 2, 96, 16

@@ -18,7 +18,7 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
                                   load_rows, masked_dot, masked_tiles, problem_args, row_descriptor, row_strides,
-                                  program_tile, query_tile, sequence_bounds, tma_ready)
+                                  query_tile, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def _dkdv_kernel(
     stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
-    padded_q, padded_k, heads_q, group, sweep_heads, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
+    padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
     drop_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
@@ -127,8 +127,10 @@ def _dkdv_kernel(
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
 ):
     # First key tiles first: under a causal band they meet the most query rows.
-    head_k, tile = program_tile(tl.cdiv(padded_k, BLOCK_N), sweep_heads)
-    n0 = tile * BLOCK_N
+    num_tiles = tl.cdiv(padded_k, BLOCK_N)
+    pid = tl.program_id(0)
+    head_k = pid // num_tiles
+    n0 = (pid % num_tiles) * BLOCK_N
     heads_k = heads_q // group
     b = head_k // heads_k
     hk = head_k % heads_k
@@ -248,14 +250,14 @@ def _dq_kernel(
     stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
     CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
-    padded_q, padded_k, heads_q, group, sweep_heads, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
+    padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
     drop_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
 ):
-    m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q, sweep_heads,
+    m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
                                                           BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
     rows_out = q_len if IS_VARLEN else padded_q
     if m0 >= rows_out:
