@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 import triton
@@ -216,8 +217,20 @@ def lse_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, x.stride(0)) if varlen else (x.stride(0), x.stride(1))
 
 
+#: problem_args per Problem: the core hands a repeated call the same Problem, and building the
+#: dict is a visible share of a short call's host time. Weak, so a Problem's mask dies with it.
+_args_by_problem: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def problem_args(problem) -> dict:
-    """The kernel arguments that describe the problem rather than one tensor."""
+    """The kernel arguments that describe the problem rather than one tensor (do not modify)."""
+    args = _args_by_problem.get(problem)
+    if args is None:
+        args = _args_by_problem[problem] = _problem_args(problem)
+    return args
+
+
+def _problem_args(problem) -> dict:
     varlen = problem.varlen
     big = (problem.total_q + problem.total_k) if varlen else (problem.seqlen_q + problem.seqlen_k)
     left, right = problem.band or (-1, -1)
