@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (no network, no nox): install, then either the conformance
 # suite for every GPU backend or the benchmark sweep. Full results under $OUT; a short table last.
-#   scripts/gpu-session.sh conformance   # ~8 min: flashx info, demo, conformance (full tier + slow)
+#   scripts/gpu-session.sh conformance   # flashx info, demo, conformance (full tier, then the slow tier)
 #   scripts/gpu-session.sh bench         # ~9 min: python -m benchmarks (ceilings, check, memory, sweep)
 set -uo pipefail
 OUT=${OUT:-/tmp/flashx-out}
@@ -13,11 +13,18 @@ case "${1:-conformance}" in
 conformance)
     flashx info 2>&1 | tee "$OUT/info.txt"
     flashx demo 2>&1 | tee -a "$OUT/info.txt"
+    # pytest-xdist, where installed, spreads the cases (compile-bound) over the cores; the slow
+    # tier's multi-GiB cases then run alone.
+    workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${CONFORMANCE_WORKERS:-8}")
     for backend in $(python3 -c "import flashx; print(' '.join(i.name for i in flashx.backends() if i.available and 'cuda' in i.devices))"); do
-        # SIGINT lets pytest finish its report when the time box closes
-        timeout -s INT "${CONFORMANCE_SECONDS:-420}" python3 -m pytest --pyargs flashx_conformance \
-            --flashx-backend "$backend" --flashx-device cuda --flashx-report "$OUT/conformance-$backend.json" \
-            -p no:cacheprovider -q -rfE 2>&1 | tee "$OUT/conformance-$backend.log" | grep -vE "^\.|^s|^$" | tail -40
+        for part in "not slow" "slow"; do
+            # SIGINT lets pytest finish its report when the time box closes
+            limit=$([ "$part" = slow ] && echo "${SLOW_SECONDS:-150}" || echo "${CONFORMANCE_SECONDS:-360}")
+            timeout -s INT "$limit" python3 -m pytest --pyargs flashx_conformance \
+                --flashx-backend "$backend" --flashx-device cuda -m "$part" $([ "$part" = slow ] || echo $workers) \
+                --flashx-report "$OUT/conformance-$backend-${part// /-}.json" -p no:cacheprovider -q -rfE 2>&1 \
+                | tee -a "$OUT/conformance-$backend.log" | grep -vE "^\.|^s|^\[gw|^$" | tail -30
+        done
     done
     python3 -m flashx_conformance.summary "$OUT"/conformance-*.json --markdown "$OUT/conformance.md" --json "$OUT/conformance-summary.json"
     ;;

@@ -17,8 +17,16 @@ CELL = {"passed": "pass", "failed": "FAIL", "skipped": "skip", "xfailed": "xfail
 
 
 def load(paths: list[Path]) -> list[dict]:
-    reports = [json.loads(path.read_text()) for path in paths]
-    return sorted(reports, key=lambda report: report["backend"])
+    """One report per backend: reports of one backend (parts of a run, say the slow tier run
+    apart) are joined."""
+    by_backend: dict[str, dict] = {}
+    for path in paths:
+        report = json.loads(path.read_text())
+        if report["backend"] in by_backend:
+            by_backend[report["backend"]]["results"] += report["results"]
+        else:
+            by_backend[report["backend"]] = report
+    return sorted(by_backend.values(), key=lambda report: report["backend"])
 
 
 def merge(reports: list[dict]) -> dict:

@@ -182,6 +182,19 @@ def test_summary_merges_reports(tmp_path):
     assert json.loads((tmp_path / "s.json").read_text())["cases"]["t2"]["a"]["reason"] == "no fp64"
 
 
+def test_summary_joins_the_parts_of_one_backends_run(tmp_path):
+    paths = []
+    for part, case in (("fast", "t1"), ("slow", "t2")):
+        results = [{"nodeid": f"x::{case}", "case": case, "outcome": "passed", "reason": None, "duration": 1.5}]
+        path = tmp_path / f"{part}.json"
+        path.write_text(json.dumps({"backend": "a", "version": "1", "device": "cuda", "tier": "full", "results": results}))
+        paths.append(str(path))
+    assert summary.main([*paths, "--markdown", str(tmp_path / "s.md")]) == 0
+    text = (tmp_path / "s.md").read_text()
+    assert "| a | 1 | cuda | full | 2 | 0 | 0 | 3.0 |" in text
+    assert "| `t1` | pass |" in text and "| `t2` | pass |" in text
+
+
 def test_case_poison_is_in_the_description():
     case = Case({"q": np.ones((1, 2, 1, 4))}, "float32").with_poison("q", np.array([True, False])[None, :, None, None])
     assert "q: 4 elements set to nan" in case.describe()
