@@ -15,13 +15,13 @@ conformance)
     flashx demo 2>&1 | tee -a "$OUT/info.txt"
     # pytest-xdist, where installed, spreads the cases (compile-bound) over the cores; the slow
     # tier's multi-GiB cases then run alone.
-    workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${CONFORMANCE_WORKERS:-8}")
+    workers=$(python3 -c "import xdist" 2>/dev/null && printf -- "-n %s" "${CONFORMANCE_WORKERS:-8}")
     for backend in $(python3 -c "import flashx; print(' '.join(i.name for i in flashx.backends() if i.available and 'cuda' in i.devices))"); do
         for part in "not slow" "slow"; do
+            if [ "$part" = slow ]; then limit=${SLOW_SECONDS:-150} spread=""; else limit=${CONFORMANCE_SECONDS:-360} spread=$workers; fi
             # SIGINT lets pytest finish its report when the time box closes
-            limit=$([ "$part" = slow ] && echo "${SLOW_SECONDS:-150}" || echo "${CONFORMANCE_SECONDS:-360}")
             timeout -s INT "$limit" python3 -m pytest --pyargs flashx_conformance \
-                --flashx-backend "$backend" --flashx-device cuda -m "$part" $([ "$part" = slow ] || echo $workers) \
+                --flashx-backend "$backend" --flashx-device cuda -m "$part" $spread \
                 --flashx-report "$OUT/conformance-$backend-${part// /-}.json" -p no:cacheprovider -q -rfE 2>&1 \
                 | tee -a "$OUT/conformance-$backend.log" | grep -vE "^\.|^s|^\[gw|^$" | tail -30
         done
