@@ -331,7 +331,7 @@ def backward(problem, q, k, v, o, lse, do):
         o, do, lse, delta, lse2, *row_strides(o, varlen), *row_strides(do, varlen), *lse_strides(lse, varlen),
         HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"], BLOCK_M=prepare_rows, **rows_q)
 
-    scales = dict(USE_TMA=tma_ready(q, k, v, do), softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
+    scales = dict(USE_TMA=tma_ready(problem, q, k, v, do), softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
     inputs = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen))
 
     def run_dkdv(config):

@@ -121,11 +121,13 @@ def load_rows(desc, base, start, stride, used, WIDTH: tl.constexpr, ROWS: tl.con
 @triton.jit
 def row_descriptor(base, length, stride, WIDTH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                    USE_TMA: tl.constexpr):
-    """A TMA descriptor over one head's rows of one sequence (None without TMA)."""
+    """A TMA descriptor over one head's rows of one sequence; without TMA, ``base`` (unused).
+
+    Not None: Triton 3.6 cannot return None from a jitted function (its interpreter can)."""
     if USE_TMA:
         return tl.make_tensor_descriptor(base, [length, WIDTH], [stride, 1], [ROWS, COLS])
     else:
-        return None
+        return base
 
 
 @triton.jit
@@ -176,9 +178,15 @@ def dropout_keep(i, j, stream, seed, rng_offset, threshold):
     return r.to(tl.int64) >= threshold
 
 
-def tma_ready(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and leading strides, and a scratch allocator for descriptors."""
-    ready = all(
+def tma_ready(problem, *tensors: torch.Tensor) -> bool:
+    """Whether the streamed operands load through TMA descriptors, and if so set their allocator.
+
+    TMA needs 16-byte aligned bases and leading strides. And the K and V (Q and dO) tiles must
+    be equally wide: with D = 64, Dv = 32 in bf16 the descriptor loads read out of bounds on
+    the H100 (Triton 3.6; illegal accesses, wrong o), so Dv != D classes load through pointers.
+    """
+    args = problem_args(problem)
+    ready = args["BLOCK_D"] == args["BLOCK_DV"] and all(
         x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
     )
     if ready and tensors[0].is_cuda:

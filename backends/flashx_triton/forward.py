@@ -151,7 +151,7 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     strides = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(o, varlen),
                *lse_strides(lse, varlen))
     args = problem_args(problem)
-    use_tma = tma_ready(k, v)
+    use_tma = tma_ready(problem, k, v)
 
     def run(config):
         grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)

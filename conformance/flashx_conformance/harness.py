@@ -42,6 +42,7 @@ LAYOUTS = {
     "transposed": "stored (B, H, N, D) and seen through a transposed view",
     "packed": "a slice [..., 1, :, :] of a packed qkv tensor (..., 3, H, D)",
     "strided": "every other element of a last dim twice as long",
+    "offset": "starting one element into its buffer (a base address not 16-byte aligned)",
 }
 
 
@@ -319,6 +320,9 @@ def _layout(x: np.ndarray, layout: str):
         base = np.full(x.shape[:-1] + (2 * x.shape[-1],), np.nan, dtype=x.dtype)
         base[..., ::2] = x
         return base, lambda a: a[..., ::2]
+    if layout == "offset":
+        base = np.concatenate([[np.nan], x.ravel()]).astype(x.dtype)
+        return base, lambda a: a[1:].reshape(x.shape)
     raise ValueError(f"unknown layout {layout!r}; known: {sorted(LAYOUTS)}")
 
 
