@@ -181,9 +181,8 @@ def dropout_keep(i, j, stream, seed, rng_offset, threshold):
 def tma_ready(problem, *tensors: torch.Tensor) -> bool:
     """Whether the streamed operands load through TMA descriptors, and if so set their allocator.
 
-    TMA needs 16-byte aligned bases and leading strides. And the K and V (Q and dO) tiles must
-    be equally wide: with D = 64, Dv = 32 in bf16 the descriptor loads read out of bounds on
-    the H100 (Triton 3.6; illegal accesses, wrong o), so Dv != D classes load through pointers.
+    TMA needs 16-byte aligned bases and leading strides. The K and V (Q and dO) tiles are kept
+    equally wide as well: unequal widths through TMA were never checked on a GPU.
     """
     args = problem_args(problem)
     ready = args["BLOCK_D"] == args["BLOCK_DV"] and all(
@@ -259,13 +258,26 @@ def _problem_args(problem) -> dict:
         HAS_SEQLENS_K=problem.seqlens_k is not None,
         HEAD_DIM=problem.head_dim,
         HEAD_DIM_V=problem.head_dim_v,
-        BLOCK_D=max(16, triton.next_power_of_2(problem.head_dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(problem.head_dim_v)),
+        **_tile_widths(problem.head_dim, problem.head_dim_v),
         DOT_PRECISION=_dot_precision(problem.dtype),
     )
     args.update(_mask_args(problem))
     args.update(_dropout_args(problem))
     return args
+
+
+def _tile_widths(head_dim: int, head_dim_v: int) -> dict:
+    """BLOCK_D and BLOCK_DV: the head dims padded to powers of two, at least 16 (tl.dot's minimum).
+
+    A 16- or 32-wide tile beside a wider one miscompiles on the H100 (Triton 3.6): D = 32 with
+    Dv = 128 gave a wrong dk or an illegal access in the dK/dV kernel, D = 8 or 32 with Dv = 40
+    or 64 illegal accesses, D = 64 with Dv = 32 out-of-bounds TMA reads in the forward. Equal
+    widths, and unequal ones of 64 and more, pass; so unequal widths are padded to 64 at least.
+    """
+    block_d, block_dv = (max(16, triton.next_power_of_2(d)) for d in (head_dim, head_dim_v))
+    if block_d != block_dv:
+        block_d, block_dv = max(64, block_d), max(64, block_dv)
+    return dict(BLOCK_D=block_d, BLOCK_DV=block_dv)
 
 
 def _dot_precision(dtype: str) -> str:
