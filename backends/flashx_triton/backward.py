@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
+from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
                                   load_rows, masked_dot, masked_tiles, problem_args, row_descriptor, row_strides,
                                   query_tile, sequence_bounds, tma_ready)
 
@@ -80,11 +80,13 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
                 lse2 = tl.load(lse2_base + rows, mask=rows < q_len, other=float("inf"))
                 delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
                 # Rows that no key of this tile may use, and empty rows (whose dO may hold
-                # anything), are never read: 0 * NaN would leak into dK and dV.
+                # anything), are not loaded through pointers; TMA loads them, and masked_dot
+                # keeps their non-finite values out of dK and dV.
                 used = (rows >= first_row) & (rows < end_row) & (lse2 != float("inf"))
-                q = load_rows(q_desc, q_base, start_m, stride_qn, used, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, True)
+                q = load_rows(q_desc, q_base, start_m, stride_qn, used, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, True,
+                              False)
                 do = load_rows(do_desc, do_base, start_m, stride_dn, used, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA,
-                               True)
+                               True, False)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[None, :])
             else:
@@ -96,6 +98,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
+            if MASKED:
+                suspect = any_nonfinite(s) | any_nonfinite(dp)  # of Q and dO (K and V too)
             if DROPOUT:
                 keep = dropout_keep(rows[None, :], cols[:, None], stream, seed, rng_offset, drop_threshold)
                 p_kept = tl.where(keep, p * drop_scale, 0.0)
@@ -104,8 +108,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
                 p_kept = p
             ds = p * (dp - delta[None, :])
             if MASKED:
-                dv = masked_dot(p_kept.to(do.dtype), do, ok, dv, DOT_PRECISION)
-                dk = masked_dot(ds.to(q.dtype), q, ok, dk, DOT_PRECISION)
+                dv = masked_dot(p_kept.to(do.dtype), do, ok, dv, suspect, DOT_PRECISION)
+                dk = masked_dot(ds.to(q.dtype), q, ok, dk, suspect, DOT_PRECISION)
             else:
                 dv = dot(p_kept.to(do.dtype), do, dv, DOT_PRECISION)
                 dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION)
@@ -223,10 +227,12 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
             used = cols_in_tile  # not read: unmasked tiles lie inside the band and the sequence
             nonempty = True
         if nonempty:
-            k = load_rows(k_desc, k_base, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, MASKED)
-            v = load_rows(v_desc, v_base, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, MASKED)
+            k = load_rows(k_desc, k_base, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, MASKED, False)
+            v = load_rows(v_desc, v_base, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, MASKED,
+                          False)
             if MASKED:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
+                suspect = any_nonfinite(s)  # of K (and Q)
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[:, None])
             else:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
@@ -237,7 +243,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             if MASKED:
-                dq = masked_dot(ds.to(k.dtype), k, ok, dq, DOT_PRECISION)
+                dq = masked_dot(ds.to(k.dtype), k, ok, dq, suspect, DOT_PRECISION)
             else:
                 dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq

@@ -100,12 +100,14 @@ def allowed_pairs(i, j, q_len, k_len, left, right, mask_base, stride_mi, stride_
 
 @triton.jit
 def load_rows(desc, base, start, stride, used, WIDTH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-              USE_TMA: tl.constexpr, MASKED: tl.constexpr):
+              USE_TMA: tl.constexpr, MASKED: tl.constexpr, ZERO_UNUSED: tl.constexpr = True):
     """Rows [start, start + ROWS) of one head's (length, WIDTH) matrix, zero past WIDTH and, in
-    masked tiles, in rows not ``used``. TMA (``desc``) zero-fills past the sequence by itself."""
+    masked tiles, in rows not ``used``. TMA (``desc``) zero-fills past the sequence by itself;
+    with ZERO_UNUSED False it leaves the other unused rows as they are (the backward, whose
+    masked_dot sees any non-finite value in them through the score products)."""
     if USE_TMA:
         tile = desc.load([start, 0])
-        if MASKED:
+        if MASKED and ZERO_UNUSED:
             tile = tl.where(used[:, None], tile, 0.0)
     else:
         rows = tl.arange(0, ROWS)
@@ -143,25 +145,40 @@ def dot(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def masked_dot(a, b, allowed, acc, PRECISION: tl.constexpr):
+def masked_dot(a, b, allowed, acc, b_suspect, PRECISION: tl.constexpr):
     """acc + the sum over allowed j of a[i, j] * b[j, :], for masked tiles.
 
     A plain dot adds 0 * NaN = NaN where a disallowed pair meets a NaN or inf in b, so NaN
-    would reach outputs that never read it. The finite part of b goes through the dot; an
-    output whose allowed terms meet a non-finite entry of b becomes NaN (SPEC: NaN in, NaN
-    out), found by one 0/1 indicator product that runs only in tiles holding non-finite data.
-    Unmasked tiles need none of this: every pair there is allowed.
+    would reach outputs that never read it. Unless b is known finite (``b_suspect`` False),
+    the finite part of b goes through the dot; an output whose allowed terms meet a non-finite
+    entry of b becomes NaN (SPEC: NaN in, NaN out), found by one 0/1 indicator product that
+    runs only in tiles holding non-finite data. Unmasked tiles need none of this: every pair
+    there is allowed.
     """
     a = tl.where(allowed, a, 0.0)
-    finite = tl.abs(b) < float("inf")  # False for NaN too
-    out = dot(a, tl.where(finite, b, 0.0), acc, PRECISION)
-    if tl.min(finite.to(tl.int32)) == 0:
-        # 0/1 in b's dtype are exact and their counts accumulate exactly in fp32. Built from
-        # floats: the interpreter turns a bool into bf16 as raw bits (a denormal).
-        ones = tl.where(allowed, 1.0, 0.0).to(b.dtype)
-        hits = dot(ones, tl.where(finite, 0.0, 1.0).to(b.dtype), None, PRECISION)
-        out = tl.where(hits > 0, float("nan"), out)
+    if b_suspect:
+        finite = tl.abs(b) < float("inf")  # False for NaN too
+        out = dot(a, tl.where(finite, b, 0.0), acc, PRECISION)
+        if tl.min(finite.to(tl.int32)) == 0:
+            # 0/1 in b's dtype are exact and their counts accumulate exactly in fp32. Built from
+            # floats: the interpreter turns a bool into bf16 as raw bits (a denormal).
+            ones = tl.where(allowed, 1.0, 0.0).to(b.dtype)
+            hits = dot(ones, tl.where(finite, 0.0, 1.0).to(b.dtype), None, PRECISION)
+            out = tl.where(hits > 0, float("nan"), out)
+    else:
+        out = dot(a, b, acc, PRECISION)
     return out
+
+
+@triton.jit
+def any_nonfinite(x):
+    """Whether a tile holds a NaN or an infinity (a scalar).
+
+    The backward asks it of its score products: a non-finite row of Q, K, V or dO makes a whole
+    row or column of them non-finite, so finite products clear the tile's operands for
+    masked_dot's fast path without loading the operands into registers.
+    """
+    return tl.min((tl.abs(x) < float("inf")).to(tl.int32)) == 0
 
 
 @triton.jit

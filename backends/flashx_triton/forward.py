@@ -61,7 +61,8 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, s
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
                 p = tl.where(keep, p, 0.0)
             if MASKED:
-                acc = masked_dot(p.to(v.dtype), v, ok, acc * alpha[:, None], DOT_PRECISION)
+                # No product has seen V yet: masked_dot checks it itself.
+                acc = masked_dot(p.to(v.dtype), v, ok, acc * alpha[:, None], True, DOT_PRECISION)
             else:
                 acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
