@@ -99,7 +99,12 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
                 p = tl.exp2(s * scale_log2 - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
             if MASKED:
-                suspect = any_nonfinite(s) | any_nonfinite(dp)  # of Q and dO (K and V too)
+                if USE_TMA:
+                    suspect = any_nonfinite(s) | any_nonfinite(dp)  # of Q and dO (K and V too)
+                else:
+                    # Through pointers (misaligned or Dv != D) the branch costs ptxas its last
+                    # registers (allocation failed at 255, D = 40, Dv = 80): the exact path always.
+                    suspect = True
             if DROPOUT:
                 keep = dropout_keep(rows[None, :], cols[:, None], stream, seed, rng_offset, drop_threshold)
                 p_kept = tl.where(keep, p * drop_scale, 0.0)
@@ -232,7 +237,10 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
                           False)
             if MASKED:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
-                suspect = any_nonfinite(s)  # of K (and Q)
+                if USE_TMA:
+                    suspect = any_nonfinite(s)  # of K (and Q)
+                else:
+                    suspect = True
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[:, None])
             else:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)

@@ -97,7 +97,7 @@ def _device_name(index) -> str:
 
 def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list, timed: bool) -> Config:
     """The fastest candidate that compiles, fits the GPU and agrees with the first; untimed: the first such."""
-    from triton.runtime.errors import OutOfResources
+    from triton.runtime.errors import OutOfResources, PTXASError
     from triton.testing import do_bench
 
     reference = None
@@ -105,9 +105,10 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
     for config in options:
         try:
             outputs = [x.clone() for x in run(config)]  # copies: the next run overwrites the buffers
-        except (OutOfResources, RuntimeError):
-            # Too much shared memory for this GPU, or a compiler pass failing on this shape
-            # (Triton raises a bare RuntimeError then): not a candidate here, unless none is left.
+        except (OutOfResources, PTXASError, RuntimeError):
+            # Too much shared memory for this GPU, a compiler pass failing on this shape (Triton
+            # raises a bare RuntimeError then), or ptxas running out of registers: not a
+            # candidate here, unless none is left.
             if reference is None and config is options[-1]:
                 raise
             log.append((config, None))
