@@ -354,3 +354,39 @@ def test_forward_and_backward_are_bitwise_reproducible():
     assert torch.equal(first[0], again[0]) and torch.equal(first[1].lse, again[1].lse)
     grads = [flashx.attention_backward(do, q, k, v, *first, backend="triton", deterministic=True) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# ---------------------------------------------------------------- tile choice
+
+
+def test_unequal_head_dims_never_pair_a_narrow_tile_with_a_wide_one():
+    """16- and 32-wide tiles beside wider ones miscompiled on the H100 (wrong dk, illegal accesses)."""
+    from flashx_triton.common import _tile_widths
+
+    assert _tile_widths(32, 128) == dict(BLOCK_D=64, BLOCK_DV=128)
+    assert _tile_widths(8, 64) == dict(BLOCK_D=64, BLOCK_DV=64)
+    assert _tile_widths(64, 32) == dict(BLOCK_D=64, BLOCK_DV=64)
+    assert _tile_widths(32, 32) == dict(BLOCK_D=32, BLOCK_DV=32)  # equal widths stay narrow
+    assert _tile_widths(40, 80) == dict(BLOCK_D=64, BLOCK_DV=128)
+
+
+def test_autotuner_drops_candidates_that_do_not_compile_or_disagree():
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    from flashx_triton import tuning
+
+    good = torch.arange(6.0)
+    failures = {"ptxas": PTXASError("register allocation failed"), "smem": OutOfResources(300000, 232448, "shared memory"),
+                "pass": RuntimeError("PassManager::run failed")}
+
+    def run(config):
+        if config in failures:
+            raise failures[config]
+        return [good]
+
+    log = []
+    assert tuning._fastest(["ptxas", "smem", "pass", "ok"], run, log, timed=False) == "ok"
+    assert log == [("ptxas", None), ("smem", None), ("pass", None)]
+    assert not tuning._agree(good + 1, good) and tuning._agree(good + 1e-7, good)
+    with pytest.raises(PTXASError):  # nothing left to fall back on
+        tuning._fastest(["smem", "ptxas"], run, [], timed=False)
