@@ -16,15 +16,20 @@ conformance)
     # pytest-xdist, where installed, spreads the cases (compile-bound) over the cores; the slow
     # tier's multi-GiB cases then run alone.
     workers=$(python3 -c "import xdist" 2>/dev/null && printf -- "-n %s" "${CONFORMANCE_WORKERS:-8}")
+    two=$(python3 -c "import xdist" 2>/dev/null && printf -- "-n 2")
     for backend in $(python3 -c "import flashx; print(' '.join(i.name for i in flashx.backends() if i.available and 'cuda' in i.devices))"); do
-        for part in "not slow" "slow"; do
-            if [ "$part" = slow ]; then limit=${SLOW_SECONDS:-150} spread=""; else limit=${CONFORMANCE_SECONDS:-360} spread=$workers; fi
+        run_part() {  # name, -m expression, -k expression, seconds, pytest-xdist option
             # SIGINT lets pytest finish its report when the time box closes
-            timeout -s INT "$limit" python3 -m pytest --pyargs flashx_conformance \
-                --flashx-backend "$backend" --flashx-device cuda -m "$part" $spread \
-                --flashx-report "$OUT/conformance-$backend-${part// /-}.json" -p no:cacheprovider -q -rfE 2>&1 \
-                | tee -a "$OUT/conformance-$backend.log" | grep -vE "^\.|^s|^\[gw|^$" | tail -30
-        done
+            timeout -s INT "$4" python3 -m pytest --pyargs flashx_conformance --flashx-backend "$backend" \
+                --flashx-device cuda -m "$2" -k "$3" $5 --flashx-report "$OUT/conformance-$backend-$1.json" \
+                -p no:cacheprovider -q -rfE 2>&1 | tee "$OUT/conformance-$backend-$1.log" | grep -vE "^\.|^s|^\[gw|^$" | tail -30
+        }
+        # The hypothesis properties are two long cases (each draw compiles new variants): they run
+        # beside the spread cases from the start instead of last, where the time box cut them off.
+        run_part properties "not slow" "test_properties" "${CONFORMANCE_SECONDS:-360}" "$two" &
+        run_part cases "not slow" "not test_properties" "${CONFORMANCE_SECONDS:-360}" "$workers"
+        wait
+        run_part slow "slow" "" "${SLOW_SECONDS:-150}" ""
     done
     python3 -m flashx_conformance.summary "$OUT"/conformance-*.json --markdown "$OUT/conformance.md" --json "$OUT/conformance-summary.json"
     ;;
