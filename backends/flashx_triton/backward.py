@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
-                                  load_rows, masked_dot, masked_tiles, problem_args, row_descriptor, row_strides,
-                                  query_tile, sequence_bounds, tma_ready)
+from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_tiles, dot, dropout_keep,
+                                  last_dim_contiguous, lse_strides, load_rows, masked_dot, masked_tiles, problem_args,
+                                  query_tile, row_descriptor, row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -240,7 +240,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
                 if USE_TMA:
                     suspect = any_nonfinite(s)  # of K (and Q)
                 else:
-                    suspect = True
+                    suspect = True  # as in _dkdv_tiles
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[:, None])
             else:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)

@@ -198,8 +198,9 @@ def dropout_keep(i, j, stream, seed, rng_offset, threshold):
 def tma_ready(problem, *tensors: torch.Tensor) -> bool:
     """Whether the streamed operands load through TMA descriptors, and if so set their allocator.
 
-    TMA needs 16-byte aligned bases and leading strides. The K and V (Q and dO) tiles are kept
-    equally wide as well: unequal widths through TMA were never checked on a GPU.
+    TMA needs 16-byte aligned bases and leading strides. The K and V (Q and dO) tiles must be
+    equally wide as well, a precaution: unequal tiles through TMA passed where checked (64/128,
+    128/64), but not every unequal class (D = 192, Dv = 128 among them) has run so on a GPU.
     """
     args = problem_args(problem)
     ready = args["BLOCK_D"] == args["BLOCK_DV"] and all(
@@ -286,10 +287,11 @@ def _problem_args(problem) -> dict:
 def _tile_widths(head_dim: int, head_dim_v: int) -> dict:
     """BLOCK_D and BLOCK_DV: the head dims padded to powers of two, at least 16 (tl.dot's minimum).
 
-    A 16- or 32-wide tile beside a wider one miscompiles on the H100 (Triton 3.6): D = 32 with
-    Dv = 128 gave a wrong dk or an illegal access in the dK/dV kernel, D = 8 or 32 with Dv = 40
-    or 64 illegal accesses, D = 64 with Dv = 32 out-of-bounds TMA reads in the forward. Equal
-    widths, and unequal ones of 64 and more, pass; so unequal widths are padded to 64 at least.
+    A 16- or 32-wide tile beside a wider one miscompiles on the H100 (Triton 3.6). In the dK/dV
+    kernel, D = 32 with Dv = 128 gave a wrong dk or an illegal access, D = 32 with Dv = 40 or
+    64 illegal accesses, D = 8 with Dv = 64 a wrong dk; D = 64 with Dv = 32 read out of bounds
+    through TMA in the forward. Equal widths, and unequal ones of 64 and more, pass; so unequal
+    widths are padded to 64 at least.
     """
     block_d, block_dv = (max(16, triton.next_power_of_2(d)) for d in (head_dim, head_dim_v))
     if block_d != block_dv:
