@@ -16,7 +16,7 @@ conformance)
     # pytest-xdist, where installed, spreads the cases (compile-bound) over the cores; the slow
     # tier's multi-GiB cases then run alone.
     workers=$(python3 -c "import xdist" 2>/dev/null && printf -- "-n %s" "${CONFORMANCE_WORKERS:-8}")
-    two=$(python3 -c "import xdist" 2>/dev/null && printf -- "-n 2")
+    two=${workers:+-n 2}
     for backend in $(python3 -c "import flashx; print(' '.join(i.name for i in flashx.backends() if i.available and 'cuda' in i.devices))"); do
         run_part() {  # name, -m expression, -k expression, seconds, pytest-xdist option
             # SIGINT lets pytest finish its report when the time box closes
