@@ -55,7 +55,7 @@ def _prepare_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_on, stride_oh, st
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first_row,
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first_row,
                 end_row, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base,
                 stride_bi, stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -83,18 +83,19 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
                 # anything), are not loaded through pointers; TMA loads them, and masked_dot
                 # keeps their non-finite values out of dK and dV.
                 used = (rows >= first_row) & (rows < end_row) & (lse2 != float("inf"))
-                q = load_rows(q_desc, q_base, start_m, stride_qn, used, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, True,
-                              False)
-                do = load_rows(do_desc, do_base, start_m, stride_dn, used, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA,
-                               True, False)
+                q = load_rows(q_desc, q_base, seq, q_start, head, start_m, stride_qn, used, HEAD_DIM, BLOCK_M, BLOCK_D,
+                              USE_TMA, True, False)
+                do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, used, HEAD_DIM_V, BLOCK_M,
+                               BLOCK_DV, USE_TMA, True, False)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[None, :])
             else:
                 lse2 = tl.load(lse2_base + rows)
                 delta = tl.load(delta_base + rows)
-                q = load_rows(q_desc, q_base, start_m, stride_qn, rows, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, False)
-                do = load_rows(do_desc, do_base, start_m, stride_dn, rows, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA,
-                               False)
+                q = load_rows(q_desc, q_base, seq, q_start, head, start_m, stride_qn, rows, HEAD_DIM, BLOCK_M, BLOCK_D,
+                              USE_TMA, False)
+                do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, rows, HEAD_DIM_V, BLOCK_M,
+                               BLOCK_DV, USE_TMA, False)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
@@ -113,8 +114,10 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
                 p_kept = p
             ds = p * (dp - delta[None, :])
             if MASKED:
-                dv = masked_dot(p_kept.to(do.dtype), do, ok, dv, suspect, DOT_PRECISION)
-                dk = masked_dot(ds.to(q.dtype), q, ok, dk, suspect, DOT_PRECISION)
+                # P is NaN at a disallowed pair of a row whose LSE is NaN, and dS wherever dP is
+                # non-finite (a non-finite row of V or dO): both are masked here.
+                dv = masked_dot(tl.where(ok, p_kept, 0.0).to(do.dtype), do, ok, dv, suspect, DOT_PRECISION)
+                dk = masked_dot(tl.where(ok, ds, 0.0).to(q.dtype), q, ok, dk, suspect, DOT_PRECISION)
             else:
                 dv = dot(p_kept.to(do.dtype), do, dv, DOT_PRECISION)
                 dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION)
@@ -123,7 +126,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, strid
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE2, DELTA,
+    Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
@@ -167,31 +170,31 @@ def _dkdv_kernel(
     first, full_lo, full_hi, end = band_tiles(n0, k_len, q_len, right, left, BLOCK_N, BLOCK_M,
                                               HAS_MASK or HAS_BLOCK_MASK)
     start = first // BLOCK_M * BLOCK_M
+    seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
     for g in range(group):
-        h = (hk * group + g).to(tl.int64)
+        head = hk * group + g
+        h = head.to(tl.int64)
         q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
         do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
         lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
         delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        q_desc = row_descriptor(q_base, q_len, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        do_desc = row_descriptor(do_base, q_len, stride_dn, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
         mask_base = MASK + b64 * stride_mb + h * stride_mh if HAS_MASK else MASK
         blocks_base = BLOCKS + b64 * stride_bb + h * stride_bh if HAS_BLOCK_MASK else BLOCKS
         stream = b * heads_q + h
         if MASKED_TILES:
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
+                dk, dv, k, v, Q_DESC, DO_DESC, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
                 end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
                 stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
+            dk, dv, k, v, Q_DESC, DO_DESC, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
             end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
         if MASKED_TILES:
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_desc, do_desc, q_base, do_base, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
+                dk, dv, k, v, Q_DESC, DO_DESC, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
                 end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
                 stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
@@ -209,7 +212,7 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
+def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
               k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
               block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -232,9 +235,10 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
             used = cols_in_tile  # not read: unmasked tiles lie inside the band and the sequence
             nonempty = True
         if nonempty:
-            k = load_rows(k_desc, k_base, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, MASKED, False)
-            v = load_rows(v_desc, v_base, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, MASKED,
-                          False)
+            k = load_rows(k_desc, k_base, seq, k_start, kv_head, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D,
+                          USE_TMA, MASKED, False)
+            v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
+                          BLOCK_DV, USE_TMA, MASKED, False)
             if MASKED:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 if USE_TMA:
@@ -251,7 +255,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             if MASKED:
-                dq = masked_dot(ds.to(k.dtype), k, ok, dq, suspect, DOT_PRECISION)
+                dq = masked_dot(tl.where(ok, ds, 0.0).to(k.dtype), k, ok, dq, suspect, DOT_PRECISION)  # as in _dkdv_tiles
             else:
                 dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
@@ -259,7 +263,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn,
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, DQ, LSE2, DELTA,
+    Q, K, V, DO, K_DESC, V_DESC, DQ, LSE2, DELTA,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
     CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
@@ -293,10 +297,10 @@ def _dq_kernel(
                 + dims[None, :], mask=live & (dims[None, :] < HEAD_DIM), other=0.0)
     do = tl.load(DO + b64 * stride_db + row0 * stride_dn + h64 * stride_dh + rows_in_tile[:, None] * stride_dn
                  + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + (h // group).to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + (h // group).to(tl.int64) * stride_vh
-    k_desc = row_descriptor(k_base, k_len, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_desc = row_descriptor(v_base, k_len, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+    kv_head = h // group
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
+    seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
     mask_base = MASK + b64 * stride_mb + h64 * stride_mh if HAS_MASK else MASK
     blocks_base = BLOCKS + b64 * stride_bb + h64 * stride_bh if HAS_BLOCK_MASK else BLOCKS
     stream = b * heads_q + h
@@ -306,18 +310,18 @@ def _dq_kernel(
                                               HAS_MASK or HAS_BLOCK_MASK)
     if MASKED_TILES:
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
+            dq, q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
             first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi,
+        dq, q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_lo, full_hi,
         first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
         stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     if MASKED_TILES:
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end,
+            dq, q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_hi, end,
             first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
@@ -345,19 +349,24 @@ def backward(problem, q, k, v, o, lse, do):
         o, do, lse, delta, lse2, *row_strides(o, varlen), *row_strides(do, varlen), *lse_strides(lse, varlen),
         HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"], BLOCK_M=prepare_rows, **rows_q)
 
-    scales = dict(USE_TMA=tma_ready(problem, q, k, v, do), softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
+    use_tma = tma_ready(problem, q, k, v, do)
+    scales = dict(USE_TMA=use_tma, softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
     inputs = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen))
 
     def run_dkdv(config):
         grid = (problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, config.block_n),)
-        _dkdv_kernel[grid](q, k, v, do, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen),
+        q_desc = row_descriptor(q, varlen, config.block_m, args["BLOCK_D"], use_tma)
+        do_desc = row_descriptor(do, varlen, config.block_m, args["BLOCK_DV"], use_tma)
+        _dkdv_kernel[grid](q, k, v, do, q_desc, do_desc, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen),
                            *row_strides(dv, varlen), *lse_strides(lse, varlen), **scales, **args,
                            MASKED_TILES=masked_tiles(problem, problem.seqlen_q, config.block_m), **config.launch_args())
         return dk, dv
 
     def run_dq(config):
         grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
-        _dq_kernel[grid](q, k, v, do, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
+        k_desc = row_descriptor(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
+        v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
+        _dq_kernel[grid](q, k, v, do, k_desc, v_desc, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
                          **scales, **args, MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
                          **config.launch_args())
         return (dq,)

@@ -99,14 +99,18 @@ def allowed_pairs(i, j, q_len, k_len, left, right, mask_base, stride_mi, stride_
 
 
 @triton.jit
-def load_rows(desc, base, start, stride, used, WIDTH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-              USE_TMA: tl.constexpr, MASKED: tl.constexpr, ZERO_UNUSED: tl.constexpr = True):
+def load_rows(desc, base, seq, seq_start, head, start, stride, used, WIDTH: tl.constexpr, ROWS: tl.constexpr,
+              COLS: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, ZERO_UNUSED: tl.constexpr = True):
     """Rows [start, start + ROWS) of one head's (length, WIDTH) matrix, zero past WIDTH and, in
-    masked tiles, in rows not ``used``. TMA (``desc``) zero-fills past the sequence by itself;
-    with ZERO_UNUSED False it leaves the other unused rows as they are (the backward, whose
-    masked_dot sees any non-finite value in them through the score products)."""
+    masked tiles, in rows not ``used``.
+
+    ``base`` points at the head's first row of the sequence. Through TMA, ``desc`` (see
+    ``row_descriptor``) reads the same rows at (seq, seq_start + start, head) and zero-fills
+    past WIDTH and past the tensor's rows; with ZERO_UNUSED False it leaves unused rows as they
+    are (the backward, whose masked_dot sees any non-finite value in them through the score
+    products)."""
     if USE_TMA:
-        tile = desc.load([start, 0])
+        tile = desc.load([seq, seq_start + start, head, 0]).reshape(ROWS, COLS)
         if MASKED and ZERO_UNUSED:
             tile = tl.where(used[:, None], tile, 0.0)
     else:
@@ -120,16 +124,22 @@ def load_rows(desc, base, start, stride, used, WIDTH: tl.constexpr, ROWS: tl.con
     return tile
 
 
-@triton.jit
-def row_descriptor(base, length, stride, WIDTH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                   USE_TMA: tl.constexpr):
-    """A TMA descriptor over one head's rows of one sequence; without TMA, ``base`` (unused).
+def row_descriptor(x: torch.Tensor, varlen: bool, rows: int, cols: int, use_tma: bool):
+    """A host-side TMA descriptor over a (B, N, H, D) or varlen (T, H, D) tensor, one head's
+    (rows, cols) tile at a time; without TMA, ``x`` itself (the kernels then read through
+    pointers and never touch this argument).
 
-    Not None: Triton 3.6 cannot return None from a jitted function (its interpreter can)."""
-    if USE_TMA:
-        return tl.make_tensor_descriptor(base, [length, WIDTH], [stride, 1], [ROWS, COLS])
-    else:
-        return base
+    Built on the host, a descriptor reaches every program as a kernel parameter, where one
+    built in the kernel costs each program a global write and a fence. Its per-head axes make
+    TMA zero-fill past D and past the padded length; rows past a shorter sequence inside the
+    tensor (seqlens, varlen) are read and then masked, as ``load_rows`` says.
+    """
+    if not use_tma:
+        return x
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    view = x.unsqueeze(0) if varlen else x
+    return TensorDescriptor(view, list(view.shape), [*view.stride()[:-1], 1], [1, rows, 1, cols])
 
 
 @triton.jit
@@ -146,7 +156,8 @@ def dot(a, b, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def masked_dot(a, b, allowed, acc, b_suspect, PRECISION: tl.constexpr):
-    """acc + the sum over allowed j of a[i, j] * b[j, :], for masked tiles.
+    """acc + the sum over allowed j of a[i, j] * b[j, :], for masked tiles; ``a`` must already
+    be 0 at every disallowed pair (P is: exp2(-inf) = 0).
 
     A plain dot adds 0 * NaN = NaN where a disallowed pair meets a NaN or inf in b, so NaN
     would reach outputs that never read it. Unless b is known finite (``b_suspect`` False),
@@ -155,7 +166,6 @@ def masked_dot(a, b, allowed, acc, b_suspect, PRECISION: tl.constexpr):
     runs only in tiles holding non-finite data. Unmasked tiles need none of this: every pair
     there is allowed.
     """
-    a = tl.where(allowed, a, 0.0)
     if b_suspect:
         finite = tl.abs(b) < float("inf")  # False for NaN too
         out = dot(a, tl.where(finite, b, 0.0), acc, PRECISION)
@@ -196,25 +206,16 @@ def dropout_keep(i, j, stream, seed, rng_offset, threshold):
 
 
 def tma_ready(problem, *tensors: torch.Tensor) -> bool:
-    """Whether the streamed operands load through TMA descriptors, and if so set their allocator.
+    """Whether the streamed operands load through TMA descriptors.
 
     TMA needs 16-byte aligned bases and leading strides. The K and V (Q and dO) tiles must be
     equally wide as well, a precaution: unequal tiles through TMA passed where checked (64/128,
     128/64), but not every unequal class (D = 192, Dv = 128 among them) has run so on a GPU.
     """
     args = problem_args(problem)
-    ready = args["BLOCK_D"] == args["BLOCK_DV"] and all(
+    return args["BLOCK_D"] == args["BLOCK_DV"] and all(
         x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
     )
-    if ready and tensors[0].is_cuda:
-        # Per call, not once: Triton keeps the allocator per thread, and autograd runs the
-        # backward on a thread of its own.
-        triton.set_allocator(_descriptor_scratch)
-    return ready
-
-
-def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def masked_tiles(problem, length: int, tile: int) -> bool:

@@ -17,7 +17,7 @@ from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
+def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
                   k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
                   block_q, block_k, stream, seed, rng_offset, drop_threshold,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -41,8 +41,10 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, s
             used = cols_in_tile  # unused: unmasked tiles lie inside the band and the sequence
             nonempty = True
         if nonempty:
-            k = load_rows(k_desc, k_base, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, MASKED)
-            v = load_rows(v_desc, v_base, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, MASKED)
+            k = load_rows(k_desc, k_base, seq, k_start, kv_head, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D,
+                          USE_TMA, MASKED)
+            v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
+                          USE_TMA, MASKED)
             if MASKED:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 s = tl.where(ok, s * scale_log2, float("-inf"))
@@ -61,8 +63,13 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, s
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
                 p = tl.where(keep, p, 0.0)
             if MASKED:
-                # No product has seen V yet: masked_dot checks it itself.
-                acc = masked_dot(p.to(v.dtype), v, ok, acc * alpha[:, None], True, DOT_PRECISION)
+                # No product has seen V yet: masked_dot checks it itself. "Allowed" is read back
+                # from the scores, -inf exactly where disallowed: ``ok`` kept alive across the
+                # products costs about a register per element (128x64 tile, d64: 424 bytes of
+                # spill stores against 76). The one pair this misreads, an allowed one whose score
+                # is -inf (an infinity in q or k), adds 0 for a non-finite v where the oracle has
+                # 0 * inf = NaN.
+                acc = masked_dot(p.to(v.dtype), v, s != float("-inf"), acc * alpha[:, None], True, DOT_PRECISION)
             else:
                 acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
@@ -71,7 +78,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, s
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, K_DESC, V_DESC, O, LSE,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
@@ -89,10 +96,10 @@ def _forward_kernel(
 
     b64 = b.to(tl.int64)
     q_base = Q + b64 * stride_qb + (q_start + m0).to(tl.int64) * stride_qn + h.to(tl.int64) * stride_qh
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + (h // group).to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + (h // group).to(tl.int64) * stride_vh
-    k_desc = row_descriptor(k_base, k_len, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_desc = row_descriptor(v_base, k_len, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+    kv_head = h // group
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
+    seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
     mask_base = MASK + b64 * stride_mb + h.to(tl.int64) * stride_mh if HAS_MASK else MASK
     blocks_base = BLOCKS + b64 * stride_bb + h.to(tl.int64) * stride_bh if HAS_BLOCK_MASK else BLOCKS
 
@@ -110,18 +117,18 @@ def _forward_kernel(
     stream = b * heads_q + h
     if MASKED_TILES:
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
+            acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
             q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
             block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
             True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_lo, full_hi, first, end,
+        acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_lo, full_hi, first, end,
         q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
         block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
         False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
     if MASKED_TILES:
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, rows, full_hi, end, first, end,
+            acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_hi, end, first, end,
             q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
             block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
             True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
@@ -156,7 +163,9 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
     def run(config):
         grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
-        _forward_kernel[grid](q, k, v, o, lse, *strides, scale_log2=problem.softmax_scale * LOG2E, **args,
+        k_desc = row_descriptor(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
+        v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
+        _forward_kernel[grid](q, k, v, k_desc, v_desc, o, lse, *strides, scale_log2=problem.softmax_scale * LOG2E, **args,
                               USE_TMA=use_tma, MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
                               **config.launch_args())
         return o, lse
