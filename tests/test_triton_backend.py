@@ -265,6 +265,21 @@ def test_a_non_finite_input_reaches_exactly_the_outputs_that_read_it(name, value
     check_against_oracle(**inputs, causal=True)
 
 
+@pytest.mark.parametrize("name", ["q", "k", "v", "do"])
+def test_backward_with_descriptors_built_in_the_kernel(monkeypatch, name):
+    """The backward's other descriptor placement (the H100's first choice at d128): one TMA
+    descriptor per program and head, zero past the sequence instead of past the tensor."""
+    from flashx_triton import tuning
+
+    monkeypatch.setattr(tuning, "INTERPRETED", tuning.Config(32, 32, 1, 1, host_descriptors=False))
+    B, Hq, Hk, N, D = 2, 4, 2, 45, 32
+    inputs = dict(q=randn(B, N, Hq, D), k=randn(B, N, Hk, D), v=randn(B, N, Hk, D), do=randn(B, N, Hq, D))
+    inputs[name][0, 20, -1, 5] = math.nan
+    inputs[name][1, 40:] = math.nan  # past seqlens: never read
+    seqlens = torch.tensor([N, 40])
+    check_against_oracle(**inputs, causal=True, seqlens_q=seqlens, seqlens_k=seqlens)
+
+
 @pytest.mark.parametrize("name", ["v", "do"])
 def test_nan_in_bfloat16_reaches_exactly_the_outputs_that_read_it(name):
     B, H, N, D = 1, 2, 45, 32

@@ -18,7 +18,7 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_tiles, dot, dropout_keep,
                                   last_dim_contiguous, lse_strides, load_rows, masked_dot, masked_tiles, problem_args,
-                                  query_tile, row_descriptor, row_strides, sequence_bounds, tma_ready)
+                                  query_tile, head_descriptor, row_descriptor, row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -60,7 +60,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 stride_bi, stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                HOST_DESCRIPTORS: tl.constexpr):
     """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries."""
     rows_in_tile = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -84,18 +85,18 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 # keeps their non-finite values out of dK and dV.
                 used = (rows >= first_row) & (rows < end_row) & (lse2 != float("inf"))
                 q = load_rows(q_desc, q_base, seq, q_start, head, start_m, stride_qn, used, HEAD_DIM, BLOCK_M, BLOCK_D,
-                              USE_TMA, True, False)
+                              USE_TMA, True, False, HOST_DESCRIPTORS)
                 do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, used, HEAD_DIM_V, BLOCK_M,
-                               BLOCK_DV, USE_TMA, True, False)
+                               BLOCK_DV, USE_TMA, True, False, HOST_DESCRIPTORS)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[None, :])
             else:
                 lse2 = tl.load(lse2_base + rows)
                 delta = tl.load(delta_base + rows)
                 q = load_rows(q_desc, q_base, seq, q_start, head, start_m, stride_qn, rows, HEAD_DIM, BLOCK_M, BLOCK_D,
-                              USE_TMA, False)
+                              USE_TMA, False, HOST_DESCRIPTORS=HOST_DESCRIPTORS)
                 do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, rows, HEAD_DIM_V, BLOCK_M,
-                               BLOCK_DV, USE_TMA, False)
+                               BLOCK_DV, USE_TMA, False, HOST_DESCRIPTORS=HOST_DESCRIPTORS)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
@@ -137,6 +138,7 @@ def _dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
+    HOST_DESCRIPTORS: tl.constexpr,
 ):
     # First key tiles first: under a causal band they meet the most query rows.
     num_tiles = tl.cdiv(padded_k, BLOCK_N)
@@ -181,23 +183,32 @@ def _dkdv_kernel(
         mask_base = MASK + b64 * stride_mb + h * stride_mh if HAS_MASK else MASK
         blocks_base = BLOCKS + b64 * stride_bb + h * stride_bh if HAS_BLOCK_MASK else BLOCKS
         stream = b * heads_q + h
+        if USE_TMA and not HOST_DESCRIPTORS:
+            q_desc = head_descriptor(q_base, q_len, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D)
+            do_desc = head_descriptor(do_base, q_len, stride_dn, HEAD_DIM_V, BLOCK_M, BLOCK_DV)
+        else:
+            q_desc = Q_DESC
+            do_desc = DO_DESC
         if MASKED_TILES:
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Q_DESC, DO_DESC, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
+                dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
                 end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
                 stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
+                HOST_DESCRIPTORS)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, Q_DESC, DO_DESC, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
+            dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
             end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
+                HOST_DESCRIPTORS)
         if MASKED_TILES:
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Q_DESC, DO_DESC, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
+                dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
                 end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
                 stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
+                HOST_DESCRIPTORS)
 
     # Padded keys past k_len get zero gradients, whatever K and V hold there.
     dk = tl.where(live, dk * softmax_scale, 0.0)
@@ -217,7 +228,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
               block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                HOST_DESCRIPTORS: tl.constexpr):
     """Add key tiles [lo, hi) into this query tile's dq."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -236,9 +248,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
             nonempty = True
         if nonempty:
             k = load_rows(k_desc, k_base, seq, k_start, kv_head, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D,
-                          USE_TMA, MASKED, False)
+                          USE_TMA, MASKED, False, HOST_DESCRIPTORS)
             v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
-                          BLOCK_DV, USE_TMA, MASKED, False)
+                          BLOCK_DV, USE_TMA, MASKED, False, HOST_DESCRIPTORS)
             if MASKED:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 if USE_TMA:
@@ -274,6 +286,7 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
+    HOST_DESCRIPTORS: tl.constexpr,
 ):
     m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
                                                           BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
@@ -301,6 +314,12 @@ def _dq_kernel(
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
     seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
+    if USE_TMA and not HOST_DESCRIPTORS:
+        k_desc = head_descriptor(k_base, k_len, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = head_descriptor(v_base, k_len, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
+    else:
+        k_desc = K_DESC
+        v_desc = V_DESC
     mask_base = MASK + b64 * stride_mb + h64 * stride_mh if HAS_MASK else MASK
     blocks_base = BLOCKS + b64 * stride_bb + h64 * stride_bh if HAS_BLOCK_MASK else BLOCKS
     stream = b * heads_q + h
@@ -310,21 +329,24 @@ def _dq_kernel(
                                               HAS_MASK or HAS_BLOCK_MASK)
     if MASKED_TILES:
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
+            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
             first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
+                HOST_DESCRIPTORS)
     dq = _dq_tiles(
-        dq, q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_lo, full_hi,
+        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_lo, full_hi,
         first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
         stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+        BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
+                HOST_DESCRIPTORS)
     if MASKED_TILES:
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_hi, end,
+            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_hi, end,
             first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
+                HOST_DESCRIPTORS)
 
     dq = tl.where(live, dq * softmax_scale, 0.0)
     tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
@@ -355,20 +377,23 @@ def backward(problem, q, k, v, o, lse, do):
 
     def run_dkdv(config):
         grid = (problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, config.block_n),)
-        q_desc = row_descriptor(q, varlen, config.block_m, args["BLOCK_D"], use_tma)
-        do_desc = row_descriptor(do, varlen, config.block_m, args["BLOCK_DV"], use_tma)
+        host = use_tma and config.host_descriptors
+        q_desc = row_descriptor(q, varlen, config.block_m, args["BLOCK_D"], host)
+        do_desc = row_descriptor(do, varlen, config.block_m, args["BLOCK_DV"], host)
         _dkdv_kernel[grid](q, k, v, do, q_desc, do_desc, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen),
                            *row_strides(dv, varlen), *lse_strides(lse, varlen), **scales, **args,
-                           MASKED_TILES=masked_tiles(problem, problem.seqlen_q, config.block_m), **config.launch_args())
+                           MASKED_TILES=masked_tiles(problem, problem.seqlen_q, config.block_m),
+                           HOST_DESCRIPTORS=config.host_descriptors, **config.launch_args())
         return dk, dv
 
     def run_dq(config):
         grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
-        k_desc = row_descriptor(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
-        v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
+        host = use_tma and config.host_descriptors
+        k_desc = row_descriptor(k, varlen, config.block_n, args["BLOCK_D"], host)
+        v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], host)
         _dq_kernel[grid](q, k, v, do, k_desc, v_desc, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
                          **scales, **args, MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
-                         **config.launch_args())
+                         HOST_DESCRIPTORS=config.host_descriptors, **config.launch_args())
         return (dq,)
 
     run_dkdv(tuning.choose("dkdv", problem, run_dkdv))

@@ -100,17 +100,22 @@ def allowed_pairs(i, j, q_len, k_len, left, right, mask_base, stride_mi, stride_
 
 @triton.jit
 def load_rows(desc, base, seq, seq_start, head, start, stride, used, WIDTH: tl.constexpr, ROWS: tl.constexpr,
-              COLS: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, ZERO_UNUSED: tl.constexpr = True):
+              COLS: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, ZERO_UNUSED: tl.constexpr = True,
+              HOST_DESCRIPTORS: tl.constexpr = True):
     """Rows [start, start + ROWS) of one head's (length, WIDTH) matrix, zero past WIDTH and, in
     masked tiles, in rows not ``used``.
 
-    ``base`` points at the head's first row of the sequence. Through TMA, ``desc`` (see
-    ``row_descriptor``) reads the same rows at (seq, seq_start + start, head) and zero-fills
-    past WIDTH and past the tensor's rows; with ZERO_UNUSED False it leaves unused rows as they
-    are (the backward, whose masked_dot sees any non-finite value in them through the score
+    ``base`` points at the head's first row of the sequence. Through TMA, ``desc`` reads the
+    same rows, zero past WIDTH: a host descriptor (``row_descriptor``) at (seq, seq_start +
+    start, head), zero past the tensor's rows; one built in the kernel (``head_descriptor``) at
+    row ``start``, zero past the sequence. With ZERO_UNUSED False unused rows stay as they are
+    (the backward, whose masked_dot sees any non-finite value in them through the score
     products)."""
     if USE_TMA:
-        tile = desc.load([seq, seq_start + start, head, 0]).reshape(ROWS, COLS)
+        if HOST_DESCRIPTORS:
+            tile = desc.load([seq, seq_start + start, head, 0]).reshape(ROWS, COLS)
+        else:
+            tile = desc.load([start, 0])
         if MASKED and ZERO_UNUSED:
             tile = tl.where(used[:, None], tile, 0.0)
     else:
@@ -122,6 +127,12 @@ def load_rows(desc, base, seq, seq_start, head, start, stride, used, WIDTH: tl.c
         else:
             tile = tl.load(ptrs, mask=cols[None, :] < WIDTH, other=0.0)
     return tile
+
+
+@triton.jit
+def head_descriptor(base, length, stride, WIDTH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A TMA descriptor built in the kernel over one head's ``length`` rows from ``base``."""
+    return tl.make_tensor_descriptor(base, [length, WIDTH], [stride, 1], [ROWS, COLS])
 
 
 def row_descriptor(x: torch.Tensor, varlen: bool, rows: int, cols: int, use_tma: bool):
@@ -213,9 +224,18 @@ def tma_ready(problem, *tensors: torch.Tensor) -> bool:
     128/64), but not every unequal class (D = 192, Dv = 128 among them) has run so on a GPU.
     """
     args = problem_args(problem)
-    return args["BLOCK_D"] == args["BLOCK_DV"] and all(
+    ready = args["BLOCK_D"] == args["BLOCK_DV"] and all(
         x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
     )
+    if ready and tensors[0].is_cuda:
+        # For the descriptors built in a kernel (``head_descriptor``). Per call, not once: Triton
+        # keeps the allocator per thread, and autograd runs the backward on a thread of its own.
+        triton.set_allocator(_descriptor_scratch)
+    return ready
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def masked_tiles(problem, length: int, tile: int) -> bool:
