@@ -385,6 +385,19 @@ def test_unequal_head_dims_never_pair_a_narrow_tile_with_a_wide_one():
     assert _tile_widths(40, 80) == dict(BLOCK_D=64, BLOCK_DV=128)
 
 
+def test_tuning_tells_a_few_heads_from_a_full_gpu_at_the_same_length():
+    from types import SimpleNamespace
+
+    from flashx_triton import tuning
+
+    def size(batch, heads, n):
+        return tuning.size_class(SimpleNamespace(batch=batch, heads_q=heads, seqlen_q=n))
+
+    assert size(2, 4, 1024) != size(16, 32, 1024)  # the benchmark's check, then its sweep
+    assert size(16, 32, 1024) == size(8, 32, 1024)  # both fill an H100: more rows change nothing
+    assert size(16, 32, 1024) != size(2, 32, 8192)  # as many rows, but the length still counts
+
+
 def test_autotuner_drops_candidates_that_do_not_compile_or_disagree():
     from triton.runtime.errors import OutOfResources, PTXASError
 
