@@ -18,7 +18,7 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_tiles, dot, dropout_keep,
                                   last_dim_contiguous, lse_strides, load_rows, masked_dot, masked_tiles, problem_args,
-                                  query_tile, head_descriptor, row_descriptor, row_strides, sequence_bounds, tma_ready)
+                                  query_tile, head_descriptors, row_descriptor, row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -183,12 +183,8 @@ def _dkdv_kernel(
         mask_base = MASK + b64 * stride_mb + h * stride_mh if HAS_MASK else MASK
         blocks_base = BLOCKS + b64 * stride_bb + h * stride_bh if HAS_BLOCK_MASK else BLOCKS
         stream = b * heads_q + h
-        if USE_TMA and not HOST_DESCRIPTORS:
-            q_desc = head_descriptor(q_base, q_len, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D)
-            do_desc = head_descriptor(do_base, q_len, stride_dn, HEAD_DIM_V, BLOCK_M, BLOCK_DV)
-        else:
-            q_desc = Q_DESC
-            do_desc = DO_DESC
+        q_desc, do_desc = head_descriptors(Q_DESC, DO_DESC, q_base, do_base, q_len, stride_qn, stride_dn, HEAD_DIM,
+                                           HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
         if MASKED_TILES:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
@@ -314,12 +310,8 @@ def _dq_kernel(
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
     seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
-    if USE_TMA and not HOST_DESCRIPTORS:
-        k_desc = head_descriptor(k_base, k_len, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
-        v_desc = head_descriptor(v_base, k_len, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
-    else:
-        k_desc = K_DESC
-        v_desc = V_DESC
+    k_desc, v_desc = head_descriptors(K_DESC, V_DESC, k_base, v_base, k_len, stride_kn, stride_vn, HEAD_DIM, HEAD_DIM_V,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
     mask_base = MASK + b64 * stride_mb + h64 * stride_mh if HAS_MASK else MASK
     blocks_base = BLOCKS + b64 * stride_bb + h64 * stride_bh if HAS_BLOCK_MASK else BLOCKS
     stream = b * heads_q + h

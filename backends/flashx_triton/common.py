@@ -107,7 +107,7 @@ def load_rows(desc, base, seq, seq_start, head, start, stride, used, WIDTH: tl.c
 
     ``base`` points at the head's first row of the sequence. Through TMA, ``desc`` reads the
     same rows, zero past WIDTH: a host descriptor (``row_descriptor``) at (seq, seq_start +
-    start, head), zero past the tensor's rows; one built in the kernel (``head_descriptor``) at
+    start, head), zero past the tensor's rows; one built in the kernel (``head_descriptors``) at
     row ``start``, zero past the sequence. With ZERO_UNUSED False unused rows stay as they are
     (the backward, whose masked_dot sees any non-finite value in them through the score
     products)."""
@@ -130,9 +130,16 @@ def load_rows(desc, base, seq, seq_start, head, start, stride, used, WIDTH: tl.c
 
 
 @triton.jit
-def head_descriptor(base, length, stride, WIDTH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """A TMA descriptor built in the kernel over one head's ``length`` rows from ``base``."""
-    return tl.make_tensor_descriptor(base, [length, WIDTH], [stride, 1], [ROWS, COLS])
+def head_descriptors(host_a, host_b, base_a, base_b, length, stride_a, stride_b, WIDTH_A: tl.constexpr,
+                     WIDTH_B: tl.constexpr, ROWS: tl.constexpr, COLS_A: tl.constexpr, COLS_B: tl.constexpr,
+                     USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr):
+    """The descriptors of two streamed operands: the host's (``row_descriptor``), or built here
+    over one head's ``length`` rows from ``base_a`` and ``base_b``."""
+    if USE_TMA and not HOST_DESCRIPTORS:
+        return (tl.make_tensor_descriptor(base_a, [length, WIDTH_A], [stride_a, 1], [ROWS, COLS_A]),
+                tl.make_tensor_descriptor(base_b, [length, WIDTH_B], [stride_b, 1], [ROWS, COLS_B]))
+    else:
+        return host_a, host_b
 
 
 def row_descriptor(x: torch.Tensor, varlen: bool, rows: int, cols: int, use_tma: bool):
@@ -228,7 +235,7 @@ def tma_ready(problem, *tensors: torch.Tensor) -> bool:
         x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
     )
     if ready and tensors[0].is_cuda:
-        # For the descriptors built in a kernel (``head_descriptor``). Per call, not once: Triton
+        # For the descriptors built in a kernel (``head_descriptors``). Per call, not once: Triton
         # keeps the allocator per thread, and autograd runs the backward on a thread of its own.
         triton.set_allocator(_descriptor_scratch)
     return ready
