@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_tiles, dot, dropout_keep,
+from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_tiles, dot, dropout_keep, head_descriptors,
                                   last_dim_contiguous, lse_strides, load_rows, masked_dot, masked_tiles, problem_args,
-                                  query_tile, head_descriptors, row_descriptor, row_strides, sequence_bounds, tma_ready)
+                                  query_tile, row_descriptor, row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                 DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                HOST_DESCRIPTORS: tl.constexpr):
+              HOST_DESCRIPTORS: tl.constexpr):
     """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries."""
     rows_in_tile = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -197,7 +197,7 @@ def _dkdv_kernel(
             end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-                HOST_DESCRIPTORS)
+            HOST_DESCRIPTORS)
         if MASKED_TILES:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
@@ -225,7 +225,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
               DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                HOST_DESCRIPTORS: tl.constexpr):
+              HOST_DESCRIPTORS: tl.constexpr):
     """Add key tiles [lo, hi) into this query tile's dq."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -325,20 +325,20 @@ def _dq_kernel(
             first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-                HOST_DESCRIPTORS)
+            HOST_DESCRIPTORS)
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_lo, full_hi,
         first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
         stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-                HOST_DESCRIPTORS)
+        HOST_DESCRIPTORS)
     if MASKED_TILES:
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_hi, end,
             first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
             stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-                HOST_DESCRIPTORS)
+            HOST_DESCRIPTORS)
 
     dq = tl.where(live, dq * softmax_scale, 0.0)
     tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
@@ -369,13 +369,13 @@ def backward(problem, q, k, v, o, lse, do):
 
     def run_dkdv(config):
         grid = (problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, config.block_n),)
-        host = use_tma and config.host_descriptors
+        host = use_tma and config.host_descriptors  # without TMA both placements are one kernel
         q_desc = row_descriptor(q, varlen, config.block_m, args["BLOCK_D"], host)
         do_desc = row_descriptor(do, varlen, config.block_m, args["BLOCK_DV"], host)
         _dkdv_kernel[grid](q, k, v, do, q_desc, do_desc, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen),
                            *row_strides(dv, varlen), *lse_strides(lse, varlen), **scales, **args,
                            MASKED_TILES=masked_tiles(problem, problem.seqlen_q, config.block_m),
-                           HOST_DESCRIPTORS=config.host_descriptors, **config.launch_args())
+                           HOST_DESCRIPTORS=host, **config.launch_args())
         return dk, dv
 
     def run_dq(config):
@@ -385,7 +385,7 @@ def backward(problem, q, k, v, o, lse, do):
         v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], host)
         _dq_kernel[grid](q, k, v, do, k_desc, v_desc, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
                          **scales, **args, MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
-                         HOST_DESCRIPTORS=config.host_descriptors, **config.launch_args())
+                         HOST_DESCRIPTORS=host, **config.launch_args())
         return (dq,)
 
     run_dkdv(tuning.choose("dkdv", problem, run_dkdv))
