@@ -18,11 +18,16 @@ def _function():
             ctx.save_for_backward(q, k, v, o, lse)
             ctx.impl, ctx.problem = impl, problem
             ctx.mark_non_differentiable(lse)
+            # lse takes no gradient: without this autograd fills a zero tensor for it, one more
+            # allocation and kernel launch per backward.
+            ctx.set_materialize_grads(False)
             return o, lse
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, do, _dlse):
+            if do is None:  # only lse was used downstream: nothing reaches q, k, v
+                return None, None, None, None, None
             q, k, v, o, lse = ctx.saved_tensors
             dq, dk, dv = run_backward(ctx.impl, ctx.problem, q, k, v, o, lse, do)
             return dq, dk, dv, None, None

@@ -10,7 +10,8 @@ Triton version, installed apart (the machines lent here run 3.6):
 
 Options: ``fwd`` or ``all`` (with the backward), then d=, dv=, n=, causal=0/1, and a config per
 kernel as block_m,block_n,warps,stages[,host_descriptors] (fwd=, dkdv=, dq=; default: the first
-candidate). TTGIR=folder also writes each kernel's TTGIR there.
+candidate). TTGIR=folder also writes each kernel's TTGIR there; SPILLS=1 also counts the
+spill stores and loads by the source line they belong to.
 """
 
 from __future__ import annotations
@@ -90,9 +91,31 @@ def main(argv: list[str]) -> None:
         print(f"{name:16s} {kw['BLOCK_M']}x{kw['BLOCK_N']} w{kw['num_warps']} s{kw['num_stages']} [{flags}] "
               f"registers {registers and registers.group(1)}, spill stores {spill and spill.group(1)} B, "
               f"shared {kernel.metadata.shared} B")
+        if "SPILLS" in opts:
+            print(spills_by_line(kernel.asm["cubin"]))
         if "TTGIR" in opts:
             with open(os.path.join(opts["TTGIR"], f"{name}-masked{int(bool(kw.get('MASKED_TILES')))}.ttgir"), "w") as f:
                 f.write(kernel.asm["ttgir"])
+
+
+def spills_by_line(cubin: bytes) -> str:
+    """Where ptxas put its spill stores and loads (STL/LDL): counts by the source line that the
+    line table gives the instruction, so that a spill in a rare branch can be told apart from one
+    in the hot loop."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-g", "-c", f.name], capture_output=True, text=True, check=True).stdout
+    where, counts = "?", {}
+    for line in sass.splitlines():
+        source = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if source:
+            where = f"{os.path.basename(source.group(1))}:{source.group(2)}"
+        elif re.search(r"\b(STL|LDL)\b", line):
+            op = "STL" if "STL" in line else "LDL"
+            counts[(where, op)] = counts.get((where, op), 0) + 1
+    return "\n".join(f"    {n:4d} {op} at {where}" for (where, op), n in sorted(counts.items()))
 
 
 if __name__ == "__main__":
