@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_tiles, dot, dropout_keep, head_descriptors,
-                                  last_dim_contiguous, lse_strides, load_rows, masked_dot, masked_tiles, problem_args,
-                                  query_tile, row_descriptor, row_strides, sequence_bounds, tma_ready)
+from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_part, band_tiles, dot, dropout_keep,
+                                  head_descriptors, last_dim_contiguous, load_rows, lse_strides, masked_dot,
+                                  masked_tiles, pair_rule, problem_args, query_tile, row_descriptor, row_strides,
+                                  sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -55,21 +56,20 @@ def _prepare_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_on, stride_oh, st
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first_row,
-                end_row, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base,
-                stride_bi, stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base,
+                delta_base, cols, lo, hi, first_row, end_row, pairs, scale_log2, stream, seed, rng_offset,
+                drop_threshold, drop_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                 DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-              HOST_DESCRIPTORS: tl.constexpr):
+                HOST_DESCRIPTORS: tl.constexpr):
     """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries."""
     rows_in_tile = tl.arange(0, BLOCK_M)
+    q_len = pairs[0]  # pair_rule packs the query length first
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + rows_in_tile
         if MASKED:
-            ok = allowed_pairs(rows[None, :], cols[:, None], q_len, k_len, left, right, mask_base, stride_mi,
-                               stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
-                               HAS_BLOCK_MASK)
+            ok = allowed_pairs(rows[None, :], cols[:, None], pairs, HAS_MASK, HAS_BLOCK_MASK)
             if HAS_MASK or HAS_BLOCK_MASK:
                 nonempty = tl.max(ok.to(tl.int32)) > 0
             else:
@@ -171,7 +171,6 @@ def _dkdv_kernel(
     # Seen from the keys, the band is mirrored: left and right swap.
     first, full_lo, full_hi, end = band_tiles(n0, k_len, q_len, right, left, BLOCK_N, BLOCK_M,
                                               HAS_MASK or HAS_BLOCK_MASK)
-    start = first // BLOCK_M * BLOCK_M
     seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
     for g in range(group):
         head = hk * group + g
@@ -180,31 +179,19 @@ def _dkdv_kernel(
         do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
         lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
         delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        mask_base = MASK + b64 * stride_mb + h * stride_mh if HAS_MASK else MASK
-        blocks_base = BLOCKS + b64 * stride_bb + h * stride_bh if HAS_BLOCK_MASK else BLOCKS
+        pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
+                          stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
         stream = b * heads_q + h
         q_desc, do_desc = head_descriptors(Q_DESC, DO_DESC, q_base, do_base, q_len, stride_qn, stride_dn, HEAD_DIM,
                                            HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
-        if MASKED_TILES:
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, start, full_lo, first,
-                end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-                stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-                HOST_DESCRIPTORS)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_lo, full_hi, first,
-            end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-            HOST_DESCRIPTORS)
-        if MASKED_TILES:
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base, delta_base, cols, full_hi, end, first,
-                end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-                stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-                HOST_DESCRIPTORS)
+        for part in tl.static_range(3):
+            if MASKED_TILES or part == 1:
+                lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
+                dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn,
+                                     stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs, scale_log2,
+                                     stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+                                     BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
+                                     DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS)
 
     # Padded keys past k_len get zero gradients, whatever K and V hold there.
     dk = tl.where(live, dk * softmax_scale, 0.0)
@@ -219,9 +206,8 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
-              k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
-              block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale,
+def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
+              lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold, drop_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
               DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -231,9 +217,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
         if MASKED:
-            ok = allowed_pairs(rows[:, None], cols[None, :], q_len, k_len, left, right, mask_base, stride_mi,
-                               stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
-                               HAS_BLOCK_MASK)
+            ok = allowed_pairs(rows[:, None], cols[None, :], pairs, HAS_MASK, HAS_BLOCK_MASK)
             if HAS_MASK or HAS_BLOCK_MASK:
                 nonempty = tl.max(ok.to(tl.int32)) > 0
             else:
@@ -312,33 +296,20 @@ def _dq_kernel(
     seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
     k_desc, v_desc = head_descriptors(K_DESC, V_DESC, k_base, v_base, k_len, stride_kn, stride_vn, HEAD_DIM, HEAD_DIM_V,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
-    mask_base = MASK + b64 * stride_mb + h64 * stride_mh if HAS_MASK else MASK
-    blocks_base = BLOCKS + b64 * stride_bb + h64 * stride_bh if HAS_BLOCK_MASK else BLOCKS
+    pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
+                      stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
     stream = b * heads_q + h
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                               HAS_MASK or HAS_BLOCK_MASK)
-    if MASKED_TILES:
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo,
-            first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-            HOST_DESCRIPTORS)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_lo, full_hi,
-        first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-        stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-        HOST_DESCRIPTORS)
-    if MASKED_TILES:
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_hi, end,
-            first, end, q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-            stride_bj, block_q, block_k, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-            HOST_DESCRIPTORS)
+    for part in tl.static_range(3):
+        if MASKED_TILES or part == 1:
+            lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
+            dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn,
+                           stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, seed, rng_offset,
+                           drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1,
+                           HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS)
 
     dq = tl.where(live, dq * softmax_scale, 0.0)
     tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
@@ -383,8 +354,9 @@ def backward(problem, q, k, v, o, lse, do):
         host = use_tma and config.host_descriptors
         k_desc = row_descriptor(k, varlen, config.block_n, args["BLOCK_D"], host)
         v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], host)
-        _dq_kernel[grid](q, k, v, do, k_desc, v_desc, dq, lse2, delta, *inputs, *row_strides(dq, varlen), *lse_strides(lse, varlen),
-                         **scales, **args, MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
+        _dq_kernel[grid](q, k, v, do, k_desc, v_desc, dq, lse2, delta, *inputs, *row_strides(dq, varlen),
+                         *lse_strides(lse, varlen), **scales, **args,
+                         MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
                          HOST_DESCRIPTORS=host, **config.launch_args())
         return (dq,)
 

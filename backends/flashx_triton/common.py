@@ -86,9 +86,34 @@ def band_tiles(first_row, length, other_length, left, right, ROWS: tl.constexpr,
 
 
 @triton.jit
-def allowed_pairs(i, j, q_len, k_len, left, right, mask_base, stride_mi, stride_mj, blocks_base, stride_bi,
-                  stride_bj, block_q, block_k, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
-    """SPEC section 3 for query rows i and key columns j (broadcastable index tensors)."""
+def band_part(part: tl.constexpr, first_tile, full_lo, full_hi, end):
+    """Tiles [lo, hi) of part 0 (the masked tiles before the full ones), 1 (the full tiles, which
+    need no mask) or 2 (the masked tiles after them) of band_tiles' range."""
+    if part == 0:
+        return first_tile, full_lo
+    elif part == 1:
+        return full_lo, full_hi
+    else:
+        return full_hi, end
+
+
+@triton.jit
+def pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS, stride_bb,
+              stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
+    """What decides which pairs of sequence b, query head h are allowed, packed for allowed_pairs
+    (an absent mask is 0: Triton 3.6 takes no None into a tuple)."""
+    mask_base = MASK + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh if HAS_MASK else 0
+    blocks_base = BLOCKS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh if HAS_BLOCK_MASK else 0
+    return (q_len, k_len, left, right, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj, block_q,
+            block_k)
+
+
+@triton.jit
+def allowed_pairs(i, j, pairs, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
+    """SPEC section 3 for query rows i and key columns j (broadcastable index tensors) of the
+    sequence and head that ``pairs`` (``pair_rule``) describes."""
+    q_len, k_len, left, right, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k = (
+        pairs)
     diag = k_len - q_len
     ok = (i < q_len) & (j < k_len) & (j >= i + diag - left) & (j <= i + diag + right)
     if HAS_MASK:

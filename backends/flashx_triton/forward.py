@@ -11,15 +11,14 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, allowed_pairs, band_tiles, dot, dropout_keep, last_dim_contiguous, lse_strides,
-                                  load_rows, masked_dot, masked_tiles, problem_args, row_descriptor, row_strides,
-                                  query_tile, tma_ready)
+from flashx_triton.common import (LOG2E, allowed_pairs, band_part, band_tiles, dot, dropout_keep, last_dim_contiguous,
+                                  load_rows, lse_strides, masked_dot, masked_tiles, pair_rule, problem_args,
+                                  query_tile, row_descriptor, row_strides, tma_ready)
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, lo, hi, first_col, end_col, q_len,
-                  k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
-                  block_q, block_k, stream, seed, rng_offset, drop_threshold,
+def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
+                  lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                   DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
@@ -28,9 +27,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
         if MASKED:
-            ok = allowed_pairs(rows[:, None], cols[None, :], q_len, k_len, left, right, mask_base, stride_mi,
-                               stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
-                               HAS_BLOCK_MASK)
+            ok = allowed_pairs(rows[:, None], cols[None, :], pairs, HAS_MASK, HAS_BLOCK_MASK)
             # Columns no row of this tile may use are zeroed: poison there must not leak.
             used = (cols >= first_col) & (cols < end_col)
             if HAS_MASK or HAS_BLOCK_MASK:
@@ -43,8 +40,8 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
         if nonempty:
             k = load_rows(k_desc, k_base, seq, k_start, kv_head, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D,
                           USE_TMA, MASKED)
-            v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
-                          USE_TMA, MASKED)
+            v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
+                          BLOCK_DV, USE_TMA, MASKED)
             if MASKED:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 s = tl.where(ok, s * scale_log2, float("-inf"))
@@ -100,8 +97,6 @@ def _forward_kernel(
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
     seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
-    mask_base = MASK + b64 * stride_mb + h.to(tl.int64) * stride_mh if HAS_MASK else MASK
-    blocks_base = BLOCKS + b64 * stride_bb + h.to(tl.int64) * stride_bh if HAS_BLOCK_MASK else BLOCKS
 
     rows_in_tile = tl.arange(0, BLOCK_M)
     rows = m0 + rows_in_tile
@@ -115,23 +110,16 @@ def _forward_kernel(
     first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                               HAS_MASK or HAS_BLOCK_MASK)
     stream = b * heads_q + h
-    if MASKED_TILES:
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, first // BLOCK_N * BLOCK_N, full_lo, first, end,
-            q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
-            block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-            True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_lo, full_hi, first, end,
-        q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
-        block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        False, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
-    if MASKED_TILES:
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows, full_hi, end, first, end,
-            q_len, k_len, left, right, scale_log2, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj,
-            block_q, block_k, stream, seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-            True, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA)
+    pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
+                      stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
+    for part in tl.static_range(3):
+        if MASKED_TILES or part == 1:
+            lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
+            acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head,
+                                          stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream,
+                                          seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                                          BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION,
+                                          USE_TMA)
 
     # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
     empty = (l_i == 0.0) | (rows >= q_len)
@@ -165,8 +153,9 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
         k_desc = row_descriptor(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
         v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
-        _forward_kernel[grid](q, k, v, k_desc, v_desc, o, lse, *strides, scale_log2=problem.softmax_scale * LOG2E, **args,
-                              USE_TMA=use_tma, MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
+        _forward_kernel[grid](q, k, v, k_desc, v_desc, o, lse, *strides, scale_log2=problem.softmax_scale * LOG2E,
+                              **args, USE_TMA=use_tma,
+                              MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
                               **config.launch_args())
         return o, lse
 
