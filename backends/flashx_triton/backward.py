@@ -184,7 +184,7 @@ def _dkdv_kernel(
         stream = b * heads_q + h
         q_desc, do_desc = head_descriptors(Q_DESC, DO_DESC, q_base, do_base, q_len, stride_qn, stride_dn, HEAD_DIM,
                                            HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
-        for part in tl.static_range(3):
+        for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
             if MASKED_TILES or part == 1:
                 lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
                 dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn,
@@ -247,7 +247,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             if MASKED:
-                dq = masked_dot(tl.where(ok, ds, 0.0).to(k.dtype), k, ok, dq, suspect, DOT_PRECISION)  # as in _dkdv_tiles
+                # as in _dkdv_tiles
+                dq = masked_dot(tl.where(ok, ds, 0.0).to(k.dtype), k, ok, dq, suspect, DOT_PRECISION)
             else:
                 dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
@@ -303,7 +304,7 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                               HAS_MASK or HAS_BLOCK_MASK)
-    for part in tl.static_range(3):
+    for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
         if MASKED_TILES or part == 1:
             lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
             dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn,

@@ -112,7 +112,7 @@ def _forward_kernel(
     stream = b * heads_q + h
     pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
                       stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
-    for part in tl.static_range(3):
+    for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
         if MASKED_TILES or part == 1:
             lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head,
