@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, allowed_pairs, any_nonfinite, band_part, band_tiles, dot, dropout_keep,
-                                  head_descriptors, last_dim_contiguous, load_rows, lse_strides, masked_dot,
-                                  masked_tiles, pair_rule, problem_args, query_tile, row_descriptor, row_strides,
-                                  sequence_bounds, tma_ready)
+from flashx_triton.common import (LOG2E, allow_kernel_descriptors, allowed_pairs, any_nonfinite, band_part, band_tiles,
+                                  dot, dropout_keep, head_descriptors, last_dim_contiguous, load_rows, lse_strides,
+                                  masked_dot, masked_tiles, pair_rule, problem_args, query_tile, row_descriptor,
+                                  row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -336,6 +336,8 @@ def backward(problem, q, k, v, o, lse, do):
         HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"], BLOCK_M=prepare_rows, **rows_q)
 
     use_tma = tma_ready(problem, q, k, v, do)
+    if use_tma:  # some backward configurations build their descriptors in the kernel
+        allow_kernel_descriptors(q)
     scales = dict(USE_TMA=use_tma, softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
     inputs = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen))
 

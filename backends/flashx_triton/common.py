@@ -256,14 +256,17 @@ def tma_ready(problem, *tensors: torch.Tensor) -> bool:
     128/64), but not every unequal class (D = 192, Dv = 128 among them) has run so on a GPU.
     """
     args = problem_args(problem)
-    ready = args["BLOCK_D"] == args["BLOCK_DV"] and all(
+    return args["BLOCK_D"] == args["BLOCK_DV"] and all(
         x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
     )
-    if ready and tensors[0].is_cuda:
-        # For the descriptors built in a kernel (``head_descriptors``). Per call, not once: Triton
-        # keeps the allocator per thread, and autograd runs the backward on a thread of its own.
+
+
+def allow_kernel_descriptors(x: torch.Tensor) -> None:
+    """Give Triton the scratch memory that descriptors built in a kernel (``head_descriptors``)
+    are written to. Per call, not once: Triton keeps the allocator per thread, and autograd runs
+    the backward on a thread of its own. The interpreter needs none."""
+    if x.is_cuda:
         triton.set_allocator(_descriptor_scratch)
-    return ready
 
 
 def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
