@@ -89,7 +89,8 @@ def main(argv: list[str]) -> None:
         spill = re.search(r"(\d+) bytes spill stores", report)
         flags = ",".join(f for f in ("MASKED_TILES", "USE_TMA", "HOST_DESCRIPTORS") if kw.get(f))
         print(f"{name:16s} {kw['BLOCK_M']}x{kw['BLOCK_N']} w{kw['num_warps']} s{kw['num_stages']} [{flags}] "
-              f"registers {registers and registers.group(1)}, spill stores {spill and spill.group(1)} B, "
+              f"warps {kernel.metadata.num_warps}, registers {registers and registers.group(1)}, "
+              f"spill stores {spill and spill.group(1)} B, "
               f"shared {kernel.metadata.shared} B")
         if "SPILLS" in opts:
             print(spills_by_line(kernel.asm["cubin"]))

@@ -418,3 +418,24 @@ def test_autotuner_drops_candidates_that_do_not_compile_or_disagree():
     assert not tuning._agree(good + 1, good) and tuning._agree(good + 1e-7, good)
     with pytest.raises(PTXASError):  # nothing left to fall back on
         tuning._fastest(["smem", "ptxas"], run, [], timed=False)
+
+
+def test_autotuner_poisons_outputs_so_a_candidate_must_write_every_element(monkeypatch):
+    """Every candidate writes into the same buffers: one that leaves elements unwritten (Triton's
+    Hopper warp specialization did) must not pass off what the candidate before it wrote there."""
+    import triton.testing
+
+    from flashx_triton import tuning
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn() and 1.0)
+    buffer = torch.tensor([0.0, 0.0, 0.0, 0.0, 7.0, 7.0])  # 7: set by the caller, written by no kernel
+
+    def run(config):
+        if config != "lazy":
+            buffer[:4] = torch.arange(4.0)
+        return [buffer]
+
+    log = []
+    assert tuning._fastest(["ok", "lazy"], run, log, timed=True) == "ok"
+    assert log == [("ok", 1.0), ("lazy", None)]
+    assert torch.equal(buffer, torch.tensor([0.0, 1.0, 2.0, 3.0, 7.0, 7.0]))  # as the first run left it

@@ -12,6 +12,7 @@ untimed; under TRITON_INTERPRET=1 (CI, CPU) one small fixed configuration runs.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -111,35 +112,52 @@ def _device_name(index) -> str:
 
 
 def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list, timed: bool) -> Config:
-    """The fastest candidate that compiles, fits the GPU and agrees with the first; untimed: the first such."""
+    """The fastest candidate that compiles, fits the GPU and agrees with the first; untimed: the first such.
+
+    The outputs are poisoned with NaN before each candidate runs: they are the same buffers every
+    time, so a candidate that leaves elements unwritten would otherwise show the values that the
+    one before it wrote there (Triton's Hopper warp specialization miscompiled so on the H100).
+    The buffers are restored afterwards to what the first run left, which keeps the elements no
+    kernel writes (varlen rows past the last sequence) as the caller initialised them.
+    """
     from triton.runtime.errors import OutOfResources, PTXASError
     from triton.testing import do_bench
 
+    buffers, first = None, None
     reference = None
     best, best_ms = options[0], float("inf")
-    for config in options:
-        try:
-            outputs = [x.clone() for x in run(config)]  # copies: the next run overwrites the buffers
-        except (OutOfResources, PTXASError, RuntimeError):
-            # Too much shared memory for this GPU, a compiler pass failing on this shape (Triton
-            # raises a bare RuntimeError then), or ptxas running out of registers: not a
-            # candidate here, unless none is left.
-            if reference is None and config is options[-1]:
-                raise
-            log.append((config, None))
-            continue
-        if reference is None:
-            reference = outputs
-        elif not all(_agree(a, b) for a, b in zip(outputs, reference)):
-            log.append((config, None))
-            continue
-        if not timed:
-            return config
-        ms = do_bench(lambda: run(config), warmup=5, rep=25, return_mode="median")
-        log.append((config, ms))
-        if ms < best_ms:
-            best, best_ms = config, ms
-    return best
+    try:
+        for config in options:
+            try:
+                if buffers is None:
+                    buffers = run(config)
+                    first = [x.clone() for x in buffers]
+                for x in buffers:
+                    x.fill_(math.nan)
+                outputs = [x.clone() for x in run(config)]  # copies: the next run overwrites the buffers
+            except (OutOfResources, PTXASError, RuntimeError):
+                # Too much shared memory for this GPU, a compiler pass failing on this shape (Triton
+                # raises a bare RuntimeError then), or ptxas running out of registers: not a
+                # candidate here, unless none is left.
+                if reference is None and config is options[-1]:
+                    raise
+                log.append((config, None))
+                continue
+            if reference is None:
+                reference = outputs
+            elif not all(_agree(a, b) for a, b in zip(outputs, reference)):
+                log.append((config, None))
+                continue
+            if not timed:
+                return config
+            ms = do_bench(lambda: run(config), warmup=5, rep=25, return_mode="median")
+            log.append((config, ms))
+            if ms < best_ms:
+                best, best_ms = config, ms
+        return best
+    finally:
+        for x, saved in zip(buffers or (), first or ()):
+            x.copy_(saved)
 
 
 def _agree(x, reference) -> bool:
