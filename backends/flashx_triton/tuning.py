@@ -123,8 +123,7 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
     from triton.runtime.errors import OutOfResources, PTXASError
     from triton.testing import do_bench
 
-    buffers, first = None, None
-    reference = None
+    buffers = first = reference = None
     best, best_ms = options[0], float("inf")
     try:
         for config in options:
