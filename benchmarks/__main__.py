@@ -4,6 +4,7 @@ tables and plots from a run's JSON (table, plot, headline)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 from benchmarks import report
 
 RESULTS = Path(__file__).parent / "results"
+SECTIONS = ("check", "memory", "speed")  # the GPU sweep's, after its ceilings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,6 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="N in {2k, 8k}, d128 only (and memory up to 16k)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"directory for the results (default {RESULTS})")
     parser.add_argument("--impl", nargs="+", metavar="NAME", help="time only these (flashx-triton, sdpa-cudnn, flex, ...)")
+    parser.add_argument("--seqlens", type=int, nargs="+", metavar="N", help="the speed section's N (default 512 to 16k)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS, metavar="NAME",
+                        help=f"run only these of {', '.join(SECTIONS)} (the ceilings always run)")
     parser.add_argument("--time-limit", type=float, metavar="S",
                         help="after S seconds, skip what is left (marked in the results) and write the outputs")
     parser.add_argument("--compile-budget", type=float, metavar="S",
@@ -71,10 +76,13 @@ def run_gpu(args) -> None:
         if not info.available:
             print(f"flashx backend {info.name} is not timed: {info.reason}")
     device = torch.device("cuda")
-    sweep = gpu.Sweep(gpu.QUICK if args.quick else gpu.FULL, implementations(device, args.impl), device, args.out,
-                      time_limit_s=args.time_limit, compile_budget_s=args.compile_budget,
-                      suffix="-quick" if args.quick else "")
-    results = sweep.run()
+    plan = gpu.QUICK if args.quick else gpu.FULL
+    if args.seqlens:
+        plan = dataclasses.replace(plan, seqlens=tuple(args.seqlens))
+    suffix = ("-quick" if args.quick else "") + ("" if args.seqlens is None else "-n" + "-".join(map(str, args.seqlens)))
+    sweep = gpu.Sweep(plan, implementations(device, args.impl), device, args.out, time_limit_s=args.time_limit,
+                      compile_budget_s=args.compile_budget, suffix=suffix)
+    results = sweep.run(args.sections)
     write_markdown(results, sweep.path)
     write_plots(results, sweep.path)
     print()

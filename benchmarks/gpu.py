@@ -134,19 +134,23 @@ class Sweep:
             "speed": [],
             "sections_s": {},
         }
-        checks = sum(len(plan.check_shapes()) if not impl.compiled else 1 for impl in impls)
-        shapes = len(plan.memory_shapes()) + len(MODES) * len(plan.speed_shapes())
-        self.progress = Progress(2 + checks + len(impls) * shapes)  # the two ceilings, then one step a row
 
-    def run(self) -> dict:
+    def run(self, sections=("check", "memory", "speed")) -> dict:
+        """The ceilings, then each of ``sections`` (check, memory, speed) in that order."""
         torch.manual_seed(0)
-        plan = self.plan
+        plan, impls = self.plan, self.impls
+        steps = {  # one progress step a row
+            "check": sum(len(plan.check_shapes()) if not impl.compiled else 1 for impl in impls),
+            "memory": len(impls) * len(plan.memory_shapes()),
+            "speed": len(impls) * len(MODES) * len(plan.speed_shapes()),
+        }
+        self.progress = Progress(2 + sum(steps[name] for name in sections))  # the two ceilings first
         self.progress.write(
             f"{self.results['device']}: {', '.join(impl.name for impl in self.impls)}; "
             f"{len(plan.check_shapes())} check shapes, {len(plan.memory_shapes())} memory shapes, "
             f"{len(plan.speed_shapes())} speed shapes x {len(MODES)} modes; writing {self.path}"
         )
-        for section in (self.ceilings, self.check, self.memory, self.speed):
+        for section in [self.ceilings] + [getattr(self, name) for name in steps if name in sections]:
             start = time.perf_counter()
             section()
             elapsed = time.perf_counter() - start

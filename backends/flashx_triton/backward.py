@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, allow_kernel_descriptors, allowed_pairs, any_nonfinite, band_part, band_tiles,
-                                  dot, dropout_keep, head_descriptors, last_dim_contiguous, load_rows, lse_strides,
-                                  masked_dot, masked_tiles, pair_rule, problem_args, query_tile, row_descriptor,
-                                  row_strides, sequence_bounds, tma_ready)
+from flashx_triton.common import (LOG2E, Launch, allow_kernel_descriptors, allowed_pairs, any_nonfinite, band_part,
+                                  band_tiles, dot, dropout_keep, head_descriptors, last_dim_contiguous, layout,
+                                  load_rows, lse_strides, masked_dot, masked_tiles, pair_rule, per_problem,
+                                  problem_args, query_tile, row_descriptors, row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -319,50 +319,74 @@ def _dq_kernel(
 
 def backward(problem, q, k, v, o, lse, do):
     q, k, v, o, do = (last_dim_contiguous(x) for x in (q, k, v, o, do))
-    varlen = problem.varlen
-    # Varlen rows past cu_seqlens[-1] belong to no sequence: their gradients are 0.
-    alloc = torch.zeros if varlen else torch.empty
-    dq, dk, dv = (alloc(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     lse = lse.contiguous()
-    delta = torch.empty_like(lse)
-    lse2 = torch.empty_like(lse)
-    args = problem_args(problem)
-    rows_q = dict(CU_Q=args["CU_Q"], SEQLENS_Q=args["SEQLENS_Q"], padded_q=problem.seqlen_q,
-                  heads_q=problem.heads_q, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"])
-
-    prepare_rows = 64 if not tuning.interpreting() else 16
-    _prepare_kernel[(problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, prepare_rows),)](
-        o, do, lse, delta, lse2, *row_strides(o, varlen), *row_strides(do, varlen), *lse_strides(lse, varlen),
-        HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"], BLOCK_M=prepare_rows, **rows_q)
-
-    use_tma = tma_ready(problem, q, k, v, do)
+    # Varlen rows past cu_seqlens[-1] belong to no sequence: their gradients are 0.
+    alloc = torch.zeros if problem.varlen else torch.empty
+    dq, dk, dv = (alloc(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    prepare, dkdv, dq_tiles, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse)),
+                                                   lambda: _launches(problem, q, k, v, o, do, lse))
+    prepare(o, do, lse, delta, lse2)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    scales = dict(USE_TMA=use_tma, softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E)
-    inputs = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen))
+    dkdv(problem, q, k, v, do, dk, dv, lse2, delta)
+    dq_tiles(problem, q, k, v, do, dq, lse2, delta)
+    return dq, dk, dv
 
-    def run_dkdv(config):
-        grid = (problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, config.block_n),)
-        host = use_tma and config.host_descriptors  # without TMA both placements are one kernel
-        q_desc = row_descriptor(q, varlen, config.block_m, args["BLOCK_D"], host)
-        do_desc = row_descriptor(do, varlen, config.block_m, args["BLOCK_DV"], host)
-        _dkdv_kernel[grid](q, k, v, do, q_desc, do_desc, dk, dv, lse2, delta, *inputs, *row_strides(dk, varlen),
-                           *row_strides(dv, varlen), *lse_strides(lse, varlen), **scales, **args,
-                           MASKED_TILES=masked_tiles(problem, problem.seqlen_q, config.block_m),
-                           HOST_DESCRIPTORS=host, **config.launch_args())
+
+def _launches(problem, q, k, v, o, do, lse):
+    """The prepare launch, the dK/dV and dQ kernels (tuned on first use), and whether the
+    streamed operands load through TMA, for tensors laid out as these."""
+    varlen, args = problem.varlen, problem_args(problem)
+    rows = 64 if not tuning.interpreting() else 16
+    prepare = Launch(_prepare_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, rows),), {},
+                     **row_strides("o", o, varlen), **row_strides("d", do, varlen), **lse_strides(lse, varlen),
+                     CU_Q=args["CU_Q"], SEQLENS_Q=args["SEQLENS_Q"], padded_q=problem.seqlen_q,
+                     heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
+                     BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"])
+    return prepare, tuning.Tuned("dkdv", _dkdv_launch), tuning.Tuned("dq", _dq_launch), tma_ready(problem, q, k, v, do)
+
+
+def _bound(problem, config, q, k, v, do, lse2):
+    """The arguments both gradient kernels take, besides their outputs' strides."""
+    varlen = problem.varlen
+    return dict(**row_strides("q", q, varlen), **row_strides("k", k, varlen), **row_strides("v", v, varlen),
+                **row_strides("d", do, varlen), **lse_strides(lse2, varlen), **problem_args(problem),
+                softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E,
+                USE_TMA=tma_ready(problem, q, k, v, do), **config.tiles())
+
+
+def _dkdv_launch(problem, config, q, k, v, do, dk, dv, lse2, delta):
+    """dK/dV under ``config``: one program per key tile, the query tiles streamed (through
+    descriptors of q and dO, built on the host unless ``config`` says in the kernel)."""
+    bound = _bound(problem, config, q, k, v, do, lse2)
+    host = bound["USE_TMA"] and config.host_descriptors  # without TMA both placements are one kernel
+    q_descriptor = row_descriptors(q, problem.varlen, config.block_m, bound["BLOCK_D"], host)
+    do_descriptor = row_descriptors(do, problem.varlen, config.block_m, bound["BLOCK_DV"], host)
+    kernel = Launch(_dkdv_kernel, (problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, config.block_n),),
+                    config.options(), **bound, **row_strides("dk", dk, problem.varlen),
+                    **row_strides("dv", dv, problem.varlen), HOST_DESCRIPTORS=host,
+                    MASKED_TILES=masked_tiles(problem, problem.seqlen_q, config.block_m))
+
+    def run(q, k, v, do, dk, dv, lse2, delta):
+        kernel(q, k, v, do, q_descriptor(q), do_descriptor(do), dk, dv, lse2, delta)
         return dk, dv
 
-    def run_dq(config):
-        grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
-        host = use_tma and config.host_descriptors
-        k_desc = row_descriptor(k, varlen, config.block_n, args["BLOCK_D"], host)
-        v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], host)
-        _dq_kernel[grid](q, k, v, do, k_desc, v_desc, dq, lse2, delta, *inputs, *row_strides(dq, varlen),
-                         *lse_strides(lse, varlen), **scales, **args,
-                         MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
-                         HOST_DESCRIPTORS=host, **config.launch_args())
+    return run
+
+
+def _dq_launch(problem, config, q, k, v, do, dq, lse2, delta):
+    """dQ under ``config``: one program per query tile, the key tiles streamed."""
+    bound = _bound(problem, config, q, k, v, do, lse2)
+    host = bound["USE_TMA"] and config.host_descriptors
+    k_descriptor = row_descriptors(k, problem.varlen, config.block_n, bound["BLOCK_D"], host)
+    v_descriptor = row_descriptors(v, problem.varlen, config.block_n, bound["BLOCK_DV"], host)
+    kernel = Launch(_dq_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),),
+                    config.options(), **bound, **row_strides("dq", dq, problem.varlen), HOST_DESCRIPTORS=host,
+                    MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n))
+
+    def run(q, k, v, do, dq, lse2, delta):
+        kernel(q, k, v, do, k_descriptor(k), v_descriptor(v), dq, lse2, delta)
         return (dq,)
 
-    run_dkdv(tuning.choose("dkdv", problem, run_dkdv))
-    run_dq(tuning.choose("dq", problem, run_dq))
-    return dq, dk, dv
+    return run

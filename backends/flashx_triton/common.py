@@ -167,22 +167,39 @@ def head_descriptors(host_a, host_b, base_a, base_b, length, stride_a, stride_b,
         return host_a, host_b
 
 
-def row_descriptor(x: torch.Tensor, varlen: bool, rows: int, cols: int, use_tma: bool):
-    """A host-side TMA descriptor over a (B, N, H, D) or varlen (T, H, D) tensor, one head's
-    (rows, cols) tile at a time; without TMA, ``x`` itself (the kernels then read through
-    pointers and never touch this argument).
+def row_descriptors(x: torch.Tensor, varlen: bool, rows: int, cols: int, use_tma: bool):
+    """The host-side TMA descriptor, one head's (rows, cols) tile at a time, of a (B, N, H, D) or
+    varlen (T, H, D) tensor laid out as ``x``, as a function of the tensor; without TMA, the
+    tensor itself (the kernels then read through pointers and never touch this argument).
 
     Built on the host, a descriptor reaches every program as a kernel parameter, where one
     built in the kernel costs each program a global write and a fence. Its per-head axes make
     TMA zero-fill past D and past the padded length; rows past a shorter sequence inside the
     tensor (seqlens, varlen) are read and then masked, as ``load_rows`` says.
+
+    The descriptor is checked once, on ``x``; each call's copy only takes the new tensor as its
+    base, which Triton reads for its address and dtype (checking every time cost several us per
+    descriptor, six per forward and backward). A tensor of the same layout (``layout``) passes
+    the same checks.
     """
     if not use_tma:
-        return x
+        return _same
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     view = x.unsqueeze(0) if varlen else x
-    return TensorDescriptor(view, list(view.shape), [*view.stride()[:-1], 1], [1, rows, 1, cols])
+    checked = TensorDescriptor(view, list(view.shape), [*view.stride()[:-1], 1], [1, rows, 1, cols])
+    fields = {**vars(checked), "base": None}  # no tensor kept alive by the cache
+
+    def descriptor(y: torch.Tensor):
+        copy = TensorDescriptor.__new__(TensorDescriptor)
+        vars(copy).update(fields, base=y)
+        return copy
+
+    return descriptor
+
+
+def _same(x):
+    return x
 
 
 @triton.jit
@@ -288,27 +305,74 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
-def row_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, row, head) strides of a (B, N, H, D) or varlen (T, H, D) tensor."""
-    return (0, x.stride(0), x.stride(1)) if varlen else (x.stride(0), x.stride(1), x.stride(2))
+def row_strides(name: str, x: torch.Tensor, varlen: bool) -> dict:
+    """stride_{name}b, _n, _h: the (batch, row, head) strides of a (B, N, H, D) or varlen (T, H, D) tensor."""
+    strides = (0, *x.stride()[:2]) if varlen else x.stride()[:3]
+    return dict(zip((f"stride_{name}b", f"stride_{name}n", f"stride_{name}h"), strides))
 
 
-def lse_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int]:
-    """(batch, head) strides of an lse-shaped (B, H, N) or (H, T) tensor, rows contiguous."""
-    return (0, x.stride(0)) if varlen else (x.stride(0), x.stride(1))
+def lse_strides(x: torch.Tensor, varlen: bool) -> dict:
+    """stride_lb, stride_lh: the (batch, head) strides of an lse-shaped (B, H, N) or (H, T) tensor, rows contiguous."""
+    return dict(stride_lb=0, stride_lh=x.stride(0)) if varlen else dict(stride_lb=x.stride(0), stride_lh=x.stride(1))
 
 
-#: problem_args per Problem: the core hands a repeated call the same Problem, and building the
-#: dict is a visible share of a short call's host time. Weak, so a Problem's mask dies with it.
-_args_by_problem: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def layout(*tensors: torch.Tensor) -> tuple:
+    """What a launch depends on in tensors of a given problem (whose shapes and dtype are fixed):
+    their strides, and whether each is 16-byte aligned (TMA needs it; Triton specialises on it)."""
+    return tuple((x.stride(), x.data_ptr() % 16 == 0) for x in tensors)
+
+
+#: per Problem, what was built for it: the core hands a repeated call the same Problem
+#: (flashx.plan), so a repeated call skips everything that depends only on the problem and the
+#: tensors' layout. Weak, so what is built dies with its Problem; none of it may hold the Problem.
+_by_problem: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def per_problem(problem, key, build):
+    """``build()``, made once per Problem and key."""
+    cache = _by_problem.get(problem)
+    if cache is None:
+        cache = _by_problem[problem] = {}
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = build()
+    return found
+
+
+class Launch:
+    """A kernel launch with every argument bound but the leading ones, which each call passes:
+    one problem, tensor layout and configuration.
+
+    The first call goes through Triton's JIT, which specialises each of the ~60 arguments and
+    compiles. Later calls hand the same argument list straight to the kernel it returned
+    (``CompiledKernel[grid]``), skipping that specialisation: tens of microseconds of host time
+    per launch, four launches per forward and backward. That is sound because nothing Triton
+    specialises on can change between the calls of one Launch: the bound values are fixed, and
+    the per-call tensors have the problem's dtype and the layout (``layout``: strides, alignment)
+    the Launch is cached under. Under the interpreter every call goes through the JIT.
+    """
+
+    def __init__(self, kernel, grid: tuple[int], options: dict, **bound):
+        names = kernel.arg_names
+        leading = len(names) - len(bound)
+        self.kernel, self.grid, self.options = kernel, grid, options
+        self.bound = tuple(bound[name] for name in names[leading:])  # a KeyError names a missing argument
+        self.compiled = None
+
+    def __call__(self, *tensors):
+        if self.compiled is not None:
+            self.compiled(*tensors, *self.bound)
+            return
+        from triton.compiler import CompiledKernel
+
+        kernel = self.kernel[self.grid](*tensors, *self.bound, **self.options)
+        if isinstance(kernel, CompiledKernel):
+            self.compiled = kernel[self.grid]
 
 
 def problem_args(problem) -> dict:
     """The kernel arguments that describe the problem rather than one tensor (do not modify)."""
-    args = _args_by_problem.get(problem)
-    if args is None:
-        args = _args_by_problem[problem] = _problem_args(problem)
-    return args
+    return per_problem(problem, "args", lambda: _problem_args(problem))
 
 
 def _problem_args(problem) -> dict:

@@ -11,9 +11,10 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, allowed_pairs, band_part, band_tiles, dot, dropout_keep, last_dim_contiguous,
-                                  load_rows, lse_strides, masked_dot, masked_tiles, pair_rule, problem_args,
-                                  query_tile, row_descriptor, row_strides, tma_ready)
+from flashx_triton.common import (LOG2E, Launch, allowed_pairs, band_part, band_tiles, dot, dropout_keep,
+                                  last_dim_contiguous, layout, load_rows, lse_strides, masked_dot, masked_tiles,
+                                  pair_rule, per_problem, problem_args, query_tile, row_descriptors, row_strides,
+                                  tma_ready)
 
 
 @triton.jit
@@ -136,28 +137,30 @@ def _forward_kernel(
 
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    varlen = problem.varlen
-    # Varlen rows past cu_seqlens[-1] belong to no sequence: they read as empty rows.
-    if varlen:
+    if problem.varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
         o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     else:
         o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-    strides = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(o, varlen),
-               *lse_strides(lse, varlen))
-    args = problem_args(problem)
-    use_tma = tma_ready(problem, k, v)
+    tuned = per_problem(problem, ("forward", layout(q, k, v)), lambda: tuning.Tuned("forward", _launch))
+    return tuned(problem, q, k, v, o, lse)
 
-    def run(config):
-        grid = (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),)
-        k_desc = row_descriptor(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
-        v_desc = row_descriptor(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
-        _forward_kernel[grid](q, k, v, k_desc, v_desc, o, lse, *strides, scale_log2=problem.softmax_scale * LOG2E,
-                              **args, USE_TMA=use_tma,
-                              MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n),
-                              **config.launch_args())
+
+def _launch(problem, config, q, k, v, o, lse):
+    """The forward under ``config`` for tensors laid out as these: ``run(q, k, v, o, lse)``."""
+    varlen, args = problem.varlen, problem_args(problem)
+    use_tma = tma_ready(problem, k, v)
+    k_descriptor = row_descriptors(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
+    v_descriptor = row_descriptors(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
+    kernel = Launch(_forward_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),),
+                    config.options(), **row_strides("q", q, varlen), **row_strides("k", k, varlen),
+                    **row_strides("v", v, varlen), **row_strides("o", o, varlen), **lse_strides(lse, varlen),
+                    **args, scale_log2=problem.softmax_scale * LOG2E, USE_TMA=use_tma,
+                    MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n), **config.tiles())
+
+    def run(q, k, v, o, lse):
+        kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse)
         return o, lse
 
-    run(tuning.choose("forward", problem, run))
-    return o, lse
+    return run

@@ -29,8 +29,11 @@ class Config:
     #: N = 8k causal, in-kernel ones ran the backward 8% faster.
     host_descriptors: bool = True
 
-    def launch_args(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
+    def tiles(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n)
+
+    def options(self) -> dict:
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 # Interpreting is slow per program and per tile; 32 rows still give several tiles on test shapes.
@@ -89,6 +92,30 @@ def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config:
     if key not in _chosen:
         _chosen[key] = _fastest(options, run, measured.setdefault(key, []), timed)
     return _chosen[key]
+
+
+class Tuned:
+    """One kernel for one problem and tensor layout, under the configuration ``choose`` picks on
+    the first call's tensors: ``make(problem, config, *tensors)`` builds the launch of a
+    configuration for tensors laid out as these, which then runs as ``launch(*tensors)`` and
+    returns the outputs. Cached per problem (``common.per_problem``), so it keeps no Problem."""
+
+    def __init__(self, kernel: str, make: Callable):
+        self.kernel, self.make = kernel, make
+        self.launch = None
+
+    def __call__(self, problem, *tensors):
+        if self.launch is None:
+            launches = {}
+
+            def run(config):
+                if config not in launches:
+                    launches[config] = self.make(problem, config, *tensors)
+                return launches[config](*tensors)
+
+            config = choose(self.kernel, problem, run)
+            self.launch = launches.get(config) or self.make(problem, config, *tensors)
+        return self.launch(*tensors)
 
 
 def size_class(problem) -> tuple[int, int]:
