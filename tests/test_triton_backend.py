@@ -439,3 +439,30 @@ def test_autotuner_poisons_outputs_so_a_candidate_must_write_every_element(monke
     assert tuning._fastest(["ok", "lazy"], run, log, timed=True) == "ok"
     assert log == [("ok", 1.0), ("lazy", None)]
     assert torch.equal(buffer, torch.tensor([0.0, 1.0, 2.0, 3.0, 7.0, 7.0]))  # as the first run left it
+
+
+def test_launch_hands_later_calls_the_compiled_kernel_every_argument_in_order(monkeypatch):
+    """The first call compiles through the JIT; later ones must give the compiled kernel the same
+    positional arguments and a grid of three axes (its launcher indexes all three)."""
+    import triton.compiler
+
+    from flashx_triton.common import Launch
+
+    launched = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: launched.append(("compiled", grid, args))
+
+    class Kernel:
+        arg_names = ["X", "Y", "n", "scale", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append(("jit", grid, args, options)) or Compiled()
+
+    monkeypatch.setattr(triton.compiler, "CompiledKernel", Compiled)
+    launch = Launch(Kernel(), (7,), {"num_warps": 4}, BLOCK=32, n=5, scale=0.5)
+    launch("x1", "y1")
+    launch("x2", "y2")
+    assert launched == [("jit", (7, 1, 1), ("x1", "y1", 5, 0.5, 32), {"num_warps": 4}),
+                        ("compiled", (7, 1, 1), ("x2", "y2", 5, 0.5, 32))]

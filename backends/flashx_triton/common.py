@@ -355,7 +355,8 @@ class Launch:
     def __init__(self, kernel, grid: tuple[int], options: dict, **bound):
         names = kernel.arg_names
         leading = len(names) - len(bound)
-        self.kernel, self.grid, self.options = kernel, grid, options
+        self.kernel, self.options = kernel, options
+        self.grid = (*grid, 1, 1)[:3]  # a compiled kernel's launcher takes all three axes
         self.bound = tuple(bound[name] for name in names[leading:])  # a KeyError names a missing argument
         self.compiled = None
 
