@@ -81,6 +81,8 @@ def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backe
         if given is not None and given != getattr(res, name):
             raise ShapeError(f"{name}: the backward regenerates dropout from res.{name}={getattr(res, name)}, got {given}")
     problem, impl = plan(q, k, v, backend, {**options, "seed": res.seed, "rng_offset": res.rng_offset})
+    check_like("o", o, problem.o_shape, problem.dtype, problem)
+    check_like("res.lse", res.lse, problem.lse_shape, problem.lse_dtype, problem)
     return run_backward(impl, problem, q, k, v, o, res.lse, do)
 
 
@@ -135,9 +137,8 @@ def run_forward(impl: Backend, problem: Problem, q, k, v):
 
 
 def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
+    """The backend's gradients; ``o`` and ``lse`` must already be checked (autograd's are its own)."""
     check_like("do", do, problem.o_shape, problem.dtype, problem)
-    check_like("o", o, problem.o_shape, problem.dtype, problem)
-    check_like("res.lse", lse, problem.lse_shape, problem.lse_dtype, problem)
     if problem.is_empty:
         return tuple(arrays.full(q, x.shape, 0.0, problem.dtype) for x in (q, k, v))
     grads = impl.backward(*_for_backend(impl, problem, q, k, v, o, lse, do))
