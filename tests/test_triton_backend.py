@@ -466,3 +466,18 @@ def test_launch_hands_later_calls_the_compiled_kernel_every_argument_in_order(mo
     launch("x2", "y2")
     assert launched == [("jit", (7, 1, 1), ("x1", "y1", 5, 0.5, 32), {"num_warps": 4}),
                         ("compiled", (7, 1, 1), ("x2", "y2", 5, 0.5, 32))]
+
+
+def test_a_tuned_kernel_chooses_again_when_autotuning_is_switched(monkeypatch):
+    """The benchmark's check runs untimed (FLASHX_TRITON_AUTOTUNE=0), then its sweep timed: a
+    problem seen by both must not keep the untimed choice."""
+    from flashx_triton import tuning
+
+    monkeypatch.setattr(tuning, "choose", lambda kernel, problem, run: "timed" if tuning.autotuning() else "first")
+    tuned = tuning.Tuned("forward", lambda problem, config, x: lambda x: (config, x))
+    monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "0")
+    assert tuned(None, 1) == ("first", 1)
+    monkeypatch.delenv("FLASHX_TRITON_AUTOTUNE")
+    assert tuned(None, 2) == ("timed", 2)
+    monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "0")
+    assert tuned(None, 3) == ("first", 3)

@@ -71,6 +71,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def autotuning() -> bool:
+    return os.environ.get("FLASHX_TRITON_AUTOTUNE") != "0"
+
+
 def candidates(kernel: str, problem) -> list[Config]:
     if interpreting():
         return [INTERPRETED]
@@ -86,7 +90,7 @@ def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config:
     options = candidates(kernel, problem)
     if len(options) == 1:
         return options[0]
-    timed = os.environ.get("FLASHX_TRITON_AUTOTUNE") != "0"
+    timed = autotuning()
     key = (kernel, problem.head_dim, problem.head_dim_v, problem.dtype, problem.band is not None, size_class(problem),
            _device_name(problem.device_index), timed)
     if key not in _chosen:
@@ -96,26 +100,29 @@ def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config:
 
 class Tuned:
     """One kernel for one problem and tensor layout, under the configuration ``choose`` picks on
-    the first call's tensors: ``make(problem, config, *tensors)`` builds the launch of a
-    configuration for tensors laid out as these, which then runs as ``launch(*tensors)`` and
-    returns the outputs. Cached per problem (``common.per_problem``), so it keeps no Problem."""
+    the first call's tensors (again once FLASHX_TRITON_AUTOTUNE changes): ``make(problem, config,
+    *tensors)`` builds the launch of a configuration for tensors laid out as these, which then
+    runs as ``launch(*tensors)`` and returns the outputs. Cached per problem
+    (``common.per_problem``), so it keeps no Problem."""
 
     def __init__(self, kernel: str, make: Callable):
         self.kernel, self.make = kernel, make
-        self.launch = None
+        self.launches = {}  # by whether the choice was timed
 
     def __call__(self, problem, *tensors):
-        if self.launch is None:
-            launches = {}
+        timed = autotuning()
+        launch = self.launches.get(timed)
+        if launch is None:
+            tried = {}
 
             def run(config):
-                if config not in launches:
-                    launches[config] = self.make(problem, config, *tensors)
-                return launches[config](*tensors)
+                if config not in tried:
+                    tried[config] = self.make(problem, config, *tensors)
+                return tried[config](*tensors)
 
             config = choose(self.kernel, problem, run)
-            self.launch = launches.get(config) or self.make(problem, config, *tensors)
-        return self.launch(*tensors)
+            launch = self.launches[timed] = tried.get(config) or self.make(problem, config, *tensors)
+        return launch(*tensors)
 
 
 def size_class(problem) -> tuple[int, int]:
