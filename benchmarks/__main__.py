@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="N in {2k, 8k}, d128 only (and memory up to 16k)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"directory for the results (default {RESULTS})")
     parser.add_argument("--impl", nargs="+", metavar="NAME", help="time only these (flashx-triton, sdpa-cudnn, flex, ...)")
-    parser.add_argument("--seqlens", type=int, nargs="+", metavar="N", help="the speed section's N (default 512 to 16k)")
+    parser.add_argument("--seqlens", type=int, nargs="+", metavar="N",
+                        help="the speed section's N (default 512 to 16k)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS, metavar="NAME",
                         help=f"run only these of {', '.join(SECTIONS)} (the ceilings always run)")
     parser.add_argument("--time-limit", type=float, metavar="S",
@@ -77,9 +78,10 @@ def run_gpu(args) -> None:
             print(f"flashx backend {info.name} is not timed: {info.reason}")
     device = torch.device("cuda")
     plan = gpu.QUICK if args.quick else gpu.FULL
+    suffix = "-quick" if args.quick else ""
     if args.seqlens:
         plan = dataclasses.replace(plan, seqlens=tuple(args.seqlens))
-    suffix = ("-quick" if args.quick else "") + ("" if args.seqlens is None else "-n" + "-".join(map(str, args.seqlens)))
+        suffix += "-n" + "-".join(map(str, args.seqlens))
     sweep = gpu.Sweep(plan, implementations(device, args.impl), device, args.out, time_limit_s=args.time_limit,
                       compile_budget_s=args.compile_budget, suffix=suffix)
     results = sweep.run(args.sections)
