@@ -274,8 +274,11 @@ def conformance_failures(case: Case, got: dict[str, np.ndarray], relative_norm: 
     ]
     terms = oracle.term_magnitudes(*(clean[name] for name in ("do", "q", "k", "v")), **case.options)
     axes = AXES["varlen" if case.varlen else "padded"]
+    lse = np.asarray(expected[OUTPUTS.index("lse")], dtype=np.float64)
+    lse_magnitude = float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
     failures = [
-        judge(name, got[name], expected[n], [baseline[n] for baseline in naive], terms[n], case.dtype, axes[name], relative_norm)
+        judge(name, got[name], expected[n], [baseline[n] for baseline in naive], terms[n], case.dtype, axes[name],
+              relative_norm, lse_magnitude)
         for n, name in enumerate(OUTPUTS)
     ]
     shapes = {name: poisoned[name] for name in ("q", "k", "v")}
