@@ -469,8 +469,8 @@ def test_launch_hands_later_calls_the_compiled_kernel_every_argument_in_order(mo
 
 
 def test_a_tuned_kernel_chooses_again_when_autotuning_is_switched(monkeypatch):
-    """The benchmark's check runs untimed (FLASHX_TRITON_AUTOTUNE=0), then its sweep timed: a
-    problem seen by both must not keep the untimed choice."""
+    """measure.py checks correctness untimed (FLASHX_TRITON_AUTOTUNE=0), then times with tuning:
+    a problem seen by both must not keep the untimed choice."""
     from flashx_triton import tuning
 
     monkeypatch.setattr(tuning, "choose", lambda kernel, problem, run: "timed" if tuning.autotuning() else "first")

@@ -61,11 +61,11 @@ def test_gqa(flashx_target, flashx_rng, heads, variant):
 
 @pytest.mark.parametrize("seed", [8, 41, 48, 194])
 def test_one_row_with_large_scores(flashx_target, seed):
-    """One query row with scaled scores near 24, in float32 (hypothesis found the first).
+    """One query row with scaled scores near 24, in float32 (hypothesis found this shape).
 
     The rounding of an exponent at that magnitude, and of the float32 lse the backward
     recomputes P from, errs by ~8 ulps. On these inputs plain attention errs by almost nothing,
-    since its largest P is exp(0). The tolerance's floor covers the first (tolerance.py).
+    since its largest P is exp(0). The tolerance's floor covers both (tolerance.py).
     """
     rng = np.random.default_rng(seed)
     case = make_case(rng, batch=1, seqlen_q=1, seqlen_k=7, heads_q=1, head_dim=32, dtype="float32", softmax_scale=-2.0)
