@@ -135,8 +135,8 @@ class Sweep:
             "sections_s": {},
         }
 
-    def run(self, sections=("check", "memory", "speed")) -> dict:
-        """The ceilings, then each of ``sections`` (check, memory, speed) in that order."""
+    def run(self, sections=None) -> dict:
+        """The ceilings, then each of ``sections`` (check, memory, speed; all by default) in that order."""
         torch.manual_seed(0)
         plan, impls = self.plan, self.impls
         steps = {  # one progress step a row
@@ -144,13 +144,14 @@ class Sweep:
             "memory": len(impls) * len(plan.memory_shapes()),
             "speed": len(impls) * len(MODES) * len(plan.speed_shapes()),
         }
+        sections = [name for name in steps if sections is None or name in sections]
         self.progress = Progress(2 + sum(steps[name] for name in sections))  # the two ceilings first
         self.progress.write(
             f"{self.results['device']}: {', '.join(impl.name for impl in self.impls)}; "
             f"{len(plan.check_shapes())} check shapes, {len(plan.memory_shapes())} memory shapes, "
             f"{len(plan.speed_shapes())} speed shapes x {len(MODES)} modes; writing {self.path}"
         )
-        for section in [self.ceilings] + [getattr(self, name) for name in steps if name in sections]:
+        for section in [self.ceilings] + [getattr(self, name) for name in sections]:
             start = time.perf_counter()
             section()
             elapsed = time.perf_counter() - start
