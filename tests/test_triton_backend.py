@@ -265,6 +265,24 @@ def test_a_non_finite_input_reaches_exactly_the_outputs_that_read_it(name, value
     check_against_oracle(**inputs, causal=True)
 
 
+def test_the_exact_forward_launch_redoes_only_the_query_tiles_that_met_a_nonfinite_value(monkeypatch):
+    """Causal, 32-row tiles, a NaN in V at key 40 of one head: the plain products of tile [32, 64)
+    give NaN to rows 32-39 too, which may not read it, and tile [64, 96) reads it: those two of the
+    12 programs are flagged and redone; tile [0, 32) never loads key 40."""
+    from flashx_triton import common
+
+    flags = []
+    run = common.Passes.__call__
+    monkeypatch.setattr(common.Passes, "__call__", lambda self, *tensors: flags.append(run(self, *tensors)))
+    B, H, N, D = 1, 4, 96, 16
+    q, k, v = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
+    v[0, 40, 2, 3] = math.nan
+    o, _ = flashx.attention_forward(q, k, v, backend="triton", causal=True)
+    assert len(flags) == 1 and flags[0].tolist().count(1) == 2 and flags[0].tolist().count(0) == 10
+    assert o[0, :40].isfinite().all() and o[0, 40:, 2, 3].isnan().all() and o[0, 40:, [0, 1, 3]].isfinite().all()
+    check_against_oracle(q, k, v, randn(B, N, H, D), causal=True)
+
+
 @pytest.mark.parametrize("name", ["q", "k", "v", "do"])
 def test_backward_with_descriptors_built_in_the_kernel(monkeypatch, name):
     """The backward's other descriptor placement (the H100's first choice at d128): one TMA

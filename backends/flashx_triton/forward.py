@@ -2,6 +2,9 @@
 
 Online softmax in base 2: scores are scaled by softmax_scale * log2(e) in one multiply, the
 running max and sum stay in that base, and the LSE is converted to natural log on the way out.
+
+A problem with masked tiles runs in two launches (``Passes``): plain products in the masked
+tiles first, then exactly, only for the query tiles whose acc ended non-finite.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, Launch, allowed_pairs, band_part, band_tiles, dot, dropout_keep,
-                                  last_dim_contiguous, layout, load_rows, lse_strides, masked_dot, masked_tiles,
-                                  pair_rule, per_problem, problem_args, query_tile, row_descriptors, row_strides,
-                                  tma_ready)
+from flashx_triton.common import (LOG2E, Passes, allowed_pairs, band_part, band_tiles, dot, dropout_keep,
+                                  flag_nonfinite, flagged, last_dim_contiguous, layout, load_rows, lse_strides,
+                                  masked_dot, masked_tiles, pair_rule, per_problem, problem_args, query_tile,
+                                  row_descriptors, row_strides, tma_ready)
 
 
 @triton.jit
@@ -22,8 +25,9 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                   lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                  DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair."""
+                  DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr):
+    """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair, and
+    EXACT ones keep a non-finite V out of the rows that may not use it."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
@@ -40,9 +44,9 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
             nonempty = True
         if nonempty:
             k = load_rows(k_desc, k_base, seq, k_start, kv_head, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D,
-                          USE_TMA, MASKED)
+                          USE_TMA, MASKED, EXACT)
             v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
-                          BLOCK_DV, USE_TMA, MASKED)
+                          BLOCK_DV, USE_TMA, MASKED, EXACT)
             if MASKED:
                 s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 s = tl.where(ok, s * scale_log2, float("-inf"))
@@ -60,7 +64,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
             if DROPOUT:
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
                 p = tl.where(keep, p, 0.0)
-            if MASKED:
+            if MASKED and EXACT:
                 # No product has seen V yet: masked_dot checks it itself. "Allowed" is read back
                 # from the scores, -inf exactly where disallowed: ``ok`` kept alive across the
                 # products costs about a register per element (128x64 tile, d64: 424 bytes of
@@ -76,7 +80,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, K_DESC, V_DESC, O, LSE,
+    Q, K, V, K_DESC, V_DESC, O, LSE, REDO,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
@@ -84,13 +88,16 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr, EXACT: tl.constexpr,
 ):
     m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
                                                           BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
     rows_out = q_len if IS_VARLEN else padded_q  # padded rows past q_len still get o = 0, lse = -inf
     if m0 >= rows_out:
         return
+    if MASKED_TILES and EXACT:
+        if not flagged(REDO):
+            return
 
     b64 = b.to(tl.int64)
     q_base = Q + b64 * stride_qb + (q_start + m0).to(tl.int64) * stride_qn + h.to(tl.int64) * stride_qh
@@ -120,7 +127,9 @@ def _forward_kernel(
                                           stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream,
                                           seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                                           BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION,
-                                          USE_TMA)
+                                          USE_TMA, EXACT)
+    if MASKED_TILES and not EXACT:
+        flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
     # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
     empty = (l_i == 0.0) | (rows >= q_len)
@@ -153,11 +162,11 @@ def _launch(problem, config, q, k, v, o, lse):
     use_tma = tma_ready(problem, k, v)
     k_descriptor = row_descriptors(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
     v_descriptor = row_descriptors(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
-    kernel = Launch(_forward_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),),
-                    config.options(), **row_strides("q", q, varlen), **row_strides("k", k, varlen),
-                    **row_strides("v", v, varlen), **row_strides("o", o, varlen), **lse_strides(lse, varlen),
-                    **args, scale_log2=problem.softmax_scale * LOG2E, USE_TMA=use_tma,
-                    MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n), **config.tiles())
+    kernel = Passes(_forward_kernel, problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),
+                    config.options(), masked_tiles(problem, problem.seqlen_k, config.block_n),
+                    **row_strides("q", q, varlen), **row_strides("k", k, varlen), **row_strides("v", v, varlen),
+                    **row_strides("o", o, varlen), **lse_strides(lse, varlen), **args,
+                    scale_log2=problem.softmax_scale * LOG2E, USE_TMA=use_tma, **config.tiles())
 
     def run(q, k, v, o, lse):
         kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse)
