@@ -386,7 +386,7 @@ class Passes:
 
     The backward's kernels keep one exact launch: launched so, the dK/dV kernel ran up to 18%
     slower (d128, causal, 8k) and dQ up to 5%, with nothing flagged. Their registers stay near
-    255 either way, and the exact path's spills sit in its rarely run NaN branch.
+    255 either way; why the plain products run slower there is not known.
     """
 
     def __init__(self, kernel, programs: int, options: dict, masked: bool, **bound):
