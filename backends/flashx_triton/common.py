@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import weakref
 
 import torch
@@ -288,6 +289,23 @@ def allow_kernel_descriptors(x: torch.Tensor) -> None:
 
 def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+_thread = threading.local()
+
+
+def make_context_current(x: torch.Tensor) -> None:
+    """Bind x's device's CUDA context to this thread before the first launch here.
+
+    Triton encodes a host TMA descriptor (``row_descriptors``) before its launcher makes a
+    context current, and the encoding fails ("invalid device context") on a thread that has made
+    no CUDA runtime call yet: a fresh worker thread whose tensors all come from torch's cache, or
+    autograd's backward thread. Any runtime call binds the primary context; a stream query is a
+    cheap one, and once per thread is enough.
+    """
+    if x.is_cuda and not getattr(_thread, "has_context", False):
+        torch.cuda.current_stream(x.device).query()
+        _thread.has_context = True
 
 
 def masked_tiles(problem, length: int, tile: int) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -181,6 +183,38 @@ def test_device_mismatch(flashx_target, flashx_rng):
     q, k, v = (flashx_target.array(case.rounded()[n], case.dtype) for n in ("q", "k", "v"))
     with pytest.raises(flashx.DeviceError, match="k"):
         flashx.attention_forward(q, k.cpu(), v, backend=flashx_target.name)
+
+
+def test_a_thread_that_has_made_no_gpu_call(flashx_target, flashx_rng):
+    """A call from a fresh thread (a server's worker; autograd runs the backward on its own) meets
+    the oracle. The first call, on this thread, compiles; the fresh thread's tensors then come from
+    the allocator's cache, so no earlier GPU call of that thread has set it up."""
+    case = make_case(flashx_rng, heads_q=4, heads_k=2, seqlen_q=37, seqlen_k=53, head_dim=32, dtype=flashx_target.dtype,
+                     causal=True)
+    inputs = {name: flashx_target.array(x, case.dtype) for name, x in case.rounded().items()}
+    q, k, v, do = (inputs[n] for n in TENSORS)
+    flashx_target.skip_unless_supported(q, k, v, causal=True)
+    o, res = flashx.attention_forward(q, k, v, causal=True, backend=flashx_target.name)
+    flashx.attention_backward(do, q, k, v, o, res, causal=True, backend=flashx_target.name)
+    del o, res
+    results = []
+
+    def call():
+        try:
+            o, res = flashx.attention_forward(q, k, v, causal=True, backend=flashx_target.name)
+            grads = flashx.attention_backward(do, q, k, v, o, res, causal=True, backend=flashx_target.name)
+            results.append((o, res.lse, *grads))
+        except Exception as error:  # re-raised on this thread, where pytest sees it
+            results.append(error)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    [result] = results
+    if isinstance(result, Exception):
+        raise result
+    failures = conformance_failures(case, dict(zip(OUTPUTS, (flashx_target.numpy(x) for x in result))))
+    assert not failures, case.describe() + "\n" + "\n".join(failures)
 
 
 def test_autograd(flashx_target, flashx_rng):
