@@ -18,9 +18,8 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, Launch, allow_kernel_descriptors, allowed_pairs, any_nonfinite, band_part,
                                   band_tiles, dot, dropout_keep, head_descriptors, last_dim_contiguous, layout,
-                                  load_rows, lse_strides, make_context_current, masked_dot, masked_tiles, pair_rule,
-                                  per_problem, problem_args, query_tile, row_descriptors, row_strides, sequence_bounds,
-                                  tma_ready)
+                                  load_rows, lse_strides, masked_dot, masked_tiles, pair_rule, per_problem,
+                                  problem_args, query_tile, row_descriptors, row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -319,7 +318,6 @@ def _dq_kernel(
 
 
 def backward(problem, q, k, v, o, lse, do):
-    make_context_current(q)
     q, k, v, o, do = (last_dim_contiguous(x) for x in (q, k, v, o, do))
     lse = lse.contiguous()
     # Varlen rows past cu_seqlens[-1] belong to no sequence: their gradients are 0.

@@ -192,6 +192,7 @@ def row_descriptors(x: torch.Tensor, varlen: bool, rows: int, cols: int, use_tma
     fields = {**vars(checked), "base": None}  # no tensor kept alive by the cache
 
     def descriptor(y: torch.Tensor):
+        make_context_current(y)
         copy = TensorDescriptor.__new__(TensorDescriptor)
         vars(copy).update(fields, base=y)
         return copy
@@ -295,10 +296,10 @@ _thread = threading.local()
 
 
 def make_context_current(x: torch.Tensor) -> None:
-    """Bind x's device's CUDA context to this thread before the first launch here.
+    """Bind x's device's CUDA context to this thread before a host TMA descriptor of x is launched.
 
-    Triton encodes a host TMA descriptor (``row_descriptors``) before its launcher makes a
-    context current, and the encoding fails ("invalid device context") on a thread that has made
+    Triton encodes a host descriptor (``row_descriptors``) before its launcher makes a context
+    current, and the encoding fails ("invalid device context") on a thread that has made
     no CUDA runtime call yet: a fresh worker thread whose tensors all come from torch's cache, or
     autograd's backward thread. Any runtime call binds the primary context; a stream query is a
     cheap one, and once per thread is enough.

@@ -16,8 +16,8 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, Passes, allowed_pairs, band_part, band_tiles, dot, dropout_keep,
                                   flag_nonfinite, flagged, last_dim_contiguous, layout, load_rows, lse_strides,
-                                  make_context_current, masked_dot, masked_tiles, pair_rule, per_problem, problem_args,
-                                  query_tile, row_descriptors, row_strides, tma_ready)
+                                  masked_dot, masked_tiles, pair_rule, per_problem, problem_args, query_tile,
+                                  row_descriptors, row_strides, tma_ready)
 
 
 @triton.jit
@@ -145,7 +145,6 @@ def _forward_kernel(
 
 
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    make_context_current(q)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     if problem.varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
         o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
