@@ -11,6 +11,8 @@ P is recomputed from the LSE; with dropout, Z is regenerated from (seed, rng_off
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +21,7 @@ from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, Launch, allow_kernel_descriptors, allowed_pairs, any_nonfinite, band_part,
                                   band_tiles, dot, dropout_keep, head_descriptors, last_dim_contiguous, layout,
                                   load_rows, lse_strides, masked_dot, masked_tiles, pair_rule, per_problem,
-                                  problem_args, query_tile, row_descriptors, row_strides, sequence_bounds, tma_ready)
+                                  problem_args, row_descriptors, row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -126,8 +128,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
 
 
 @triton.jit
-def _dkdv_kernel(
-    Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA,
+def _dkdv_program(
+    head_k, n0, Q, K, V, DO, q_desc, do_desc, DK, DV, LSE2, DELTA,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
@@ -140,69 +142,66 @@ def _dkdv_kernel(
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr,
 ):
-    # First key tiles first: under a causal band they meet the most query rows.
-    num_tiles = tl.cdiv(padded_k, BLOCK_N)
-    pid = tl.program_id(0)
-    head_k = pid // num_tiles
-    n0 = (pid % num_tiles) * BLOCK_N
+    """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time."""
     heads_k = heads_q // group
     b = head_k // heads_k
     hk = head_k % heads_k
     q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
     k_start, k_len = sequence_bounds(b, CU_K, SEQLENS_K, padded_k, IS_VARLEN, HAS_SEQLENS_K)
     rows_out = k_len if IS_VARLEN else padded_k
-    if n0 >= rows_out:
-        return
+    if n0 < rows_out:
+        b64 = b.to(tl.int64)
+        key_row0 = (k_start + n0).to(tl.int64)
+        cols_in_tile = tl.arange(0, BLOCK_N)
+        cols = n0 + cols_in_tile
+        dims = tl.arange(0, BLOCK_D)
+        dims_v = tl.arange(0, BLOCK_DV)
+        live = cols[:, None] < k_len
+        k = tl.load(K + b64 * stride_kb + key_row0 * stride_kn + hk.to(tl.int64) * stride_kh
+                    + cols_in_tile[:, None] * stride_kn + dims[None, :], mask=live & (dims[None, :] < HEAD_DIM),
+                    other=0.0)
+        v = tl.load(V + b64 * stride_vb + key_row0 * stride_vn + hk.to(tl.int64) * stride_vh
+                    + cols_in_tile[:, None] * stride_vn + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V),
+                    other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        # Seen from the keys, the band is mirrored: left and right swap.
+        first, full_lo, full_hi, end = band_tiles(n0, k_len, q_len, right, left, BLOCK_N, BLOCK_M,
+                                                  HAS_MASK or HAS_BLOCK_MASK)
+        seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
+        for g in range(group):
+            head = hk * group + g
+            h = head.to(tl.int64)
+            q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
+            do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
+            lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
+            delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
+            pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj,
+                              BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
+                              HAS_BLOCK_MASK)
+            stream = b * heads_q + h
+            q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
+                                                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
+                                                 HOST_DESCRIPTORS)
+            for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
+                if MASKED_TILES or part == 1:
+                    lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
+                    dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
+                                         stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
+                                         scale_log2, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM,
+                                         HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK,
+                                         DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS)
 
-    b64 = b.to(tl.int64)
-    key_row0 = (k_start + n0).to(tl.int64)
-    cols_in_tile = tl.arange(0, BLOCK_N)
-    cols = n0 + cols_in_tile
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    live = cols[:, None] < k_len
-    k = tl.load(K + b64 * stride_kb + key_row0 * stride_kn + hk.to(tl.int64) * stride_kh
-                + cols_in_tile[:, None] * stride_kn + dims[None, :], mask=live & (dims[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(V + b64 * stride_vb + key_row0 * stride_vn + hk.to(tl.int64) * stride_vh
-                + cols_in_tile[:, None] * stride_vn + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V),
-                other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    # Seen from the keys, the band is mirrored: left and right swap.
-    first, full_lo, full_hi, end = band_tiles(n0, k_len, q_len, right, left, BLOCK_N, BLOCK_M,
-                                              HAS_MASK or HAS_BLOCK_MASK)
-    seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
-    for g in range(group):
-        head = hk * group + g
-        h = head.to(tl.int64)
-        q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
-        do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
-        lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
-        delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
-                          stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
-        stream = b * heads_q + h
-        q_desc, do_desc = head_descriptors(Q_DESC, DO_DESC, q_base, do_base, q_len, stride_qn, stride_dn, HEAD_DIM,
-                                           HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
-        for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-            if MASKED_TILES or part == 1:
-                lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
-                dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn,
-                                     stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs, scale_log2,
-                                     stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                                     BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                                     DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS)
-
-    # Padded keys past k_len get zero gradients, whatever K and V hold there.
-    dk = tl.where(live, dk * softmax_scale, 0.0)
-    dv = tl.where(live, dv, 0.0)
-    store_rows = cols[:, None] < rows_out
-    tl.store(DK + b64 * stride_dkb + key_row0 * stride_dkn + hk.to(tl.int64) * stride_dkh
-             + cols_in_tile[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty),
-             mask=store_rows & (dims[None, :] < HEAD_DIM))
-    tl.store(DV + b64 * stride_dvb + key_row0 * stride_dvn + hk.to(tl.int64) * stride_dvh
-             + cols_in_tile[:, None] * stride_dvn + dims_v[None, :], dv.to(DV.dtype.element_ty),
-             mask=store_rows & (dims_v[None, :] < HEAD_DIM_V))
+        # Padded keys past k_len get zero gradients, whatever K and V hold there.
+        dk = tl.where(live, dk * softmax_scale, 0.0)
+        dv = tl.where(live, dv, 0.0)
+        store_rows = cols[:, None] < rows_out
+        tl.store(DK + b64 * stride_dkb + key_row0 * stride_dkn + hk.to(tl.int64) * stride_dkh
+                 + cols_in_tile[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty),
+                 mask=store_rows & (dims[None, :] < HEAD_DIM))
+        tl.store(DV + b64 * stride_dvb + key_row0 * stride_dvn + hk.to(tl.int64) * stride_dvh
+                 + cols_in_tile[:, None] * stride_dvn + dims_v[None, :], dv.to(DV.dtype.element_ty),
+                 mask=store_rows & (dims_v[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
@@ -255,8 +254,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
 
 
 @triton.jit
-def _dq_kernel(
-    Q, K, V, DO, K_DESC, V_DESC, DQ, LSE2, DELTA,
+def _dq_program(
+    head, m0, Q, K, V, DO, k_desc, v_desc, DQ, LSE2, DELTA,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
     CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
@@ -269,52 +268,106 @@ def _dq_kernel(
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr,
 ):
-    m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
-                                                          BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
+    """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time."""
+    b = head // heads_q
+    h = head % heads_q
+    q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
+    k_start, k_len = sequence_bounds(b, CU_K, SEQLENS_K, padded_k, IS_VARLEN, HAS_SEQLENS_K)
     rows_out = q_len if IS_VARLEN else padded_q
-    if m0 >= rows_out:
-        return
+    if m0 < rows_out:
+        b64 = b.to(tl.int64)
+        h64 = h.to(tl.int64)
+        row0 = (q_start + m0).to(tl.int64)
+        rows_in_tile = tl.arange(0, BLOCK_M)
+        rows = m0 + rows_in_tile
+        dims = tl.arange(0, BLOCK_D)
+        dims_v = tl.arange(0, BLOCK_DV)
+        lse_offset = b64 * stride_lb + h64 * stride_lh + q_start + m0
+        lse2 = tl.load(LSE2 + lse_offset + rows_in_tile, mask=rows < q_len, other=float("inf"))
+        delta = tl.load(DELTA + lse_offset + rows_in_tile, mask=rows < q_len, other=0.0)
+        # Empty rows and padding are never read: their dO and Q may hold anything.
+        live = (lse2 != float("inf"))[:, None]
+        q = tl.load(Q + b64 * stride_qb + row0 * stride_qn + h64 * stride_qh + rows_in_tile[:, None] * stride_qn
+                    + dims[None, :], mask=live & (dims[None, :] < HEAD_DIM), other=0.0)
+        do = tl.load(DO + b64 * stride_db + row0 * stride_dn + h64 * stride_dh + rows_in_tile[:, None] * stride_dn
+                     + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+        kv_head = h // group
+        k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
+        v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
+        seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
+        k_tiles, v_tiles = head_descriptors(k_desc, v_desc, k_base, v_base, k_len, stride_kn, stride_vn, HEAD_DIM,
+                                            HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
+        pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
+                          stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
+        stream = b * heads_q + h
 
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    row0 = (q_start + m0).to(tl.int64)
-    rows_in_tile = tl.arange(0, BLOCK_M)
-    rows = m0 + rows_in_tile
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    lse_offset = b64 * stride_lb + h64 * stride_lh + q_start + m0
-    lse2 = tl.load(LSE2 + lse_offset + rows_in_tile, mask=rows < q_len, other=float("inf"))
-    delta = tl.load(DELTA + lse_offset + rows_in_tile, mask=rows < q_len, other=0.0)
-    # Empty rows and padding are never read: their dO and Q may hold anything.
-    live = (lse2 != float("inf"))[:, None]
-    q = tl.load(Q + b64 * stride_qb + row0 * stride_qn + h64 * stride_qh + rows_in_tile[:, None] * stride_qn
-                + dims[None, :], mask=live & (dims[None, :] < HEAD_DIM), other=0.0)
-    do = tl.load(DO + b64 * stride_db + row0 * stride_dn + h64 * stride_dh + rows_in_tile[:, None] * stride_dn
-                 + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
-    kv_head = h // group
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
-    seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
-    k_desc, v_desc = head_descriptors(K_DESC, V_DESC, k_base, v_base, k_len, stride_kn, stride_vn, HEAD_DIM, HEAD_DIM_V,
-                                      BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
-    pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
-                      stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
-    stream = b * heads_q + h
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+                                                  HAS_MASK or HAS_BLOCK_MASK)
+        for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
+            if MASKED_TILES or part == 1:
+                lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
+                dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
+                               stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, seed,
+                               rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS)
 
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
-                                              HAS_MASK or HAS_BLOCK_MASK)
-    for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-        if MASKED_TILES or part == 1:
-            lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-            dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn,
-                           stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, seed, rng_offset,
-                           drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1,
-                           HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS)
+        dq = tl.where(live, dq * softmax_scale, 0.0)
+        tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
+                 + dims[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=(rows[:, None] < rows_out) & (dims[None, :] < HEAD_DIM))
 
-    dq = tl.where(live, dq * softmax_scale, 0.0)
-    tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
-             + dims[None, :], dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < rows_out) & (dims[None, :] < HEAD_DIM))
+
+@triton.jit
+def _gradients_kernel(
+    Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
+    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
+    padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
+    drop_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
+    HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_KEYS: tl.constexpr, MASKED_QUERIES: tl.constexpr,
+    HOST_DESCRIPTORS: tl.constexpr, KEY_PROGRAMS: tl.constexpr, QUERY_PROGRAMS: tl.constexpr,
+):
+    """Per key head, the programs of its key tiles (dK, dV; if KEY_PROGRAMS) and then those of the
+    query tiles of its query heads (dQ; if QUERY_PROGRAMS). Each program keeps TILE rows resident
+    and streams the other axis STREAM rows at a time; the first key tiles and the last query tiles,
+    which a causal band gives the most work, start first. Either part alone is the same kernel."""
+    key_tiles = tl.cdiv(padded_k, TILE) if KEY_PROGRAMS else 0
+    query_tiles = tl.cdiv(padded_q, TILE)
+    per_head = key_tiles + (group * query_tiles if QUERY_PROGRAMS else 0)
+    pid = tl.program_id(0)
+    head_k = pid // per_head
+    local = pid % per_head
+    if KEY_PROGRAMS and QUERY_PROGRAMS:
+        keys = local < key_tiles
+    else:
+        keys = KEY_PROGRAMS  # known here: the other part is not compiled
+    if keys:
+        _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA,
+                      stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                      stride_vh, stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                      stride_dvn, stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
+                      stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q,
+                      block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed,
+                      rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM, TILE,
+                      IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION,
+                      USE_TMA, MASKED_KEYS, HOST_DESCRIPTORS)
+    else:
+        local -= key_tiles
+        _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE,
+                    Q, K, V, DO, K_DESC, V_DESC, DQ, LSE2, DELTA,
+                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                    stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
+                    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, stride_mb, stride_mh, stride_mi, stride_mj,
+                    stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, padded_q, padded_k, heads_q, group,
+                    left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold, drop_scale,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K,
+                    HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, MASKED_QUERIES, HOST_DESCRIPTORS)
 
 
 def backward(problem, q, k, v, o, lse, do):
@@ -324,19 +377,19 @@ def backward(problem, q, k, v, o, lse, do):
     alloc = torch.zeros if problem.varlen else torch.empty
     dq, dk, dv = (alloc(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    prepare, dkdv, dq_tiles, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse)),
-                                                   lambda: _launches(problem, q, k, v, o, do, lse))
+    prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse)),
+                                              lambda: _launches(problem, q, k, v, o, do, lse))
     prepare(o, do, lse, delta, lse2)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    dkdv(problem, q, k, v, do, dk, dv, lse2, delta)
-    dq_tiles(problem, q, k, v, do, dq, lse2, delta)
+    for launch in gradients:
+        launch(problem, q, k, v, do, dq, dk, dv, lse2, delta)
     return dq, dk, dv
 
 
 def _launches(problem, q, k, v, o, do, lse):
-    """The prepare launch, the dK/dV and dQ kernels (tuned on first use), and whether the
-    streamed operands load through TMA, for tensors laid out as these."""
+    """The prepare launch, the gradient launches (tuned on first use), and whether the streamed
+    operands load through TMA, for tensors laid out as these."""
     varlen, args = problem.varlen, problem_args(problem)
     rows = 64 if not tuning.interpreting() else 16
     prepare = Launch(_prepare_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, rows),), {},
@@ -344,49 +397,40 @@ def _launches(problem, q, k, v, o, do, lse):
                      CU_Q=args["CU_Q"], SEQLENS_Q=args["SEQLENS_Q"], padded_q=problem.seqlen_q,
                      heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
                      BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"])
-    return prepare, tuning.Tuned("dkdv", _dkdv_launch), tuning.Tuned("dq", _dq_launch), tma_ready(problem, q, k, v, do)
+    gradients = [tuning.Tuned(part, functools.partial(_gradients_launch, part=part)) for part in ("dkdv", "dq")]
+    return prepare, gradients, tma_ready(problem, q, k, v, do)
 
 
-def _bound(problem, config, q, k, v, do, lse2):
-    """The arguments both gradient kernels take, besides their outputs' strides."""
+def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, part):
+    """The gradient kernel's ``part`` ("dkdv", "dq" or "both", one launch for all three) under
+    ``config``, whose block_n keys (dK/dV; with "both", as many query rows for dQ) or block_m query
+    rows (dQ) stay resident while the other axis streams.
+
+    The streamed operands load through TMA descriptors built on the host, unless ``config`` says
+    in the kernel."""
     varlen = problem.varlen
-    return dict(**row_strides("q", q, varlen), **row_strides("k", k, varlen), **row_strides("v", v, varlen),
-                **row_strides("d", do, varlen), **lse_strides(lse2, varlen), **problem_args(problem),
-                softmax_scale=problem.softmax_scale, scale_log2=problem.softmax_scale * LOG2E,
-                USE_TMA=tma_ready(problem, q, k, v, do), **config.tiles())
+    keys, queries = part != "dq", part != "dkdv"
+    tile, stream = (config.block_n, config.block_m) if keys else (config.block_m, config.block_n)
+    use_tma = tma_ready(problem, q, k, v, do)
+    args = problem_args(problem)
+    host = use_tma and config.host_descriptors  # without TMA both placements are one kernel
+    descriptors = [row_descriptors(x, varlen, stream, args[width], host and wanted)
+                   for x, width, wanted in ((q, "BLOCK_D", keys), (do, "BLOCK_DV", keys), (k, "BLOCK_D", queries),
+                                            (v, "BLOCK_DV", queries))]
+    per_head = ((triton.cdiv(problem.seqlen_k, tile) if keys else 0)
+                + (problem.group * triton.cdiv(problem.seqlen_q, tile) if queries else 0))
+    kernel = Launch(_gradients_kernel, (problem.batch * problem.heads_k * per_head,), config.options(),
+                    **{key: value for name, x in (("q", q), ("k", k), ("v", v), ("d", do), ("dq", dq), ("dk", dk),
+                                                  ("dv", dv)) for key, value in row_strides(name, x, varlen).items()},
+                    **lse_strides(lse2, varlen), **args, softmax_scale=problem.softmax_scale,
+                    scale_log2=problem.softmax_scale * LOG2E, TILE=tile, STREAM=stream, USE_TMA=use_tma,
+                    HOST_DESCRIPTORS=host, MASKED_KEYS=masked_tiles(problem, problem.seqlen_q, stream),
+                    MASKED_QUERIES=masked_tiles(problem, problem.seqlen_k, stream), KEY_PROGRAMS=keys,
+                    QUERY_PROGRAMS=queries)
 
-
-def _dkdv_launch(problem, config, q, k, v, do, dk, dv, lse2, delta):
-    """dK/dV under ``config``: one program per key tile, the query tiles streamed (through
-    descriptors of q and dO, built on the host unless ``config`` says in the kernel)."""
-    bound = _bound(problem, config, q, k, v, do, lse2)
-    host = bound["USE_TMA"] and config.host_descriptors  # without TMA both placements are one kernel
-    q_descriptor = row_descriptors(q, problem.varlen, config.block_m, bound["BLOCK_D"], host)
-    do_descriptor = row_descriptors(do, problem.varlen, config.block_m, bound["BLOCK_DV"], host)
-    kernel = Launch(_dkdv_kernel, (problem.batch * problem.heads_k * triton.cdiv(problem.seqlen_k, config.block_n),),
-                    config.options(), **bound, **row_strides("dk", dk, problem.varlen),
-                    **row_strides("dv", dv, problem.varlen), HOST_DESCRIPTORS=host,
-                    MASKED_TILES=masked_tiles(problem, problem.seqlen_q, config.block_m))
-
-    def run(q, k, v, do, dk, dv, lse2, delta):
-        kernel(q, k, v, do, q_descriptor(q), do_descriptor(do), dk, dv, lse2, delta)
-        return dk, dv
-
-    return run
-
-
-def _dq_launch(problem, config, q, k, v, do, dq, lse2, delta):
-    """dQ under ``config``: one program per query tile, the key tiles streamed."""
-    bound = _bound(problem, config, q, k, v, do, lse2)
-    host = bound["USE_TMA"] and config.host_descriptors
-    k_descriptor = row_descriptors(k, problem.varlen, config.block_n, bound["BLOCK_D"], host)
-    v_descriptor = row_descriptors(v, problem.varlen, config.block_n, bound["BLOCK_DV"], host)
-    kernel = Launch(_dq_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),),
-                    config.options(), **bound, **row_strides("dq", dq, problem.varlen), HOST_DESCRIPTORS=host,
-                    MASKED_TILES=masked_tiles(problem, problem.seqlen_k, config.block_n))
-
-    def run(q, k, v, do, dq, lse2, delta):
-        kernel(q, k, v, do, k_descriptor(k), v_descriptor(v), dq, lse2, delta)
-        return (dq,)
+    def run(q, k, v, do, dq, dk, dv, lse2, delta):
+        kernel(q, k, v, do, *(descriptor(x) for descriptor, x in zip(descriptors, (q, do, k, v))), dq, dk, dv, lse2,
+               delta)
+        return (dq,) * queries + (dk, dv) * keys
 
     return run

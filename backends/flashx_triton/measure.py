@@ -188,13 +188,13 @@ def compiled_variants(report):
     from flashx_triton import backward, forward
 
     report["compiled"] = []
-    for kernel in (forward._forward_kernel, backward._dkdv_kernel, backward._dq_kernel):
+    for kernel in (forward._forward_kernel, backward._gradients_kernel):
         for cache in kernel.device_caches.values():
             for compiled in cache[0].values():
                 names = kernel.arg_names
                 constants = {(key if isinstance(key, str) else names[key[0]]): value
                              for key, value in compiled.src.constants.items()}
-                shown = {name: constants.get(name) for name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "MASKED_TILES", "HAS_MASK")}
+                shown = {name: constants.get(name) for name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "TILE", "STREAM", "MASKED_TILES", "KEY_PROGRAMS", "HAS_MASK")}
                 row = dict(kernel=kernel.__name__, **shown, warps=compiled.metadata.num_warps,
                            stages=compiled.metadata.num_stages, shared=compiled.metadata.shared,
                            regs=compiled.n_regs, spills=compiled.n_spills)

@@ -61,6 +61,14 @@ DQ = {
     256: [C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 32, 4, 2)],
 }
 DQ_FP32 = [C(64, 32, 4, 2), C(32, 32, 4, 2), C(32, 16, 4, 1)]
+# dK/dV and dQ in one launch: block_n keys resident while block_m query rows stream, and block_n
+# query rows resident while block_m keys stream.
+FUSED = {
+    64: [C(64, 64, 4, 3), C(32, 64, 4, 3), C(64, 128, 8, 3)],
+    128: [C(64, 128, 8, 3), C(64, 128, 8, 3, False), C(64, 64, 4, 2), C(64, 64, 4, 3), C(32, 64, 4, 3)],
+    256: [C(32, 64, 4, 2), C(32, 32, 4, 2), C(64, 64, 8, 2)],
+}
+FUSED_FP32 = [C(32, 64, 4, 2), C(32, 32, 4, 2), C(16, 32, 4, 1)]
 
 _chosen: dict[tuple, Config] = {}
 #: Per key, every candidate that ran and its median milliseconds (None: dropped), for the notes.
@@ -79,8 +87,8 @@ def candidates(kernel: str, problem) -> list[Config]:
     if interpreting():
         return [INTERPRETED]
     if problem.dtype == "float32":
-        return {"forward": FORWARD_FP32, "dkdv": DKDV_FP32, "dq": DQ_FP32}[kernel]
-    table = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ}[kernel]
+        return {"forward": FORWARD_FP32, "dkdv": DKDV_FP32, "dq": DQ_FP32, "fused": FUSED_FP32}[kernel]
+    table = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ, "fused": FUSED}[kernel]
     wide = max(problem.head_dim, problem.head_dim_v)
     return table[64 if wide <= 64 else 128 if wide <= 128 else 256]
 
