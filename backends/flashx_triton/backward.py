@@ -346,7 +346,7 @@ def _gradients_kernel(
     if KEY_PROGRAMS and QUERY_PROGRAMS:
         keys = local < key_tiles
     else:
-        keys = KEY_PROGRAMS  # known here: the other part is not compiled
+        keys: tl.constexpr = KEY_PROGRAMS  # known when compiling: the other part is left out
     if keys:
         _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA,
                       stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
