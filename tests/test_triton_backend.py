@@ -283,6 +283,20 @@ def test_the_exact_forward_launch_redoes_only_the_query_tiles_that_met_a_nonfini
     check_against_oracle(q, k, v, randn(B, N, H, D), causal=True)
 
 
+@pytest.mark.parametrize("plan", ["split", "fused"])
+def test_dkdv_and_dq_in_one_launch_or_two(monkeypatch, plan):
+    """Both ways of launching the gradient kernel's two kinds of programs (tuning.GRADIENTS): in
+    two launches, where each leaves the other kind uncompiled, and in one, where each program
+    picks its kind; under GQA, so that the query heads of a key head map to the right programs."""
+    from flashx_triton import tuning
+
+    monkeypatch.setattr(tuning, "INTERPRETED_GRADIENTS", [plan])
+    B, Hq, Hk, N, D = 2, 6, 2, 70, 16
+    seqlens = torch.tensor([N, 51])  # an array option: the call's plan cache does not keep the Problem
+    check_against_oracle(randn(B, N, Hq, D), randn(B, N, Hk, D), randn(B, N, Hk, D), randn(B, N, Hq, D), causal=True,
+                         seqlens_q=seqlens, seqlens_k=seqlens)
+
+
 @pytest.mark.parametrize("name", ["q", "k", "v", "do"])
 def test_backward_with_descriptors_built_in_the_kernel(monkeypatch, name):
     """The backward's other descriptor placement (the H100's first choice at d128): one TMA

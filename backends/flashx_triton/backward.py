@@ -1,10 +1,13 @@
-"""The backward: three launches and no atomics, so it is deterministic.
+"""The backward: no atomics, so it is deterministic.
 
 1. ``_prepare_kernel``: per query row, D = rowsum(dO * O) and the LSE in the forward's base-2
    scale (+inf for empty rows, so that exp2(s - lse) is exactly 0 there).
-2. ``_dkdv_kernel``: one program per key tile, K/V resident, streaming the query tiles of every
-   query head of its group: dV = P^T dO, dK = dS^T Q, summed over the group in registers.
-3. ``_dq_kernel``: one program per query tile, Q/dO resident, streaming key tiles: dQ = dS K.
+2. ``_gradients_kernel``, whose programs are of two kinds:
+   - ``_dkdv_program``: one key tile, K/V resident, streaming the query tiles of every query head
+     of its group: dV = P^T dO, dK = dS^T Q, summed over the group in registers;
+   - ``_dq_program``: one query tile, Q/dO resident, streaming key tiles: dQ = dS K.
+   Both kinds run in one launch, or each in a launch of its own with tiles of its own, whichever
+   ran faster on first use (``tuning.GRADIENTS``).
 
 P is recomputed from the LSE; with dropout, Z is regenerated from (seed, rng_offset).
 """
@@ -382,9 +385,7 @@ def backward(problem, q, k, v, o, lse, do):
     prepare(o, do, lse, delta, lse2)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    for launch in gradients:
-        launch(problem, q, k, v, do, dq, dk, dv, lse2, delta)
-    return dq, dk, dv
+    return gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta)
 
 
 def _launches(problem, q, k, v, o, do, lse):
@@ -397,13 +398,28 @@ def _launches(problem, q, k, v, o, do, lse):
                      CU_Q=args["CU_Q"], SEQLENS_Q=args["SEQLENS_Q"], padded_q=problem.seqlen_q,
                      heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
                      BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"])
-    gradients = [tuning.Tuned(part, functools.partial(_gradients_launch, part=part)) for part in ("dkdv", "dq")]
-    return prepare, gradients, tma_ready(problem, q, k, v, do)
+    return prepare, tuning.Tuned("gradients", _gradients_plan), tma_ready(problem, q, k, v, do)
+
+
+_PLANS = {"fused": ("fused",), "split": ("dkdv", "dq")}
+
+
+def _gradients_plan(problem, plan, q, k, v, do, dq, dk, dv, lse2, delta):
+    """dQ, dK and dV in one launch ("fused") or two ("split"), each launch tuned on its own."""
+    launches = [tuning.tuned_launch(part, problem, functools.partial(_gradients_launch, part=part), q, k, v, do, dq,
+                                    dk, dv, lse2, delta) for part in _PLANS[plan]]
+
+    def run(q, k, v, do, dq, dk, dv, lse2, delta):
+        for launch in launches:
+            launch(q, k, v, do, dq, dk, dv, lse2, delta)
+        return dq, dk, dv
+
+    return run
 
 
 def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, part):
-    """The gradient kernel's ``part`` ("dkdv", "dq" or "both", one launch for all three) under
-    ``config``, whose block_n keys (dK/dV; with "both", as many query rows for dQ) or block_m query
+    """The gradient kernel's ``part`` ("dkdv", "dq", or "fused": one launch for all three) under
+    ``config``, whose block_n keys (dK/dV; fused, as many query rows for dQ) or block_m query
     rows (dQ) stay resident while the other axis streams.
 
     The streamed operands load through TMA descriptors built on the host, unless ``config`` says

@@ -62,13 +62,21 @@ DQ = {
 }
 DQ_FP32 = [C(64, 32, 4, 2), C(32, 32, 4, 2), C(32, 16, 4, 1)]
 # dK/dV and dQ in one launch: block_n keys resident while block_m query rows stream, and block_n
-# query rows resident while block_m keys stream.
+# query rows resident while block_m keys stream (the H100's winners at N = 512 to 4k first).
 FUSED = {
-    64: [C(64, 64, 4, 3), C(32, 64, 4, 3), C(64, 128, 8, 3)],
-    128: [C(64, 128, 8, 3), C(64, 128, 8, 3, False), C(64, 64, 4, 2), C(64, 64, 4, 3), C(32, 64, 4, 3)],
+    64: [C(64, 64, 4, 2), C(64, 64, 4, 3), C(32, 128, 4, 3)],
+    128: [C(64, 64, 4, 2), C(32, 64, 4, 3), C(64, 64, 4, 2, False), C(32, 64, 4, 3, False), C(64, 128, 8, 3, False)],
     256: [C(32, 64, 4, 2), C(32, 32, 4, 2), C(64, 64, 8, 2)],
 }
 FUSED_FP32 = [C(32, 64, 4, 2), C(32, 32, 4, 2), C(16, 32, 4, 1)]
+
+# How the backward launches its dK/dV and dQ programs: "fused", one launch (FUSED), or "split",
+# DKDV's launch then DQ's. On the H100 one launch took 4-12% off the d128 backward at N = 512 to
+# 2k and was slower at 8k, and at d64 without a mask (benchmarks/results/
+# triton-h100-2026-11-21-session9.md); under the interpreter the fused kernel runs both parts.
+GRADIENTS = {64: ["split", "fused"], 128: ["fused", "split"], 256: ["split", "fused"]}
+GRADIENTS_FP32 = ["split", "fused"]
+INTERPRETED_GRADIENTS = ["fused"]
 
 _chosen: dict[tuple, Config] = {}
 #: Per key, every candidate that ran and its median milliseconds (None: dropped), for the notes.
@@ -83,12 +91,14 @@ def autotuning() -> bool:
     return os.environ.get("FLASHX_TRITON_AUTOTUNE") != "0"
 
 
-def candidates(kernel: str, problem) -> list[Config]:
+def candidates(kernel: str, problem) -> list:
+    """The configurations of ``kernel`` to try on ``problem``; of "gradients", the backward's plans."""
     if interpreting():
-        return [INTERPRETED]
+        return INTERPRETED_GRADIENTS if kernel == "gradients" else [INTERPRETED]
     if problem.dtype == "float32":
-        return {"forward": FORWARD_FP32, "dkdv": DKDV_FP32, "dq": DQ_FP32, "fused": FUSED_FP32}[kernel]
-    table = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ, "fused": FUSED}[kernel]
+        return {"forward": FORWARD_FP32, "dkdv": DKDV_FP32, "dq": DQ_FP32, "fused": FUSED_FP32,
+                "gradients": GRADIENTS_FP32}[kernel]
+    table = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ, "fused": FUSED, "gradients": GRADIENTS}[kernel]
     wide = max(problem.head_dim, problem.head_dim_v)
     return table[64 if wide <= 64 else 128 if wide <= 128 else 256]
 
@@ -121,16 +131,21 @@ class Tuned:
         timed = autotuning()
         launch = self.launches.get(timed)
         if launch is None:
-            tried = {}
-
-            def run(config):
-                if config not in tried:
-                    tried[config] = self.make(problem, config, *tensors)
-                return tried[config](*tensors)
-
-            config = choose(self.kernel, problem, run)
-            launch = self.launches[timed] = tried.get(config) or self.make(problem, config, *tensors)
+            launch = self.launches[timed] = tuned_launch(self.kernel, problem, self.make, *tensors)
         return launch(*tensors)
+
+
+def tuned_launch(kernel: str, problem, make: Callable, *tensors) -> Callable:
+    """``make``'s launch for these tensors under the configuration ``choose`` picks for ``kernel``."""
+    tried = {}
+
+    def run(config):
+        if config not in tried:
+            tried[config] = make(problem, config, *tensors)
+        return tried[config](*tensors)
+
+    config = choose(kernel, problem, run)
+    return tried.get(config) or make(problem, config, *tensors)
 
 
 def size_class(problem) -> tuple[int, int]:
