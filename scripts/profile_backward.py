@@ -13,6 +13,10 @@ import flashx
 from flashx_triton import tuning
 
 
+def short(c):
+    return f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}{'' if c.host_descriptors else 'k'}"
+
+
 def causal_mask(b, h, i, j):
     return i >= j
 
@@ -48,8 +52,8 @@ for d, n, causal in [(128, 512, True), (128, 1024, True), (128, 2048, True), (12
             print(f"d{d} N={n} {'causal' if causal else 'full'} {name}: total {total:.0f} us/iter; " + "; ".join(
                 f"{e.key[:40]} {e.self_device_time_total / 10:.0f}" for e in rows), flush=True)
         for key, log in tuning.measured.items():
-            if key[0] in ("dkdv", "dq") and key[1] == d and key[4] == causal and key[5][0] == n.bit_length():
-                print("   ", key[0], " ".join(f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}"
-                                           f"{'' if c.host_descriptors else 'k'}:{ms and round(ms * 1e3)}" for c, ms in log))
+            if key[0] != "forward" and key[1] == d and key[4] == causal and key[5][0] == n.bit_length():
+                print("   ", key[0], " ".join(f"{c if isinstance(c, str) else short(c)}:{ms and round(ms * 1e3)}"
+                                           for c, ms in log))
     except Exception as error:  # keep the other shapes
         print(f"d{d} N={n} causal={causal}: {type(error).__name__}: {str(error)[:300]}", flush=True)

@@ -10,8 +10,9 @@ Triton version, installed apart (the machines lent here run 3.6):
 
 Options: ``fwd`` or ``all`` (with the backward), then d=, dv=, n=, causal=0/1, and a config per
 kernel as block_m,block_n,warps,stages[,host_descriptors] (fwd=, dkdv=, dq=; default: the first
-candidate). TTGIR=folder also writes each kernel's TTGIR there; SPILLS=1 also counts the
-spill stores and loads by the source line they belong to.
+candidate; the backward runs as two launches, and fused= adds its one launch under that config).
+TTGIR=folder also writes each kernel's TTGIR there; SPILLS=1 also counts the spill stores and
+loads by the source line they belong to.
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ def main(argv: list[str]) -> None:
     o, lse = forward.forward(problem, q, k, v)
     if argv[0] == "all":
         backward.backward(problem, q, k, v, o, lse, do)
+        if "fused" in opts:
+            fused = tuning.Config(*map(int, opts["fused"].split(",")))
+            dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+            lse2 = delta = torch.empty_like(lse)
+            backward._gradients_launch(problem, fused, q, k, v, do, dq, dk, dv, lse2, delta, part="fused")(
+                q, k, v, do, dq, dk, dv, lse2, delta)
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     for name, kw, kernel in compiled:
@@ -87,8 +94,13 @@ def main(argv: list[str]) -> None:
                                     capture_output=True, text=True).stderr
         registers = re.search(r"Used (\d+) registers", report)
         spill = re.search(r"(\d+) bytes spill stores", report)
-        flags = ",".join(f for f in ("MASKED_TILES", "USE_TMA", "HOST_DESCRIPTORS") if kw.get(f))
-        print(f"{name:16s} {kw['BLOCK_M']}x{kw['BLOCK_N']} w{kw['num_warps']} s{kw['num_stages']} [{flags}] "
+        flags = ",".join(f for f in ("MASKED_TILES", "MASKED_KEYS", "MASKED_QUERIES", "USE_TMA", "HOST_DESCRIPTORS")
+                         if kw.get(f))
+        parts = "+".join(part for part, on in (("dkdv", kw.get("KEY_PROGRAMS")), ("dq", kw.get("QUERY_PROGRAMS")))
+                         if on)
+        tiles = (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}" if "BLOCK_M" in kw
+                 else f"tile {kw['TILE']} stream {kw['STREAM']} {parts}")
+        print(f"{name:16s} {tiles} w{kw['num_warps']} s{kw['num_stages']} [{flags}] "
               f"warps {kernel.metadata.num_warps}, registers {registers and registers.group(1)}, "
               f"spill stores {spill and spill.group(1)} B, "
               f"shared {kernel.metadata.shared} B")
