@@ -23,8 +23,9 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, Launch, allow_kernel_descriptors, allowed_pairs, any_nonfinite, band_part,
                                   band_tiles, dot, dropout_keep, head_descriptors, last_dim_contiguous, layout,
-                                  load_rows, lse_strides, masked_dot, masked_tiles, pair_rule, per_problem,
-                                  problem_args, row_descriptors, row_strides, sequence_bounds, tma_ready)
+                                  load_rows, lse_strides, masked_dot, masked_tiles, nonfinite, pair_rule,
+                                  per_problem, problem_args, row_descriptors, row_strides, sequence_bounds,
+                                  tma_ready)
 
 
 @triton.jit
@@ -67,11 +68,14 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                 DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                HOST_DESCRIPTORS: tl.constexpr):
-    """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries."""
+                HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
+    """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries.
+    MASKED tiles test every pair, and EXACT ones keep a non-finite Q or dO out of the keys that may
+    not use it."""
     rows_in_tile = tl.arange(0, BLOCK_M)
     q_len = pairs[0]  # pair_rule packs the query length first
-    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASKED else None):  # see _dq_tiles
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASKED and (EXACT or HAS_MASK or HAS_BLOCK_MASK)
+                            else None):  # see _dq_tiles
         rows = start_m + rows_in_tile
         if MASKED:
             ok = allowed_pairs(rows[None, :], cols[:, None], pairs, HAS_MASK, HAS_BLOCK_MASK)
@@ -105,7 +109,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
-            if MASKED:
+            if MASKED and EXACT:
                 if USE_TMA:
                     suspect = any_nonfinite(s) | any_nonfinite(dp)  # of Q and dO (K and V too)
                 else:
@@ -119,7 +123,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
             else:
                 p_kept = p
             ds = p * (dp - delta[None, :])
-            if MASKED:
+            if MASKED and EXACT:
                 # P is NaN at a disallowed pair of a row whose LSE is NaN, and dS wherever dP is
                 # non-finite (a non-finite row of V or dO): both are masked here.
                 dv = masked_dot(tl.where(ok, p_kept, 0.0).to(do.dtype), do, ok, dv, suspect, DOT_PRECISION)
@@ -127,6 +131,46 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
             else:
                 dv = dot(p_kept.to(do.dtype), do, dv, DOT_PRECISION)
                 dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_group(k, v, Q, DO, q_desc, do_desc, LSE2, DELTA, b, hk, q_start, q_len, k_len, seq, cols, first, full_lo,
+                full_hi, end, stride_qb, stride_qn, stride_qh, stride_db, stride_dn, stride_dh, stride_lb, stride_lh,
+                MASK, BLOCKS, stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj,
+                block_q, block_k, heads_q, group, left, right, scale_log2, seed, rng_offset, drop_threshold,
+                drop_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+                HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
+                EXACT: tl.constexpr):
+    """(dK, dV) of one key tile, unscaled, summed over the query heads of key head ``hk``'s group;
+    its query tiles [first, end), of which those in [full_lo, full_hi) need no mask."""
+    b64 = b.to(tl.int64)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for g in range(group):
+        head = hk * group + g
+        h = head.to(tl.int64)
+        q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
+        do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
+        lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
+        delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
+        pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj,
+                          BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
+                          HAS_BLOCK_MASK)
+        stream = b * heads_q + h
+        q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
+                                             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
+                                             HOST_DESCRIPTORS)
+        for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
+            if MASKED_TILES or part == 1:
+                lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
+                dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
+                                     stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
+                                     scale_log2, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM,
+                                     HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK,
+                                     DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
     return dk, dv
 
 
@@ -166,34 +210,29 @@ def _dkdv_program(
         v = tl.load(V + b64 * stride_vb + key_row0 * stride_vn + hk.to(tl.int64) * stride_vh
                     + cols_in_tile[:, None] * stride_vn + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V),
                     other=0.0)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         # Seen from the keys, the band is mirrored: left and right swap.
         first, full_lo, full_hi, end = band_tiles(n0, k_len, q_len, right, left, BLOCK_N, BLOCK_M,
                                                   HAS_MASK or HAS_BLOCK_MASK)
         seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
-        for g in range(group):
-            head = hk * group + g
-            h = head.to(tl.int64)
-            q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
-            do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
-            lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
-            delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-            pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj,
-                              BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
-                              HAS_BLOCK_MASK)
-            stream = b * heads_q + h
-            q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
-                                                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
-                                                 HOST_DESCRIPTORS)
-            for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-                if MASKED_TILES or part == 1:
-                    lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
-                    dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
-                                         stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
-                                         scale_log2, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM,
-                                         HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK,
-                                         DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS)
+        # Masked tiles take plain products first (pipelined, no branch). Where a disallowed pair
+        # meets a NaN or inf in Q or dO, that adds 0 * inf = NaN, so a program whose sums end
+        # non-finite runs again, exactly (Passes' argument, inside one launch).
+        PASSES: tl.constexpr = 2 if MASKED_TILES and USE_TMA else 1
+        redo = True
+        # Bound before the loop: a name first bound inside a static_range does not outlive it.
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        for attempt in tl.static_range(PASSES):
+            if redo:
+                dk, dv = _dkdv_group(k, v, Q, DO, q_desc, do_desc, LSE2, DELTA, b, hk, q_start, q_len, k_len, seq,
+                                     cols, first, full_lo, full_hi, end, stride_qb, stride_qn, stride_qh, stride_db,
+                                     stride_dn, stride_dh, stride_lb, stride_lh, MASK, BLOCKS, stride_mb, stride_mh,
+                                     stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q,
+                                     block_k, heads_q, group, left, right, scale_log2, seed, rng_offset,
+                                     drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                     BLOCK_N, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
+                                     MASKED_TILES, HOST_DESCRIPTORS, attempt == PASSES - 1)
+                redo = nonfinite(tl.sum(dk) + tl.sum(dv))
 
         # Padded keys past k_len get zero gradients, whatever K and V hold there.
         dk = tl.where(live, dk * softmax_scale, 0.0)
@@ -213,13 +252,14 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
               DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-              HOST_DESCRIPTORS: tl.constexpr):
-    """Add key tiles [lo, hi) into this query tile's dq."""
+              HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
+    """Add key tiles [lo, hi) into this query tile's dq; MASKED and EXACT as in _dkdv_tiles."""
     cols_in_tile = tl.arange(0, BLOCK_N)
-    # The masked tiles' loops are not software-pipelined: pipelined around masked_dot's branch,
-    # Triton 3.6 computed wrong 16-bit gradients on the H100 (dq and dk off by up to 100% with
-    # more keys than queries, causal, at most tile shapes); there are one or two such tiles a row.
-    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED else None):
+    # A masked loop with a branch on data around its products is not software-pipelined:
+    # pipelined around masked_dot's branch on ``suspect``, Triton 3.6 computed wrong 16-bit
+    # gradients on the H100 (dq and dk off by up to 100% with more keys than queries, causal).
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and (EXACT or HAS_MASK or HAS_BLOCK_MASK)
+                            else None):
         cols = start_n + cols_in_tile
         if MASKED:
             ok = allowed_pairs(rows[:, None], cols[None, :], pairs, HAS_MASK, HAS_BLOCK_MASK)
@@ -236,22 +276,22 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
                           USE_TMA, MASKED, False, HOST_DESCRIPTORS)
             v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
                           BLOCK_DV, USE_TMA, MASKED, False, HOST_DESCRIPTORS)
+            s = dot(q, tl.trans(k), None, DOT_PRECISION)
             if MASKED:
-                s = dot(q, tl.trans(k), None, DOT_PRECISION)
-                if USE_TMA:
-                    suspect = any_nonfinite(s)  # of K (and Q)
-                else:
-                    suspect = True  # as in _dkdv_tiles
+                if EXACT:
+                    if USE_TMA:
+                        suspect = any_nonfinite(s)  # of K (and Q)
+                    else:
+                        suspect = True  # as in _dkdv_tiles
                 p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[:, None])
             else:
-                s = dot(q, tl.trans(k), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[:, None])
             dp = dot(do, tl.trans(v), None, DOT_PRECISION)
             if DROPOUT:
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
-            if MASKED:
+            if MASKED and EXACT:
                 # as in _dkdv_tiles
                 dq = masked_dot(tl.where(ok, ds, 0.0).to(k.dtype), k, ok, dq, suspect, DOT_PRECISION)
             else:
@@ -307,16 +347,23 @@ def _dq_program(
                           stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
         stream = b * heads_q + h
 
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                                   HAS_MASK or HAS_BLOCK_MASK)
-        for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-            if MASKED_TILES or part == 1:
-                lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-                dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
-                               stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, seed,
-                               rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                               part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS)
+        PASSES: tl.constexpr = 2 if MASKED_TILES and USE_TMA else 1  # as in _dkdv_program
+        redo = True
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # bound before the loop, as in _dkdv_program
+        for attempt in tl.static_range(PASSES):
+            if redo:
+                dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
+                    if MASKED_TILES or part == 1:
+                        lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
+                        dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start,
+                                       kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2,
+                                       stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
+                                       BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
+                                       DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, attempt == PASSES - 1)
+                redo = nonfinite(tl.sum(dq))
 
         dq = tl.where(live, dq * softmax_scale, 0.0)
         tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn

@@ -422,11 +422,17 @@ class Passes:
 
 
 @triton.jit
+def nonfinite(total):
+    """Whether ``total``, a sum of a program's outputs, is NaN or infinite: so it is where a term
+    is (or, harmlessly, where it overflows). A sum costs fewer registers than testing every
+    element (forward, d128: 151 against 167)."""
+    return (tl.abs(total) < float("inf")) == 0
+
+
+@triton.jit
 def flag_nonfinite(REDO, total):
-    """Flag this program for the exact launch (``Passes``) unless ``total``, a sum of its outputs,
-    is finite. A sum is non-finite where a term is (or, harmlessly, where it overflows), and costs
-    fewer registers than testing every element (forward, d128: 151 against 167)."""
-    tl.store(REDO + tl.program_id(0), (tl.abs(total) < float("inf")).to(tl.int8) ^ 1)
+    """Flag this program for the exact launch (``Passes``) if ``total``, a sum of its outputs, is ``nonfinite``."""
+    tl.store(REDO + tl.program_id(0), nonfinite(total).to(tl.int8))
 
 
 @triton.jit
