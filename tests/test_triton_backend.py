@@ -283,6 +283,25 @@ def test_the_exact_forward_launch_redoes_only_the_query_tiles_that_met_a_nonfini
     check_against_oracle(q, k, v, randn(B, N, H, D), causal=True)
 
 
+def test_the_exact_gradient_launch_redoes_only_the_programs_that_met_a_nonfinite_value(monkeypatch):
+    """Causal, 32-row tiles, dK/dV and dQ in one launch (3 key tiles and 3 query tiles a head, 24
+    programs), a NaN in Q at row 40 of one head: the plain products of key tile [32, 64) give NaN
+    to keys 41-63 too, which may not use that row, key tile [0, 32) and query tile [32, 64) use it:
+    those three are flagged and redone; key tile [64, 96) never loads row 40."""
+    from flashx_triton import common, tuning
+
+    monkeypatch.setattr(tuning, "INTERPRETED_GRADIENTS", ["fused"])
+    flags = []
+    run = common.Passes.__call__
+    monkeypatch.setattr(common.Passes, "__call__", lambda self, *tensors: flags.append(run(self, *tensors)))
+    B, H, N, D = 1, 4, 96, 16
+    q, k, v, do = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
+    q[0, 40, 2, 3] = math.nan
+    check_against_oracle(q, k, v, do, causal=True)
+    gradient_flags = [f.tolist() for f in flags if len(f) == 24]
+    assert len(gradient_flags) == 1 and gradient_flags[0].count(1) == 3, gradient_flags
+
+
 @pytest.mark.parametrize("plan", ["split", "fused"])
 def test_dkdv_and_dq_in_one_launch_or_two(monkeypatch, plan):
     """Both ways of launching the gradient kernel's two kinds of programs (tuning.GRADIENTS): in

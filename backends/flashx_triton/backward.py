@@ -7,7 +7,9 @@
      of its group: dV = P^T dO, dK = dS^T Q, summed over the group in registers;
    - ``_dq_program``: one query tile, Q/dO resident, streaming key tiles: dQ = dS K.
    Both kinds run in one launch, or each in a launch of its own with tiles of its own, whichever
-   ran faster on first use (``tuning.GRADIENTS``).
+   ran faster on first use (``tuning.GRADIENTS``). As in the forward, a launch with masked tiles
+   runs twice (``Passes``): plain products first, then exactly for the programs whose sums ended
+   non-finite.
 
 P is recomputed from the LSE; with dropout, Z is regenerated from (seed, rng_offset).
 """
@@ -21,10 +23,10 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, Launch, allow_kernel_descriptors, allowed_pairs, any_nonfinite, band_part,
-                                  band_tiles, dot, dropout_keep, head_descriptors, last_dim_contiguous, layout,
-                                  load_rows, lse_strides, masked_dot, masked_tiles, nonfinite, pair_rule,
-                                  per_problem, problem_args, row_descriptors, row_strides, sequence_bounds,
+from flashx_triton.common import (LOG2E, Launch, Passes, allow_kernel_descriptors, allowed_pairs, any_nonfinite,
+                                  band_part, band_tiles, dot, dropout_keep, flag_nonfinite, flagged, head_descriptors,
+                                  last_dim_contiguous, layout, load_rows, lse_strides, masked_dot, masked_tiles,
+                                  pair_rule, per_problem, problem_args, row_descriptors, row_strides, sequence_bounds,
                                   tma_ready)
 
 
@@ -71,7 +73,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
     """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries.
     MASKED tiles test every pair, and EXACT ones keep a non-finite Q or dO out of the keys that may
-    not use it."""
+    not use it (``Passes``)."""
     rows_in_tile = tl.arange(0, BLOCK_M)
     q_len = pairs[0]  # pair_rule packs the query length first
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASKED and (EXACT or HAS_MASK or HAS_BLOCK_MASK)
@@ -135,48 +137,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
 
 
 @triton.jit
-def _dkdv_group(k, v, Q, DO, q_desc, do_desc, LSE2, DELTA, b, hk, q_start, q_len, k_len, seq, cols, first, full_lo,
-                full_hi, end, stride_qb, stride_qn, stride_qh, stride_db, stride_dn, stride_dh, stride_lb, stride_lh,
-                MASK, BLOCKS, stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj,
-                block_q, block_k, heads_q, group, left, right, scale_log2, seed, rng_offset, drop_threshold,
-                drop_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-                HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
-                EXACT: tl.constexpr):
-    """(dK, dV) of one key tile, unscaled, summed over the query heads of key head ``hk``'s group;
-    its query tiles [first, end), of which those in [full_lo, full_hi) need no mask."""
-    b64 = b.to(tl.int64)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    for g in range(group):
-        head = hk * group + g
-        h = head.to(tl.int64)
-        q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
-        do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
-        lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
-        delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj,
-                          BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
-                          HAS_BLOCK_MASK)
-        stream = b * heads_q + h
-        q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
-                                             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
-                                             HOST_DESCRIPTORS)
-        for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-            if MASKED_TILES or part == 1:
-                lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
-                dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
-                                     stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
-                                     scale_log2, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM,
-                                     HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK,
-                                     DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
-    return dk, dv
-
-
-@triton.jit
 def _dkdv_program(
-    head_k, n0, Q, K, V, DO, q_desc, do_desc, DK, DV, LSE2, DELTA,
+    head_k, n0, Q, K, V, DO, q_desc, do_desc, DK, DV, LSE2, DELTA, REDO,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
@@ -187,7 +149,7 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
-    HOST_DESCRIPTORS: tl.constexpr,
+    HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time."""
     heads_k = heads_q // group
@@ -210,29 +172,36 @@ def _dkdv_program(
         v = tl.load(V + b64 * stride_vb + key_row0 * stride_vn + hk.to(tl.int64) * stride_vh
                     + cols_in_tile[:, None] * stride_vn + dims_v[None, :], mask=live & (dims_v[None, :] < HEAD_DIM_V),
                     other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         # Seen from the keys, the band is mirrored: left and right swap.
         first, full_lo, full_hi, end = band_tiles(n0, k_len, q_len, right, left, BLOCK_N, BLOCK_M,
                                                   HAS_MASK or HAS_BLOCK_MASK)
         seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
-        # Masked tiles take plain products first (pipelined, no branch). Where a disallowed pair
-        # meets a NaN or inf in Q or dO, that adds 0 * inf = NaN, so a program whose sums end
-        # non-finite runs again, exactly (Passes' argument, inside one launch).
-        PASSES: tl.constexpr = 2 if MASKED_TILES and USE_TMA else 1
-        redo = True
-        # Bound before the loop: a name first bound inside a static_range does not outlive it.
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        for attempt in tl.static_range(PASSES):
-            if redo:
-                dk, dv = _dkdv_group(k, v, Q, DO, q_desc, do_desc, LSE2, DELTA, b, hk, q_start, q_len, k_len, seq,
-                                     cols, first, full_lo, full_hi, end, stride_qb, stride_qn, stride_qh, stride_db,
-                                     stride_dn, stride_dh, stride_lb, stride_lh, MASK, BLOCKS, stride_mb, stride_mh,
-                                     stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q,
-                                     block_k, heads_q, group, left, right, scale_log2, seed, rng_offset,
-                                     drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                     BLOCK_N, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-                                     MASKED_TILES, HOST_DESCRIPTORS, attempt == PASSES - 1)
-                redo = nonfinite(tl.sum(dk) + tl.sum(dv))
+        for g in range(group):
+            head = hk * group + g
+            h = head.to(tl.int64)
+            q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
+            do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
+            lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
+            delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
+            pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj,
+                              BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
+                              HAS_BLOCK_MASK)
+            stream = b * heads_q + h
+            q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
+                                                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
+                                                 HOST_DESCRIPTORS)
+            for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
+                if MASKED_TILES or part == 1:
+                    lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
+                    dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
+                                         stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
+                                         scale_log2, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM,
+                                         HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK,
+                                         DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
+        if not EXACT:
+            flag_nonfinite(REDO, tl.sum(dk) + tl.sum(dv))
 
         # Padded keys past k_len get zero gradients, whatever K and V hold there.
         dk = tl.where(live, dk * softmax_scale, 0.0)
@@ -258,6 +227,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
     # A masked loop with a branch on data around its products is not software-pipelined:
     # pipelined around masked_dot's branch on ``suspect``, Triton 3.6 computed wrong 16-bit
     # gradients on the H100 (dq and dk off by up to 100% with more keys than queries, causal).
+    # The plain masked tiles have no such branch unless a mask can leave a tile empty.
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and (EXACT or HAS_MASK or HAS_BLOCK_MASK)
                             else None):
         cols = start_n + cols_in_tile
@@ -301,7 +271,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
 
 @triton.jit
 def _dq_program(
-    head, m0, Q, K, V, DO, k_desc, v_desc, DQ, LSE2, DELTA,
+    head, m0, Q, K, V, DO, k_desc, v_desc, DQ, LSE2, DELTA, REDO,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
     CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
@@ -312,7 +282,7 @@ def _dq_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
-    HOST_DESCRIPTORS: tl.constexpr,
+    HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time."""
     b = head // heads_q
@@ -347,23 +317,19 @@ def _dq_program(
                           stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
         stream = b * heads_q + h
 
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                                   HAS_MASK or HAS_BLOCK_MASK)
-        PASSES: tl.constexpr = 2 if MASKED_TILES and USE_TMA else 1  # as in _dkdv_program
-        redo = True
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # bound before the loop, as in _dkdv_program
-        for attempt in tl.static_range(PASSES):
-            if redo:
-                dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-                    if MASKED_TILES or part == 1:
-                        lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-                        dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start,
-                                       kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2,
-                                       stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                                       BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                                       DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, attempt == PASSES - 1)
-                redo = nonfinite(tl.sum(dq))
+        for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
+            if MASKED_TILES or part == 1:
+                lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
+                dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
+                               stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, seed,
+                               rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS,
+                               EXACT)
+        if not EXACT:
+            flag_nonfinite(REDO, tl.sum(dq))
 
         dq = tl.where(live, dq * softmax_scale, 0.0)
         tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
@@ -373,7 +339,7 @@ def _dq_program(
 
 @triton.jit
 def _gradients_kernel(
-    Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA,
+    Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA, REDO,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
@@ -385,6 +351,7 @@ def _gradients_kernel(
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_KEYS: tl.constexpr, MASKED_QUERIES: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, KEY_PROGRAMS: tl.constexpr, QUERY_PROGRAMS: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Per key head, the programs of its key tiles (dK, dV; if KEY_PROGRAMS) and then those of the
     query tiles of its query heads (dQ; if QUERY_PROGRAMS). Each program keeps TILE rows resident
@@ -393,6 +360,9 @@ def _gradients_kernel(
     key_tiles = tl.cdiv(padded_k, TILE) if KEY_PROGRAMS else 0
     query_tiles = tl.cdiv(padded_q, TILE)
     per_head = key_tiles + (group * query_tiles if QUERY_PROGRAMS else 0)
+    if EXACT and REDO is not None:  # the second of two launches (Passes)
+        if not flagged(REDO):
+            return
     pid = tl.program_id(0)
     head_k = pid // per_head
     local = pid % per_head
@@ -401,7 +371,7 @@ def _gradients_kernel(
     else:
         keys: tl.constexpr = KEY_PROGRAMS  # known when compiling: the other part is left out
     if keys:
-        _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA,
+        _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA, REDO,
                       stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                       stride_vh, stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
                       stride_dvn, stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
@@ -409,18 +379,19 @@ def _gradients_kernel(
                       block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed,
                       rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM, TILE,
                       IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION,
-                      USE_TMA, MASKED_KEYS, HOST_DESCRIPTORS)
+                      USE_TMA, MASKED_KEYS, HOST_DESCRIPTORS, EXACT)
     else:
         local -= key_tiles
         _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE,
-                    Q, K, V, DO, K_DESC, V_DESC, DQ, LSE2, DELTA,
+                    Q, K, V, DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO,
                     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                     stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
                     CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, stride_mb, stride_mh, stride_mi, stride_mj,
                     stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, padded_q, padded_k, heads_q, group,
                     left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold, drop_scale,
                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K,
-                    HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, MASKED_QUERIES, HOST_DESCRIPTORS)
+                    HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, MASKED_QUERIES, HOST_DESCRIPTORS,
+                    EXACT)
 
 
 def backward(problem, q, k, v, o, lse, do):
@@ -485,14 +456,16 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, par
                                             (v, "BLOCK_DV", queries))]
     per_head = ((triton.cdiv(problem.seqlen_k, tile) if keys else 0)
                 + (problem.group * triton.cdiv(problem.seqlen_q, tile) if queries else 0))
-    kernel = Launch(_gradients_kernel, (problem.batch * problem.heads_k * per_head,), config.options(),
+    masked_keys = masked_tiles(problem, problem.seqlen_q, stream)
+    masked_queries = masked_tiles(problem, problem.seqlen_k, stream)
+    kernel = Passes(_gradients_kernel, problem.batch * problem.heads_k * per_head, config.options(),
+                    (keys and masked_keys) or (queries and masked_queries),
                     **{key: value for name, x in (("q", q), ("k", k), ("v", v), ("d", do), ("dq", dq), ("dk", dk),
                                                   ("dv", dv)) for key, value in row_strides(name, x, varlen).items()},
                     **lse_strides(lse2, varlen), **args, softmax_scale=problem.softmax_scale,
                     scale_log2=problem.softmax_scale * LOG2E, TILE=tile, STREAM=stream, USE_TMA=use_tma,
-                    HOST_DESCRIPTORS=host, MASKED_KEYS=masked_tiles(problem, problem.seqlen_q, stream),
-                    MASKED_QUERIES=masked_tiles(problem, problem.seqlen_k, stream), KEY_PROGRAMS=keys,
-                    QUERY_PROGRAMS=queries)
+                    HOST_DESCRIPTORS=host, MASKED_KEYS=masked_keys, MASKED_QUERIES=masked_queries,
+                    KEY_PROGRAMS=keys, QUERY_PROGRAMS=queries)
 
     def run(q, k, v, do, dq, dk, dv, lse2, delta):
         kernel(q, k, v, do, *(descriptor(x) for descriptor, x in zip(descriptors, (q, do, k, v))), dq, dk, dv, lse2,

@@ -162,8 +162,9 @@ def _launch(problem, config, q, k, v, o, lse):
     use_tma = tma_ready(problem, k, v)
     k_descriptor = row_descriptors(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
     v_descriptor = row_descriptors(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
+    masked = masked_tiles(problem, problem.seqlen_k, config.block_n)
     kernel = Passes(_forward_kernel, problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),
-                    config.options(), masked_tiles(problem, problem.seqlen_k, config.block_n),
+                    config.options(), masked, MASKED_TILES=masked,
                     **row_strides("q", q, varlen), **row_strides("k", k, varlen), **row_strides("v", v, varlen),
                     **row_strides("o", o, varlen), **lse_strides(lse, varlen), **args,
                     scale_log2=problem.softmax_scale * LOG2E, USE_TMA=use_tma, **config.tiles())

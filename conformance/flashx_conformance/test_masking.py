@@ -38,6 +38,22 @@ def test_causal_16bit(flashx_target, flashx_rng, seqlen_q, seqlen_k, head_dim, d
     flashx_target.check(case)
 
 
+MASKS_16BIT = {
+    "window": dict(seqlen_q=150, seqlen_k=260, window=(37, 11)),
+    "seqlens": dict(batch=3, seqlen_q=160, seqlen_k=230, causal=True, seqlens_q=np.array([160, 77, 1], np.int32),
+                    seqlens_k=np.array([230, 200, 5], np.int32)),
+    "gqa": dict(seqlen_q=100, seqlen_k=230, heads_q=4, heads_k=2, causal=True),
+}
+
+
+@pytest.mark.parametrize("name, dtype", [pytest.param(name, dtype, marks=full_only) for name in MASKS_16BIT
+                                         for dtype in ("bfloat16", "float16")], ids=str)
+def test_masks_16bit(flashx_target, flashx_rng, name, dtype):
+    """The other masks whose band edge spans several tiles, in 16 bits, at d128 (see test_causal_16bit)."""
+    case = make_case(flashx_rng, head_dim=128, dtype=dtype, **MASKS_16BIT[name])
+    flashx_target.check(case)
+
+
 WINDOWS = {
     "left-only": ((16, -1), False),
     "right-only": ((-1, 16), False),
