@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -89,6 +90,14 @@ def interpreting() -> bool:
 
 def autotuning() -> bool:
     return os.environ.get("FLASHX_TRITON_AUTOTUNE") != "0"
+
+
+_trying = threading.local()
+
+
+def trying_candidates() -> bool:
+    """Whether this thread is running the candidates of a choice (``_fastest``)."""
+    return getattr(_trying, "active", False)
 
 
 def candidates(kernel: str, problem) -> list:
@@ -182,6 +191,7 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
 
     buffers = first = reference = None
     best, best_ms = options[0], float("inf")
+    _trying.active = True
     try:
         for config in options:
             try:
@@ -212,6 +222,7 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
                 best, best_ms = config, ms
         return best
     finally:
+        _trying.active = False
         for x, saved in zip(buffers or (), first or ()):
             x.copy_(saved)
 
