@@ -191,7 +191,7 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
 
     buffers = first = reference = None
     best, best_ms = options[0], float("inf")
-    _trying.active = True
+    outer, _trying.active = trying_candidates(), True  # a plan's choice holds its launches' choices
     try:
         for config in options:
             try:
@@ -222,7 +222,7 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
                 best, best_ms = config, ms
         return best
     finally:
-        _trying.active = False
+        _trying.active = outer
         for x, saved in zip(buffers or (), first or ()):
             x.copy_(saved)
 
