@@ -12,11 +12,12 @@ Options: ``fwd`` or ``all`` (with the backward), then d=, dv=, n=, causal=0/1, a
 kernel as block_m,block_n,warps,stages[,host_descriptors] (fwd=, dkdv=, dq=; default: the first
 candidate; the backward runs as two launches, and fused= adds its one launch under that config).
 TTGIR=folder also writes each kernel's TTGIR there; SPILLS=1 also counts the spill stores and
-loads by the source line they belong to.
+loads by the source line they belong to. Each kernel line ends with a digest of its machine code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -100,15 +101,27 @@ def main(argv: list[str]) -> None:
                          if on)
         tiles = (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}" if "BLOCK_M" in kw
                  else f"tile {kw['TILE']} stream {kw['STREAM']} {parts}")
-        print(f"{name:16s} {tiles} w{kw['num_warps']} s{kw['num_stages']} [{flags}] "
+        exact = "exact" if kw.get("EXACT") else "plain"
+        print(f"{name:16s} {tiles} w{kw['num_warps']} s{kw['num_stages']} [{flags}] {exact} "
               f"warps {kernel.metadata.num_warps}, registers {registers and registers.group(1)}, "
               f"spill stores {spill and spill.group(1)} B, "
-              f"shared {kernel.metadata.shared} B")
+              f"shared {kernel.metadata.shared} B, SASS {sass_digest(kernel.asm['cubin'])}")
         if "SPILLS" in opts:
             print(spills_by_line(kernel.asm["cubin"]))
         if "TTGIR" in opts:
-            with open(os.path.join(opts["TTGIR"], f"{name}-masked{int(bool(kw.get('MASKED_TILES')))}.ttgir"), "w") as f:
+            with open(os.path.join(opts["TTGIR"], f"{name}-masked{int(bool(kw.get('MASKED_TILES')))}-{exact}.ttgir"), "w") as f:
                 f.write(kernel.asm["ttgir"])
+
+
+def sass_digest(cubin: bytes) -> str:
+    """A short hash of the machine code without its line table: equal digests, the same kernel
+    (a source change that should not alter the compiled code is checked this way)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return hashlib.sha256(re.sub(r"/\*[0-9a-f]+\*/", "", sass).encode()).hexdigest()[:12]
 
 
 def spills_by_line(cubin: bytes) -> str:

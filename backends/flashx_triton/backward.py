@@ -24,10 +24,10 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, Launch, Passes, allow_kernel_descriptors, allowed_pairs, any_nonfinite,
-                                  band_part, band_tiles, dot, dropout_keep, flag_nonfinite, flagged, head_descriptors,
-                                  last_dim_contiguous, layout, load_rows, lse_strides, masked_dot, masked_tiles,
-                                  pair_rule, per_problem, problem_args, row_descriptors, row_strides, sequence_bounds,
-                                  tma_ready)
+                                  band_part, band_tiles, dot, dropout_keep, flag_nonfinite, flagged_share,
+                                  head_descriptors, last_dim_contiguous, layout, load_rows, lse_strides, masked_dot,
+                                  masked_tiles, next_flagged, pair_rule, per_problem, problem_args, row_descriptors,
+                                  row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
@@ -337,7 +337,7 @@ def _dq_program(
                  mask=(rows[:, None] < rows_out) & (dims[None, :] < HEAD_DIM))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _gradients_kernel(
     Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA, REDO,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -345,7 +345,7 @@ def _gradients_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
     padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
-    drop_scale,
+    drop_scale, programs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -360,38 +360,43 @@ def _gradients_kernel(
     key_tiles = tl.cdiv(padded_k, TILE) if KEY_PROGRAMS else 0
     query_tiles = tl.cdiv(padded_q, TILE)
     per_head = key_tiles + (group * query_tiles if QUERY_PROGRAMS else 0)
-    if EXACT and REDO is not None:  # the second of two launches (Passes)
-        if not flagged(REDO):
-            return
-    pid = tl.program_id(0)
-    head_k = pid // per_head
-    local = pid % per_head
-    if KEY_PROGRAMS and QUERY_PROGRAMS:
-        keys = local < key_tiles
+    if EXACT and REDO is not None:  # the second launch (Passes): the programs the first flagged
+        ids, todo = flagged_share(REDO, programs)
+        runs = tl.sum(todo.to(tl.int32))
     else:
-        keys: tl.constexpr = KEY_PROGRAMS  # known when compiling: the other part is left out
-    if keys:
-        _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA, REDO,
-                      stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-                      stride_vh, stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
-                      stride_dvn, stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
-                      stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q,
-                      block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed,
-                      rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM, TILE,
-                      IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION,
-                      USE_TMA, MASKED_KEYS, HOST_DESCRIPTORS, EXACT)
-    else:
-        local -= key_tiles
-        _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE,
-                    Q, K, V, DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO,
-                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                    stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
-                    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, stride_mb, stride_mh, stride_mi, stride_mj,
-                    stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, padded_q, padded_k, heads_q, group,
-                    left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold, drop_scale,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K,
-                    HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, MASKED_QUERIES, HOST_DESCRIPTORS,
-                    EXACT)
+        runs = 1
+    for _ in range(runs):
+        if EXACT and REDO is not None:
+            pid, todo = next_flagged(ids, todo)
+        else:
+            pid = tl.program_id(0)
+        head_k = pid // per_head
+        local = pid % per_head
+        if KEY_PROGRAMS and QUERY_PROGRAMS:
+            keys = local < key_tiles
+        else:
+            keys: tl.constexpr = KEY_PROGRAMS  # known when compiling: the other part is left out
+        if keys:
+            _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA, REDO, stride_qb,
+                          stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                          stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                          stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, stride_mb,
+                          stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q,
+                          block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed,
+                          rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM,
+                          TILE, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
+                          DOT_PRECISION, USE_TMA, MASKED_KEYS, HOST_DESCRIPTORS, EXACT)
+        else:
+            local -= key_tiles
+            _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE, Q, K, V,
+                        DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO, stride_qb, stride_qn, stride_qh, stride_kb,
+                        stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_db, stride_dn, stride_dh,
+                        stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K,
+                        MASK, BLOCKS, stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi,
+                        stride_bj, block_q, block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale,
+                        scale_log2, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                        BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
+                        DROPOUT, DOT_PRECISION, USE_TMA, MASKED_QUERIES, HOST_DESCRIPTORS, EXACT)
 
 
 def backward(problem, q, k, v, o, lse, do):

@@ -15,9 +15,9 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, Passes, allowed_pairs, band_part, band_tiles, dot, dropout_keep,
-                                  flag_nonfinite, flagged, last_dim_contiguous, layout, load_rows, lse_strides,
-                                  masked_dot, masked_tiles, pair_rule, per_problem, problem_args, query_tile,
-                                  row_descriptors, row_strides, tma_ready)
+                                  flag_nonfinite, flagged_share, last_dim_contiguous, layout, load_rows, lse_strides,
+                                  masked_dot, masked_tiles, next_flagged, pair_rule, per_problem, problem_args,
+                                  query_tile, row_descriptors, row_strides, tma_ready)
 
 
 @triton.jit
@@ -78,70 +78,78 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _forward_kernel(
     Q, K, V, K_DESC, V_DESC, O, LSE, REDO,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
     padded_q, padded_k, heads_q, group, left, right, scale_log2, seed, rng_offset, drop_threshold, drop_scale,
+    programs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr, EXACT: tl.constexpr,
 ):
-    m0, b, h, q_start, q_len, k_start, k_len = query_tile(CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q,
-                                                          BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K)
-    rows_out = q_len if IS_VARLEN else padded_q  # padded rows past q_len still get o = 0, lse = -inf
-    if m0 >= rows_out:
-        return
-    if MASKED_TILES and EXACT:
-        if not flagged(REDO):
-            return
+    if EXACT and REDO is not None:  # the second launch (Passes): the programs the first flagged
+        ids, todo = flagged_share(REDO, programs)
+        runs = tl.sum(todo.to(tl.int32))
+    else:
+        runs = 1
+    for _ in range(runs):
+        if EXACT and REDO is not None:
+            pid, todo = next_flagged(ids, todo)
+        else:
+            pid = tl.program_id(0)
+        m0, b, h, q_start, q_len, k_start, k_len = query_tile(pid, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q,
+                                                              padded_k, heads_q, BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q,
+                                                              HAS_SEQLENS_K)
+        rows_out = q_len if IS_VARLEN else padded_q  # padded rows past q_len still get o = 0, lse = -inf
+        if m0 < rows_out:
+            b64 = b.to(tl.int64)
+            q_base = Q + b64 * stride_qb + (q_start + m0).to(tl.int64) * stride_qn + h.to(tl.int64) * stride_qh
+            kv_head = h // group
+            k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
+            v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
+            seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
 
-    b64 = b.to(tl.int64)
-    q_base = Q + b64 * stride_qb + (q_start + m0).to(tl.int64) * stride_qn + h.to(tl.int64) * stride_qh
-    kv_head = h // group
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_head.to(tl.int64) * stride_vh
-    seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
+            rows_in_tile = tl.arange(0, BLOCK_M)
+            rows = m0 + rows_in_tile
+            dims = tl.arange(0, BLOCK_D)
+            q = tl.load(q_base + rows_in_tile[:, None] * stride_qn + dims[None, :],
+                        mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM), other=0.0)
 
-    rows_in_tile = tl.arange(0, BLOCK_M)
-    rows = m0 + rows_in_tile
-    dims = tl.arange(0, BLOCK_D)
-    q = tl.load(q_base + rows_in_tile[:, None] * stride_qn + dims[None, :],
-                mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM), other=0.0)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+                                                      HAS_MASK or HAS_BLOCK_MASK)
+            stream = b * heads_q + h
+            pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj,
+                              BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
+                              HAS_BLOCK_MASK)
+            for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
+                if MASKED_TILES or part == 1:
+                    lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
+                    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
+                                                  kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs,
+                                                  scale_log2, stream, seed, rng_offset, drop_threshold, HEAD_DIM,
+                                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
+                                                  HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, EXACT)
+            if MASKED_TILES and not EXACT:
+                flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
-                                              HAS_MASK or HAS_BLOCK_MASK)
-    stream = b * heads_q + h
-    pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
-                      stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
-    for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-        if MASKED_TILES or part == 1:
-            lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-            acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start, kv_head,
-                                          stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream,
-                                          seed, rng_offset, drop_threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                                          BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION,
-                                          USE_TMA, EXACT)
-    if MASKED_TILES and not EXACT:
-        flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
-
-    # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
-    empty = (l_i == 0.0) | (rows >= q_len)
-    scale_out = drop_scale / l_i if DROPOUT else 1.0 / l_i
-    o = tl.where(empty[:, None], 0.0, acc * scale_out[:, None])
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: back to natural log
-    dims_v = tl.arange(0, BLOCK_DV)
-    o_base = O + b64 * stride_ob + (q_start + m0).to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh
-    tl.store(o_base + rows_in_tile[:, None] * stride_on + dims_v[None, :], o.to(O.dtype.element_ty),
-             mask=(rows[:, None] < rows_out) & (dims_v[None, :] < HEAD_DIM_V))
-    lse_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m0
-    tl.store(lse_base + rows_in_tile, lse, mask=rows < rows_out)
+            # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
+            empty = (l_i == 0.0) | (rows >= q_len)
+            scale_out = drop_scale / l_i if DROPOUT else 1.0 / l_i
+            o = tl.where(empty[:, None], 0.0, acc * scale_out[:, None])
+            lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: natural log
+            dims_v = tl.arange(0, BLOCK_DV)
+            o_base = O + b64 * stride_ob + (q_start + m0).to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh
+            tl.store(o_base + rows_in_tile[:, None] * stride_on + dims_v[None, :], o.to(O.dtype.element_ty),
+                     mask=(rows[:, None] < rows_out) & (dims_v[None, :] < HEAD_DIM_V))
+            lse_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m0
+            tl.store(lse_base + rows_in_tile, lse, mask=rows < rows_out)
 
 
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
