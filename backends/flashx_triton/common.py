@@ -41,7 +41,7 @@ def sequence_bounds(b, CU, SEQLENS, padded_length, IS_VARLEN: tl.constexpr, HAS_
 
 @triton.jit
 def query_tile(pid, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_q, BLOCK_M: tl.constexpr,
-                IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr, HAS_SEQLENS_K: tl.constexpr):
+               IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr, HAS_SEQLENS_K: tl.constexpr):
     """(m0, b, h, q_start, q_len, k_start, k_len) of program ``pid``'s query tile.
 
     One axis (no 65535 limit); a head's tiles are adjacent so they share K/V in L2, and the
