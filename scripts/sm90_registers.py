@@ -109,18 +109,24 @@ def main(argv: list[str]) -> None:
         if "SPILLS" in opts:
             print(spills_by_line(kernel.asm["cubin"]))
         if "TTGIR" in opts:
-            with open(os.path.join(opts["TTGIR"], f"{name}-masked{int(bool(kw.get('MASKED_TILES')))}-{exact}.ttgir"), "w") as f:
+            masked = int(bool(kw.get("MASKED_TILES")))
+            with open(os.path.join(opts["TTGIR"], f"{name}-masked{masked}-{exact}.ttgir"), "w") as f:
                 f.write(kernel.asm["ttgir"])
+
+
+def disassemble(cubin: bytes, *options: str) -> str:
+    """The SASS of a cubin, by the nvdisasm that Triton ships."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, *options, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def sass_digest(cubin: bytes) -> str:
     """A short hash of the machine code without its line table: equal digests, the same kernel
     (a source change that should not alter the compiled code is checked this way)."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    sass = disassemble(cubin)
     return hashlib.sha256(re.sub(r"/\*[0-9a-f]+\*/", "", sass).encode()).hexdigest()[:12]
 
 
@@ -128,11 +134,7 @@ def spills_by_line(cubin: bytes) -> str:
     """Where ptxas put its spill stores and loads (STL/LDL): counts by the source line that the
     line table gives the instruction, so that a spill in a rare branch can be told apart from one
     in the hot loop."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([nvdisasm, "-g", "-c", f.name], capture_output=True, text=True, check=True).stdout
+    sass = disassemble(cubin, "-g")
     where, counts = "?", {}
     for line in sass.splitlines():
         source = re.search(r'//## File "([^"]+)", line (\d+)', line)
