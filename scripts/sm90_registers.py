@@ -95,8 +95,8 @@ def main(argv: list[str]) -> None:
                                     capture_output=True, text=True).stderr
         registers = re.search(r"Used (\d+) registers", report)
         spill = re.search(r"(\d+) bytes spill stores", report)
-        flags = ",".join(f for f in ("MASKED_TILES", "MASKED_KEYS", "MASKED_QUERIES", "USE_TMA", "HOST_DESCRIPTORS")
-                         if kw.get(f))
+        band = ",".join(f"{f}={kw[f]:03b}" for f in ("PARTS", "KEY_PARTS", "QUERY_PARTS") if f in kw)
+        flags = ",".join([band] + [f for f in ("USE_TMA", "HOST_DESCRIPTORS") if kw.get(f)])
         parts = "+".join(part for part, on in (("dkdv", kw.get("KEY_PROGRAMS")), ("dq", kw.get("QUERY_PROGRAMS")))
                          if on)
         tiles = (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}" if "BLOCK_M" in kw
@@ -109,8 +109,7 @@ def main(argv: list[str]) -> None:
         if "SPILLS" in opts:
             print(spills_by_line(kernel.asm["cubin"]))
         if "TTGIR" in opts:
-            masked = int(bool(kw.get("MASKED_TILES")))
-            with open(os.path.join(opts["TTGIR"], f"{name}-masked{masked}-{exact}.ttgir"), "w") as f:
+            with open(os.path.join(opts["TTGIR"], f"{name}-{band.replace('=', '')}-{exact}.ttgir"), "w") as f:
                 f.write(kernel.asm["ttgir"])
 
 

@@ -20,7 +20,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import flashx  # noqa: E402
-from flashx_triton.common import dropout_keep  # noqa: E402
+from flashx.validation import build_problem  # noqa: E402
+from flashx_triton.common import band_part, band_parts, band_tiles, dropout_keep, problem_args  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's 1/0 on empty rows
 
@@ -157,6 +158,55 @@ def test_window(window, causal):
     B, H, N, D = 1, 2, 96, 16
     q, k, v, do = randn(B, N, H, D), randn(B, N + 9, H, D), randn(B, N + 9, H, D), randn(B, N, H, D)
     run_and_check(q, k, v, do, allowed_pairs(B, H, N, N + 9, causal, window), window=window, causal=causal)
+
+
+@triton.jit
+def band_part_sizes(OUT, ROW_LENGTHS, OTHER_LENGTHS, left, right, ROWS: tl.constexpr, TILE: tl.constexpr,
+                    ALL_MASKED: tl.constexpr):
+    """hi - lo of each of band_part's parts, for the row tile program_id(0) of lengths pair program_id(1)."""
+    tile, case = tl.program_id(0), tl.program_id(1)
+    first, full_lo, full_hi, end = band_tiles(tile * ROWS, tl.load(ROW_LENGTHS + case), tl.load(OTHER_LENGTHS + case),
+                                              left, right, ROWS, TILE, ALL_MASKED)
+    for part in tl.static_range(3):
+        lo, hi = band_part(part, first // TILE * TILE, full_lo, full_hi, end)
+        tl.store(OUT + (case * tl.num_programs(0) + tile) * 3 + part, hi - lo)
+
+
+@pytest.mark.parametrize("nq, nk", [(64, 64), (64, 96), (96, 64), (70, 100)])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(9, 20)),
+                                     dict(window=(40, -1), causal=True), dict(window=(-1, 3)), dict(mask="random"),
+                                     dict(seqlens=True), dict(seqlens=True, causal=True)], ids=str)
+def test_the_band_parts_left_out_of_a_kernel_never_hold_a_tile(nq, nk, options):
+    """band_parts, which decides what loops a kernel compiles, against band_tiles, which decides
+    at run time what tiles they run, for every row tile from both sides; and every masked part it
+    keeps holds a tile for some lengths (no masked loop compiled in vain)."""
+    options = dict(options)
+    q, k = randn(2, nq, 1, 16), randn(2, nk, 1, 16)
+    if options.pop("seqlens", False):  # lengths at and around the tile edges
+        options.update(seqlens_q=torch.tensor([nq, nq]), seqlens_k=torch.tensor([nk, nk]))
+        q_lengths, k_lengths = torch.meshgrid(*(torch.tensor(sorted({0, 1, 32, 33, 50, n}))
+                                                for n in (nq, nk)), indexing="ij")
+    else:
+        q_lengths, k_lengths = torch.tensor([nq]), torch.tensor([nk])
+    if options.get("mask") == "random":
+        options["mask"] = torch.rand(1, 1, nq, nk) < 0.5
+    problem = build_problem(q, k, k, **options)
+    args = problem_args(problem)
+    tile = 32
+    for keys in (False, True):
+        rows, other = (k_lengths, q_lengths) if keys else (q_lengths, k_lengths)
+        near, far = (args["right"], args["left"]) if keys else (args["left"], args["right"])
+        tiles = math.ceil((nk if keys else nq) / tile)
+        sizes = torch.empty(rows.numel(), tiles, 3, dtype=torch.int32)
+        band_part_sizes[(tiles, rows.numel())](sizes, rows.flatten().int(), other.flatten().int(), near, far, tile,
+                                               tile, problem.mask is not None)
+        parts = band_parts(problem, keys, tile)
+        holds = [sizes[..., part].amax().item() > 0 for part in range(3)]
+        kept = [bool(parts >> part & 1) for part in range(3)]
+        assert kept[1] != (problem.mask is not None), "the full tiles' loop is left out exactly under a mask"
+        for part in (0, 2):  # the masked tiles before and after the full ones
+            assert holds[part] == kept[part], f"keys={keys} part {part}: kept {kept[part]}, holds {holds[part]}"
+        assert not holds[1] or kept[1]
 
 
 def test_bool_mask_with_broadcast_and_fully_masked_rows():

@@ -23,10 +23,10 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, Launch, Passes, allow_kernel_descriptors, allowed_pairs, any_nonfinite,
-                                  band_part, band_tiles, dot, dropout_keep, flag_nonfinite, flagged_share,
-                                  head_descriptors, last_dim_contiguous, layout, load_rows, lse_strides, masked_dot,
-                                  masked_tiles, next_flagged, pair_rule, per_problem, problem_args, row_descriptors,
+from flashx_triton.common import (LOG2E, MASKED_PARTS, Launch, Passes, allow_kernel_descriptors, allowed_pairs,
+                                  any_nonfinite, band_part, band_parts, band_tiles, dot, dropout_keep, flag_nonfinite,
+                                  flagged_share, head_descriptors, last_dim_contiguous, layout, load_rows, lse_strides,
+                                  masked_dot, next_flagged, pair_rule, per_problem, problem_args, row_descriptors,
                                   row_strides, sequence_bounds, tma_ready)
 
 
@@ -148,7 +148,7 @@ def _dkdv_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time."""
@@ -193,7 +193,7 @@ def _dkdv_program(
                                                  HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
                                                  HOST_DESCRIPTORS)
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-                if MASKED_TILES or part == 1:
+                if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
                     dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
                                          stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
@@ -281,7 +281,7 @@ def _dq_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time."""
@@ -321,7 +321,7 @@ def _dq_program(
         first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                                   HAS_MASK or HAS_BLOCK_MASK)
         for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-            if MASKED_TILES or part == 1:
+            if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                 lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                 dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
                                stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, seed,
@@ -349,7 +349,7 @@ def _gradients_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_KEYS: tl.constexpr, MASKED_QUERIES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, KEY_PARTS: tl.constexpr, QUERY_PARTS: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, KEY_PROGRAMS: tl.constexpr, QUERY_PROGRAMS: tl.constexpr,
     EXACT: tl.constexpr,
 ):
@@ -385,7 +385,7 @@ def _gradients_kernel(
                           block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed,
                           rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM,
                           TILE, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                          DOT_PRECISION, USE_TMA, MASKED_KEYS, HOST_DESCRIPTORS, EXACT)
+                          DOT_PRECISION, USE_TMA, KEY_PARTS, HOST_DESCRIPTORS, EXACT)
         else:
             local -= key_tiles
             _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE, Q, K, V,
@@ -396,7 +396,7 @@ def _gradients_kernel(
                         stride_bj, block_q, block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale,
                         scale_log2, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                         BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
-                        DROPOUT, DOT_PRECISION, USE_TMA, MASKED_QUERIES, HOST_DESCRIPTORS, EXACT)
+                        DROPOUT, DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT)
 
 
 def backward(problem, q, k, v, o, lse, do):
@@ -461,15 +461,15 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, par
                                             (v, "BLOCK_DV", queries))]
     per_head = ((triton.cdiv(problem.seqlen_k, tile) if keys else 0)
                 + (problem.group * triton.cdiv(problem.seqlen_q, tile) if queries else 0))
-    masked_keys = masked_tiles(problem, problem.seqlen_q, stream)
-    masked_queries = masked_tiles(problem, problem.seqlen_k, stream)
+    key_parts = band_parts(problem, True, stream) if keys else 0
+    query_parts = band_parts(problem, False, stream) if queries else 0
     kernel = Passes(_gradients_kernel, problem.batch * problem.heads_k * per_head, config.options(),
-                    (keys and masked_keys) or (queries and masked_queries),
+                    bool((key_parts | query_parts) & MASKED_PARTS),
                     **{key: value for name, x in (("q", q), ("k", k), ("v", v), ("d", do), ("dq", dq), ("dk", dk),
                                                   ("dv", dv)) for key, value in row_strides(name, x, varlen).items()},
                     **lse_strides(lse2, varlen), **args, softmax_scale=problem.softmax_scale,
                     scale_log2=problem.softmax_scale * LOG2E, TILE=tile, STREAM=stream, USE_TMA=use_tma,
-                    HOST_DESCRIPTORS=host, MASKED_KEYS=masked_keys, MASKED_QUERIES=masked_queries,
+                    HOST_DESCRIPTORS=host, KEY_PARTS=key_parts, QUERY_PARTS=query_parts,
                     KEY_PROGRAMS=keys, QUERY_PROGRAMS=queries)
 
     def run(q, k, v, do, dq, dk, dv, lse2, delta):

@@ -310,15 +310,30 @@ def make_context_current(x: torch.Tensor) -> None:
         _thread.has_context = True
 
 
-def masked_tiles(problem, length: int, tile: int) -> bool:
-    """Whether some tile of the streamed axis (``length`` rows, ``tile`` at a time) needs a mask.
+def band_parts(problem, keys: bool, tile: int) -> int:
+    """Which of ``band_part``'s three parts can hold tiles, bit ``1 << part`` each, for programs
+    that hold query rows (``keys`` False) or keys and stream the other axis ``tile`` rows at a time.
 
-    When none can, the kernel is compiled without its masked loops: their code (masked_dot's
-    NaN path above all) holds registers and shared memory even in a loop that never runs.
+    The kernels compile only these parts' loops: a masked loop holds registers and shared memory
+    even where it never runs (masked_dot's NaN path above all). In the causal d128 backward on
+    the H100 the second masked loop of each kind made the full tiles' loop spill (364 B against
+    236) and cost 7-10% of the gradient launch. By ``band_tiles``, masked tiles come before the
+    full ones only under a mask (then every used tile is masked) or where the near edge of the
+    band is bounded, and after them only where its far edge is, or where the other axis can end
+    inside a tile.
     """
-    uniform = (problem.band is None and problem.mask is None and problem.block_mask is None
-               and problem.seqlens_q is None and problem.seqlens_k is None and not problem.varlen)
-    return not uniform or length % tile != 0
+    if problem.mask is not None or problem.block_mask is not None:
+        return 0b001
+    near, far = problem.band or (-1, -1)
+    if keys:  # seen from the keys, the band is mirrored
+        near, far = far, near
+    other_length = problem.seqlen_q if keys else problem.seqlen_k
+    ragged = (problem.varlen or (problem.seqlens_q if keys else problem.seqlens_k) is not None
+              or other_length % tile != 0)
+    return 0b010 | (near != -1) | (far != -1 or ragged) << 2
+
+
+MASKED_PARTS = 0b101  # band_parts' bits for the masked tiles
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, Passes, allowed_pairs, band_part, band_tiles, dot, dropout_keep,
-                                  flag_nonfinite, flagged_share, last_dim_contiguous, layout, load_rows, lse_strides,
-                                  masked_dot, masked_tiles, next_flagged, pair_rule, per_problem, problem_args,
+from flashx_triton.common import (LOG2E, MASKED_PARTS, Passes, allowed_pairs, band_part, band_parts, band_tiles, dot,
+                                  dropout_keep, flag_nonfinite, flagged_share, last_dim_contiguous, layout, load_rows,
+                                  lse_strides, masked_dot, next_flagged, pair_rule, per_problem, problem_args,
                                   query_tile, row_descriptors, row_strides, tma_ready)
 
 
@@ -89,7 +89,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED_TILES: tl.constexpr, EXACT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr, EXACT: tl.constexpr,
 ):
     if EXACT and REDO is not None:  # the second launch (Passes): the programs the first flagged
         ids, todo = flagged_share(REDO, programs)
@@ -129,14 +129,14 @@ def _forward_kernel(
                               BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
                               HAS_BLOCK_MASK)
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
-                if MASKED_TILES or part == 1:
+                if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
                                                   kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs,
                                                   scale_log2, stream, seed, rng_offset, drop_threshold, HEAD_DIM,
                                                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
                                                   HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, EXACT)
-            if MASKED_TILES and not EXACT:
+            if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
             # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
@@ -170,9 +170,9 @@ def _launch(problem, config, q, k, v, o, lse):
     use_tma = tma_ready(problem, k, v)
     k_descriptor = row_descriptors(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
     v_descriptor = row_descriptors(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
-    masked = masked_tiles(problem, problem.seqlen_k, config.block_n)
+    parts = band_parts(problem, False, config.block_n)
     kernel = Passes(_forward_kernel, problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),
-                    config.options(), masked, MASKED_TILES=masked,
+                    config.options(), bool(parts & MASKED_PARTS), PARTS=parts,
                     **row_strides("q", q, varlen), **row_strides("k", k, varlen), **row_strides("v", v, varlen),
                     **row_strides("o", o, varlen), **lse_strides(lse, varlen), **args,
                     scale_log2=problem.softmax_scale * LOG2E, USE_TMA=use_tma, **config.tiles())

@@ -195,7 +195,8 @@ def compiled_variants(report):
                 constants = {(key if isinstance(key, str) else names[key[0]]): value
                              for key, value in compiled.src.constants.items()}
                 shown = {name: constants.get(name) for name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "TILE", "STREAM",
-                                                                "MASKED_TILES", "KEY_PROGRAMS", "HAS_MASK")}
+                                                                "PARTS", "KEY_PARTS", "QUERY_PARTS", "KEY_PROGRAMS",
+                                                                "HAS_MASK")}
                 row = dict(kernel=kernel.__name__, **shown, warps=compiled.metadata.num_warps,
                            stages=compiled.metadata.num_stages, shared=compiled.metadata.shared,
                            regs=compiled.n_regs, spills=compiled.n_spills)
