@@ -354,7 +354,7 @@ def test_the_exact_gradient_launch_redoes_only_the_programs_that_met_a_nonfinite
 
 def test_the_exact_launch_takes_every_flagged_program_of_every_share(monkeypatch):
     """Each program of an exact launch runs the flagged ones among FLAGS_PER_PROGRAM programs of
-    the first launch (common.flagged_share): with 4 to a share, a NaN in V at key 40 of every
+    the first launch (common.program_share): with 4 to a share, a NaN in V at key 40 of every
     head flags the forward programs of query tiles [32, 64) and [64, 96) of each of 6 heads, 12
     of 18, two or three in each of the five shares; the gradient launch's flags spread likewise."""
     from flashx_triton import common

@@ -25,8 +25,8 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, MASKED_PARTS, Launch, Passes, allow_kernel_descriptors, allowed_pairs,
                                   any_nonfinite, band_part, band_parts, band_tiles, dot, dropout_keep, flag_nonfinite,
-                                  flagged_share, head_descriptors, last_dim_contiguous, layout, load_rows, lse_strides,
-                                  masked_dot, next_flagged, pair_rule, per_problem, problem_args, row_descriptors,
+                                  head_descriptors, last_dim_contiguous, layout, load_rows, lse_strides, masked_dot,
+                                  next_program, pair_rule, per_problem, problem_args, program_share, row_descriptors,
                                   row_strides, sequence_bounds, tma_ready)
 
 
@@ -360,16 +360,9 @@ def _gradients_kernel(
     key_tiles = tl.cdiv(padded_k, TILE) if KEY_PROGRAMS else 0
     query_tiles = tl.cdiv(padded_q, TILE)
     per_head = key_tiles + (group * query_tiles if QUERY_PROGRAMS else 0)
-    if EXACT and REDO is not None:  # the second launch (Passes): the programs the first flagged
-        ids, todo = flagged_share(REDO, programs)
-        runs = tl.sum(todo.to(tl.int32))
-    else:
-        runs = 1
+    ids, todo, runs = program_share(REDO, programs, EXACT)
     for _ in range(runs):
-        if EXACT and REDO is not None:
-            pid, todo = next_flagged(ids, todo)
-        else:
-            pid = tl.program_id(0)
+        pid, todo = next_program(ids, todo, REDO, EXACT)
         head_k = pid // per_head
         local = pid % per_head
         if KEY_PROGRAMS and QUERY_PROGRAMS:

@@ -419,7 +419,7 @@ class Passes:
     A kernel without masked tiles runs once, exactly; its REDO is None.
 
     The second launch has one program per FLAGS_PER_PROGRAM programs of the first, each running
-    those of its share that were flagged (``flagged_share``): a program per program of the first
+    those of its share that were flagged (``program_share``): a program per program of the first
     launch, each returning at once when not flagged, cost 8-21 µs in the forward and 18-119 µs in
     the backward at N 1k to 8k (H100, causal bf16), 8% of the d64 forward at N = 1k.
 
@@ -463,18 +463,27 @@ def flag_nonfinite(REDO, total):
 
 
 @triton.jit
-def flagged_share(REDO, programs):
-    """This exact-launch program's share of the first launch's programs (``Passes``), as (ids,
-    whether flagged): FLAGS_PER_PROGRAM consecutive ones, to be taken in turn by ``next_flagged``."""
-    ids = tl.program_id(0) * FLAGS_PER_PROGRAM + tl.arange(0, FLAGS_PER_PROGRAM)
-    return ids, tl.load(REDO + ids, mask=ids < programs, other=0) != 0
+def program_share(REDO, programs, EXACT: tl.constexpr):
+    """The programs of the first launch that this one runs (``Passes``), as (ids, whether still to
+    run, how many), to be taken in turn by ``next_program``: in the exact launch of a kernel with
+    masked tiles, the flagged ones of its FLAGS_PER_PROGRAM consecutive ones; otherwise one,
+    itself (a literal count, so that the compiler drops the loop around it)."""
+    if EXACT and REDO is not None:
+        ids = tl.program_id(0) * FLAGS_PER_PROGRAM + tl.arange(0, FLAGS_PER_PROGRAM)
+        todo = tl.load(REDO + ids, mask=ids < programs, other=0) != 0
+        return ids, todo, tl.sum(todo.to(tl.int32))
+    else:
+        return 0, 0, 1
 
 
 @triton.jit
-def next_flagged(ids, todo):
-    """The first flagged program of a share, and the share's flags without it."""
-    pid = tl.min(tl.where(todo, ids, 2147483647))
-    return pid, todo & (ids != pid)
+def next_program(ids, todo, REDO, EXACT: tl.constexpr):
+    """The next program of ``program_share``'s share, and the share without it."""
+    if EXACT and REDO is not None:
+        pid = tl.min(tl.where(todo, ids, 2147483647))
+        return pid, todo & (ids != pid)
+    else:
+        return tl.program_id(0), todo
 
 
 def problem_args(problem) -> dict:

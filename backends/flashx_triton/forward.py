@@ -15,8 +15,8 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (LOG2E, MASKED_PARTS, Passes, allowed_pairs, band_part, band_parts, band_tiles, dot,
-                                  dropout_keep, flag_nonfinite, flagged_share, last_dim_contiguous, layout, load_rows,
-                                  lse_strides, masked_dot, next_flagged, pair_rule, per_problem, problem_args,
+                                  dropout_keep, flag_nonfinite, last_dim_contiguous, layout, load_rows, lse_strides,
+                                  masked_dot, next_program, pair_rule, per_problem, problem_args, program_share,
                                   query_tile, row_descriptors, row_strides, tma_ready)
 
 
@@ -91,16 +91,9 @@ def _forward_kernel(
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr, EXACT: tl.constexpr,
 ):
-    if EXACT and REDO is not None:  # the second launch (Passes): the programs the first flagged
-        ids, todo = flagged_share(REDO, programs)
-        runs = tl.sum(todo.to(tl.int32))
-    else:
-        runs = 1
+    ids, todo, runs = program_share(REDO, programs, EXACT)
     for _ in range(runs):
-        if EXACT and REDO is not None:
-            pid, todo = next_flagged(ids, todo)
-        else:
-            pid = tl.program_id(0)
+        pid, todo = next_program(ids, todo, REDO, EXACT)
         m0, b, h, q_start, q_len, k_start, k_len = query_tile(pid, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q,
                                                               padded_k, heads_q, BLOCK_M, IS_VARLEN, HAS_SEQLENS_Q,
                                                               HAS_SEQLENS_K)
