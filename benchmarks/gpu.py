@@ -11,6 +11,8 @@ import datetime
 import gc
 import os
 import platform
+import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +42,52 @@ def attention_flops(shape: Shape, mode: str) -> float:
 
 def median_ms(fn, grad_to_none=None) -> float:
     return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, grad_to_none=grad_to_none, return_mode="median")
+
+
+class SmClock:
+    """The SM clock (MHz) while a point is timed: the median of the samples, read every SAMPLE_S
+    through NVML (``torch.cuda.clock_rate``) on a thread of its own, that fall in the last REP_MS
+    (the repeats, not a compile or the warm-up before them); None where NVML cannot be read.
+
+    Why: under sustained load the H100 holds its 700 W cap by lowering the clock, so a point
+    compares the energy each call takes as much as its speed, and an implementation timed right
+    after seconds of idle (a compile) runs at the full clock. At d128 N = 1k, flashx's fwd+bwd ran
+    at 1800 MHz and Flex's at 1920 after 3 s of each; rested 2 ms before each step, both ran at
+    1980 and flashx was 8% faster (benchmarks/results/triton-h100-2026-11-22-session13.md).
+    (NVML's power reading is averaged over about a second, too long for a point: not recorded.)
+    """
+
+    SAMPLE_S = 0.02
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.samples: list[tuple[float, float]] = []  # (time, MHz)
+        self.end = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.SAMPLE_S):
+            try:
+                mhz = torch.cuda.clock_rate(self.device)
+            except Exception:  # noqa: BLE001 - no NVML here: the row says None
+                return
+            self.samples.append((time.perf_counter(), float(mhz)))
+
+    def __enter__(self) -> SmClock:
+        if self.device.type == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end = time.perf_counter()
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+
+    def median_mhz(self) -> float | None:
+        timed = [mhz for at, mhz in self.samples if at >= self.end - REP_MS / 1e3]
+        return statistics.median(timed) if timed else None
 
 
 @dataclass(frozen=True)
@@ -270,9 +318,11 @@ class Sweep:
             for mode, skip in zip(MODES, skips):
                 start = time.perf_counter()
                 ms, status = None, skip or built
-                if status == "ok":
-                    ms, status = _attempt(lambda: median_ms(runs[mode], grad_to_none=[q, k, v]))
-                rows.append({"status": status, "ms": ms, "wall_s": round(time.perf_counter() - start, 2)})
+                with SmClock(self.device) as clock:
+                    if status == "ok":
+                        ms, status = _attempt(lambda: median_ms(runs[mode], grad_to_none=[q, k, v]))
+                rows.append({"status": status, "ms": ms, "wall_s": round(time.perf_counter() - start, 2),
+                             "sm_mhz": clock.median_mhz()})
         return rows
 
     @contextlib.contextmanager

@@ -148,7 +148,7 @@ def markdown(results: dict) -> str:
     ]
     if any(r["seqlen"] == HEADLINE_SEQLEN for r in results["speed"]):
         lines += ["", f"## Headline: TFLOP/s at N={_seqlen(HEADLINE_SEQLEN)}", "", headline(results).rstrip()]
-    lines += _check_section(results) + _speed_sections(results) + _memory_section(results)
+    lines += _check_section(results) + _speed_sections(results) + _load_section(results) + _memory_section(results)
     lines += _not_measured(results)
     if results.get("sections_s"):
         lines += ["", "Seconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in results["sections_s"].items()) + "."]
@@ -215,6 +215,31 @@ def _speed_sections(results: dict) -> list[str]:
         ]
         lines += ["", f"## Speed-up of flashx over each peer, {title} (peer time / flashx time)", ""]
         lines += _table(["d", "causal", "N"] + [f"{labels[o]} / {labels[p]}" for o, p in pairs], rows)
+    return lines
+
+
+def _load_section(results: dict) -> list[str]:
+    """Per mode: the SM clock while each point was timed (``gpu.SmClock``)."""
+    if not any(r.get("sm_mhz") for r in results["speed"]):
+        return []
+    labels, index = _labels(results), _speed_index(results)
+    names = [impl["name"] for impl in results["implementations"]]
+    lines = []
+    for mode in MODES:
+        configs = [c for c in _configurations(results) if any((n, mode, *c) in index for n in names)]
+        rows = [
+            [str(d), "yes" if c else "no", _seqlen(n)]
+            + [f"{row['sm_mhz']:.0f}" if (row := index.get((name, mode, d, c, n))) and row.get("sm_mhz") else "-"
+               for name in names]
+            for d, c, n in configs
+        ]
+        title = "forward" if mode == "fwd" else "forward+backward"
+        lines += ["", f"## SM clock while timed (MHz), {title}", ""]
+        if mode == MODES[0]:
+            lines += ["Medians over each point's repeats. At its power cap a GPU lowers the clock, so there the "
+                      "speed-ups compare the energy each call takes as much as its speed; a point timed after "
+                      "idle seconds (a compile) starts below the cap.", ""]
+        lines += _table(["d", "causal", "N"] + [labels[n] for n in names], rows)
     return lines
 
 

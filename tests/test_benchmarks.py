@@ -62,8 +62,8 @@ def results():
         for d in (64, 128):
             for causal in (False, True):
                 for n in (4096, 8192):
-                    speed.append(_row("flashx-triton", mode, d, causal, n, 1.0))
-                    speed.append(_row("sdpa-cudnn", mode, d, causal, n, 2.0))
+                    speed.append({**_row("flashx-triton", mode, d, causal, n, 1.0), "sm_mhz": 1800.0})
+                    speed.append({**_row("sdpa-cudnn", mode, d, causal, n, 2.0), "sm_mhz": 1980.0})
                     speed.append({**_row("sdpa-math", mode, d, causal, n, 1.0), "status": "OOM", "ms": None})
     return {
         "kind": "gpu",
@@ -120,6 +120,27 @@ def test_markdown_tables(results):
     for line in text.splitlines():
         if line.startswith("|"):
             assert line.endswith("|")
+
+
+def test_clock_tables(results):
+    text = report.markdown(results)
+    for title in ("forward", "forward+backward"):
+        table = text.split(f"## SM clock while timed (MHz), {title}\n")[1].split("\n\n##")[0]
+        assert "| 128 | no | 8k | 1800 | 1980 | - |" in table  # OOM math: no reading
+    for row in results["speed"]:
+        row["sm_mhz"] = None  # no NVML where the sweep ran
+    assert "SM clock" not in report.markdown(results)
+
+
+def test_sm_clock_keeps_the_repeats_only():
+    clock = gpu.SmClock(torch.device("cpu"))
+    with clock:
+        pass
+    assert clock.median_mhz() is None  # nothing sampled off an NVIDIA GPU
+    clock.end = 10.0
+    repeats = 10.0 - gpu.REP_MS / 1e3
+    clock.samples = [(repeats - 5.0, 345.0)] + [(repeats + i / 100, mhz) for i, mhz in enumerate((1800.0, 1830.0, 1815.0))]
+    assert clock.median_mhz() == 1815.0  # the idle compile before is left out
 
 
 def test_headline_is_one_seqlen(results):
