@@ -148,7 +148,7 @@ def markdown(results: dict) -> str:
     ]
     if any(r["seqlen"] == HEADLINE_SEQLEN for r in results["speed"]):
         lines += ["", f"## Headline: TFLOP/s at N={_seqlen(HEADLINE_SEQLEN)}", "", headline(results).rstrip()]
-    lines += _check_section(results) + _speed_sections(results) + _load_section(results) + _memory_section(results)
+    lines += _check_section(results) + _speed_sections(results) + _clock_section(results) + _memory_section(results)
     lines += _not_measured(results)
     if results.get("sections_s"):
         lines += ["", "Seconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in results["sections_s"].items()) + "."]
@@ -218,7 +218,7 @@ def _speed_sections(results: dict) -> list[str]:
     return lines
 
 
-def _load_section(results: dict) -> list[str]:
+def _clock_section(results: dict) -> list[str]:
     """Per mode: the SM clock while each point was timed (``gpu.SmClock``)."""
     if not any(r.get("sm_mhz") for r in results["speed"]):
         return []

@@ -139,8 +139,9 @@ def test_sm_clock_keeps_the_repeats_only():
     assert clock.median_mhz() is None  # nothing sampled off an NVIDIA GPU
     clock.end = 10.0
     repeats = 10.0 - gpu.REP_MS / 1e3
-    clock.samples = [(repeats - 5.0, 345.0)] + [(repeats + i / 100, mhz) for i, mhz in enumerate((1800.0, 1830.0, 1815.0))]
-    assert clock.median_mhz() == 1815.0  # the idle compile before is left out
+    clock.samples = [(repeats - 5.0, 345.0)]  # an idle compile before the repeats
+    clock.samples += [(repeats + i / 100, mhz) for i, mhz in enumerate((1800.0, 1830.0, 1815.0))]
+    assert clock.median_mhz() == 1815.0
 
 
 def test_headline_is_one_seqlen(results):
