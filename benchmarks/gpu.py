@@ -30,6 +30,7 @@ MODES = ("fwd", "fwd+bwd")
 BACKWARD_FLOPS = 2.5  # the backward costs 2.5 forwards, as flash-attn counts (5 matmuls against 2)
 WARMUP_MS = 25
 REP_MS = 100
+REST_S = 1.0  # idle before each timing, after the first call (compiles, autotuning): see SmClock
 CHECK_TOLERANCE = 1e-2  # SPEC section 5: relative error allowed to bf16 outputs and gradients
 MIB = 2**20
 
@@ -53,7 +54,9 @@ class SmClock:
     compares the energy each call takes as much as its speed, and an implementation timed right
     after seconds of idle (a compile) runs at the full clock. At d128 N = 1k, flashx's fwd+bwd ran
     at 1800 MHz and Flex's at 1920 after 3 s of each; rested 2 ms before each step, both ran at
-    1980 and flashx was 8% faster (benchmarks/results/triton-h100-2026-11-22-session13.md).
+    1980 and flashx was 8% faster (benchmarks/results/triton-h100-2026-11-22-session13.md). So
+    each timing now starts after REST_S of idle (``_rested_median_ms``); after 3 s of steps, 1 s of
+    rest brought the clock back to 1920-1980 MHz (session 14), and the table shows whether it did.
     (NVML's power reading is averaged over about a second, too long for a point: not recorded.)
     """
 
@@ -320,7 +323,7 @@ class Sweep:
                 ms, status = None, skip or built
                 with SmClock(self.device) as clock:
                     if status == "ok":
-                        ms, status = _attempt(lambda: median_ms(runs[mode], grad_to_none=[q, k, v]))
+                        ms, status = _attempt(lambda: _rested_median_ms(runs[mode], [q, k, v], self.device))
                 rows.append({"status": status, "ms": ms, "wall_s": round(time.perf_counter() - start, 2),
                              "sm_mhz": clock.median_mhz()})
         return rows
@@ -358,6 +361,16 @@ class Sweep:
             attend(q, k, v).backward(do)
             torch.cuda.synchronize(self.device)
         return (torch.cuda.max_memory_allocated(self.device) - inputs_bytes) / MIB
+
+
+def _rested_median_ms(fn, grad_to_none, device: torch.device) -> float:
+    """``median_ms`` after a first call and REST_S of idle GPU: every implementation starts its
+    timing from the same power state, whatever ran before it."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        time.sleep(REST_S)
+    return median_ms(fn, grad_to_none)
 
 
 def _float32_reference(inputs: list[torch.Tensor], causal: bool) -> dict[str, torch.Tensor]:

@@ -396,8 +396,8 @@ def backward(problem, q, k, v, o, lse, do):
     q, k, v, o, do = (last_dim_contiguous(x) for x in (q, k, v, o, do))
     lse = lse.contiguous()
     # Varlen rows past cu_seqlens[-1] belong to no sequence: their gradients are 0.
-    alloc = torch.zeros if problem.varlen else torch.empty
-    dq, dk, dv = (alloc(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    alloc = torch.zeros_like if problem.varlen else torch.empty_like  # half the host time of torch.empty
+    dq, dk, dv = (alloc(x) for x in (q, k, v))
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse)),
                                               lambda: _launches(problem, q, k, v, o, do, lse))

@@ -16,6 +16,7 @@ import math
 import os
 import statistics
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -82,7 +83,8 @@ INTERPRETED_GRADIENTS = ["fused"]
 
 TIMING_ROUNDS = 3  # see _fastest
 _chosen: dict[tuple, Config] = {}
-#: Per key, every candidate that ran and its median milliseconds (None: dropped), for the notes.
+#: Per key, every candidate that ran and what it was ranked by (``_fastest``: median milliseconds on
+#: the GPU plus on the host; None: dropped), for the notes.
 measured: dict[tuple, list[tuple[Config, float | None]]] = {}
 
 
@@ -191,6 +193,11 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
     H100 ranked the d128 forward's 64x64 tiles first at N = 8k (1959 µs against 2081 for 128x128),
     which under sustained load ran at 2163 against 2014.
 
+    A candidate's rank adds the host time of its call to its GPU time: do_bench's L2 flush hides
+    the host from the GPU timing, but a short step waits on it. A Triton launch cost the H100's host
+    15-43 µs (most of it per argument, in Triton's launcher), and the split backward has twice the
+    fused one's launches; at N = 512 such a step is host-bound.
+
     The outputs are poisoned with NaN before each candidate runs: they are the same buffers every
     time, so a candidate that leaves elements unwritten would otherwise show the values that the
     one before it wrote there (Triton's Hopper warp specialization miscompiled so on the H100).
@@ -228,17 +235,29 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
             if not timed:
                 return config
             usable.append(config)
-        times = {config: [] for config in usable}
+        gpu, host = ({config: [] for config in usable} for _ in range(2))
         for _ in range(TIMING_ROUNDS):
             for config in usable:
-                times[config].append(do_bench(lambda: run(config), warmup=25, rep=100, return_mode="median"))
-        medians = {config: statistics.median(runs) for config, runs in times.items()}
-        log.extend(medians.items())
-        return min(usable, key=medians.get)
+                gpu[config].append(do_bench(_timing_host(run, config, host[config]), warmup=25, rep=100,
+                                            return_mode="median"))
+        costs = {config: statistics.median(gpu[config]) + statistics.median(host[config]) for config in usable}
+        log.extend(costs.items())
+        return min(usable, key=costs.get)
     finally:
         _trying.active = outer
         for x, saved in zip(buffers or (), first or ()):
             x.copy_(saved)
+
+
+def _timing_host(run: Callable, config: Config, host_ms: list) -> Callable[[], None]:
+    """``run(config)``, adding the milliseconds the host spends in each call to ``host_ms``."""
+
+    def call():
+        start = time.perf_counter()
+        run(config)
+        host_ms.append((time.perf_counter() - start) * 1e3)
+
+    return call
 
 
 def _agree(x, reference) -> bool:
