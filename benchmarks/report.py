@@ -142,7 +142,9 @@ def markdown(results: dict) -> str:
         "",
         f"{plan['dtype']}, B*N = {plan['tokens']} tokens, H*D = {plan['model_dim']}. Times are medians of "
         f"`triton.testing.do_bench` (CUDA events, {timing['warmup_ms']} ms warm-up, {timing['rep_ms']} ms of "
-        "repeats, L2 flushed before each). TFLOP/s as flash-attn counts: forward 4*B*H*N*N*D, halved when "
+        "repeats, L2 flushed before each"
+        + (f"; each timing after a first call and {timing['rest_s']:g} s of idle GPU" if "rest_s" in timing else "")
+        + "). TFLOP/s as flash-attn counts: forward 4*B*H*N*N*D, halved when "
         "causal; forward+backward 3.5x the forward. In parentheses: the fraction of the matmul ceiling. "
         "flashx runs on BSHD inputs, the peers on BHSD, each contiguous in its own layout.",
     ]

@@ -120,6 +120,9 @@ def test_markdown_tables(results):
     for line in text.splitlines():
         if line.startswith("|"):
             assert line.endswith("|")
+    assert "idle GPU" not in text  # this run did not rest before its timings: the header says nothing
+    rested = {**results, "timing": {**results["timing"], "rest_s": 1.0}}
+    assert "each timing after a first call and 1 s of idle GPU" in report.markdown(rested)
 
 
 def test_clock_tables(results):
