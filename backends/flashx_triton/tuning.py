@@ -193,10 +193,11 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
     H100 ranked the d128 forward's 64x64 tiles first at N = 8k (1959 µs against 2081 for 128x128),
     which under sustained load ran at 2163 against 2014.
 
-    A candidate's rank adds the host time of its call to its GPU time: do_bench's L2 flush hides
-    the host from the GPU timing, but a short step waits on it. A Triton launch cost the H100's host
-    15-43 µs (most of it per argument, in Triton's launcher), and the split backward has twice the
-    fused one's launches; at N = 512 such a step is host-bound.
+    A candidate's rank adds the host time of its call to its GPU time: do_bench's L2 flush before
+    each call gives the host a head start that hides most of its time from the GPU timing, but a
+    short step waits on it. A Triton launch cost the H100's host 15-43 µs (most of it per argument,
+    in Triton's launcher), and the split backward has twice the fused one's launches; at causal
+    N = 512 the tuner now picks the fused one at d64 too (docs/triton-notes.md, item 58).
 
     The outputs are poisoned with NaN before each candidate runs: they are the same buffers every
     time, so a candidate that leaves elements unwritten would otherwise show the values that the
