@@ -597,7 +597,7 @@ def test_autotuner_charges_each_candidate_its_host_time(monkeypatch):
 
     log = []
     assert tuning._fastest(["many", "few"], run, log, timed=True) == "few"
-    assert log[0][1] - log[1][1] == pytest.approx(5.0, abs=2.0)
+    assert log[0][1] - log[1][1] >= 4.5  # each call slept at least 5 ms (a busy host may add more)
 
 
 def test_launch_hands_later_calls_the_compiled_kernel_every_argument_in_order(monkeypatch):
