@@ -216,7 +216,14 @@ class Target:
 
         A problem the backend does not support skips the test with the backend's own reasons.
         """
-        inputs = {name: self.array(x, case.dtype, case.layouts.get(name, "contiguous")) for name, x in case.rounded().items()}
+        return self.run(case, self.inputs(case), **extra)
+
+    def inputs(self, case: Case) -> dict:
+        """The case's q, k, v, do as the arrays the backend receives, each in its layout."""
+        return {name: self.array(x, case.dtype, case.layouts.get(name, "contiguous")) for name, x in case.rounded().items()}
+
+    def run(self, case: Case, inputs: dict, **extra):
+        """``call`` on these arrays (``inputs``), which must hold the case's values."""
         options = {**self.auxiliary(case.options, case.dtype), **extra}
         q, k, v, do = (inputs[name] for name in TENSORS)
         self.skip_unless_supported(q, k, v, **options)

@@ -217,6 +217,27 @@ def test_a_thread_that_has_made_no_gpu_call(flashx_target, flashx_rng):
     assert not failures, case.describe() + "\n" + "\n".join(failures)
 
 
+def test_repeated_calls(flashx_target, flashx_rng):
+    """One problem called again and again meets the oracle every time: with new arrays alive at
+    other addresses beside the earlier ones, then with new values in the first call's arrays.
+    What a backend keeps between the calls of a problem (compiled launches, TMA descriptors
+    encoded for an address) must never carry an earlier call's addresses or values."""
+    cases = [make_case(flashx_rng, heads_q=4, heads_k=2, seqlen_q=70, seqlen_k=100, head_dim=32,
+                       dtype=flashx_target.dtype, causal=True) for _ in range(3)]
+    arrays = [flashx_target.inputs(case) for case in cases]  # all alive: each call at new addresses
+
+    def check(case, inputs):
+        o, res, dq, dk, dv = flashx_target.run(case, inputs)
+        failures = conformance_failures(case, dict(zip(OUTPUTS, map(flashx_target.numpy, (o, res.lse, dq, dk, dv)))))
+        assert not failures, case.describe() + "\n" + "\n".join(failures)
+
+    for case, inputs in zip(cases, arrays):
+        check(case, inputs)
+    for name in TENSORS:
+        arrays[0][name][...] = arrays[2][name]
+    check(cases[2], arrays[0])
+
+
 def test_autograd(flashx_target, flashx_rng):
     """flashx.attention(...).backward() on torch tensors meets the oracle and, when the backward is
     deterministic, gives attention_backward's gradients bit for bit."""
