@@ -640,3 +640,72 @@ def test_a_tuned_kernel_chooses_again_when_autotuning_is_switched(monkeypatch):
     assert tuned(None, 2) == ("timed", 2)
     monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "0")
     assert tuned(None, 3) == ("first", 3)
+
+
+def test_direct_launch_hands_triton_3_6s_c_launch_its_arguments(monkeypatch):
+    """Later launches call Triton 3.6's C launch (found in its descriptor wrapper's closure) with its
+    thirteen leading arguments, the per-call ones with each descriptor expanded, then the bound
+    ones; a descriptor is encoded once per tensor address; with a launch hook registered, or a
+    descriptor among the bound arguments, Triton's runner launches instead."""
+    from triton import knobs
+    from triton.backends.nvidia import driver as nvidia
+
+    from flashx_triton import launcher
+
+    c_calls, encoded, runner_calls = [], [], []
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __init__(self):
+            self.launch = wrap_handle_tensordesc(lambda *args: c_calls.append(args), {1}, ["tma"])
+
+    class Compiled:
+        run, function, packed_metadata = CudaLauncher(), 77, (4, 1, 0)
+
+        def __getitem__(self, grid):
+            return lambda *args: runner_calls.append(args)
+
+    class Descriptor:
+        def __init__(self, address):
+            self.base = torch.empty(0)
+            self.base.data_ptr = lambda: address
+
+    class Driver:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+    def encode(descriptor, meta):
+        encoded.append(descriptor.base.data_ptr())
+        return [f"{meta}@{descriptor.base.data_ptr()}", 8, 1]
+
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
+    monkeypatch.setattr(nvidia, "CudaLauncher", CudaLauncher)
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())  # the CUDA driver, as the launch sees it
+    launch = launcher.direct(Compiled(), (6, 1, 1), 3, ("bound", 5))
+    for call in range(3):
+        launch(f"x{call}", Descriptor(200 if call == 2 else 100), f"y{call}")
+    descriptor_bound = launcher.direct(Compiled(), (6, 1, 1), 1, ("bound", 5))
+    descriptor_bound("x3")
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch("x4", "descriptor", "y4")
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    head = (6, 1, 1, 1234, 77, False, True, None, None, (4, 1, 0), None, None, None)
+    assert c_calls == [head + (f"x{call}", f"tma@{address}", 8, 1, f"y{call}", "bound", 5)
+                       for call, address in enumerate((100, 100, 200))]
+    assert encoded == [100, 200]
+    assert runner_calls == [("x3", "bound", 5), ("x4", "descriptor", "y4", "bound", 5)]
+
+
+def wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
+    """Triton 3.6's descriptor wrapper as far as ``launcher.direct`` reads it: its name and closure."""
+
+    def inner(*args):
+        raise AssertionError(f"the wrapper's loop ran: {launcher, tensordesc_indices, tensordesc_meta}")
+
+    return inner

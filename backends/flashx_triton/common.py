@@ -398,7 +398,7 @@ class Launch:
 
     def __call__(self, *tensors):
         if self.compiled is not None:
-            self.compiled(*tensors, *self.bound)
+            self.compiled(*tensors)
             return
         from triton.compiler import CompiledKernel
 

@@ -30,16 +30,19 @@ _ENCODED_PER_DESCRIPTOR = 64  # tensor addresses remembered per descriptor argum
 
 
 def direct(compiled, grid: tuple[int, int, int], per_call: int, bound: tuple) -> Callable:
-    """A launch of ``compiled`` over ``grid``: ``launch(*per_call_args)`` with ``bound`` appended,
-    as ``compiled[grid](*per_call_args, *bound)`` would, the same arguments every call but the
-    first ``per_call``; descriptors only among those."""
+    """``launch(*per_call_args)``: ``compiled[grid](*per_call_args, *bound)``, the ``per_call``
+    leading arguments new each call and ``bound`` the same every time."""
     runner = compiled[grid]  # also loads the kernel
+
+    def through_runner(*args):
+        runner(*args, *bound)
+
     found = _c_launch(compiled)
     if found is None:
-        return runner
+        return through_runner
     c_launch, descriptors = found
     if any(position >= per_call for position in descriptors):
-        return runner
+        return through_runner
     import triton
     from triton import knobs
     from triton.backends.nvidia.driver import make_tensordesc_arg
@@ -67,7 +70,7 @@ def direct(compiled, grid: tuple[int, int, int], per_call: int, bound: tuple) ->
 
     def launch(*args):
         if getattr(hooks.launch_enter_hook, "calls", True) or getattr(hooks.launch_exit_hook, "calls", True):
-            return runner(*args, *bound)  # a profiler's hooks: Triton builds what they are given
+            return through_runner(*args)  # a profiler's hooks: Triton builds what they are given
         flat = [*grid, current_stream(current_device()), function, cooperative, pdl, None, None, metadata, None, None,
                 None]
         for position, (arg, meta) in enumerate(zip(args, metas)):
