@@ -26,13 +26,7 @@ import flashx.plan
 from flashx_triton import launcher
 
 DIRECT = launcher.direct
-
-
-def through_runner(compiled, grid, per_call, bound):
-    return compiled[grid]
-
-
-WAYS = {"runner": through_runner, "direct": DIRECT}
+WAYS = {"runner": launcher.through_runner, "direct": DIRECT}
 
 
 def host_us(call, calls: int = 20) -> float:

@@ -32,17 +32,13 @@ _ENCODED_PER_DESCRIPTOR = 64  # tensor addresses remembered per descriptor argum
 def direct(compiled, grid: tuple[int, int, int], per_call: int, bound: tuple) -> Callable:
     """``launch(*per_call_args)``: ``compiled[grid](*per_call_args, *bound)``, the ``per_call``
     leading arguments new each call and ``bound`` the same every time."""
-    runner = compiled[grid]  # also loads the kernel
-
-    def through_runner(*args):
-        runner(*args, *bound)
-
+    fallback = through_runner(compiled, grid, per_call, bound)  # also loads the kernel
     found = _c_launch(compiled)
     if found is None:
-        return through_runner
+        return fallback
     c_launch, descriptors = found
     if any(position >= per_call for position in descriptors):
-        return through_runner
+        return fallback
     import triton
     from triton import knobs
     from triton.backends.nvidia.driver import make_tensordesc_arg
@@ -70,7 +66,7 @@ def direct(compiled, grid: tuple[int, int, int], per_call: int, bound: tuple) ->
 
     def launch(*args):
         if getattr(hooks.launch_enter_hook, "calls", True) or getattr(hooks.launch_exit_hook, "calls", True):
-            return through_runner(*args)  # a profiler's hooks: Triton builds what they are given
+            return fallback(*args)  # a profiler's hooks: Triton builds what they are given
         flat = [*grid, current_stream(current_device()), function, cooperative, pdl, None, None, metadata, None, None,
                 None]
         for position, (arg, meta) in enumerate(zip(args, metas)):
@@ -84,6 +80,16 @@ def direct(compiled, grid: tuple[int, int, int], per_call: int, bound: tuple) ->
 
 
 _PLAIN = object()  # an argument passed as it is
+
+
+def through_runner(compiled, grid: tuple[int, int, int], per_call: int, bound: tuple) -> Callable:
+    """``direct``'s launch through Triton's own runner (``CompiledKernel[grid]``)."""
+    runner = compiled[grid]
+
+    def launch(*args):
+        runner(*args, *bound)
+
+    return launch
 
 
 def _c_launch(compiled):
