@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from flashx.api import run_backward, run_forward
+from flashx.execute import run_backward, run_forward
 
 
 @functools.cache
