@@ -14,9 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-import statistics
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -43,8 +41,8 @@ class Config:
 INTERPRETED = Config(32, 32, 1, 1)
 
 C = Config
-# The H100's winners at N = 8k, causal or not, come first (benchmarks/results/
-# triton-h100-2026-11-21.md has every candidate's time): FLASHX_TRITON_AUTOTUNE=0 runs the first.
+# The H100's winners at N = 8k, causal or not, come first (docs/triton-design.md, "Tuning"):
+# FLASHX_TRITON_AUTOTUNE=0 runs the first.
 FORWARD = {
     64: [C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 128, 4, 3), C(64, 128, 4, 3)],
     128: [C(64, 64, 4, 3), C(128, 128, 8, 3), C(128, 64, 8, 3)],
@@ -75,16 +73,14 @@ FUSED_FP32 = [C(32, 64, 4, 2), C(32, 32, 4, 2), C(16, 32, 4, 1)]
 
 # How the backward launches its dK/dV and dQ programs: "fused", one launch (FUSED), or "split",
 # DKDV's launch then DQ's. On the H100 one launch took 4-12% off the d128 backward at N = 512 to
-# 2k and was slower at 8k, and at d64 without a mask (benchmarks/results/
-# triton-h100-2026-11-21-session9.md); under the interpreter the fused kernel runs both parts.
+# 2k and was slower at 8k, and at d64 without a mask (docs/triton-design.md, "The backward");
+# under the interpreter the fused kernel runs both parts.
 GRADIENTS = {64: ["split", "fused"], 128: ["fused", "split"], 256: ["split", "fused"]}
 GRADIENTS_FP32 = ["split", "fused"]
 INTERPRETED_GRADIENTS = ["fused"]
 
-TIMING_ROUNDS = 3  # see _fastest
 _chosen: dict[tuple, Config] = {}
-#: Per key, every candidate that ran and what it was ranked by (``_fastest``: median milliseconds on
-#: the GPU plus on the host; None: dropped), for the notes.
+#: Per key, every candidate that ran and its median milliseconds (``_fastest``; None: dropped).
 measured: dict[tuple, list[tuple[Config, float | None]]] = {}
 
 
@@ -184,20 +180,10 @@ def _device_name(index) -> str:
 def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list, timed: bool) -> Config:
     """The fastest candidate that compiles, fits the GPU and agrees with the first; untimed: the first such.
 
-    Every candidate runs and is checked first, then those left are timed in TIMING_ROUNDS rounds,
-    each round timing every one once, and ranked by their median. Timed one after another, right
-    after its compile, each ran at the clock that the idle compile left the GPU in: on the H100
-    one fused gradient candidate measured 6078 µs on its own and 6649 µs moments later, more than
-    the candidates' differences. Side by side, round after round, they share the clock. Each
-    timing runs as long as the benchmark's (25 ms of warm-up, 100 of repeats): in 25 ms bursts the
-    H100 ranked the d128 forward's 64x64 tiles first at N = 8k (1959 µs against 2081 for 128x128),
-    which under sustained load ran at 2163 against 2014.
-
-    A candidate's rank adds the host time of its call to its GPU time: do_bench's L2 flush before
-    each call gives the host a head start that hides most of its time from the GPU timing, but a
-    short step waits on it. A Triton launch cost the H100's host 15-43 µs (most of it per argument,
-    in Triton's launcher), and the split backward has twice the fused one's launches; at causal
-    N = 512 the tuner now picks the fused one at d64 too (docs/triton-notes.md, item 58).
+    Every candidate runs and is checked first, then each of those left is timed once by
+    ``triton.testing.do_bench`` (its median over ~100 ms of calls, after a warm-up) and the
+    smallest median wins. The call path times nothing more: the methodology that makes timings
+    comparable across implementations (equal power states, host time) is the benchmarks'.
 
     The outputs are poisoned with NaN before each candidate runs: they are the same buffers every
     time, so a candidate that leaves elements unwritten would otherwise show the values that the
@@ -236,29 +222,18 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
             if not timed:
                 return config
             usable.append(config)
-        gpu, host = ({config: [] for config in usable} for _ in range(2))
-        for _ in range(TIMING_ROUNDS):
-            for config in usable:
-                gpu[config].append(do_bench(_timing_host(run, config, host[config]), warmup=25, rep=100,
-                                            return_mode="median"))
-        costs = {config: statistics.median(gpu[config]) + statistics.median(host[config]) for config in usable}
+        costs = {}
+        for config in usable:
+            def launch(config=config) -> None:
+                run(config)
+
+            costs[config] = do_bench(launch, return_mode="median")
         log.extend(costs.items())
         return min(usable, key=costs.get)
     finally:
         _trying.active = outer
         for x, saved in zip(buffers or (), first or ()):
             x.copy_(saved)
-
-
-def _timing_host(run: Callable, config: Config, host_ms: list) -> Callable[[], None]:
-    """``run(config)``, adding the milliseconds the host spends in each call to ``host_ms``."""
-
-    def call():
-        start = time.perf_counter()
-        run(config)
-        host_ms.append((time.perf_counter() - start) * 1e3)
-
-    return call
 
 
 def _agree(x, reference) -> bool:
