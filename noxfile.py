@@ -1,4 +1,4 @@
-"""Sessions run in the current environment and install nothing (CI installs flashx[dev] first).
+"""Sessions run in the current environment and install nothing (CI installs flashx-attention[dev] first).
 
     nox -s tests          the unit tests of the core, the plugins machinery and the backends
     nox -s conformance    the conformance suite once per registered backend, then the summary table
@@ -29,14 +29,6 @@ def _backend_names() -> list[str]:
     return [info.name for info in flashx.backends()]
 
 
-def _gpu_present() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 @nox.session(python=False)
 def tests(session):
     # The Triton interpreter is chosen when triton is first imported: its tests get a process of their own.
@@ -47,7 +39,9 @@ def tests(session):
 @nox.session(python=False)
 @nox.parametrize("backend", _backend_names())
 def conformance(session, backend):
-    env = {} if _gpu_present() else SIMULATORS.get(backend, {})
+    from flashx.devices import cuda_present
+
+    env = {} if cuda_present() else SIMULATORS.get(backend, {})
     report = REPORTS / f"{backend}.json"
     report.unlink(missing_ok=True)
     command = ["pytest", "--pyargs", "flashx_conformance", "--flashx-backend", backend, "--flashx-report", str(report)]

@@ -1,4 +1,4 @@
-"""The ``flashx`` command: ``flashx info`` and ``flashx demo``."""
+"""The ``flashx`` command (also ``python -m flashx``): ``flashx info`` and ``flashx demo``."""
 
 from __future__ import annotations
 
@@ -9,17 +9,35 @@ import sys
 import time
 
 import flashx
+from flashx.devices import cuda_present
+
+#: The hint printed wherever a missing GPU library stops a command.
+INSTALL_TRITON = "pip install 'flashx-attention[triton]'"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashx", description="Exact FlashAttention, one contract, many kernels.")
+    parser.add_argument("--version", action="version", version=f"flashx {flashx.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, devices, and every backend with its status")
     demo_parser = commands.add_parser("demo", help="a realistic causal GQA call on the best device here, checked")
-    demo_parser.add_argument("--seqlen", type=int, default=None, help="sequence length (default: 4096 on CPU, 8192 on GPU)")
+    demo_parser.add_argument(
+        "--seqlen", type=_positive_int, default=None, help="sequence length (default: 4096 on CPU, 8192 on GPU)"
+    )
     demo_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = parser.parse_args(argv)
     return info() if args.command == "info" else demo(args.seqlen, args.device)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1; argparse reports anything else as a usage error naming the option."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def info() -> int:
@@ -50,7 +68,7 @@ def _devices() -> list[str]:
         import torch
     except ImportError:
         return devices
-    if torch.cuda.is_available():
+    if cuda_present():
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
             devices.append(f"cuda:{index}: {props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}")
@@ -61,7 +79,11 @@ def demo(seqlen: int | None, device: str) -> int:
     """Causal GQA (32 query heads over 8 kv heads on GPU, 8 over 2 on CPU) through backend="auto"."""
     import numpy as np
 
-    use_cuda = device == "cuda" or (device == "auto" and _cuda_available())
+    refusal = None if device == "cpu" else _cuda_refusal()
+    if device == "cuda" and refusal:
+        print(f"flashx demo: --device cuda: {refusal}", file=sys.stderr)
+        return 1
+    use_cuda = device != "cpu" and not refusal
     rng = np.random.default_rng(0)
     if use_cuda:
         import torch
@@ -85,7 +107,8 @@ def demo(seqlen: int | None, device: str) -> int:
     chosen = flashx.explain(q, k, v, causal=True).chosen
     flashx.attention(q, k, v, causal=True)  # warm-up: kernel compilation, autotuning
     seconds, peak, (o, lse) = _measure(lambda: flashx.attention(q, k, v, causal=True, return_lse=True), use_cuda)
-    error = _check_slice(q, k, v, o, lse, rows=64)
+    rows = min(64, seqlen)
+    error = _check_slice(q, k, v, o, lse, rows)
 
     naive = batch * heads_q * seqlen * seqlen * 4
     flops = 4.0 * batch * heads_q * seqlen * seqlen * dim / 2
@@ -96,7 +119,7 @@ def demo(seqlen: int | None, device: str) -> int:
     shown = f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
     print(f"  time                 {seconds * 1e3:.2f} ms  ({shown}, one call, launch included)")
     print(f"  peak extra memory    {peak / 2**20:.1f} MiB  (the naive N x N float32 scores alone: {naive / 2**20:.0f} MiB)")
-    print(f"  check vs float64     max |o - o_ref| = {error:.2e} over the last 64 query rows of the first and last head")
+    print(f"  check vs float64     max |o - o_ref| = {error:.2e} over the last {rows} query rows of the first and last head")
     if not error <= tolerance:
         print(f"  FAILED: error above {tolerance:g}", file=sys.stderr)
         return 1
@@ -104,12 +127,19 @@ def demo(seqlen: int | None, device: str) -> int:
     return 0
 
 
-def _cuda_available() -> bool:
+def _cuda_refusal() -> str | None:
+    """Why the demo cannot run on CUDA here (torch, a device and a backend for it), or None."""
     try:
         import torch
     except ImportError:
-        return False
-    return torch.cuda.is_available()
+        return f"needs torch, which is not installed: {INSTALL_TRITON}"
+    if not cuda_present():
+        return f"torch {torch.__version__} sees no CUDA device"
+    for_cuda = [row for row in flashx.backends() if "cuda" in row.devices]
+    if not any(row.available for row in for_cuda):
+        reasons = "; ".join(f"{row.name}: {row.reason}" for row in for_cuda) or INSTALL_TRITON
+        return f"no backend can run on CUDA here ({reasons})"
+    return None
 
 
 def _measure(call, use_cuda):
@@ -136,24 +166,19 @@ def _measure(call, use_cuda):
 
 
 def _check_slice(q, k, v, o, lse, rows):
-    """Dense float64 attention for the last ``rows`` queries of the first and last head."""
+    """Largest error of o and lse against the float64 oracle, over the last ``rows`` queries of
+    the first and last head (causal is bottom-right aligned, so those rows alone give the same
+    problem; the first and last query heads read the first and last kv heads)."""
     import numpy as np
+    from flashx_conformance import oracle
 
     def host(x):
         return np.asarray(x.float().cpu() if hasattr(x, "cpu") else x, dtype=np.float64)
 
     q, k, v, o, lse = map(host, (q, k, v, o, lse))
-    seqlen, heads_q, dim = q.shape[1], q.shape[2], q.shape[3]
-    group = heads_q // k.shape[2]
-    worst = 0.0
-    for head in (0, heads_q - 1):
-        queries = np.arange(seqlen - rows, seqlen)
-        scores = q[0, queries, head] @ k[0, :, head // group].T / np.sqrt(dim)
-        scores[np.arange(seqlen)[None, :] > queries[:, None]] = -np.inf
-        ref_lse = np.logaddexp.reduce(scores, axis=1)
-        ref_o = np.exp(scores - ref_lse[:, None]) @ v[0, :, head // group]
-        worst = max(worst, np.abs(o[0, queries, head] - ref_o).max(), np.abs(lse[0, head, queries] - ref_lse).max())
-    return worst
+    heads = [0, -1]
+    want_o, want_lse = oracle.forward(q[:, -rows:, heads], k[:, :, heads], v[:, :, heads], causal=True)
+    return max(np.abs(o[:, -rows:, heads] - want_o).max(), np.abs(lse[:, heads, -rows:] - want_lse).max())
 
 
 def _dtype(x) -> str:

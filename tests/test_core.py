@@ -98,7 +98,11 @@ def fresh_registry(monkeypatch):
         (lambda q, k, v: (q, k, v, {"causal": 1}), flashx.DTypeError, "causal: expected a bool"),
         (lambda q, k, v: (q, k, v, {"window": (3,)}), flashx.ShapeError, "window: expected (left, right)"),
         (lambda q, k, v: (q, k, v, {"window": (-2, 0)}), flashx.ShapeError, "window"),
-        (lambda q, k, v: (q, k, v, {"softmax_scale": float("nan")}), flashx.DTypeError, "softmax_scale"),
+        (lambda q, k, v: (q, k, v, {"softmax_scale": float("nan")}), flashx.ShapeError, "softmax_scale"),
+        (lambda q, k, v: (q, k, v, {"softmax_scale": "0.5"}), flashx.DTypeError, "softmax_scale"),
+        (lambda q, k, v: (q, k, v, {"dropout_p": "0.1"}), flashx.DTypeError, "dropout_p: expected a number"),
+        (lambda q, k, v: (q, k, v, {"window": "left"}), flashx.DTypeError, "window: expected (left, right)"),
+        (lambda q, k, v: (q[..., :0], k[..., :0], v, {}), flashx.ShapeError, "q: expected a head dim D >= 1"),
         (lambda q, k, v: (q, k, v, {"dropout_p": 1.0}), flashx.ShapeError, "dropout_p: expected a number in [0, 1)"),
         (lambda q, k, v: (q, k, v, {"seed": -1, "dropout_p": 0.1}), flashx.ShapeError, "seed"),
         (lambda q, k, v: (q, k, v, {"rng_offset": 2**64}), flashx.ShapeError, "rng_offset"),
@@ -111,7 +115,7 @@ def fresh_registry(monkeypatch):
         ),
         (lambda q, k, v: (q, k, v, {"block_mask": np.ones((2, 2), bool)}), flashx.DTypeError, "block_mask: expected a flashx.BlockMask"),
         (lambda q, k, v: (q, k, v, {"seqlens_q": np.array([6, 1], np.int32)}), flashx.ShapeError, "seqlens_q: expected lengths in [0, 5]"),
-        (lambda q, k, v: (q, k, v, {"seqlens_k": np.array([1.0, 2.0])}), flashx.DTypeError, "seqlens_k: expected dtype"),
+        (lambda q, k, v: (q, k, v, {"seqlens_k": np.array([1.0, 2.0])}), flashx.DTypeError, "seqlens_k: expected an integer dtype"),
         (lambda q, k, v: (q, k, v, {"seqlens_k": np.array([1], np.int32)}), flashx.ShapeError, "seqlens_k: expected shape (2,)"),
         (lambda q, k, v: (q, k, v, {"max_seqlen_q": 5}), flashx.ShapeError, "max_seqlen_q: only meaningful with cu_seqlens"),
         (lambda q, k, v: (q, k, v, {"softcap": -1.0}), flashx.ShapeError, "softcap"),
@@ -134,8 +138,8 @@ def varlen_inputs(lengths_q=(3, 0, 4), lengths_k=(2, 5, 1)):
 @pytest.mark.parametrize(
     "change, error, words",
     [
-        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q}, flashx.ShapeError, "cu_seqlens_k: expected an int32 array"),
-        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q.astype(np.int64), "cu_seqlens_k": cu_k}, flashx.DTypeError, "cu_seqlens_q: expected dtype int32"),
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q}, flashx.ShapeError, "cu_seqlens_k: expected an integer array"),
+        (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q.astype(np.float32), "cu_seqlens_k": cu_k}, flashx.DTypeError, "cu_seqlens_q: expected an integer dtype"),
         (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q[::-1].copy(), "cu_seqlens_k": cu_k}, flashx.ShapeError, "cu_seqlens_q: expected offsets starting at 0"),
         (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q + np.int32(1), "cu_seqlens_k": cu_k}, flashx.ShapeError, "cu_seqlens_q"),
         (lambda cu_q, cu_k: {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k[:-1]}, flashx.ShapeError, "cu_seqlens_k: expected shape (4,)"),
@@ -384,11 +388,11 @@ def test_a_drawn_dropout_seed_is_drawn_again_on_every_call():
         ({"causal": True}, {"causal": 1}, flashx.DTypeError, "causal: expected a bool"),
         ({"deterministic": False}, {"deterministic": 0}, flashx.DTypeError, "deterministic: expected a bool"),
         ({"softmax_scale": 1.0}, {"softmax_scale": True}, flashx.DTypeError, "softmax_scale"),
-        ({"window": (1, 1)}, {"window": (1, True)}, flashx.ShapeError, "window: expected (left, right)"),
-        ({"window": (1, 2)}, {"window": (1.0, 2)}, flashx.ShapeError, "window: expected (left, right)"),
-        ({"dropout_p": 0.0}, {"dropout_p": False}, flashx.ShapeError, "dropout_p: expected a number"),
-        ({"seed": 1}, {"seed": True}, flashx.ShapeError, "seed: expected an int"),
-        ({"rng_offset": 0}, {"rng_offset": 0.0}, flashx.ShapeError, "rng_offset: expected an int"),
+        ({"window": (1, 1)}, {"window": (1, True)}, flashx.DTypeError, "window: expected (left, right)"),
+        ({"window": (1, 2)}, {"window": (1.0, 2)}, flashx.DTypeError, "window: expected (left, right)"),
+        ({"dropout_p": 0.0}, {"dropout_p": False}, flashx.DTypeError, "dropout_p: expected a number"),
+        ({"seed": 1}, {"seed": True}, flashx.DTypeError, "seed: expected an int"),
+        ({"rng_offset": 0}, {"rng_offset": 0.0}, flashx.DTypeError, "rng_offset: expected an int"),
         ({"backend": "numpy"}, {"backend": None}, flashx.DTypeError, "backend: expected a backend name"),
         ({}, {"max_seqlen_q": 5}, flashx.ShapeError, "max_seqlen_q: only meaningful with cu_seqlens"),
     ],
@@ -544,19 +548,3 @@ def test_merge_states_with_an_empty_part_weighs_it_zero():
     assert not np.isnan(o).any() and (o == 0).all() and np.isneginf(lse).all()
     with pytest.raises(flashx.ShapeError, match="lse_b: expected shape"):
         flashx.merge_states(o_a, lse_a, o_b, lse_b[..., :2])
-
-
-# -- command line ----------------------------------------------------------------------------
-
-
-def test_cli_info_lists_backends():
-    result = subprocess.run([sys.executable, "-m", "flashx.cli", "info"], capture_output=True, text=True, check=True)
-    assert "flashx 0.1.0" in result.stdout and "numpy" in result.stdout and "available on cpu" in result.stdout
-
-
-def test_cli_demo_runs_and_checks_itself():
-    result = subprocess.run(
-        [sys.executable, "-m", "flashx.cli", "demo", "--seqlen", "512", "--device", "cpu"], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    assert "backend (auto)       numpy" in result.stdout and "OK" in result.stdout

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton", reason="the Triton backend needs triton (pip install 'flashx[triton]')")
+pytest.importorskip("triton", reason="the Triton backend needs triton (pip install 'flashx-attention[triton]')")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -36,7 +36,7 @@ class TritonBackend(flashx.Backend):
             import torch
             import triton  # noqa: F401
         except ImportError as error:
-            return f"cannot import {error.name}: pip install 'flashx[triton]'"
+            return f"cannot import {error.name}: pip install 'flashx-attention[triton]'"
         if not (_interpreting() or torch.cuda.is_available()):
             return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
         return None

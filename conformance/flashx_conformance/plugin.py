@@ -103,7 +103,9 @@ class _Session:
         if self._device is None:
             chosen = self.config.getoption("flashx_device")
             if chosen is None:
-                chosen = "cuda" if self._backend_runs_on_cuda() and _gpu_present() else "cpu"
+                from flashx.devices import cuda_present
+
+                chosen = "cuda" if self._backend_runs_on_cuda() and cuda_present() else "cpu"
             self._device = chosen
         return self._device
 
@@ -213,14 +215,6 @@ def _version(distribution: str) -> str | None:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _gpu_present() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def _device_name(device: str) -> str:

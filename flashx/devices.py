@@ -1,0 +1,17 @@
+"""Whether this machine has a CUDA device, asked once here for everything that needs to know.
+
+The question goes to torch, imported only when asked (the core never needs it), so that the
+conformance suite's default device, the ``flashx`` command and the nox sessions' choice of CPU
+stand-ins always agree.
+"""
+
+from __future__ import annotations
+
+
+def cuda_present() -> bool:
+    """True when torch is installed and sees at least one CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
