@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from flashx import arrays, dispatch, registry
-from flashx.errors import FlashXError, ShapeError
+from flashx.errors import DTypeError, ShapeError
 from flashx.execute import run_backward, run_forward
-from flashx.plan import DEFAULTS, plan
+from flashx.options import complete, signature
+from flashx.plan import plan
 from flashx.validation import build_problem, check_like
-
-OPTIONS = frozenset(DEFAULTS)
 
 
 class Residuals(NamedTuple):
@@ -21,39 +20,16 @@ class Residuals(NamedTuple):
     rng_offset: int
 
 
-def attention(
-    q,
-    k,
-    v,
-    *,
-    causal=False,
-    window=None,
-    softmax_scale=None,
-    softcap=None,
-    alibi_slopes=None,
-    mask=None,
-    block_mask=None,
-    seqlens_q=None,
-    seqlens_k=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    dropout_p=0.0,
-    seed=None,
-    rng_offset=0,
-    deterministic=False,
-    return_lse=False,
-    backend="auto",
-):
+def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     """softmax(scale * q k^T, masked) v, exactly, in O(N) extra memory.
 
     q (B, Nq, Hq, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv) -> o (B, Nq, Hq, Dv), and with
     ``return_lse`` also lse (B, Hq, Nq) in natural log. With cu_seqlens the packed layout
     (T, H, D) is used. Differentiable through torch autograd when q, k, v require grad.
-    The README's semantics table says what every keyword means.
+    The keywords (``flashx.options.OPTIONS``, shown in this function's signature) are defined
+    in docs/contract.md, sections "Shapes", "Scores and masking" and "Dropout".
     """
-    options = {name: value for name, value in locals().items() if name in OPTIONS}
+    options = complete("attention", options)
     problem, impl = plan(q, k, v, backend, options)
     if _wants_grad(q, k, v):
         from flashx.autograd import differentiable_forward
@@ -66,7 +42,7 @@ def attention(
 
 def attention_forward(q, k, v, *, return_lse=True, backend="auto", **options) -> tuple[Any, Residuals]:
     """(o, res) without autograd; ``res`` feeds ``attention_backward``."""
-    _check_option_names("attention_forward", options)
+    options = complete("attention_forward", options)
     problem, impl = plan(q, k, v, backend, options)
     o, lse = run_forward(impl, problem, q, k, v)
     return o, Residuals(lse, problem.seed, problem.rng_offset)
@@ -74,12 +50,14 @@ def attention_forward(q, k, v, *, return_lse=True, backend="auto", **options) ->
 
 def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backend="auto", **options):
     """(dq, dk, dv) for the upstream gradient ``do``, recomputing from ``res``."""
-    _check_option_names("attention_backward", options)
+    if not isinstance(res, Residuals):
+        raise DTypeError(f"res: expected the flashx.Residuals that attention_forward returned, got {type(res).__name__}")
     for name in ("seed", "rng_offset"):
         given = options.pop(name, None)
         if given is not None and given != getattr(res, name):
             raise ShapeError(f"{name}: the backward regenerates dropout from res.{name}={getattr(res, name)}, got {given}")
-    problem, impl = plan(q, k, v, backend, {**options, "seed": res.seed, "rng_offset": res.rng_offset})
+    options = complete("attention_backward", {**options, "seed": res.seed, "rng_offset": res.rng_offset})
+    problem, impl = plan(q, k, v, backend, options)
     check_like("o", o, problem.o_shape, problem.dtype, problem)
     check_like("res.lse", res.lse, problem.lse_shape, problem.lse_dtype, problem)
     return run_backward(impl, problem, q, k, v, o, res.lse, do)
@@ -93,7 +71,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     kind = arrays.require_array(o_a, "o_a")
     for name, x in (("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
         if arrays.require_array(x, name) != kind:
-            raise FlashXError(f"{name}: expected a {kind} array like o_a")
+            raise DTypeError(f"{name}: expected a {kind} array like o_a, got {arrays.kind_of(x)}")
     for name, o, lse in (("a", o_a, lse_a), ("b", o_b, lse_b)):
         expected = tuple(o.shape[:-3]) + (o.shape[-2], o.shape[-3]) if o.ndim >= 3 else None
         if expected is None or tuple(lse.shape) != expected:
@@ -119,14 +97,8 @@ def backends():
 
 def explain(q, k, v, *, return_lse=False, backend="auto", **options) -> dispatch.Explanation:
     """Which backend ``attention`` would run for these arguments, and why each other one would not."""
-    _check_option_names("explain", options)
+    options = complete("explain", options)
     return dispatch.explain(build_problem(q, k, v, **options))
-
-
-def _check_option_names(function, options):
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}; known: {', '.join(sorted(OPTIONS))}")
 
 
 def _wants_grad(q, k, v) -> bool:
@@ -135,3 +107,9 @@ def _wants_grad(q, k, v) -> bool:
     import torch
 
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+attention.__signature__ = signature("q", "k", "v", return_lse=False, backend="auto")
+attention_forward.__signature__ = signature("q", "k", "v", return_lse=True, backend="auto")
+attention_backward.__signature__ = signature("do", "q", "k", "v", "o", "res", return_lse=True, backend="auto")
+explain.__signature__ = signature("q", "k", "v", return_lse=False, backend="auto")

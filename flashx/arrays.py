@@ -75,12 +75,19 @@ def convert(x: Any, kind: str) -> Any:
 
 def to_caller(y: Any, like: Any, dtype: str) -> Any:
     """A backend's output as the caller's kind of array, in the contract's dtype."""
-    y = convert(y, kind_of(like))
-    if dtype_name(y) == dtype:
-        return y
-    if kind_of(y) == "torch":
-        return y.to(getattr(module("torch"), dtype))
-    return y.astype(dtype)
+    y = astype(convert(y, kind_of(like)), dtype)
+    if kind_of(y) == "numpy" and not y.dtype.isnative:
+        return y.astype(y.dtype.newbyteorder("="))
+    return y
+
+
+def astype(x: Any, dtype: str) -> Any:
+    """``x`` in ``dtype``, on its device: itself when it already is."""
+    if dtype_name(x) == dtype:
+        return x
+    if kind_of(x) == "torch":
+        return x.to(getattr(module("torch"), dtype))
+    return x.astype(dtype)
 
 
 def to_host(x: Any):

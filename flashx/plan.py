@@ -19,19 +19,10 @@ contents matter, and so are calls that draw a dropout seed, which must be fresh.
 
 from __future__ import annotations
 
-import inspect
-
 from flashx import arrays, dispatch, registry
 from flashx.backend import Backend
 from flashx.problem import Problem
 from flashx.validation import build_problem
-
-#: build_problem's keywords with their defaults, in its order: the order of the key.
-DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(build_problem).parameters.items()
-    if parameter.kind is parameter.KEYWORD_ONLY
-}
 _SCALARS = frozenset({type(None), bool, int, float})
 _LIMIT = 256  # distinct calls remembered; past it the cache starts again empty
 
@@ -39,7 +30,10 @@ _plans: dict[tuple, tuple[Problem, Backend]] = {}
 
 
 def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
-    """``build_problem`` then ``dispatch.choose``, or their result for an identical earlier call."""
+    """``build_problem`` then ``dispatch.choose``, or their result for an identical earlier call.
+
+    ``options`` holds every option (``flashx.options.complete``), in the declared order.
+    """
     key = _key(q, k, v, backend, options)
     found = _plans.get(key) if key is not None else None
     if found is not None:
@@ -55,7 +49,7 @@ def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
 
 def _key(q, k, v, backend, options):
     """Everything the outcome depends on, or None when the call must be checked in full."""
-    options = {**DEFAULTS, **options}
+    options = dict(options)
     window = options.pop("window")
     values = tuple(options.values())
     types = tuple(map(type, values))

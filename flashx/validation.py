@@ -10,39 +10,22 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
+from types import SimpleNamespace
 from typing import Any
 
 from flashx import arrays
 from flashx.backend import ALL_DTYPES
 from flashx.errors import DeviceError, DTypeError, ShapeError
+from flashx.options import complete
 from flashx.problem import BlockMask, Problem, default_scale
 
 U64 = 2**64
+INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
-def build_problem(
-    q,
-    k,
-    v,
-    *,
-    causal=False,
-    window=None,
-    softmax_scale=None,
-    softcap=None,
-    alibi_slopes=None,
-    mask=None,
-    block_mask=None,
-    seqlens_q=None,
-    seqlens_k=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    dropout_p=0.0,
-    seed=None,
-    rng_offset=0,
-    deterministic=False,
-) -> Problem:
+def build_problem(q, k, v, **options) -> Problem:
+    """Every argument checked once; ``options`` are the keywords of ``flashx.options.OPTIONS``."""
+    o = SimpleNamespace(**complete("build_problem", options))
     kind = arrays.require_array(q, "q")
     device, device_index = arrays.device_of(q)
     dtype = arrays.dtype_name(q)
@@ -53,10 +36,10 @@ def build_problem(
         if arrays.dtype_name(x) != dtype:
             raise DTypeError(f"{name}: expected the dtype of q ({dtype}), got {arrays.dtype_name(x)}")
 
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
-        missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
-        raise ShapeError(f"{missing}: expected an int32 array with the other cu_seqlens, got None")
+    varlen = o.cu_seqlens_q is not None or o.cu_seqlens_k is not None
+    if varlen and (o.cu_seqlens_q is None or o.cu_seqlens_k is None):
+        missing = "cu_seqlens_k" if o.cu_seqlens_k is None else "cu_seqlens_q"
+        raise ShapeError(f"{missing}: expected an integer array with the other cu_seqlens, got None")
     layout = "(T, H, D) (varlen, cu_seqlens given)" if varlen else "(B, N, H, D)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != (3 if varlen else 4):
@@ -75,57 +58,57 @@ def build_problem(
         raise ShapeError(f"v: expected shape {tuple(k.shape[:-1])} + (Dv,) (from k), got {tuple(v.shape)}")
     if heads_k == 0 or heads_q % heads_k:
         raise ShapeError(f"k: expected a head count dividing q's {heads_q}, got {heads_k}")
+    if head_dim == 0:
+        raise ShapeError(f"q: expected a head dim D >= 1 (scores of D = 0 carry no information), got shape {tuple(q.shape)}")
 
     if varlen:
-        for name, x in (("mask", mask), ("block_mask", block_mask), ("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)):
+        for name, x in (("mask", o.mask), ("block_mask", o.block_mask), ("seqlens_q", o.seqlens_q), ("seqlens_k", o.seqlens_k)):
             if x is not None:
                 raise ShapeError(f"{name}: indexes the padded layout and cannot be combined with cu_seqlens, got both")
-        seqlen_q = _cu_seqlens("q", cu_seqlens_q, total_q, max_seqlen_q, kind, device, device_index)
-        seqlen_k = _cu_seqlens("k", cu_seqlens_k, total_k, max_seqlen_k, kind, device, device_index)
-        batch = cu_seqlens_q.shape[0] - 1
-        if cu_seqlens_k.shape[0] - 1 != batch:
-            raise ShapeError(f"cu_seqlens_k: expected shape ({batch + 1},) like cu_seqlens_q, got {tuple(cu_seqlens_k.shape)}")
+        o.cu_seqlens_q, seqlen_q = _cu_seqlens("q", o.cu_seqlens_q, total_q, o.max_seqlen_q, kind, device, device_index)
+        o.cu_seqlens_k, seqlen_k = _cu_seqlens("k", o.cu_seqlens_k, total_k, o.max_seqlen_k, kind, device, device_index)
+        batch = o.cu_seqlens_q.shape[0] - 1
+        if o.cu_seqlens_k.shape[0] - 1 != batch:
+            raise ShapeError(f"cu_seqlens_k: expected shape ({batch + 1},) like cu_seqlens_q, got {tuple(o.cu_seqlens_k.shape)}")
     else:
-        for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        for name, x in (("max_seqlen_q", o.max_seqlen_q), ("max_seqlen_k", o.max_seqlen_k)):
             if x is not None:
                 raise ShapeError(f"{name}: only meaningful with cu_seqlens (varlen layout), got {x!r}")
-        _seqlens("seqlens_q", seqlens_q, batch, seqlen_q, kind, device, device_index)
-        _seqlens("seqlens_k", seqlens_k, batch, seqlen_k, kind, device, device_index)
+        o.seqlens_q = _seqlens("seqlens_q", o.seqlens_q, batch, seqlen_q, kind, device, device_index)
+        o.seqlens_k = _seqlens("seqlens_k", o.seqlens_k, batch, seqlen_k, kind, device, device_index)
 
     score_shape = (batch, heads_q, seqlen_q, seqlen_k)
-    if mask is not None:
-        _bool_broadcastable("mask", mask, score_shape, kind, device, device_index)
-    if block_mask is not None:
-        if not isinstance(block_mask, BlockMask):
-            raise DTypeError(f"block_mask: expected a flashx.BlockMask, got {type(block_mask).__name__}")
-        bq, bk = block_mask.block_size
+    if o.mask is not None:
+        _bool_broadcastable("mask", o.mask, score_shape, kind, device, device_index)
+    if o.block_mask is not None:
+        if not isinstance(o.block_mask, BlockMask):
+            raise DTypeError(f"block_mask: expected a flashx.BlockMask, got {type(o.block_mask).__name__}")
+        bq, bk = o.block_mask.block_size
         grid = (batch, heads_q, -(-seqlen_q // bq), -(-seqlen_k // bk))
-        _bool_broadcastable("block_mask.blocks", block_mask.blocks, grid, kind, device, device_index)
+        _bool_broadcastable("block_mask.blocks", o.block_mask.blocks, grid, kind, device, device_index)
 
-    if not isinstance(causal, bool):
-        raise DTypeError(f"causal: expected a bool, got {causal!r}")
-    if not isinstance(deterministic, bool):
-        raise DTypeError(f"deterministic: expected a bool, got {deterministic!r}")
-    if window is not None:
-        window = _window(window)
-    if softmax_scale is None:
-        softmax_scale = default_scale(head_dim)
-    elif not _is_real(softmax_scale) or not math.isfinite(softmax_scale):
-        raise DTypeError(f"softmax_scale: expected a finite real number or None, got {softmax_scale!r}")
-    if softcap is not None and (not _is_real(softcap) or not softcap > 0):
-        raise ShapeError(f"softcap: expected a positive number or None, got {softcap!r}")
-    if alibi_slopes is not None:
-        _same_array_as_q("alibi_slopes", alibi_slopes, kind, device, device_index)
-        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
-            raise ShapeError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
-    if not _is_real(dropout_p) or not 0 <= dropout_p < 1:
-        raise ShapeError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
-    if seed is None:
-        seed = _draw_seed(kind) if dropout_p > 0 else 0
-    elif not _is_int(seed) or not 0 <= seed < U64:
-        raise ShapeError(f"seed: expected an int in [0, 2**64) or None, got {seed!r}")
-    if not _is_int(rng_offset) or not 0 <= rng_offset < U64:
-        raise ShapeError(f"rng_offset: expected an int in [0, 2**64), got {rng_offset!r}")
+    if not isinstance(o.causal, bool):
+        raise DTypeError(f"causal: expected a bool, got {o.causal!r}")
+    if not isinstance(o.deterministic, bool):
+        raise DTypeError(f"deterministic: expected a bool, got {o.deterministic!r}")
+    if o.window is not None:
+        o.window = _window(o.window)
+    if o.softmax_scale is None:
+        o.softmax_scale = default_scale(head_dim)
+    else:
+        _number("softmax_scale", o.softmax_scale, _is_real, "a finite real number or None", math.isfinite)
+    if o.softcap is not None:
+        _number("softcap", o.softcap, _is_real, "a positive number or None", lambda x: x > 0)
+    if o.alibi_slopes is not None:
+        _same_array_as_q("alibi_slopes", o.alibi_slopes, kind, device, device_index)
+        if tuple(o.alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ShapeError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q}), got {tuple(o.alibi_slopes.shape)}")
+    _number("dropout_p", o.dropout_p, _is_real, "a number in [0, 1)", lambda x: 0 <= x < 1)
+    if o.seed is None:
+        o.seed = _draw_seed(kind) if o.dropout_p > 0 else 0
+    else:
+        _number("seed", o.seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
+    _number("rng_offset", o.rng_offset, _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
 
     return Problem(
         array_kind=kind,
@@ -141,21 +124,21 @@ def build_problem(
         heads_k=heads_k,
         head_dim=head_dim,
         head_dim_v=v.shape[-1],
-        softmax_scale=float(softmax_scale),
-        causal=causal,
-        window=window,
-        softcap=None if softcap is None else float(softcap),
-        alibi_slopes=alibi_slopes,
-        mask=mask,
-        block_mask=block_mask,
-        seqlens_q=seqlens_q,
-        seqlens_k=seqlens_k,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        dropout_p=float(dropout_p),
-        seed=int(seed),
-        rng_offset=int(rng_offset),
-        deterministic=deterministic,
+        softmax_scale=float(o.softmax_scale),
+        causal=o.causal,
+        window=o.window,
+        softcap=None if o.softcap is None else float(o.softcap),
+        alibi_slopes=o.alibi_slopes,
+        mask=o.mask,
+        block_mask=o.block_mask,
+        seqlens_q=o.seqlens_q,
+        seqlens_k=o.seqlens_k,
+        cu_seqlens_q=o.cu_seqlens_q,
+        cu_seqlens_k=o.cu_seqlens_k,
+        dropout_p=float(o.dropout_p),
+        seed=int(o.seed),
+        rng_offset=int(o.rng_offset),
+        deterministic=o.deterministic,
     )
 
 
@@ -178,10 +161,11 @@ def _same_array_as_q(name, x, kind, device, device_index):
         raise DeviceError(f"{name}: expected an array on q's device {where}, got one on {got}")
 
 
-def _int_vector(name, x, length, kind, device, device_index, dtypes):
+def _int_vector(name, x, length, kind, device, device_index):
+    """The values of an integer vector on the host (any integer dtype; kernels receive int32)."""
     _same_array_as_q(name, x, kind, device, device_index)
-    if arrays.dtype_name(x) not in dtypes:
-        raise DTypeError(f"{name}: expected dtype {' or '.join(dtypes)}, got {arrays.dtype_name(x)}")
+    if arrays.dtype_name(x) not in INTEGER_DTYPES:
+        raise DTypeError(f"{name}: expected an integer dtype, got {arrays.dtype_name(x)}")
     if tuple(x.shape) != (length,):
         raise ShapeError(f"{name}: expected shape ({length},), got {tuple(x.shape)}")
     import numpy as np
@@ -190,11 +174,13 @@ def _int_vector(name, x, length, kind, device, device_index, dtypes):
 
 
 def _seqlens(name, x, batch, limit, kind, device, device_index):
+    """``x`` checked, as int32 (a copy only when given in another integer dtype)."""
     if x is None:
-        return
-    values = _int_vector(name, x, batch, kind, device, device_index, ("int32", "int64"))
+        return None
+    values = _int_vector(name, x, batch, kind, device, device_index)
     if values.size and (values.min() < 0 or values.max() > limit):
         raise ShapeError(f"{name}: expected lengths in [0, {limit}], got values from {values.min()} to {values.max()}")
+    return arrays.astype(x, "int32")
 
 
 def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
@@ -202,7 +188,7 @@ def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
     _same_array_as_q(name, cu, kind, device, device_index)
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ShapeError(f"{name}: expected shape (B + 1,), got {tuple(cu.shape)}")
-    offsets = _int_vector(name, cu, cu.shape[0], kind, device, device_index, ("int32",))
+    offsets = _int_vector(name, cu, cu.shape[0], kind, device, device_index)
     lengths = offsets[1:] - offsets[:-1]
     if offsets[0] != 0 or (lengths < 0).any() or offsets[-1] > total:
         raise ShapeError(
@@ -210,11 +196,9 @@ def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
             f"got {offsets.tolist() if offsets.size <= 16 else f'{offsets[:8].tolist()}...'}"
         )
     longest = int(lengths.max()) if lengths.size else 0
-    if max_seqlen is None:
-        return longest
-    if not _is_int(max_seqlen) or max_seqlen < longest:
-        raise ShapeError(f"max_seqlen_{side}: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
-    return int(max_seqlen)
+    if max_seqlen is not None:
+        _number(f"max_seqlen_{side}", max_seqlen, _is_int, f"an int >= the longest sequence ({longest})", lambda x: x >= longest)
+    return arrays.astype(cu, "int32"), longest if max_seqlen is None else int(max_seqlen)
 
 
 def _bool_broadcastable(name, x, shape, kind, device, device_index):
@@ -228,13 +212,20 @@ def _bool_broadcastable(name, x, shape, kind, device, device_index):
 
 
 def _window(window):
-    if (
-        not isinstance(window, (tuple, list))
-        or len(window) != 2
-        or not all(_is_int(side) and side >= -1 for side in window)
-    ):
-        raise ShapeError(f"window: expected (left, right) ints >= -1 (-1 = unbounded) or None, got {window!r}")
+    expected = "(left, right) ints >= -1 (-1 = unbounded) or None"
+    if not isinstance(window, (tuple, list)) or not all(map(_is_int, window)):
+        raise DTypeError(f"window: expected {expected}, got {window!r}")
+    if len(window) != 2 or not all(side >= -1 for side in window):
+        raise ShapeError(f"window: expected {expected}, got {window!r}")
     return int(window[0]), int(window[1])
+
+
+def _number(name, value, is_type, expected, in_range):
+    """A wrong type is a DTypeError, a wrong value (``in_range(value)`` false) a ShapeError."""
+    if not is_type(value):
+        raise DTypeError(f"{name}: expected {expected}, got {value!r}")
+    if not in_range(value):
+        raise ShapeError(f"{name}: expected {expected}, got {value!r}")
 
 
 def _draw_seed(kind: str) -> int:
