@@ -1,4 +1,4 @@
-"""The pluggy hook a backend plugin implements (SPEC section 8)."""
+"""The pluggy hook a backend plugin implements (the contract's Backend plugins section, docs/contract.md)."""
 
 from __future__ import annotations
 
