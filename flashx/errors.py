@@ -1,4 +1,4 @@
-"""The error classes of the contract (SPEC section 6).
+"""The error classes of the contract's Errors section (docs/contract.md).
 
 Each subclasses the builtin a Python user would catch for the same mistake, so
 ``except ValueError`` keeps working for code that does not know flashx.
