@@ -1,4 +1,4 @@
-"""The backend protocol (SPEC section 8) and a declarative base class for it.
+"""The contract's Backend plugins section (docs/contract.md) as a declarative base class.
 
 A backend declares what it can do (devices, dtypes, head dims, features); ``supports()``
 turns every unmet declaration into a readable reason, so dispatch can show all of them.
@@ -19,7 +19,7 @@ class Backend:
 
     ``forward(problem, q, k, v) -> (o, lse)`` and
     ``backward(problem, q, k, v, o, lse, do) -> (dq, dk, dv)`` receive arrays of
-    ``array_kind`` on the problem's device, in the layout of SPEC section 2, with any
+    ``array_kind`` on the problem's device, in the layouts of the contract's Shapes section, with any
     strides. Outputs may be returned in float32 where ``array_kind`` cannot hold the
     input dtype (bfloat16 in NumPy); the core rounds them to the contract dtype.
     """
