@@ -61,7 +61,7 @@ class BlockMask:
 class Problem:
     """One attention call, validated. Arrays in it are of the backend's array kind.
 
-    Shapes (SPEC section 2): padded q (B, Nq, Hq, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv);
+    Shapes (the contract's Shapes section): padded q (B, Nq, Hq, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv);
     varlen q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv) with cu_seqlens of shape (B + 1,).
     """
 
