@@ -1,4 +1,4 @@
-"""The public functions of SPEC section 1."""
+"""The public functions of the contract's API section (docs/contract.md)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backe
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
-    """Combine attention over two disjoint key sets (SPEC section 7); empty parts weigh 0.
+    """Combine attention over two disjoint key sets (the contract's "Merging partial results" section); empty parts weigh 0.
 
     o (..., N, H, Dv) with lse (..., H, N), as attention returns them, padded or varlen.
     """
