@@ -64,9 +64,10 @@ def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backe
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
-    """Combine attention over two disjoint key sets (the contract's "Merging partial results" section); empty parts weigh 0.
+    """Combine attention over two disjoint key sets; empty parts weigh 0.
 
-    o (..., N, H, Dv) with lse (..., H, N), as attention returns them, padded or varlen.
+    The contract's "Merging partial results" section. o (..., N, H, Dv) with lse (..., H, N), as
+    attention returns them, padded or varlen.
     """
     kind = arrays.require_array(o_a, "o_a")
     for name, x in (("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
