@@ -1,8 +1,8 @@
 """Every argument checked once, turned into a ``Problem``.
 
-Each error names the argument, what was expected and what was given (the contract's Errors section, docs/contract.md).
-Lengths and offsets (seqlens, cu_seqlens) are read on the host: a wrong value there
-would make a kernel read out of bounds, so it is worth one small copy.
+Each error names the argument, what was expected and what was given (the contract's Errors
+section, docs/contract.md). Lengths and offsets (seqlens, cu_seqlens) are read on the host: a
+wrong value there would make a kernel read out of bounds, so it is worth one small copy.
 """
 
 from __future__ import annotations
