@@ -1,7 +1,7 @@
 """What the forward and the backward kernels share.
 
 Device side: where a sequence lives, which tiles a band of rows meets, which (query, key)
-pairs are allowed, and the dropout draw of SPEC section 4. Host side: a ``Problem`` packed
+pairs are allowed, and the dropout draw of the contract's Dropout section (docs/contract.md). Host side: a ``Problem`` packed
 into the keyword arguments every kernel takes.
 
 Masking happens only in "masked" tiles (the band's edges, sequence ends, bool/block masks);
@@ -112,8 +112,8 @@ def pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, strid
 
 @triton.jit
 def allowed_pairs(i, j, pairs, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
-    """SPEC section 3 for query rows i and key columns j (broadcastable index tensors) of the
-    sequence and head that ``pairs`` (``pair_rule``) describes."""
+    """The contract's "Scores and masking" rules for query rows i and key columns j
+    (broadcastable index tensors) of the sequence and head that ``pairs`` (``pair_rule``) describes."""
     q_len, k_len, left, right, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj, block_q, block_k = (
         pairs)
     diag = k_len - q_len
@@ -225,7 +225,7 @@ def masked_dot(a, b, allowed, acc, b_suspect, PRECISION: tl.constexpr):
     A plain dot adds 0 * NaN = NaN where a disallowed pair meets a NaN or inf in b, so NaN
     would reach outputs that never read it. Unless b is known finite (``b_suspect`` False),
     the finite part of b goes through the dot; an output whose allowed terms meet a non-finite
-    entry of b becomes NaN (SPEC: NaN in, NaN out), found by one 0/1 indicator product that
+    entry of b becomes NaN (the contract's "Real NaN" rule), found by one 0/1 indicator product that
     runs only in tiles holding non-finite data. Unmasked tiles need none of this: every pair
     there is allowed.
     """
@@ -256,7 +256,8 @@ def any_nonfinite(x):
 
 @triton.jit
 def dropout_keep(i, j, stream, seed, rng_offset, threshold):
-    """Z[i, j] of SPEC section 4: word j % 4 of Philox4x32-10((j // 4, i, stream, offset), seed) >= threshold."""
+    """Z[i, j] of the contract's Dropout section: word j % 4 of
+    Philox4x32-10((j // 4, i, stream, offset), seed) >= threshold."""
     zero = i * 0 + j * 0
     c0 = (zero + j // 4).to(tl.uint32)
     c1 = (zero + i).to(tl.uint32)
@@ -538,7 +539,7 @@ def _tile_widths(head_dim: int, head_dim_v: int) -> dict:
 
 def _dot_precision(dtype: str) -> str:
     if dtype == "float32":
-        return "ieee"  # SPEC section 5: no TF32 unless asked
+        return "ieee"  # the contract's Numerics section: no TF32 unless asked
     if dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1":
         return "upcast"
     return "tf32"  # ignored for 16-bit inputs
