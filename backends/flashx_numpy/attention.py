@@ -201,7 +201,7 @@ def _keep(problem: Problem, seq, heads: slice, i0, i1, j0, j1) -> np.ndarray:
 
 
 def forward(problem: Problem, q, k, v, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
-    """(o, lse) in the layout of SPEC section 2; o in q's dtype."""
+    """(o, lse) in the layouts of the contract's Shapes section; o in q's dtype."""
     dtype = _compute_dtype(problem)
     # NaN until written: an element the tiles miss cannot pass for a result.
     o = np.full(problem.o_shape, np.nan, q.dtype)
