@@ -1,4 +1,4 @@
-"""Philox4x32-10 and the dropout keep-mask of SPEC section 4, vectorised in NumPy."""
+"""Philox4x32-10 and the dropout keep-mask of the contract's Dropout section, vectorised in NumPy."""
 
 from __future__ import annotations
 
