@@ -1,8 +1,8 @@
 """What the forward and the backward kernels share.
 
 Device side: where a sequence lives, which tiles a band of rows meets, which (query, key)
-pairs are allowed, and the dropout draw of the contract's Dropout section (docs/contract.md). Host side: a ``Problem`` packed
-into the keyword arguments every kernel takes.
+pairs are allowed, and the dropout draw of the contract's Dropout section (docs/contract.md).
+Host side: a ``Problem`` packed into the keyword arguments every kernel takes.
 
 Masking happens only in "masked" tiles (the band's edges, sequence ends, bool/block masks);
 the tiles fully inside the band run without a single compare.
