@@ -1,4 +1,4 @@
-"""Dropout (SPEC 4): the keep mask is bit-exact Philox4x32-10, the same in every backend.
+"""The contract's Dropout section: the keep mask is bit-exact Philox4x32-10, the same in every backend.
 
 The mask is read back exactly: with v[j] = e_j (one-hot rows, Dv = Nk) the output is
 o[i, j] = P[i, j] Z[i, j] / (1 - p), and P > 0 on every allowed pair, so Z = (o != 0).
