@@ -1,4 +1,4 @@
-"""Exactness (SPEC 5): lengths that are not block multiples, head dims, dtypes, GQA."""
+"""Exactness (the contract's Numerics section): lengths that are not block multiples, head dims, dtypes, GQA."""
 
 from __future__ import annotations
 
