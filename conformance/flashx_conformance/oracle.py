@@ -1,4 +1,4 @@
-"""The dense reference: the whole of SPEC sections 2-4 in float64, for small shapes.
+"""The dense reference: the contract (docs/contract.md) from Shapes to Dropout in float64, for small shapes.
 
 Every (b, h, i, j) score is materialised, so there is no tiling, no online softmax and
 nothing in common with any backend. It computes in the precision of its inputs promoted
@@ -44,7 +44,7 @@ HINTS = ("max_seqlen_q", "max_seqlen_k", "deterministic")
 
 
 def forward(q, k, v, **options):
-    """(o, lse) in the layout of SPEC section 2: padded o (B, Nq, Hq, Dv), lse (B, Hq, Nq)."""
+    """(o, lse) in the layouts of the contract's Shapes section: padded o (B, Nq, Hq, Dv), lse (B, Hq, Nq)."""
     dense = _prepare(q, k, v, None, options)
     result = _attend(dense, gradients=False)
     return dense.rows_q(result["o"], 0.0), dense.lse(result["lse"])
@@ -108,7 +108,7 @@ def allowed(q, k, v, **options) -> np.ndarray:
 
 
 def keep_mask(q, k, v, **options) -> np.ndarray:
-    """Z of SPEC section 4 on the padded score grid (B, Hq, Nq, Nk); varlen: per sequence, padded."""
+    """Z of the contract's Dropout section on the padded score grid (B, Hq, Nq, Nk); varlen: per sequence, padded."""
     dense = _prepare(q, k, v, None, options)
     return dense.keep != 0 if dense.keep is not None else np.ones(dense.allowed.shape, dtype=bool)
 
