@@ -158,7 +158,8 @@ class Target:
 
     @property
     def dtype(self) -> str:
-        """The dtype of the feature cases: float32 (the tightest bound of SPEC 5) where supported."""
+        """The dtype of the feature cases: float32 where supported, the tightest bound of the
+        contract's Numerics section."""
         declared = getattr(self.backend, "dtypes", DTYPES)
         return next((t for t in ("float32", "float16", "bfloat16", "float64") if t in declared), "float32")
 
