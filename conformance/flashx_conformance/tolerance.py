@@ -1,4 +1,4 @@
-"""The exactness rule of SPEC section 5, with failures that say where and by how much.
+"""The contract's exactness rule (Numerics section), with failures that say where and by how much.
 
 For each output X of a backend in input dtype t:
     max|X - X_ref| <= k * max|X_naive_t - X_ref| + floor_t       k = 2 for o and lse, 3 for dq, dk, dv
@@ -9,7 +9,7 @@ attention in dtype t (``oracle.naive``, the larger error of its two formulations
 is this suite's reading of "the rounding noise of dtype t at the magnitude of X":
     floor_t = (eps_t / 2 + ACCUMULATION_ULPS * eps_acc) * max T_X
 T_X (``oracle.term_magnitudes``) sums the absolute values of the terms summed into X, so
-T_X >= |X| and the floor is at least SPEC's max|round_t(X_ref) - X_ref|. eps_acc is the
+T_X >= |X| and the floor is at least the contract's max|round_t(X_ref) - X_ref|. eps_acc is the
 epsilon of the accumulation dtype (float32 for 16-bit and float32 inputs, float64 for float64).
 Without these two refinements a gradient that cancels to 0 (one key per row: dS = P (dP -
 delta) = 0) or an output the naive computation gets exact by its structure (P = 1, dv = dO)
