@@ -1,4 +1,4 @@
-"""Masking (SPEC 3): causal (bottom-right), windows, boolean, tree and block masks, seqlens, varlen.
+"""The contract's "Scores and masking": causal (bottom-right), windows, boolean, tree and block masks, seqlens, varlen.
 
 Every case runs the forward and the backward and is held to the oracle element by element;
 rows left with no key must give o = 0, lse = -inf and dq = 0 exactly, unread keys dk = dv = 0.
