@@ -1,4 +1,4 @@
-"""NaN safety (SPEC 3, "Empty rows"): empty rows, poisoned padding, NaN propagation, extreme values.
+"""NaN safety (the contract's "Scores and masking"): empty rows, poisoned padding, NaN propagation, extreme values.
 
 Garbage (NaN, +-inf) written where no allowed pair reads -- past seqlens, past the last
 cu_seqlens row, outside every window, at masked rows and keys -- must change no output;
@@ -120,7 +120,7 @@ def test_large_magnitudes(flashx_target, flashx_rng, dtype):
     Half of each head dim holds 50 in q and k (a common offset of 1e4 in every score), the
     other half normal noise. The scores then carry an absolute rounding error near
     |S| * eps of the accumulation (1e-3 in float32) in every implementation, naive included,
-    so the max-error rule applies but SPEC's relative-norm bounds, met by no kernel here, do not.
+    so the max-error rule applies but the contract's relative-norm bounds, met by no kernel here, do not.
     """
     case = make_case(flashx_rng, seqlen_q=77, seqlen_k=99, head_dim=64, dtype=dtype, causal=True)
     for name in ("q", "k"):
@@ -133,7 +133,7 @@ def test_large_magnitudes_constant(flashx_target, flashx_rng, dtype):
     """q = k = 256: q.k = 2**22 overflows 16-bit types, so it must be accumulated in float32.
 
     The scale puts every score at 1e4: all equal, so o is mean(v). The gradients go through
-    P = exp(S - lse) with lse in float32 (SPEC 5), whose rounding at 1e4 no kernel avoids
+    P = exp(S - lse) with lse in float32 (the contract's Numerics section), whose rounding at 1e4 no kernel avoids
     while naive autograd never meets it: they are held to finiteness only.
     """
     case = make_case(flashx_rng, seqlen_q=33, seqlen_k=70, head_dim=64, dtype=dtype, softmax_scale=1e4 / 2**22)
