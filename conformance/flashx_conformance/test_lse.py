@@ -1,4 +1,4 @@
-"""The log-sum-exp (SPEC 1, 7): natural log, and merging partial results over key splits."""
+"""The log-sum-exp of the contract: natural log ("Scores and masking"), merged over key splits ("Merging partial results")."""
 
 from __future__ import annotations
 
