@@ -1,4 +1,4 @@
-"""Philox4x32-10 and the dropout keep mask of SPEC section 4, vectorised in NumPy.
+"""Philox4x32-10 and the dropout keep mask of the contract's Dropout section, vectorised in NumPy.
 
 Written from the Salmon et al. (2011) definition; the known-answer vectors of Random123
 and of shared/reference/philox.md are checked in ``test_oracle.py``.
@@ -36,7 +36,7 @@ def philox4x32(counter, key, rounds: int = 10) -> tuple[np.ndarray, ...]:
 
 
 def keep_mask(seed: int, rng_offset: int, dropout_p: float, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int) -> np.ndarray:
-    """Z[b, h, i, j] of SPEC section 4 as a bool array (B, Hq, Nq, Nk); i, j within sequence b."""
+    """Z[b, h, i, j] of the contract's Dropout section as a bool array (B, Hq, Nq, Nk); i, j within sequence b."""
     groups = -(-seqlen_k // 4)
     b = np.arange(batch, dtype=np.uint64).reshape(-1, 1, 1, 1)
     h = np.arange(heads_q, dtype=np.uint64).reshape(1, -1, 1, 1)
