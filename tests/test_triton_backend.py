@@ -38,7 +38,7 @@ def poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
 
 
-# ---------------------------------------------------------------- reference (SPEC sections 3, 4)
+# ---------------------------------------------------------------- reference (the contract's "Scores and masking" and Dropout sections)
 
 def philox(counter, key):
     """Philox4x32-10 in NumPy uint64 (products of two uint32 never overflow it)."""
@@ -281,7 +281,7 @@ def test_half_precisions(dtype, tol):
     run_and_check(q, k, v, do, allowed_pairs(B, H, N, N, causal=True), tol=tol, causal=True)
 
 
-# ---------------------------------------------------------------- NaN and infinities (SPEC section 3)
+# ---------------------------------------------------------------- NaN and infinities (the contract's "Scores and masking" section)
 
 
 def check_against_oracle(q, k, v, do, tol=2e-5, **options):
