@@ -19,7 +19,7 @@ from flashx_numpy import NumpyBackend
 from flashx_numpy.philox import dropout_keep, philox4x32
 
 SMALL = "numpy-small-tiles"
-# Relative Frobenius error against float64 (SPEC section 5; float64 runs in float64).
+# Relative Frobenius error against float64 (the contract's Numerics section; float64 runs in float64).
 RELATIVE_TOLERANCE = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 2e-3}
 
 
