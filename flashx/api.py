@@ -30,6 +30,11 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     in docs/contract.md, sections "Shapes", "Scores and masking" and "Dropout".
     """
     options = complete("attention", options)
+    if _traced(q):
+        from flashx.ops import attention as traced_attention
+
+        return traced_attention(q, k, v, backend, options, return_lse)
+    q, k, v = map(arrays.resolved, (q, k, v))
     problem, impl = plan(q, k, v, backend, options)
     if _wants_grad(q, k, v):
         from flashx.autograd import differentiable_forward
@@ -43,6 +48,7 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
 def attention_forward(q, k, v, *, return_lse=True, backend="auto", **options) -> tuple[Any, Residuals]:
     """(o, res) without autograd; ``res`` feeds ``attention_backward``."""
     options = complete("attention_forward", options)
+    q, k, v = map(arrays.resolved, (q, k, v))
     problem, impl = plan(q, k, v, backend, options)
     o, lse = run_forward(impl, problem, q, k, v)
     return o, Residuals(lse, problem.seed, problem.rng_offset)
@@ -57,10 +63,11 @@ def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backe
         if given is not None and given != getattr(res, name):
             raise ShapeError(f"{name}: the backward regenerates dropout from res.{name}={getattr(res, name)}, got {given}")
     options = complete("attention_backward", {**options, "seed": res.seed, "rng_offset": res.rng_offset})
+    do, q, k, v, o, lse = map(arrays.resolved, (do, q, k, v, o, res.lse))
     problem, impl = plan(q, k, v, backend, options)
     check_like("o", o, problem.o_shape, problem.dtype, problem)
-    check_like("res.lse", res.lse, problem.lse_shape, problem.lse_dtype, problem)
-    return run_backward(impl, problem, q, k, v, o, res.lse, do)
+    check_like("res.lse", lse, problem.lse_shape, problem.lse_dtype, problem)
+    return run_backward(impl, problem, q, k, v, o, lse, do)
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
@@ -69,6 +76,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     The contract's "Merging partial results" section. o (..., N, H, Dv) with lse (..., H, N), as
     attention returns them, padded or varlen.
     """
+    o_a, lse_a, o_b, lse_b = map(arrays.resolved, (o_a, lse_a, o_b, lse_b))
     kind = arrays.require_array(o_a, "o_a")
     for name, x in (("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
         if arrays.require_array(x, name) != kind:
@@ -100,6 +108,15 @@ def explain(q, k, v, *, return_lse=False, backend="auto", **options) -> dispatch
     """Which backend ``attention`` would run for these arguments, and why each other one would not."""
     options = complete("explain", options)
     return dispatch.explain(build_problem(q, k, v, **options))
+
+
+def _traced(q) -> bool:
+    """torch.compile or torch.export is tracing: the call becomes flashx's torch operators (``flashx.ops``)."""
+    if arrays.kind_of(q) != "torch":
+        return False
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _wants_grad(q, k, v) -> bool:

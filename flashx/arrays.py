@@ -57,6 +57,13 @@ def signature(x: Any) -> tuple | None:
     return type(x), x.shape, x.dtype, x.device if kind == "torch" else device_of(x)
 
 
+def resolved(x: Any) -> Any:
+    """``x`` with torch's lazy negation and conjugation applied (DLPack and raw pointers drop both bits)."""
+    if kind_of(x) == "torch" and (x.is_neg() or x.is_conj()):
+        return x.resolve_neg().resolve_conj()
+    return x
+
+
 def module(kind: str):
     return importlib.import_module(kind)
 

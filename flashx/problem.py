@@ -41,20 +41,18 @@ class BlockMask:
     def __post_init__(self):
         from flashx.errors import ShapeError
 
-        size = self.block_size
+        from flashx.errors import DTypeError
+        from flashx.options import python_scalar
+
+        size = python_scalar(self.block_size)
         if isinstance(size, int) and not isinstance(size, bool):
             size = (size, size)
-        elif isinstance(size, list):
-            size = tuple(size)
-        object.__setattr__(self, "block_size", size)
-        if (
-            not isinstance(size, tuple)
-            or len(size) != 2
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size)
-        ):
-            raise ShapeError(
-                f"block_size: expected a positive int or a pair of positive ints (bq, bk), got {self.block_size!r}"
-            )
+        expected = "a positive int or a pair of positive ints (bq, bk)"
+        if not isinstance(size, (tuple, list)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in size):
+            raise DTypeError(f"block_size: expected {expected}, got {self.block_size!r}")
+        if len(size) != 2 or not all(s > 0 for s in size):
+            raise ShapeError(f"block_size: expected {expected}, got {self.block_size!r}")
+        object.__setattr__(self, "block_size", tuple(size))
 
 
 @dataclass(frozen=True, eq=False)

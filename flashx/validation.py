@@ -20,12 +20,17 @@ from flashx.options import complete
 from flashx.problem import BlockMask, Problem, default_scale
 
 U64 = 2**64
+ARRAY_OPTIONS = ("alibi_slopes", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
 INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
 def build_problem(q, k, v, **options) -> Problem:
     """Every argument checked once; ``options`` are the keywords of ``flashx.options.OPTIONS``."""
     o = SimpleNamespace(**complete("build_problem", options))
+    for name in ARRAY_OPTIONS:
+        setattr(o, name, arrays.resolved(getattr(o, name)))
+    if isinstance(o.block_mask, BlockMask) and arrays.resolved(o.block_mask.blocks) is not o.block_mask.blocks:
+        o.block_mask = BlockMask(arrays.resolved(o.block_mask.blocks), o.block_mask.block_size)
     kind = arrays.require_array(q, "q")
     device, device_index = arrays.device_of(q)
     dtype = arrays.dtype_name(q)

@@ -3,51 +3,22 @@
 NumPy's elementwise ufuncs (exp, max, where) run on one core and release the GIL;
 BLAS spreads one matmul over all cores. Attention alternates the two, so the fastest
 arrangement is the one CPU attention kernels use (torch's included): one worker per
-core, each running whole tiles with a one-thread BLAS. OpenBLAS's thread count is
-process-wide, so it is lowered while tiles run and restored when the last caller leaves;
-other threads of the process see a one-thread BLAS meanwhile. Where NumPy's BLAS is not
-an OpenBLAS we can reach (no wheel-bundled library), tiles run one after the other in the
-caller's thread and BLAS keeps its own threads.
+core, each running whole tiles with a one-thread BLAS.
+
+Every tile runs under a one-thread BLAS, also when a call has a single tile or the machine
+a single core: a matmul's bits can depend on how many threads split it, and the forward must
+be bitwise reproducible whatever the thread count and whatever other calls run at the same
+time. BLAS thread counts are process-wide (threadpoolctl sets them), so the limit is taken
+when the first concurrent caller enters and restored when the last one leaves; other threads
+of the process see a one-thread BLAS meanwhile.
 """
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterable
-
-import numpy as np
-
-# (get, set) symbol names of the OpenBLAS builds NumPy wheels bundle: scipy-openblas
-# with 64-bit or 32-bit integers, and plain OpenBLAS.
-_SYMBOLS = (
-    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
-    ("openblas_get_num_threads", "openblas_set_num_threads"),
-)
-
-
-def _openblas_controls():
-    """(get_num_threads, set_num_threads) of the OpenBLAS NumPy loaded, or None."""
-    package = os.path.dirname(np.__file__)
-    candidates = glob.glob(os.path.join(package + ".libs", "*openblas*")) + glob.glob(
-        os.path.join(package, ".dylibs", "*openblas*")
-    )
-    for path in candidates:
-        try:
-            library = ctypes.CDLL(path)  # already loaded by NumPy: the same instance
-        except OSError:
-            continue
-        for get_name, set_name in _SYMBOLS:
-            if hasattr(library, get_name) and hasattr(library, set_name):
-                get, set_ = getattr(library, get_name), getattr(library, set_name)
-                get.restype, get.argtypes = ctypes.c_int, []
-                set_.restype, set_.argtypes = None, [ctypes.c_int]
-                return get, set_
-    return None
 
 
 class _Workers:
@@ -55,46 +26,52 @@ class _Workers:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._controls = None
+        self._controller = None
         self._pool = None
         self._count = 0  # 0 until started
         self._active = 0
-        self._saved_threads = 1
+        self._limiter = None
 
     @property
     def count(self) -> int:
-        """How many tiles run at once."""
+        """How many tiles run at once: as many as BLAS had threads when first asked."""
         with self._lock:
             if not self._count:
-                self._controls = _openblas_controls()
-                self._count = max(1, self._controls[0]()) if self._controls else 1
+                from threadpoolctl import ThreadpoolController
+
+                self._controller = ThreadpoolController().select(user_api="blas")
+                self._count = max([info["num_threads"] for info in self._controller.info()], default=1)
                 if self._count > 1:
                     self._pool = ThreadPoolExecutor(self._count, thread_name_prefix="flashx-numpy")
         return self._count
 
-    def run(self, tasks: Iterable[Callable[[], None]]) -> None:
-        """Run every task (they must touch disjoint outputs); re-raise the first failure."""
-        tasks = list(tasks)
-        if self.count == 1 or len(tasks) == 1:
-            for task in tasks:
-                task()
-            return
-        get_threads, set_threads = self._controls
+    @contextlib.contextmanager
+    def _one_thread_blas(self):
         with self._lock:
             if self._active == 0:
-                self._saved_threads = get_threads()
-                set_threads(1)
+                self._limiter = self._controller.limit(limits=1)
             self._active += 1
         try:
-            futures = [self._pool.submit(task) for task in tasks]
-            wait(futures)
-            for future in futures:
-                future.result()
+            yield
         finally:
             with self._lock:
                 self._active -= 1
                 if self._active == 0:
-                    set_threads(self._saved_threads)
+                    self._limiter.restore_original_limits()
+
+    def run(self, tasks: Iterable[Callable[[], None]]) -> None:
+        """Run every task (they must touch disjoint outputs); re-raise the first failure."""
+        tasks = list(tasks)
+        parallel = self.count > 1 and len(tasks) > 1
+        with self._one_thread_blas():
+            if not parallel:
+                for task in tasks:
+                    task()
+                return
+            futures = [self._pool.submit(task) for task in tasks]
+            wait(futures)
+            for future in futures:
+                future.result()
 
 
 workers = _Workers()

@@ -395,9 +395,12 @@ def _gradients_kernel(
 def backward(problem, q, k, v, o, lse, do):
     q, k, v, o, do = (last_dim_contiguous(x) for x in (q, k, v, o, do))
     lse = lse.contiguous()
-    # Varlen rows past cu_seqlens[-1] belong to no sequence: their gradients are 0.
-    alloc = torch.zeros_like if problem.varlen else torch.empty_like  # half the host time of torch.empty
-    dq, dk, dv = (alloc(x) for x in (q, k, v))
+    # Varlen rows past cu_seqlens[-1] belong to no sequence: their gradients are 0. Gradients are
+    # dense and row-major whatever the inputs' layout (an input's strides may tie or be 0, and
+    # *_like would keep a layout the kernel does not write); *_like costs half the host time of
+    # torch.empty with shape, dtype and device.
+    alloc = torch.zeros_like if problem.varlen else torch.empty_like
+    dq, dk, dv = (alloc(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse)),
                                               lambda: _launches(problem, q, k, v, o, do, lse))

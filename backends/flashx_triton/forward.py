@@ -147,6 +147,10 @@ def _forward_kernel(
 
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    if problem.softmax_scale < 0:
+        # The unmasked tiles take a row's max as max(q k^T) * scale, which holds for scale >= 0:
+        # a negative scale runs as (-q) k^T * |scale|, bit for bit the same scores.
+        q = -q
     if problem.varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
         o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
@@ -168,7 +172,7 @@ def _launch(problem, config, q, k, v, o, lse):
                     config.options(), bool(parts & MASKED_PARTS), PARTS=parts,
                     **row_strides("q", q, varlen), **row_strides("k", k, varlen), **row_strides("v", v, varlen),
                     **row_strides("o", o, varlen), **lse_strides(lse, varlen), **args,
-                    scale_log2=problem.softmax_scale * LOG2E, USE_TMA=use_tma, **config.tiles())
+                    scale_log2=abs(problem.softmax_scale) * LOG2E, USE_TMA=use_tma, **config.tiles())
 
     def run(q, k, v, o, lse):
         kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse)
