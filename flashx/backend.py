@@ -12,6 +12,10 @@ from typing import Any
 from flashx.problem import FEATURES, Problem
 
 ALL_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+#: Features a backend has only by naming them: one that keeps the default declaration would
+#: otherwise claim them without reading the Problem fields they add (and, for dropout offsets,
+#: silently draw another mask).
+OPT_IN_FEATURES = frozenset({"dropout_offsets"})
 
 
 class Backend:
@@ -30,7 +34,7 @@ class Backend:
     devices: frozenset[str] = frozenset()  # "cpu", "cuda"
     dtypes: frozenset[str] = ALL_DTYPES
     max_head_dim: int = 256
-    features: frozenset[str] = frozenset(FEATURES)
+    features: frozenset[str] = frozenset(FEATURES) - OPT_IN_FEATURES
     deterministic_backward: bool = True
 
     def available(self) -> str | None:
@@ -58,6 +62,8 @@ class Backend:
             reasons.append(f"does not support {FEATURES[feature]}")
         if problem.deterministic and not self.deterministic_backward:
             reasons.append("cannot promise a deterministic backward (deterministic=True)")
+        if not isinstance(problem, Problem):  # a flashx.kvcache.DecodeProblem
+            return reasons + self.decode_reasons(problem)
         return reasons + self.extra_reasons(problem)
 
     def extra_reasons(self, problem: Problem) -> list[str]:
@@ -68,6 +74,18 @@ class Backend:
         raise NotImplementedError
 
     def backward(self, problem: Problem, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any) -> tuple[Any, Any, Any]:
+        raise NotImplementedError
+
+    def decode_reasons(self, problem) -> list[str]:
+        """For ``flashx.attention_with_kvcache`` (a ``flashx.kvcache.DecodeProblem``), what
+        ``extra_reasons`` is for attention; a backend that does not override ``decode`` declines."""
+        if type(self).decode is Backend.decode:
+            return ["does not implement decoding with a KV cache (attention_with_kvcache)"]
+        return []
+
+    def decode(self, problem, q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any) -> tuple[Any, Any]:
+        """(o, lse) of the contract's "Decoding with a KV cache" section, after writing k_new and
+        v_new (None without new tokens) into the caches in place."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

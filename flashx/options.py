@@ -29,6 +29,7 @@ OPTIONS: dict[str, Any] = {
     "dropout_p": 0.0,
     "seed": None,
     "rng_offset": 0,
+    "dropout_offsets": None,
     "deterministic": False,
 }
 

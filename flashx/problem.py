@@ -21,6 +21,7 @@ FEATURES = {
     "seqlens": "seqlens_q/seqlens_k",
     "varlen": "packed varlen (cu_seqlens)",
     "dropout": "dropout",
+    "dropout_offsets": "dropout drawn at offset positions (dropout_offsets, as ring attention uses)",
     "gqa": "grouped-query attention (Hq != Hk)",
     "dv_ne_d": "a value head dim different from the query head dim",
     "softcap": "softcap",
@@ -92,6 +93,7 @@ class Problem:
     dropout_p: float = 0.0
     seed: int = 0
     rng_offset: int = 0
+    dropout_offsets: tuple[int, int] = (0, 0)  # dropout counter positions of query row 0 and key 0
     deterministic: bool = False
 
     @property
@@ -130,6 +132,7 @@ class Problem:
             "seqlens": self.seqlens_q is not None or self.seqlens_k is not None,
             "varlen": self.varlen,
             "dropout": self.dropout_p > 0,
+            "dropout_offsets": self.dropout_p > 0 and self.dropout_offsets != (0, 0),
             "gqa": self.heads_q != self.heads_k,
             "dv_ne_d": self.head_dim_v != self.head_dim,
             "softcap": self.softcap is not None,
@@ -196,6 +199,8 @@ class Problem:
         parts += [name for name in ("mask", "block_mask", "seqlens", "softcap", "alibi") if name in self.features]
         if self.dropout_p:
             parts.append(f"dropout_p={self.dropout_p}")
+        if "dropout_offsets" in self.features:
+            parts.append(f"dropout_offsets={self.dropout_offsets}")
         if self.deterministic:
             parts.append("deterministic")
         return ", ".join(parts)

@@ -114,6 +114,7 @@ def build_problem(q, k, v, **options) -> Problem:
     else:
         _number("seed", o.seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
     _number("rng_offset", o.rng_offset, _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
+    o.dropout_offsets = (0, 0) if o.dropout_offsets is None else _dropout_offsets(o.dropout_offsets)
 
     return Problem(
         array_kind=kind,
@@ -143,6 +144,7 @@ def build_problem(q, k, v, **options) -> Problem:
         dropout_p=float(o.dropout_p),
         seed=int(o.seed),
         rng_offset=int(o.rng_offset),
+        dropout_offsets=o.dropout_offsets,
         deterministic=o.deterministic,
     )
 
@@ -223,6 +225,16 @@ def _window(window):
     if len(window) != 2 or not all(side >= -1 for side in window):
         raise ShapeError(f"window: expected {expected}, got {window!r}")
     return int(window[0]), int(window[1])
+
+
+def _dropout_offsets(offsets):
+    # Kernels add them to int32 row and key indices.
+    expected = "(row, key) ints in [0, 2**31) or None"
+    if not isinstance(offsets, (tuple, list)) or not all(map(_is_int, offsets)):
+        raise DTypeError(f"dropout_offsets: expected {expected}, got {offsets!r}")
+    if len(offsets) != 2 or not all(0 <= x < 2**31 for x in offsets):
+        raise ShapeError(f"dropout_offsets: expected {expected}, got {offsets!r}")
+    return int(offsets[0]), int(offsets[1])
 
 
 def _number(name, value, is_type, expected, in_range):

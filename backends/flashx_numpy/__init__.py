@@ -16,7 +16,7 @@ class NumpyBackend(flashx.Backend):
     array_kind = "numpy"
     devices = frozenset({"cpu"})
     max_head_dim = 1024
-    features = flashx.Backend.features - {"softcap", "alibi"}
+    features = frozenset(flashx.problem.FEATURES) - {"softcap", "alibi"}
     deterministic_backward = True
 
     def __init__(self, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, name: str = "numpy"):

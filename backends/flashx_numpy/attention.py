@@ -195,8 +195,9 @@ def _scaled_queries_t(problem: Problem, q: np.ndarray, heads: slice, i0: int, i1
 
 def _keep(problem: Problem, seq, heads: slice, i0, i1, j0, j1) -> np.ndarray:
     """The dropout keep mask of a tile, (keys, rows) like its scores."""
+    row0, key0 = problem.dropout_offsets
     keep = dropout_keep(problem.dropout_p, problem.seed, problem.rng_offset, seq.b,
-                        np.arange(heads.start, heads.stop), problem.heads_q, i0, i1, j0, j1)
+                        np.arange(heads.start, heads.stop), problem.heads_q, row0 + i0, row0 + i1, key0 + j0, key0 + j1)
     return keep.reshape(j1 - j0, -1)
 
 

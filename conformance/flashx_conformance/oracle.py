@@ -38,6 +38,7 @@ OPTIONS = (
     "dropout_p",
     "seed",
     "rng_offset",
+    "dropout_offsets",
 )
 #: Keywords accepted for call compatibility with flashx.attention; they change no value.
 HINTS = ("max_seqlen_q", "max_seqlen_k", "deterministic")
@@ -283,7 +284,7 @@ def _prepare(q, k, v, do, options) -> _Dense:
     if dropout_p > 0:
         if get("seed") is None:
             raise ValueError("oracle: dropout needs the seed the backend used (res.seed)")
-        z = philox.keep_mask(get("seed"), get("rng_offset") or 0, dropout_p, *grid)
+        z = philox.keep_mask(get("seed"), get("rng_offset") or 0, dropout_p, *grid, get("dropout_offsets") or (0, 0))
         keep = z / np.asarray(1 - dropout_p, dtype=precision)
 
     scale = get("softmax_scale")
@@ -334,15 +335,17 @@ def _attend(dense: _Dense, gradients: bool, magnitudes: bool = False) -> dict:
         p = e / np.where(total > 0, total, 1.0)
         lse = (row_max + np.log(total))[..., 0]
         p_dropped = p if dense.keep is None else p * dense.keep
+        # A dropped pair contributes exactly 0, as a disallowed one does: never 0 * NaN.
+        attended = allowed if dense.keep is None else allowed & (dense.keep != 0)
         if magnitudes:
             q, k, v, do = (np.abs(x) for x in (dense.q, k, v, dense.do))
         else:
             q, do = dense.q, dense.do
-        result = {"o": _masked_matmul(p_dropped, v, allowed), "lse": lse}
+        result = {"o": _masked_matmul(p_dropped, v, attended), "lse": lse}
         if not gradients:
             return result
 
-        dp = np.where(allowed, do @ v.swapaxes(-1, -2), 0.0)
+        dp = np.where(attended, do @ v.swapaxes(-1, -2), 0.0)
         if dense.keep is not None:
             dp = dp * dense.keep
         delta = np.where(allowed, p * dp, 0.0).sum(axis=-1, keepdims=True)
@@ -355,7 +358,7 @@ def _attend(dense: _Dense, gradients: bool, magnitudes: bool = False) -> dict:
         allowed_t = allowed.swapaxes(-1, -2)
         result["dq"] = scale * _masked_matmul(ds, k, allowed)
         result["dk"] = _group_sum(scale * _masked_matmul(ds.swapaxes(-1, -2), q, allowed_t), heads_k)
-        result["dv"] = _group_sum(_masked_matmul(p_dropped.swapaxes(-1, -2), do, allowed_t), heads_k)
+        result["dv"] = _group_sum(_masked_matmul(p_dropped.swapaxes(-1, -2), do, attended.swapaxes(-1, -2)), heads_k)
     return result
 
 

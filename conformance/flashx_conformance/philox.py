@@ -35,16 +35,20 @@ def philox4x32(counter, key, rounds: int = 10) -> tuple[np.ndarray, ...]:
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
-def keep_mask(seed: int, rng_offset: int, dropout_p: float, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int) -> np.ndarray:
-    """Z[b, h, i, j] of the contract's Dropout section as a bool array (B, Hq, Nq, Nk); i, j within sequence b."""
-    groups = -(-seqlen_k // 4)
+def keep_mask(seed: int, rng_offset: int, dropout_p: float, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int,
+              offsets: tuple[int, int] = (0, 0)) -> np.ndarray:
+    """Z[b, h, i, j] of the contract's Dropout section as a bool array (B, Hq, Nq, Nk); i, j within sequence b,
+    counted from ``offsets`` (the positions of row 0 and key 0: the ``dropout_offsets`` option)."""
+    row0, key0 = offsets
+    first, end = key0 // 4, -(-(key0 + seqlen_k) // 4)
     b = np.arange(batch, dtype=np.uint64).reshape(-1, 1, 1, 1)
     h = np.arange(heads_q, dtype=np.uint64).reshape(1, -1, 1, 1)
-    i = np.arange(seqlen_q, dtype=np.uint64).reshape(1, 1, -1, 1)
-    column_group = np.arange(groups, dtype=np.uint64).reshape(1, 1, 1, -1)
+    i = np.arange(row0, row0 + seqlen_q, dtype=np.uint64).reshape(1, 1, -1, 1)
+    column_group = np.arange(first, end, dtype=np.uint64).reshape(1, 1, 1, -1)
     counter = (column_group, i, b * np.uint64(heads_q) + h, np.uint64(rng_offset & 0xFFFFFFFF))
     counter = np.broadcast_arrays(*counter)
     words = philox4x32(counter, (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
     # word j % 4 of call j // 4: interleave the four words along the key axis
-    r = np.stack(words, axis=-1).reshape(batch, heads_q, seqlen_q, 4 * groups)[..., :seqlen_k]
+    r = np.stack(words, axis=-1).reshape(batch, heads_q, seqlen_q, 4 * (end - first))
+    r = r[..., key0 - 4 * first : key0 - 4 * first + seqlen_k]
     return r >= np.uint32(math.floor(dropout_p * 2**32))
