@@ -66,7 +66,7 @@ def _prepare_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_on, stride_oh, st
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base,
                 delta_base, cols, lo, hi, first_row, end_row, pairs, scale_log2, stream, seed, rng_offset,
-                drop_threshold, drop_scale,
+                drop_threshold, drop_row0, drop_key0, drop_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                 DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -119,7 +119,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                     # registers (allocation failed at 255, D = 40, Dv = 80): the exact path always.
                     suspect = True
             if DROPOUT:
-                keep = dropout_keep(rows[None, :], cols[:, None], stream, seed, rng_offset, drop_threshold)
+                keep = dropout_keep(rows[None, :], cols[:, None], stream, seed, rng_offset, drop_threshold, drop_row0,
+                                    drop_key0)
                 p_kept = tl.where(keep, p * drop_scale, 0.0)
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             else:
@@ -144,7 +145,7 @@ def _dkdv_program(
     stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
     padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
-    drop_scale,
+    drop_row0, drop_key0, drop_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -197,7 +198,8 @@ def _dkdv_program(
                     lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
                     dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
                                          stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
-                                         scale_log2, stream, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM,
+                                         scale_log2, stream, seed, rng_offset, drop_threshold, drop_row0, drop_key0,
+                                         drop_scale, HEAD_DIM,
                                          HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK,
                                          DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
         if not EXACT:
@@ -217,7 +219,8 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
-              lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold, drop_scale,
+              lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold, drop_row0,
+              drop_key0, drop_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
               DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -258,7 +261,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
                 p = tl.exp2(s * scale_log2 - lse2[:, None])
             dp = dot(do, tl.trans(v), None, DOT_PRECISION)
             if DROPOUT:
-                keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
+                keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold, drop_row0,
+                                    drop_key0)
                 dp = tl.where(keep, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             if MASKED and EXACT:
@@ -277,7 +281,7 @@ def _dq_program(
     CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
     padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
-    drop_scale,
+    drop_row0, drop_key0, drop_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -325,7 +329,8 @@ def _dq_program(
                 lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                 dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
                                stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, seed,
-                               rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               rng_offset, drop_threshold, drop_row0, drop_key0, drop_scale, HEAD_DIM, HEAD_DIM_V,
+                               BLOCK_D, BLOCK_DV, BLOCK_N,
                                part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS,
                                EXACT)
         if not EXACT:
@@ -345,7 +350,7 @@ def _gradients_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
     padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
-    drop_scale, programs,
+    drop_row0, drop_key0, drop_scale, programs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -376,7 +381,8 @@ def _gradients_kernel(
                           stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, stride_mb,
                           stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q,
                           block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed,
-                          rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM,
+                          rng_offset, drop_threshold, drop_row0, drop_key0, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                          BLOCK_DV, STREAM,
                           TILE, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
                           DOT_PRECISION, USE_TMA, KEY_PARTS, HOST_DESCRIPTORS, EXACT)
         else:
@@ -387,7 +393,8 @@ def _gradients_kernel(
                         stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K,
                         MASK, BLOCKS, stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi,
                         stride_bj, block_q, block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale,
-                        scale_log2, seed, rng_offset, drop_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                        scale_log2, seed, rng_offset, drop_threshold, drop_row0, drop_key0, drop_scale, HEAD_DIM,
+                        HEAD_DIM_V, BLOCK_D,
                         BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
                         DROPOUT, DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT)
 

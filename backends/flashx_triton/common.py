@@ -255,12 +255,14 @@ def any_nonfinite(x):
 
 
 @triton.jit
-def dropout_keep(i, j, stream, seed, rng_offset, threshold):
-    """Z[i, j] of the contract's Dropout section: word j % 4 of
-    Philox4x32-10((j // 4, i, stream, offset), seed) >= threshold."""
+def dropout_keep(i, j, stream, seed, rng_offset, threshold, row0, key0):
+    """Z[i, j] of the contract's Dropout section, row i and key j at positions row0 + i and key0 + j
+    (the ``dropout_offsets`` option): with y = key0 + j, word y % 4 of
+    Philox4x32-10((y // 4, row0 + i, stream, offset), seed) >= threshold."""
     zero = i * 0 + j * 0
+    j = j + key0
     c0 = (zero + j // 4).to(tl.uint32)
-    c1 = (zero + i).to(tl.uint32)
+    c1 = (zero + i + row0).to(tl.uint32)
     c2 = (zero + stream).to(tl.uint32)
     c3 = (zero + rng_offset).to(tl.uint32)
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
@@ -573,6 +575,8 @@ def _dropout_args(problem) -> dict:
         seed=seed - (1 << 64) if seed >= 1 << 63 else seed,
         rng_offset=problem.rng_offset & 0xFFFFFFFF,
         drop_threshold=math.floor(p * 2**32),
+        drop_row0=problem.dropout_offsets[0],
+        drop_key0=problem.dropout_offsets[1],
         drop_scale=1.0 / (1.0 - p),
         DROPOUT=p > 0,
     )

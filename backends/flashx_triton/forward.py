@@ -22,7 +22,8 @@ from flashx_triton.common import (LOG2E, MASKED_PARTS, Passes, allowed_pairs, ba
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
-                  lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold,
+                  lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold, drop_row0,
+                  drop_key0,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                   DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr):
@@ -62,7 +63,8 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                 alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             if DROPOUT:
-                keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold)
+                keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold, drop_row0,
+                                    drop_key0)
                 p = tl.where(keep, p, 0.0)
             if MASKED and EXACT:
                 # No product has seen V yet: masked_dot checks it itself. "Allowed" is read back
@@ -84,7 +86,8 @@ def _forward_kernel(
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
-    padded_q, padded_k, heads_q, group, left, right, scale_log2, seed, rng_offset, drop_threshold, drop_scale,
+    padded_q, padded_k, heads_q, group, left, right, scale_log2, seed, rng_offset, drop_threshold, drop_row0,
+    drop_key0, drop_scale,
     programs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
@@ -126,7 +129,8 @@ def _forward_kernel(
                     lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
                                                   kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs,
-                                                  scale_log2, stream, seed, rng_offset, drop_threshold, HEAD_DIM,
+                                                  scale_log2, stream, seed, rng_offset, drop_threshold, drop_row0,
+                                                  drop_key0, HEAD_DIM,
                                                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
                                                   HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, EXACT)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
