@@ -54,6 +54,11 @@ class TritonBackend(flashx.Backend):
 
         return backward(problem, q, k, v, o, lse, do)
 
+    def decode(self, problem, q, k_cache, v_cache, k_new, v_new):
+        from flashx_triton.decode import decode
+
+        return decode(problem, q, k_cache, v_cache, k_new, v_new)
+
 
 @hookimpl
 def flashx_backends():

@@ -1,0 +1,411 @@
+"""Decoding with a KV cache on the GPU: split-KV attention (FlashDecoding) over contiguous or paged caches.
+
+Up to three launches on the caller's stream, none of which reads a device value on the host (so a
+call with ``validate=False`` can be captured in a CUDA graph):
+
+1. ``_append_kernel``, with new tokens only: one program per new token writes its keys and values
+   into their slot of the cache, found through the block table when the cache is paged.
+2. ``_split_kernel``: one program per (sequence, kv head, row tile, split). A row tile holds the
+   query rows of every query head that reads the kv head (Nq x group rows, query-major, padded
+   to at least 16 for the tensor cores), so each split's keys and values are read from memory
+   once for the whole GQA group. The program folds its split's key tiles into an online softmax
+   in base 2: tiles that every row of the tile may use in full run without a compare, and only
+   the edge tiles of the band and the tiles over the tree mask's last Nq keys are masked, where a
+   NaN or inf stored at a disallowed pair never reaches a product (``masked_dot``). Keys outside
+   the rows' band and past the sequence are never loaded, so stale slots and unused pages are
+   never read. In a paged cache a key tile whose rows lie in one page (page_size a multiple of
+   the tile) costs one block-table read; otherwise each row is found through the table.
+3. ``_merge_kernel``, with more than one split: each (sequence, query row, head) combines the
+   splits' normalised outputs and LSEs as "Merging partial results" says, an empty split (LSE
+   -inf) weighing exactly 0. With one split the split kernel writes o and lse itself.
+
+A split covers a fixed share of the key tiles its rows may see, computed on the device from the
+sequence's length, so a fixed ``num_splits`` gives bitwise the same result on every call.
+``num_splits=0`` takes ``choose_splits``: no split when the (sequence, kv head, row tile)
+programs alone fill the GPU's SMs, otherwise enough splits for about two programs per SM, each
+split keeping at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. It is chosen
+from the capacity (S, or max_pages x page_size), not from the lengths, which only the device
+holds, and so the choice is the same with and without ``validate``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from flashx_triton.common import Launch, _dot_precision, _tile_widths, dot, layout, masked_dot
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2)
+PROGRAMS_PER_SM = 2  # the split count aims at this many split programs per SM
+MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this per split cost more in the merge than they gain
+MAX_SPLITS = 128
+INTERPRETED_SMS = 4  # the stand-in SM count under TRITON_INTERPRET, so that tiny problems split too
+_LIMIT = 256  # launches remembered; past it the memory starts again empty
+
+
+@triton.jit
+def _slot_rows(TABLE_ROW, stride_tj, start, cols, used, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr):
+    """(page, slot) of the keys ``cols`` (a tile starting at ``start``), int64: a contiguous cache's
+    sequence is page 0 of its own base pointer."""
+    if PAGE_SIZE == 0:
+        return 0, cols.to(tl.int64)
+    elif PAGE_SIZE % BLOCK_N == 0:  # the whole tile lies in one page: one table read
+        page = tl.load(TABLE_ROW + (start // PAGE_SIZE) * stride_tj).to(tl.int64)
+        return page, (start % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+    else:
+        if MASKED:  # the table's entries past the sequence may hold anything: not read
+            pages = tl.load(TABLE_ROW + (cols // PAGE_SIZE) * stride_tj, mask=used, other=0)
+        else:
+            pages = tl.load(TABLE_ROW + (cols // PAGE_SIZE) * stride_tj)
+        return pages.to(tl.int64), (cols % PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, t_hi, lo, hi, diag, i, valid, left,
+                  right, scale_log2, stride_tj, stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
+                  stride_mj, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold key tiles [t_lo, t_hi) into the running (acc, m_i, l_i). MASKED tiles load only the keys
+    in [lo, hi) and test every pair; the others lie wholly inside every valid row's band."""
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    for t in range(t_lo, t_hi):
+        start = t * BLOCK_N
+        cols = start + tl.arange(0, BLOCK_N)
+        used = (cols >= lo) & (cols < hi)
+        page, slot = _slot_rows(TABLE_ROW, stride_tj, start, cols, used, PAGE_SIZE, BLOCK_N, MASKED)
+        k_ptrs = K_HEAD + (page * stride_kp + slot * stride_ks)[:, None] + dims[None, :] * stride_kd
+        v_ptrs = V_HEAD + (page * stride_vp + slot * stride_vs)[:, None] + dims_v[None, :] * stride_vd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+            v = tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+            position = diag + i  # each row's query position among the keys
+            ok = (valid[:, None] & used[None, :] & (cols[None, :] >= position[:, None] - left)
+                  & (cols[None, :] <= position[:, None] + right))
+            if HAS_MASK:
+                column = cols - diag  # the tree mask's column: >= 0 over the last Nq keys
+                tree = column >= 0
+                allowed = tl.load(mask_rows[:, None] + column[None, :] * stride_mj, mask=ok & tree[None, :], other=0)
+                ok &= ~tree[None, :] | (allowed != 0)
+            s = tl.where(ok, dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_ref[:, None])
+            alpha = tl.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = masked_dot(p.to(v.dtype), v, ok, acc * alpha[:, None], True, DOT_PRECISION)
+        else:
+            k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
+            s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, SEQLENS, TABLE, MASK, O, LSE,
+    stride_qb, stride_qn, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_vp, stride_vs, stride_vh, stride_vd, stride_tb, stride_tj, stride_mb, stride_mh, stride_mi, stride_mj,
+    stride_os, stride_ob, stride_on, stride_oh, stride_od, stride_ls, stride_lb, stride_lh, stride_ln,
+    heads_k, seqlen_q, group, new_tokens, left, right, scale_log2, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One split of one (sequence, kv head, row tile): its normalised o and its lse (natural log),
+    into O and LSE at index ``split`` of their leading axis (stride 0 without splits)."""
+    rows_total = seqlen_q * group
+    row_tiles = tl.cdiv(rows_total, BLOCK_M)
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    row_tile = tile % row_tiles
+    kv_head = (tile // row_tiles) % heads_k
+    b = tile // (row_tiles * heads_k)
+    b64 = b.to(tl.int64)
+
+    r = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = r < rows_total
+    i = r // group  # query row
+    h = kv_head * group + r % group  # query head
+    length = tl.load(SEQLENS + b) + new_tokens  # Lk of this sequence
+    diag = length - seqlen_q  # query i sits at key position diag + i
+    first_i = row_tile * BLOCK_M // group
+    last_i = (tl.minimum(row_tile * BLOCK_M + BLOCK_M, rows_total) - 1) // group
+    # Keys [lo, hi) are seen by some valid row; [full_lo, full_hi) by every one, in full.
+    lo = tl.maximum(diag + first_i - left, 0)
+    hi = tl.maximum(tl.minimum(diag + last_i + right + 1, length), lo)
+    full_lo = tl.maximum(diag + last_i - left, 0)
+    full_hi = tl.minimum(diag + first_i + right + 1, length)
+    if HAS_MASK:
+        full_hi = tl.minimum(full_hi, diag)  # the tree mask's keys are tested pair by pair
+    t_lo = lo // BLOCK_N
+    t_hi = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N), t_lo)
+    per_split = tl.cdiv(t_hi - t_lo, num_splits)
+    s_lo = tl.minimum(t_lo + split * per_split, t_hi)
+    s_hi = tl.minimum(s_lo + per_split, t_hi)
+    f_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), s_lo), s_hi)
+    f_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, f_lo), s_hi)
+
+    dims = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + b64 * stride_qb + (i * stride_qn + h * stride_qh).to(tl.int64)[:, None] + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    if PAGE_SIZE == 0:
+        K_HEAD = K + b64 * stride_kp + kv_head.to(tl.int64) * stride_kh
+        V_HEAD = V + b64 * stride_vp + kv_head.to(tl.int64) * stride_vh
+        TABLE_ROW = TABLE
+    else:
+        K_HEAD = K + kv_head.to(tl.int64) * stride_kh
+        V_HEAD = V + kv_head.to(tl.int64) * stride_vh
+        TABLE_ROW = TABLE + b64 * stride_tb
+    mask_rows = MASK + b64 * stride_mb + (h * stride_mh + i * stride_mi).to(tl.int64) if HAS_MASK else 0
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles: in key order
+        if part == 0:
+            a, z = s_lo, f_lo
+        elif part == 1:
+            a, z = f_lo, f_hi
+        else:
+            a, z = f_hi, s_hi
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, a, z, lo, hi, diag, i,
+                                      valid, left, right, scale_log2, stride_tj, stride_kp, stride_ks, stride_kd,
+                                      stride_vp, stride_vs, stride_vd, stride_mj, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                      BLOCK_DV, BLOCK_N, PAGE_SIZE, HAS_MASK, part != 1, DOT_PRECISION)
+
+    # l_i == 0 only where no key was allowed (a row's maximum contributes 1); NaN rows stay NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln 2: natural log
+    dims_v = tl.arange(0, BLOCK_DV)
+    rows_out = (split * stride_os + b64 * stride_ob + (i * stride_on + h * stride_oh).to(tl.int64))
+    tl.store(O + rows_out[:, None] + dims_v[None, :] * stride_od, o.to(O.dtype.element_ty),
+             mask=valid[:, None] & (dims_v[None, :] < HEAD_DIM_V))
+    tl.store(LSE + split * stride_ls + b64 * stride_lb + (h * stride_lh + i * stride_ln).to(tl.int64), lse, mask=valid)
+
+
+@triton.jit
+def _merge_kernel(
+    O_PART, LSE_PART, O, LSE,
+    stride_ps, stride_pb, stride_pn, stride_ph, stride_pd, stride_qs, stride_qb, stride_qh, stride_qn,
+    stride_ob, stride_on, stride_oh, stride_od, stride_lb, stride_lh, stride_ln,
+    heads_q, seqlen_q, num_splits,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One (sequence, query row, head): lse = logsumexp of the splits' lse, o = their outputs
+    weighted by exp(lse_split - lse). Splits with lse -inf weigh exactly 0; NaN propagates."""
+    pid = tl.program_id(0)
+    h = pid % heads_q
+    i = (pid // heads_q) % seqlen_q
+    b = (pid // (heads_q * seqlen_q)).to(tl.int64)
+    lse_row = LSE_PART + b * stride_qb + h * stride_qh + i * stride_qn
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_row + splits * stride_qs, mask=splits < num_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(lse - top), 0)
+    dims = tl.arange(0, BLOCK_DV)
+    o_row = O_PART + b * stride_pb + i * stride_pn + h * stride_ph
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for first in range(0, num_splits, CHUNK):
+        chunk = first + tl.arange(0, CHUNK)
+        inside = chunk < num_splits
+        weight = tl.exp(tl.load(lse_row + chunk * stride_qs, mask=inside, other=float("-inf")) - top)
+        part = tl.load(o_row + chunk[:, None].to(tl.int64) * stride_ps + dims[None, :] * stride_pd,
+                       mask=inside[:, None] & (dims[None, :] < HEAD_DIM_V), other=0.0)
+        acc += tl.sum(tl.where(weight[:, None] == 0.0, 0.0, weight[:, None] * part), 0)
+    empty = total == 0.0
+    total_safe = tl.where(empty, 1.0, total)
+    o = tl.where(empty, 0.0, acc / total_safe)
+    tl.store(O + b * stride_ob + i * stride_on + h * stride_oh + dims * stride_od, o.to(O.dtype.element_ty),
+             mask=dims < HEAD_DIM_V)
+    tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_ln, tl.where(empty, float("-inf"), top + tl.log(total_safe)))
+
+
+@triton.jit
+def _copy_token(SOURCE, stride_sh, stride_sd, TARGET, stride_th, stride_td, heads, WIDTH: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One token's (heads, WIDTH) rows from SOURCE to TARGET."""
+    rows = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_W)[None, :]
+    inside = (rows < heads) & (cols < WIDTH)
+    x = tl.load(SOURCE + rows * stride_sh + cols * stride_sd, mask=inside)
+    tl.store(TARGET + rows * stride_th + cols * stride_td, x, mask=inside)
+
+
+@triton.jit
+def _append_kernel(
+    K_NEW, V_NEW, K, V, SEQLENS, TABLE,
+    stride_nb, stride_nn, stride_nh, stride_nd, stride_wb, stride_wn, stride_wh, stride_wd,
+    stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, stride_tb, stride_tj,
+    heads_k, new_tokens,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """New token t of sequence b into its cache slot, at position cache_seqlens[b] + t."""
+    pid = tl.program_id(0)
+    b = (pid // new_tokens).to(tl.int64)
+    t = pid % new_tokens
+    position = tl.load(SEQLENS + b).to(tl.int64) + t
+    if PAGE_SIZE == 0:
+        page, slot = b, position
+    else:
+        page = tl.load(TABLE + b * stride_tb + (position // PAGE_SIZE) * stride_tj).to(tl.int64)
+        slot = position % PAGE_SIZE
+    _copy_token(K_NEW + b * stride_nb + t * stride_nn, stride_nh, stride_nd, K + page * stride_kp + slot * stride_ks,
+                stride_kh, stride_kd, heads_k, HEAD_DIM, BLOCK_H, BLOCK_D)
+    _copy_token(V_NEW + b * stride_wb + t * stride_wn, stride_wh, stride_wd, V + page * stride_vp + slot * stride_vs,
+                stride_vh, stride_vd, heads_k, HEAD_DIM_V, BLOCK_H, BLOCK_DV)
+
+
+def choose_splits(batch: int, heads_k: int, row_tiles: int, capacity: int, block_n: int, sm_count: int) -> int:
+    """The split count of ``num_splits=0`` (see the module docstring)."""
+    programs = batch * heads_k * row_tiles
+    if programs >= sm_count:
+        return 1
+    most = max(1, triton.cdiv(triton.cdiv(capacity, block_n), MIN_TILES_PER_SPLIT))
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sm_count, programs), most, MAX_SPLITS))
+
+
+def config(problem) -> dict:
+    """The split kernel's tiles, warps and pipeline depth for this problem."""
+    rows = problem.seqlen_q * problem.group
+    block_m = min(64, max(16, triton.next_power_of_2(max(rows, 1))))
+    if _interpreting():
+        return dict(BLOCK_M=block_m, BLOCK_N=16, num_warps=1, num_stages=1)
+    wide = max(problem.head_dim, problem.head_dim_v) > 128 or problem.dtype == "float32"
+    return dict(BLOCK_M=block_m, BLOCK_N=32 if wide else 64, num_warps=4, num_stages=2 if wide else 3)
+
+
+def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new, v_new):
+    """(o, lse) after the new tokens are written into the caches; o in q's dtype, lse float32."""
+    seqlens, table = problem.cache_seqlens, problem.block_table
+    if problem.new_tokens and problem.batch:
+        _launch("append", problem, (k_new, v_new, k_cache, v_cache, seqlens, table))
+    o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    if problem.batch * problem.seqlen_q * problem.heads_q == 0:
+        return o, lse
+    tiles = config(problem)
+    splits = problem.num_splits or choose_splits(problem.batch, problem.heads_k, _row_tiles(problem, tiles),
+                                                 problem.capacity, tiles["BLOCK_N"], _sm_count(q.device))
+    # More splits than key tiles in the cache only add empty ones.
+    splits = min(splits, max(1, triton.cdiv(problem.capacity, tiles["BLOCK_N"])))
+    mask = None if problem.mask is None else problem.mask.expand(*problem.lse_shape, problem.seqlen_q)
+    if splits == 1:
+        _launch("split", problem, (q, k_cache, v_cache, seqlens, table, mask, o[None], lse[None]), splits)
+        return o, lse
+    o_part = torch.empty((splits, *problem.o_shape), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((splits, *problem.lse_shape), dtype=torch.float32, device=q.device)
+    _launch("split", problem, (q, k_cache, v_cache, seqlens, table, mask, o_part, lse_part), splits)
+    _launch("merge", problem, (o_part, lse_part, o, lse), splits)
+    return o, lse
+
+
+def _launch(kernel: str, problem, tensors: tuple, splits: int = 1) -> None:
+    """``kernel`` on ``tensors``, through a ``Launch`` kept per static problem, layout and split count."""
+    key = (kernel, problem.static_key(), layout(*(x for x in tensors if x is not None)),
+           tuple(x is None for x in tensors), splits)
+    launch = _launches.get(key)
+    if launch is None:
+        if len(_launches) >= _LIMIT:
+            _launches.clear()
+        launch = _launches[key] = _BUILD[kernel](problem, tensors, splits)
+    launch(*tensors)
+
+
+_launches: dict[tuple, Launch] = {}
+
+
+def _strides(x, count: int) -> tuple:
+    return tuple(x.stride()) if x is not None else (0,) * count
+
+
+def _build_split(problem, tensors, splits) -> Launch:
+    q, k_cache, v_cache, _, table, mask, o, lse = tensors
+    tiles = config(problem)
+    left, right = problem.band or (-1, -1)
+    unbounded = problem.capacity + problem.seqlen_q  # a reach past every key: one compare serves both sides
+    bound = dict(zip(
+        ("stride_qb", "stride_qn", "stride_qh", "stride_qd", "stride_kp", "stride_ks", "stride_kh", "stride_kd",
+         "stride_vp", "stride_vs", "stride_vh", "stride_vd", "stride_tb", "stride_tj", "stride_mb", "stride_mh",
+         "stride_mi", "stride_mj", "stride_os", "stride_ob", "stride_on", "stride_oh", "stride_od", "stride_ls",
+         "stride_lb", "stride_lh", "stride_ln"),
+        (*q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(table, 2), *_strides(mask, 4),
+         0 if splits == 1 else o.stride(0), *o.stride()[1:], 0 if splits == 1 else lse.stride(0), *lse.stride()[1:]),
+    ))
+    grid = (problem.batch * problem.heads_k * _row_tiles(problem, tiles), splits)
+    return Launch(_split_kernel, grid, dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]), **bound,
+                  heads_k=problem.heads_k, seqlen_q=problem.seqlen_q, group=problem.group,
+                  new_tokens=problem.new_tokens, left=unbounded if left == -1 else left,
+                  right=unbounded if right == -1 else right, scale_log2=problem.softmax_scale * LOG2E,
+                  num_splits=splits, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
+                  **_tile_widths(problem.head_dim, problem.head_dim_v), BLOCK_M=tiles["BLOCK_M"],
+                  BLOCK_N=tiles["BLOCK_N"], PAGE_SIZE=problem.page_size or 0, HAS_MASK=mask is not None,
+                  DOT_PRECISION=_dot_precision(problem.dtype))
+
+
+def _build_merge(problem, tensors, splits) -> Launch:
+    o_part, lse_part, o, lse = tensors
+    block_s = triton.next_power_of_2(splits)
+    bound = dict(zip(
+        ("stride_ps", "stride_pb", "stride_pn", "stride_ph", "stride_pd", "stride_qs", "stride_qb", "stride_qh",
+         "stride_qn", "stride_ob", "stride_on", "stride_oh", "stride_od", "stride_lb", "stride_lh", "stride_ln"),
+        (*o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride()),
+    ))
+    grid = (problem.batch * problem.seqlen_q * problem.heads_q,)
+    return Launch(_merge_kernel, grid, dict(num_warps=4 if not _interpreting() else 1), **bound,
+                  heads_q=problem.heads_q, seqlen_q=problem.seqlen_q, num_splits=splits,
+                  HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=_tile_widths(problem.head_dim, problem.head_dim_v)["BLOCK_DV"],
+                  BLOCK_S=block_s, CHUNK=min(block_s, 32))
+
+
+def _build_append(problem, tensors, splits) -> Launch:
+    k_new, v_new, k_cache, v_cache, _, table = tensors
+    bound = dict(zip(
+        ("stride_nb", "stride_nn", "stride_nh", "stride_nd", "stride_wb", "stride_wn", "stride_wh", "stride_wd",
+         "stride_kp", "stride_ks", "stride_kh", "stride_kd", "stride_vp", "stride_vs", "stride_vh", "stride_vd",
+         "stride_tb", "stride_tj"),
+        (*k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(table, 2)),
+    ))
+    return Launch(_append_kernel, (problem.batch * problem.new_tokens,), dict(num_warps=4 if not _interpreting() else 1),
+                  **bound, heads_k=problem.heads_k, new_tokens=problem.new_tokens, HEAD_DIM=problem.head_dim,
+                  HEAD_DIM_V=problem.head_dim_v, BLOCK_H=triton.next_power_of_2(problem.heads_k),
+                  BLOCK_D=triton.next_power_of_2(problem.head_dim), BLOCK_DV=triton.next_power_of_2(problem.head_dim_v),
+                  PAGE_SIZE=problem.page_size or 0)
+
+
+_BUILD = {"split": _build_split, "merge": _build_merge, "append": _build_append}
+
+
+def _row_tiles(problem, tiles: dict) -> int:
+    return triton.cdiv(problem.seqlen_q * problem.group, tiles["BLOCK_M"])
+
+
+def _interpreting() -> bool:
+    from flashx_triton.tuning import interpreting
+
+    return interpreting()
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETED_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
