@@ -1,4 +1,4 @@
-"""The ``flashx`` command (also ``python -m flashx``): ``flashx info`` and ``flashx demo``."""
+"""The ``flashx`` command (also ``python -m flashx``): ``flashx info``, ``flashx demo`` and ``flashx bench``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,15 @@ def main(argv: list[str] | None = None) -> int:
         "--seqlen", type=_positive_int, default=None, help="sequence length (default: 4096 on CPU, 8192 on GPU)"
     )
     demo_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    args = parser.parse_args(argv)
+    # flashx bench's arguments are flashx_bench's to parse (`flashx bench --help`).
+    commands.add_parser("bench", add_help=False, help="time the backends beside PyTorch's kernels (GPU, or --cpu)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from flashx_bench.cli import main as bench
+
+        return bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return info() if args.command == "info" else demo(args.seqlen, args.device)
 
 

@@ -1,14 +1,16 @@
-"""The benchmark harness on the CPU: FLOP counting, tables, plots, the sweep's plumbing. No timing assertions."""
+"""The benchmark harness on the CPU: FLOP counting, tables, plots, the records and the sweep's
+plumbing. No timing assertions."""
 
+import csv
 import statistics
 import time
 
 import pytest
 import torch
 
-from benchmarks import __main__ as cli
-from benchmarks import gpu, report
-from benchmarks.implementations import Shape, causal_block_mask, implementations
+import flashx
+from flashx_bench import cli, gpu, records, report
+from flashx_bench.implementations import Shape, causal_block_mask, implementations
 
 
 def test_flops_as_flash_attn_counts():
@@ -33,7 +35,7 @@ def test_speed_shapes_keep_tokens_and_model_dim():
     [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA GeForce RTX 4090", "rtx4090")],
 )
 def test_device_slug(name, slug):
-    assert gpu.device_slug(name) == slug
+    assert records.device_slug(name) == slug
 
 
 def test_causal_block_mask_is_create_block_mask():
@@ -98,7 +100,10 @@ def results():
              "status": "OOM", "mib": None},
         ],
         "speed": speed,
-        "sections_s": {"ceilings": 2.0, "check": 10.0, "memory": 30.0, "speed": 300.0},
+        "host": [{"impl": "flashx-triton", "mode": mode, "batch": 4, "seqlen": 4096, "heads": 16, "head_dim": 128,
+                  "causal": True, "status": "ok", "host_us": us, "wall_s": 0.1}
+                 for mode, us in (("fwd", 95.0), ("fwd+bwd", 480.0))],
+        "sections_s": {"ceilings": 2.0, "check": 10.0, "memory": 30.0, "speed": 300.0, "host": 5.0},
     }
 
 
@@ -123,6 +128,11 @@ def test_markdown_tables(results):
     assert "idle GPU" not in text  # this run did not rest before its timings: the header says nothing
     rested = {**results, "timing": {**results["timing"], "rest_s": 1.0}}
     assert "each timing after a first call and 1 s of idle GPU" in report.markdown(rested)
+
+
+def test_host_table_puts_the_gpu_time_beside(results):
+    table = report.markdown(results).split("## Host time per call (µs), forward+backward: host / GPU\n")[1]
+    assert "| 128 | yes | 4k | 480 / 1000 | - | - |" in table  # 1.0 ms on the GPU; cuDNN's host not measured
 
 
 def test_clock_tables(results):
@@ -156,21 +166,67 @@ def test_headline_is_one_seqlen(results):
     assert "OOM" in text
 
 
+def _history(directory):
+    with (directory / records.HISTORY).open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_publish_replaces_the_record_and_appends_the_history(results, tmp_path):
+    """One record per device, replaced by each run; one history table that grows by rows, never a
+    file per run; a row already in the history is not written twice."""
+    records.partial_path(tmp_path, "h100").write_text("{}")  # what the run saved as it went
+    records.publish(results, tmp_path, report.markdown)
+    first = _history(tmp_path)
+    ok_speed = sum(r["status"] == "ok" for r in results["speed"])
+    assert sum(r["metric"] == "tflops" for r in first) == ok_speed
+    assert {r["metric"] for r in first} == {"tflops", "host_us", "peak_mib", "rel_error", "matmul_tflops", "copy_tbps"}
+    row = next(r for r in first if r["metric"] == "tflops" and r["impl"] == "sdpa-cudnn" and r["seqlen"] == "8192"
+               and r["head_dim"] == "128" and r["causal"] == "False" and r["mode"] == "fwd")
+    assert float(row["value"]) == pytest.approx(gpu.attention_flops(Shape(2, 8192, 16, 128, False), "fwd") / 2e9, rel=1e-5)
+    assert (row["date"], row["device"], row["dtype"], row["torch"]) == ("2026-11-21", results["device"], "bfloat16", "2.11.0")
+
+    records.publish(results, tmp_path, report.markdown)  # the same run again: nothing new
+    assert len(_history(tmp_path)) == len(first)
+    later = {**results, "date": "2026-11-22", "speed": results["speed"][:3]}
+    records.publish(later, tmp_path, report.markdown)
+    assert len(_history(tmp_path)) == len(first) + sum(r["status"] == "ok" for r in later["speed"]) + 2 + 2 + 3 + 12
+    record = records.load_json(tmp_path / "h100.json")
+    assert (record["date"], record["speed"]) == ("2026-11-22", later["speed"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["h100.json", "h100.md", "history.csv"]
+
+
 def test_commands_redraw_from_json(results, tmp_path, capsys):
-    path = tmp_path / "h100-2026-11-21.json"
-    report.save_json(results, path)
+    path = tmp_path / "h100.json"
+    records.save_json(results, path)
     cli.main(["table", str(path)])
     assert path.with_suffix(".md").read_text() == report.markdown(results)
     cli.main(["headline", str(path), "--seqlen", "4096"])
     assert "| N=4k |" in capsys.readouterr().out
     pytest.importorskip("matplotlib")
     cli.main(["plot", str(path)])
-    for png in (path.with_suffix(".png"), tmp_path / "h100-2026-11-21-memory.png"):
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h100.json", "h100.md", "h100.png"]
 
 
-def test_merge_replaces_rows_of_a_rerun(results):
-    rerun = {**results, "date": "2026-11-22", "checks": [], "memory": [],
+def test_flashx_bench_is_the_same_command(results, tmp_path, capsys):
+    from flashx import cli as flashx_cli
+
+    path = tmp_path / "h100.json"
+    records.save_json(results, path)
+    assert flashx_cli.main(["bench", "headline", str(path)]) == 0
+    assert "| N=8k |" in capsys.readouterr().out
+
+
+def test_record_refuses_part_of_the_sweep(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--record", "--quick"])
+    assert "--record keeps the full sweep" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--record", "--out", "somewhere"])  # one place or the other
+
+
+def test_merge_replaces_rows_of_a_rerun(results, tmp_path):
+    rerun = {**results, "date": "2026-11-22", "checks": [], "memory": [], "host": [],
              "implementations": results["implementations"][:1] + [
                  {"name": "flex", "label": "FlexAttention (compiled)", "flashx": False, "layout": "BHSD"}],
              "speed": [_row("flashx-triton", "fwd", 128, True, 8192, 0.5), _row("flex", "fwd", 128, True, 8192, 1.0)]}
@@ -180,9 +236,21 @@ def test_merge_replaces_rows_of_a_rerun(results):
     ours = [r for r in merged["speed"] if r["impl"] == "flashx-triton" and r["mode"] == "fwd" and r["causal"]
             and r["head_dim"] == 128 and r["seqlen"] == 8192]
     assert [r["ms"] for r in ours] == [0.5]
-    assert merged["checks"] == results["checks"] and merged["merged"][0]["date"] == "2026-11-22"
+    assert merged["checks"] == results["checks"] and merged["host"] == results["host"]
+    assert merged["merged"][0]["date"] == "2026-11-22" and merged["merged"][0]["sections"] == ["speed"]
+    assert "merged in (`flashx bench merge`), each with its own ceilings: 2026-11-22: speed." in report.markdown(merged)
     with pytest.raises(ValueError):
         report.merge(results, {**rerun, "device": "NVIDIA H200"})
+
+    base, extra = tmp_path / "record" / "h100.json", tmp_path / "rerun" / "h100.json"
+    records.save_json(results, base)
+    records.save_json(rerun, extra)
+    pytest.importorskip("matplotlib")
+    cli.main(["merge", str(base), str(extra)])
+    assert records.load_json(base)["speed"] == merged["speed"]
+    history = [(r["impl"], r["metric"], r["date"]) for r in _history(base.parent)]
+    assert history == [("", "matmul_tflops", "2026-11-22"), ("", "copy_tbps", "2026-11-22"),
+                       ("flashx-triton", "tflops", "2026-11-22"), ("flex", "tflops", "2026-11-22")]
 
 
 def _host_median_ms(fn, grad_to_none=None):
@@ -199,23 +267,61 @@ def _host_median_ms(fn, grad_to_none=None):
 
 
 def test_sweep_plumbing_on_cpu(tmp_path, monkeypatch):
-    """The whole sweep on tiny CPU shapes: checks, timing rows, failures recorded, JSON and tables."""
+    """The whole sweep on tiny CPU shapes: checks, timing rows, host time, failures recorded, the record."""
     monkeypatch.setattr(gpu, "median_ms", _host_median_ms)
+    monkeypatch.setattr(gpu, "HOST_CALLS", 2)
     device = torch.device("cpu")
     plan = gpu.Plan(seqlens=(64,), head_dims=(16,), tokens=128, model_dim=32, check_seqlen=64, memory_seqlens=(),
-                    matmul_size=64, copy_bytes=2**16)
+                    host_seqlens=(64,), matmul_size=64, copy_bytes=2**16)
     impls = implementations(device, ["sdpa-math", "sdpa-flash", "sdpa-cudnn"])
-    sweep = gpu.Sweep(plan, impls, device, tmp_path, suffix="-test")
+    sweep = gpu.Sweep(plan, impls, device, tmp_path)
     results = sweep.run()
 
-    assert sweep.path.exists() and sweep.path.name.endswith("-test.json")
-    assert report.load_json(sweep.path)["speed"] == results["speed"]
+    slug = records.stem(results)  # the CPU's model here: this sweep's product is a GPU's record
+    assert sweep.path == tmp_path / f"{slug}.partial.json"
+    assert records.load_json(sweep.path)["speed"] == results["speed"]  # saved as it went
     checks = {c["impl"]: c for c in results["checks"]}
     assert checks["sdpa-math"]["status"] == "ok" and checks["sdpa-flash"]["status"] == "ok"
     assert checks["sdpa-cudnn"]["status"].startswith("error")  # no cuDNN on the CPU: recorded, not raised
     rows = [r for r in results["speed"] if r["impl"] == "sdpa-flash"]
     assert len(rows) == 2 * 2 and all(r["status"] == "ok" and r["tflops"] > 0 for r in rows)
+    host = [r for r in results["host"] if r["impl"] == "sdpa-flash"]
+    assert [r["mode"] for r in host] == list(gpu.MODES) and all(r["status"] == "ok" and r["host_us"] > 0 for r in host)
     assert "SDPA flash" in report.markdown(results)
+    records.publish(results, tmp_path, report.markdown)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([f"{slug}.json", f"{slug}.md", "history.csv"])
+
+
+def test_a_backend_that_declines_a_shape_is_recorded_not_raised(tmp_path, monkeypatch):
+    """Every flashx backend available on the device runs beside the peers; one that cannot run a
+    shape says why on its row, and the sweep goes on."""
+
+    class Float16Only(flashx.Backend):
+        name, version, array_kind = "float16-only", "0", "numpy"
+        devices, dtypes, features = frozenset({"cpu"}), frozenset({"float16"}), frozenset({"causal"})
+
+        def available(self):
+            return None
+
+        def priority(self, problem):
+            return -1
+
+    monkeypatch.setattr(gpu, "median_ms", _host_median_ms)
+    flashx.registry.register(Float16Only())
+    try:
+        device = torch.device("cpu")
+        impls = implementations(device)
+        assert "flashx-float16-only" in [impl.name for impl in impls]
+        plan = gpu.Plan(seqlens=(64,), head_dims=(16,), causals=(True,), tokens=64, model_dim=16)
+        sweep = gpu.Sweep(plan, [impl for impl in impls if impl.name == "flashx-float16-only"], device, tmp_path)
+        sweep.results["ceilings"] = {"matmul_tflops": 1.0}
+        sweep.progress = gpu.Progress(2)
+        sweep.speed()
+    finally:
+        flashx.registry.unregister("float16-only")
+    statuses = [row["status"] for row in sweep.results["speed"]]
+    assert len(statuses) == 2 and all(s.startswith("declined: backend 'float16-only' cannot run") for s in statuses)
+    assert "float16" in statuses[0]
 
 
 def test_dense_scores_are_skipped_where_they_cannot_fit(tmp_path):
@@ -227,8 +333,18 @@ def test_dense_scores_are_skipped_where_they_cannot_fit(tmp_path):
     assert sweep._skip_reason(math, Shape(1, 1024, 16, 128, True), "fwd+bwd") is None
 
 
-def test_cpu_mode_writes_json_and_markdown(tmp_path):
-    pytest.importorskip("benchmarks.cpu")
-    path = cli.run_cpu(tmp_path, batch=1, heads=2, seqlen=128, head_dim=16, memory_seqlen=128, repeats=1)
-    assert report.load_json(path)["shape"]["seqlen"] == 128
-    assert "| flashx numpy |" in path.with_suffix(".md").read_text()
+def test_cpu_mode_writes_one_record_and_one_honest_number(tmp_path, capsys):
+    for _ in range(2):
+        assert cli.run_cpu(tmp_path, batch=1, heads=2, seqlen=128, head_dim=16, memory_seqlen=128, repeats=3) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cpu.json", "cpu.md", "history.csv"]
+    results = records.load_json(tmp_path / "cpu.json")
+    times = results["forward"]
+    assert results["speed_vs_torch_sdpa"] == statistics.median(
+        t / n for t, n in zip(times["sdpa"]["times_s"], times["flashx-numpy"]["times_s"]))
+    text = (tmp_path / "cpu.md").read_text()
+    assert text.count("x the speed of torch SDPA") == 1 and "paired" not in text
+    assert f"{results['speed_vs_torch_sdpa']:.2f}x the speed" in capsys.readouterr().out
+    history = _history(tmp_path)
+    assert [(r["impl"], r["metric"]) for r in history[:3]] == [("flashx-numpy", "ms"), ("sdpa", "ms"),
+                                                               ("flashx-numpy", "peak_mib")]
+    assert len(history) == 6  # two runs, three numbers each

@@ -1,1 +1,0 @@
-"""flashx benchmarks: `python -m benchmarks` (see benchmarks/README.md)."""

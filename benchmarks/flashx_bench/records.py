@@ -1,0 +1,159 @@
+"""Where results go: one current record per device and one history table, never a file per run.
+
+In the output directory (``--out``, by default ``./flashx-bench-results``; ``--record``: the
+source checkout's ``benchmarks/results``):
+
+- ``<device>.json``: every measurement of the device's latest run, replaced by the next run;
+- ``<device>.md``: its tables; ``<device>.png``: its plot (GPU runs);
+- ``history.csv``: one row per number measured, for every run, appended (rows already there are
+  not written twice): date, device, implementation, shape, metric, value, versions;
+- ``<device>.partial.json``: the run in progress, saved after each row so that a run stopped
+  early keeps what it measured; it becomes ``<device>.json`` when the run ends.
+
+``<device>`` is ``cpu`` or the GPU's model (``device_slug``: h100, h200, rtx4090).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+DEFAULT_OUT = Path("flashx-bench-results")
+#: benchmarks/results of a source checkout (this package is benchmarks/flashx_bench there)
+CHECKOUT_RESULTS = Path(__file__).resolve().parent.parent / "results"
+HISTORY = "history.csv"
+HISTORY_FIELDS = ("date", "device", "impl", "mode", "dtype", "batch", "seqlen", "heads", "head_dim", "causal",
+                  "metric", "value", "torch", "triton", "flashx")
+SHAPE_FIELDS = ("batch", "seqlen", "heads", "head_dim", "causal")
+
+
+def checkout_results() -> Path:
+    """The source checkout's benchmarks/results, which ``--record`` updates."""
+    if not CHECKOUT_RESULTS.is_dir():
+        raise SystemExit(f"--record updates benchmarks/results of a source checkout, and flashx_bench runs from "
+                         f"{CHECKOUT_RESULTS.parent.parent} (an installed copy): pass --out DIR instead")
+    return CHECKOUT_RESULTS
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA GeForce RTX 4090' -> 'rtx4090'."""
+    words = [w for w in name.split() if w.lower() not in {"nvidia", "geforce", "tesla"}]
+    slug = []
+    for word in words:
+        slug.append(word.lower())
+        if any(c.isdigit() for c in word):
+            break
+    return "".join(slug) or "gpu"
+
+
+def stem(results: dict) -> str:
+    return "cpu" if results["kind"] == "cpu" else device_slug(results["device"])
+
+
+def partial_path(out_dir: Path, slug: str) -> Path:
+    return Path(out_dir) / f"{slug}.partial.json"
+
+
+def save_json(results: dict, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(results, indent=1))
+    os.replace(temporary, path)  # a run killed while writing keeps the previous file
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def publish(results: dict, out_dir: Path, render: Callable[[dict], str],
+            draw: Callable[[dict, Path], Path] | None = None) -> list[Path]:
+    """Replace the device's record in ``out_dir`` by ``results`` (JSON, ``render``'s markdown,
+    ``draw``'s plot), append its rows to the history, and drop the run's partial file."""
+    out_dir = Path(out_dir)
+    slug = stem(results)
+    json_path = out_dir / f"{slug}.json"
+    save_json(results, json_path)
+    partial_path(out_dir, slug).unlink(missing_ok=True)
+    written = [json_path, *redraw(results, json_path, render, draw)]
+    added = append_history(results, out_dir)
+    written.append(out_dir / HISTORY)
+    print(f"{len(added)} rows added to {out_dir / HISTORY}")
+    return written
+
+
+def redraw(results: dict, json_path: Path, render: Callable[[dict], str],
+           draw: Callable[[dict, Path], Path] | None = None) -> list[Path]:
+    """The markdown (and plot) beside ``json_path``, from ``results``."""
+    md_path = Path(json_path).with_suffix(".md")
+    md_path.write_text(render(results))
+    written = [md_path]
+    if draw is not None:
+        try:
+            written.append(draw(results, Path(json_path).with_suffix(".png")))
+        except ModuleNotFoundError as error:
+            print(f"no plot: {error.name} is not installed here; draw it elsewhere with "
+                  f"`flashx bench plot {json_path}`")
+    return written
+
+
+def history_rows(results: dict) -> list[dict]:
+    """The numbers of one run as history rows: speed (tflops), host time (host_us), memory
+    (peak_mib), checks (rel_error, the largest of o, dq, dk, dv), ceilings; failed rows are left out."""
+    versions = results.get("versions", {})
+    common = {"date": results["date"], "device": results["device"], "dtype": results.get("plan", {}).get("dtype", ""),
+              **{name: versions.get(name, "") for name in ("torch", "triton", "flashx")}}
+
+    def row(source: dict, metric: str, value: float, **fields) -> dict:
+        shape = {name: source.get(name, "") for name in SHAPE_FIELDS}
+        return {**common, "impl": source.get("impl", ""), "mode": source.get("mode", ""), **shape, **fields,
+                "metric": metric, "value": f"{value:.6g}"}
+
+    if results["kind"] == "cpu":
+        shape = results["shape"]
+        source = {"batch": shape["batch"], "seqlen": shape["seqlen"], "heads": shape["heads"],
+                  "head_dim": shape["head_dim"], "causal": shape["causal"], "mode": "fwd"}
+        rows = [row({**source, "impl": name}, "ms", timing["median_s"] * 1e3, dtype=shape["dtype"])
+                for name, timing in results["forward"].items()]
+        memory = results["memory"]
+        rows.append(row({**source, "impl": "flashx-numpy", "seqlen": memory["seqlen"]}, "peak_mib",
+                        memory["peak_extra_bytes"] / 2**20, dtype=shape["dtype"]))
+        return rows
+    rows = [row({}, metric, value) for metric, value in results.get("ceilings", {}).items()]
+    rows += [row(r, "tflops", r["tflops"]) for r in results.get("speed", []) if r["status"] == "ok"]
+    rows += [row(r, "host_us", r["host_us"]) for r in results.get("host", []) if r["status"] == "ok"]
+    rows += [row(r, "peak_mib", r["mib"], mode="fwd+bwd") for r in results.get("memory", []) if r["status"] == "ok"]
+    rows += [row(r, "rel_error", max(r["errors"].values()), mode="fwd+bwd")
+             for r in results.get("checks", []) if r["status"] in ("ok", "wrong")]
+    return rows
+
+
+def append_history(results: dict, out_dir: Path) -> list[dict]:
+    """Append ``results``' history rows to ``out_dir``/history.csv, except those already there."""
+    return append_rows(history_rows(results), Path(out_dir) / HISTORY)
+
+
+def append_rows(rows: list[dict], path: Path) -> list[dict]:
+    path = Path(path)
+    seen = set()
+    if path.exists():
+        with path.open(newline="") as file:
+            seen = {tuple(row[name] for name in HISTORY_FIELDS) for row in csv.DictReader(file)}
+    added = []
+    for row in rows:
+        key = tuple(str(row[name]) for name in HISTORY_FIELDS)
+        if key not in seen:
+            seen.add(key)
+            added.append(row)
+    if added:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with path.open("a", newline="") as file:
+            writer = csv.DictWriter(file, HISTORY_FIELDS, lineterminator="\n")
+            if new:
+                writer.writeheader()
+            writer.writerows(added)
+    return added
