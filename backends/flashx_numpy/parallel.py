@@ -1,21 +1,20 @@
-"""Run independent tiles of work on every core, each with a single-threaded BLAS.
+"""Run a call's independent tiles on every core, each with a single-threaded BLAS.
 
 NumPy's elementwise ufuncs (exp, max, where) run on one core and release the GIL;
 BLAS spreads one matmul over all cores. Attention alternates the two, so the fastest
 arrangement is the one CPU attention kernels use (torch's included): one worker per
 core, each running whole tiles with a one-thread BLAS.
 
-Every tile runs under a one-thread BLAS, also when a call has a single tile or the machine
-a single core: a matmul's bits can depend on how many threads split it, and the forward must
-be bitwise reproducible whatever the thread count and whatever other calls run at the same
-time. BLAS thread counts are process-wide (threadpoolctl sets them), so the limit is taken
-when the first concurrent caller enters and restored when the last one leaves; other threads
-of the process see a one-thread BLAS meanwhile.
+The forward is bitwise reproducible whatever the thread count and whatever else the process
+runs. So every tile runs under a one-thread BLAS (a matmul's bits can depend on how many
+threads split it), also when a call has a single tile; and calls run one at a time, each on
+every core: a call made beside another got other bits from BLAS. The BLAS limit is
+process-wide (threadpoolctl sets it) and lasts as long as a call's tiles; other threads of the
+process see a one-thread BLAS meanwhile.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterable
@@ -25,17 +24,16 @@ class _Workers:
     """A lazily started pool of one worker per BLAS thread (one worker: the caller's thread)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._start = threading.Lock()
+        self._one_call = threading.Lock()
         self._controller = None
         self._pool = None
         self._count = 0  # 0 until started
-        self._active = 0
-        self._limiter = None
 
     @property
     def count(self) -> int:
         """How many tiles run at once: as many as BLAS had threads when first asked."""
-        with self._lock:
+        with self._start:
             if not self._count:
                 from threadpoolctl import ThreadpoolController
 
@@ -45,25 +43,11 @@ class _Workers:
                     self._pool = ThreadPoolExecutor(self._count, thread_name_prefix="flashx-numpy")
         return self._count
 
-    @contextlib.contextmanager
-    def _one_thread_blas(self):
-        with self._lock:
-            if self._active == 0:
-                self._limiter = self._controller.limit(limits=1)
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if self._active == 0:
-                    self._limiter.restore_original_limits()
-
     def run(self, tasks: Iterable[Callable[[], None]]) -> None:
         """Run every task (they must touch disjoint outputs); re-raise the first failure."""
         tasks = list(tasks)
         parallel = self.count > 1 and len(tasks) > 1
-        with self._one_thread_blas():
+        with self._one_call, self._controller.limit(limits=1):
             if not parallel:
                 for task in tasks:
                     task()

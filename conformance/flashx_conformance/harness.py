@@ -43,7 +43,14 @@ LAYOUTS = {
     "packed": "a slice [..., 1, :, :] of a packed qkv tensor (..., 3, H, D)",
     "strided": "every other element of a last dim twice as long",
     "offset": "starting one element into its buffer (a base address not 16-byte aligned)",
+    # Aliased layouts: several elements share memory, so only values they can show are drawn
+    # (Case.with_layout); a kernel must read them and write its outputs densely all the same.
+    "tied": "rows overlapping in memory: the row and last-dim strides are both 1",
+    "broadcast": "one head's memory seen by every head (stride 0 on the head axis)",
+    "negated": "torch's lazy negation of a buffer holding -x (Tensor.is_neg)",
 }
+#: Layouts only torch can express: the suite passes torch tensors for them, whatever the backend's kind.
+TORCH_LAYOUTS = frozenset({"negated"})
 
 
 @dataclass
@@ -80,6 +87,16 @@ class Case:
                 x = np.where(where, value, x)
             out[name] = x
         return out
+
+    @property
+    def needs_torch(self) -> bool:
+        """Whether a layout only torch can express is used: then every array is a torch tensor."""
+        return not TORCH_LAYOUTS.isdisjoint(self.layouts.values())
+
+    def with_layout(self, name: str, layout: str) -> "Case":
+        """The case with input ``name`` stored in ``layout``, its values made ones the layout can show."""
+        x = _aliased_values(self.inputs[name], layout)
+        return dataclasses.replace(self, inputs={**self.inputs, name: x}, layouts={**self.layouts, name: layout})
 
     def describe(self) -> str:
         shapes = " ".join(f"{name}{x.shape}" for name, x in self.inputs.items())
@@ -168,8 +185,8 @@ class Target:
         """The kind of array the suite passes: the backend's, or torch where that kind lacks the dtype."""
         return "torch" if dtype == "bfloat16" and self.kind in ("numpy", "cupy") else self.kind
 
-    def array(self, x: np.ndarray, dtype: str, layout: str = "contiguous", element: str | None = None):
-        """``x`` as an array of the caller kind for ``dtype``, on the device.
+    def array(self, x: np.ndarray, dtype: str, layout: str = "contiguous", element: str | None = None, torch: bool = False):
+        """``x`` as an array of the caller kind for ``dtype`` (torch if ``torch``), on the device.
 
         Floating inputs become ``dtype`` (they must be representable in it); other arrays keep
         their element type unless ``element`` names one.
@@ -177,7 +194,7 @@ class Target:
         x = np.asarray(x)
         element = element or (dtype if x.dtype.kind == "f" else str(x.dtype))
         base, view = _layout(x, layout)
-        kind = self.caller_kind(dtype)
+        kind = "torch" if torch else self.caller_kind(dtype)
         if kind == "torch":
             import torch
 
@@ -189,14 +206,14 @@ class Target:
                 return view(cupy.asarray(base.astype(element)))
         return view(base.astype(element))
 
-    def auxiliary(self, options: dict, dtype: str) -> dict:
+    def auxiliary(self, options: dict, dtype: str, torch: bool = False) -> dict:
         """The case's keywords with NumPy arrays turned into arrays like q's (ALiBi slopes in float32)."""
 
         def convert(value):
             if isinstance(value, flashx.BlockMask):
-                return flashx.BlockMask(self.array(value.blocks, dtype), value.block_size)
+                return flashx.BlockMask(self.array(value.blocks, dtype, torch=torch), value.block_size)
             if isinstance(value, np.ndarray):
-                return self.array(value, dtype, element="float32" if value.dtype.kind == "f" else None)
+                return self.array(value, dtype, element="float32" if value.dtype.kind == "f" else None, torch=torch)
             return value
 
         return {name: convert(value) for name, value in options.items()}
@@ -221,11 +238,12 @@ class Target:
 
     def inputs(self, case: Case) -> dict:
         """The case's q, k, v, do as the arrays the backend receives, each in its layout."""
-        return {name: self.array(x, case.dtype, case.layouts.get(name, "contiguous")) for name, x in case.rounded().items()}
+        return {name: self.array(x, case.dtype, case.layouts.get(name, "contiguous"), torch=case.needs_torch)
+                for name, x in case.rounded().items()}
 
     def run(self, case: Case, inputs: dict, **extra):
         """``call`` on these arrays (``inputs``), which must hold the case's values."""
-        options = {**self.auxiliary(case.options, case.dtype), **extra}
+        options = {**self.auxiliary(case.options, case.dtype, torch=case.needs_torch), **extra}
         q, k, v, do = (inputs[name] for name in TENSORS)
         self.skip_unless_supported(q, k, v, **options)
         _poison_free_memory(inputs.values())
@@ -336,7 +354,52 @@ def _layout(x: np.ndarray, layout: str):
     if layout == "offset":
         base = np.concatenate([[np.nan], x.ravel()]).astype(x.dtype)
         return base, lambda a: a[1:].reshape(x.shape)
+    if layout == "tied":
+        *outer, rows, heads, dim = x.shape
+        span = rows + dim - 1  # x[..., n, h, d] lives at base[..., h, n + d]
+        base = np.empty((*outer, heads, span), dtype=x.dtype)
+        base[..., :dim] = x[..., 0, :, :]
+        base[..., dim:] = x[..., 1:, :, -1].swapaxes(-1, -2)
+        strides = (*(heads * span * np.prod(outer[i + 1:], dtype=int) for i in range(len(outer))), 1, span, 1)
+        return base, lambda a: _as_strided(a, x.shape, strides)
+    if layout == "broadcast":
+        return np.ascontiguousarray(x[..., :1, :]), lambda a: _broadcast(a, x.shape)
+    if layout == "negated":
+        return -x, _negated_view
     raise ValueError(f"unknown layout {layout!r}; known: {sorted(LAYOUTS)}")
+
+
+def _aliased_values(x: np.ndarray, layout: str) -> np.ndarray:
+    """``x`` changed as little as needed for ``layout`` to show it (see LAYOUTS)."""
+    if layout == "tied":
+        base, view = _layout(x, layout)
+        return view(base).copy()
+    if layout == "broadcast":
+        return np.broadcast_to(x[..., :1, :], x.shape).copy()
+    return x
+
+
+def _as_strided(a, shape, strides):
+    """A view of contiguous ``a`` with element ``strides``, for NumPy, torch and CuPy arrays."""
+    module = type(a).__module__.partition(".")[0]
+    if module == "torch":
+        return a.as_strided(shape, strides)
+    library = __import__(module)
+    return library.lib.stride_tricks.as_strided(a, shape, [s * a.itemsize for s in strides])
+
+
+def _broadcast(a, shape):
+    return a.expand(shape) if type(a).__module__.startswith("torch") else __import__(type(a).__module__.partition(".")[0]).broadcast_to(a, shape)
+
+
+def _negated_view(a):
+    """-a, dense, with torch's negation bit set (is_neg): a's memory seen as complex numbers, the
+    lazy conjugate's imaginary part (which carries the bit), re-strided onto every element of a.
+    ``a`` is contiguous with an even number of elements (a head dim of at least 2)."""
+    import torch
+
+    negated = torch.view_as_complex(a.reshape(-1, 2)).conj().imag
+    return negated.as_strided(a.shape, a.stride(), a.storage_offset())
 
 
 def _index(device: str) -> int:

@@ -81,6 +81,56 @@ def test_noncontiguous(flashx_target, flashx_rng, layout, varlen):
     flashx_target.check(Case(case.inputs, case.dtype, case.options, layouts={name: layout for name in TENSORS}))
 
 
+ALIASED = ("tied", "broadcast", "negated")
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+@pytest.mark.parametrize("name", TENSORS)
+@pytest.mark.parametrize("layout", ALIASED)
+def test_aliased_layouts(flashx_target, flashx_rng, layout, name, varlen):
+    """An input whose elements share memory (strides tied at 1, or 0) or that carries torch's lazy
+    negation is read as the values it shows, and the outputs come back right whatever its layout
+    (a gradient allocated "like" such an input inherits a layout the kernel may not write)."""
+    dtype = "float16" if layout == "negated" and flashx_target.dtype == "bfloat16" else flashx_target.dtype
+    shape = dict(heads_q=4, heads_k=2, head_dim=32, dtype=dtype, causal=True)
+    if varlen:
+        case = make_varlen_case(flashx_rng, lengths_q=[7, 30], lengths_k=[19, 41], spare_rows=3, **shape)
+    else:
+        case = make_case(flashx_rng, seqlen_q=37, seqlen_k=53, **shape)
+    flashx_target.check(case.with_layout(name, layout))
+
+
+def test_concurrent_calls(flashx_target, flashx_rng):
+    """Calls of other shapes running in other threads change no bit of a call's results."""
+    dtype = "float64" if "float64" in flashx_target.backend.dtypes else flashx_target.dtype
+    case = make_case(flashx_rng, batch=1, seqlen_q=47, heads_q=3, heads_k=1, head_dim=256, head_dim_v=160, dtype=dtype)
+    other = make_case(flashx_rng, batch=2, seqlen_q=64, heads_q=4, head_dim=64, dtype=dtype)
+    inputs = flashx_target.inputs(case)
+    serial = _bits(flashx_target, flashx_target.run(case, inputs)[::2])  # o, dq, dk, dv: res holds no array but lse
+    stop = threading.Event()
+    failures = []
+
+    def keep_busy():
+        while not stop.is_set():
+            try:
+                flashx_target.call(other)
+            except Exception as error:  # noqa: BLE001 - reported by the main thread
+                failures.append(error)
+                return
+
+    threads = [threading.Thread(target=keep_busy) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        differing = sum(not _same_bits(serial, _bits(flashx_target, flashx_target.run(case, inputs)[::2])) for _ in range(8))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert not failures, f"a concurrent call failed: {failures[0]!r}"
+    assert differing == 0, f"{differing} of 8 calls made beside others differ from the same call made alone"
+
+
 class _Inputs:
     """Well-formed arrays like q's for the error cases, built on first use."""
 
@@ -116,11 +166,16 @@ ERRORS = {
     "integer-q": (lambda a: ((a.aux(np.ones((2, 9, 4, 16), np.int32)), a.k, a.v), {}), flashx.DTypeError, "q"),
     "not-an-array": (lambda a: (([[1.0]], a.k, a.v), {}), flashx.DTypeError, "q"),
     "window-bad": (lambda a: ((a.q, a.k, a.v), {"window": (-2, 0)}), flashx.ShapeError, "window"),
-    "window-not-pair": (lambda a: ((a.q, a.k, a.v), {"window": 5}), flashx.ShapeError, "window"),
+    "window-not-pair": (lambda a: ((a.q, a.k, a.v), {"window": 5}), flashx.DTypeError, "window"),
+    "window-three-sides": (lambda a: ((a.q, a.k, a.v), {"window": (1, 2, 3)}), flashx.ShapeError, "window"),
     "dropout-p-1": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 1.0}), flashx.ShapeError, "dropout_p"),
     "dropout-p-negative": (lambda a: ((a.q, a.k, a.v), {"dropout_p": -0.1}), flashx.ShapeError, "dropout_p"),
     "seed-negative": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 0.1, "seed": -1}), flashx.ShapeError, "seed"),
-    "scale-nan": (lambda a: ((a.q, a.k, a.v), {"softmax_scale": float("nan")}), flashx.DTypeError, "softmax_scale"),
+    "scale-nan": (lambda a: ((a.q, a.k, a.v), {"softmax_scale": float("nan")}), flashx.ShapeError, "softmax_scale"),
+    "scale-string": (lambda a: ((a.q, a.k, a.v), {"softmax_scale": "0.5"}), flashx.DTypeError, "softmax_scale"),
+    "dropout-p-string": (lambda a: ((a.q, a.k, a.v), {"dropout_p": "0.1"}), flashx.DTypeError, "dropout_p"),
+    "seed-float": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 0.1, "seed": 1.5}), flashx.DTypeError, "seed"),
+    "head-dim-0": (lambda a: ((a.q[..., :0], a.k[..., :0], a.v), {}), flashx.ShapeError, "head dim"),
     "mask-not-bool": (lambda a: ((a.q, a.k, a.v), {"mask": a.aux(np.ones((9, 11), np.int32))}), flashx.DTypeError, "mask"),
     "mask-shape": (lambda a: ((a.q, a.k, a.v), {"mask": a.aux(np.ones((9, 12), bool))}), flashx.ShapeError, "mask"),
     "block-mask-shape": (
