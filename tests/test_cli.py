@@ -1,4 +1,5 @@
-"""The ``flashx`` command: its options, its errors, and the demo's self-check.
+"""What a newcomer runs first: the ``flashx`` command (its options, its errors, the demo's
+self-check), the README's examples, and the install hints.
 
 Commands run in this process through ``flashx.cli.main``; only ``python -m flashx`` needs a
 process of its own.
@@ -18,6 +19,7 @@ import pytest
 
 import flashx
 from flashx import cli
+from flashx.problem import FEATURES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,11 +32,17 @@ def test_version(capsys):
 
 
 def test_python_m_flashx_is_the_flashx_command():
-    result = subprocess.run([sys.executable, "-m", "flashx", "info"], capture_output=True, text=True, check=True)
-    assert f"flashx {flashx.__version__}" in result.stdout
-    assert re.search(r"^  numpy\s.*available on cpu", result.stdout, re.MULTILINE), result.stdout
+    result = subprocess.run([sys.executable, "-m", "flashx", "--version"], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == f"flashx {flashx.__version__}"
     (script,) = importlib.metadata.entry_points(group="console_scripts", name="flashx")
     assert script.value == "flashx.cli:main"
+
+
+def test_info_lists_the_backends(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"flashx {flashx.__version__}")
+    assert re.search(r"^  numpy\s.*available on cpu", out, re.MULTILINE), out
 
 
 @pytest.mark.parametrize("seqlen", ["0", "-5", "abc", "1.5", ""])
@@ -113,3 +121,34 @@ def test_install_hints_name_the_distribution_and_its_extras():
         assert not re.search(r"(?<![\w-])flashx\[", text), f"{path.relative_to(ROOT)} names the wrong distribution"
         hinted.update(re.findall(r"flashx-attention\[(\w+)\]", text))
     assert "triton" in hinted and hinted <= extras, hinted - extras
+
+
+def _readme_blocks(section: str, language: str) -> list[str]:
+    """The ``language`` code blocks of the README section titled ``section`` (up to the next ``## ``)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index(f"\n{section}\n")
+    end = text.find("\n## ", start + 1)
+    return re.findall(rf"```{language}\n(.*?)```", text[start:end], re.DOTALL)
+
+
+def test_readme_usage_examples_run_without_a_gpu():
+    pytest.importorskip("torch")
+    blocks = [block for block in _readme_blocks("## Usage", "python") if "cuda" not in block]
+    assert len(blocks) == 2, "the NumPy example and the varlen example"
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+
+
+def test_readme_plugin_is_a_whole_plugin():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    (code,) = _readme_blocks("### Writing a backend plugin", "python")
+    (toml,) = _readme_blocks("### Writing a backend plugin", "toml")
+    project = tomllib.loads(toml)
+    assert project["build-system"]["build-backend"] == "setuptools.build_meta"
+    assert "flashx-attention" in project["project"]["dependencies"]
+    (module,) = project["project"]["entry-points"]["flashx.backends"].values()
+    assert project["tool"]["setuptools"]["packages"] == [module] == ["my_backend"]
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    (backend,) = namespace["flashx_backends"]()
+    assert isinstance(backend, flashx.Backend) and backend.features <= set(FEATURES)
