@@ -114,7 +114,5 @@ class GqaFirstHeadOnly(Correct):
         return dq, dk[..., ::group, :], dv[..., ::group, :]
 
 
-
-
 def _as64(*arrays):
     return (np.asarray(x, dtype=np.float64) for x in arrays)
