@@ -55,6 +55,13 @@ def test_demo_refuses_a_seqlen_that_is_not_a_positive_integer(seqlen, capsys):
     assert "Traceback" not in err
 
 
+def test_demo_refuses_an_unknown_device(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["demo", "--device", "gpu"])
+    assert exit.value.code == 2
+    assert "argument --device: invalid choice: 'gpu'" in capsys.readouterr().err
+
+
 def test_demo_runs_and_checks_itself(capsys):
     assert cli.main(["demo", "--seqlen", "300", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
