@@ -16,6 +16,7 @@ from flashx.api import (
 from flashx.backend import Backend
 from flashx.dispatch import use_backend
 from flashx.errors import DeviceError, DTypeError, FlashXError, ShapeError, UnsupportedError
+from flashx.kvcache import attention_with_kvcache
 from flashx.problem import BlockMask, Problem
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "attention_forward",
+    "attention_with_kvcache",
     "backends",
     "explain",
     "merge_states",

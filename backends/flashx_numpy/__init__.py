@@ -32,6 +32,16 @@ class NumpyBackend(flashx.Backend):
     def backward(self, problem, q, k, v, o, lse, do):
         return backward(problem, q, k, v, o, lse, do, block_q=self.block_q, block_k=self.block_k)
 
+    def decode_reasons(self, problem):
+        if problem.new_tokens and problem.array_kind == "torch" and problem.dtype == "bfloat16":
+            return ["cannot write new tokens into a torch bfloat16 cache in place (NumPy sees it as a float32 copy)"]
+        return []
+
+    def decode(self, problem, q, k_cache, v_cache, k_new, v_new):
+        from flashx_numpy.decode import decode
+
+        return decode(problem, q, k_cache, v_cache, k_new, v_new, block_q=self.block_q, block_k=self.block_k)
+
 
 @hookimpl
 def flashx_backends():

@@ -39,7 +39,8 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new, *, block_q: int, block_k:
         merged = None
         for j0, j1 in zip(bounds[:-1], bounds[1:]):
             part = _attend(problem, queries, keys[j0:j1], values[j0:j1], allowed[..., j0:j1], block_q, block_k)
-            merged = part if merged is None else flashx.merge_states(*merged, *part)
+            with np.errstate(invalid="ignore"):  # NaN in, NaN out
+                merged = part if merged is None else flashx.merge_states(*merged, *part)
         o[b], lse[b] = merged[0][0], merged[1][0]
     return o, lse
 

@@ -388,3 +388,43 @@ def _masked_matmul(a, b, allowed):
     hits_plus = positive @ plus_inf + negative @ minus_inf
     hits_minus = positive @ minus_inf + negative @ plus_inf
     return out + np.where(hits_plus > 0, np.inf, 0.0) + np.where(hits_minus > 0, -np.inf, 0.0) + np.where(hits_nan > 0, np.nan, 0.0)
+
+
+def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, causal=True,
+            window=None, softmax_scale=None, mask=None):
+    """``flashx.attention_with_kvcache`` as dense attention: (k_cache, v_cache after the append, k, v, options).
+
+    The new tokens are written into copies of the caches (through ``block_table`` when paged);
+    sequence b's Lk = cache_seqlens[b] + Nn keys are gathered in order into k, v (B, max Lk, Hk, D),
+    zero past Lk. ``options`` (for ``forward``, ``naive``, ``term_magnitudes``, ``empty_rows``) hold
+    seqlens_k = Lk and one bool mask that is the tree ``mask`` over each sequence's last Nq keys.
+    """
+    k_cache, v_cache = np.array(k_cache), np.array(v_cache)
+    lengths = np.asarray(cache_seqlens, dtype=np.int64)
+    new = 0 if k_new is None else np.shape(k_new)[1]
+    batch, seqlen_q, heads_q = np.shape(q)[:3]
+
+    def slots(b, positions):
+        if block_table is None:
+            return b, positions
+        page_size = k_cache.shape[1]
+        return np.asarray(block_table)[b, positions // page_size], positions % page_size
+
+    for b in range(batch if new else 0):
+        where = slots(b, lengths[b] + np.arange(new))
+        k_cache[where], v_cache[where] = k_new[b], v_new[b]
+    total = lengths + new
+    longest = int(total.max(initial=0))
+    k = np.zeros((batch, longest) + k_cache.shape[2:], dtype=k_cache.dtype)
+    v = np.zeros((batch, longest) + v_cache.shape[2:], dtype=v_cache.dtype)
+    allowed = np.ones((batch, heads_q, seqlen_q, longest), dtype=bool)
+    tree = None if mask is None else np.broadcast_to(np.asarray(mask, dtype=bool), (batch, heads_q, seqlen_q, seqlen_q))
+    for b in range(batch):
+        where = slots(b, np.arange(total[b]))
+        k[b, : total[b]], v[b, : total[b]] = k_cache[where], v_cache[where]
+        if tree is not None:
+            first = total[b] - seqlen_q  # the key the tree mask's column 0 stands for
+            columns = np.arange(max(first, 0), total[b])
+            allowed[b][:, :, columns] = tree[b][:, :, columns - first]
+    options = dict(seqlens_k=total, causal=causal, window=window, softmax_scale=softmax_scale, mask=allowed)
+    return k_cache, v_cache, k, v, options
