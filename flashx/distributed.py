@@ -80,6 +80,7 @@ def simulate_ring_attention(q, k, v, world_size, *, layout="zigzag", causal=Fals
     """
     options = dict(causal=causal, window=window, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
                    rng_offset=rng_offset)
+    _require_torch(q)
     shards = [[shard(x, world_size, rank, layout) for rank in range(world_size)] for x in (q, k, v)]
     problem = _shard_problem(shards[0][0], shards[1][0], shards[2][0], layout, options)
     ranks = [_Rank(rank, world_size, layout, problem, problem.seed, backend) for rank in range(world_size)]
@@ -132,8 +133,7 @@ def _chunks(layout: str, world_size: int, rank: int, size: int) -> list[tuple[in
 
 def _shard_problem(q, k, v, layout: str, options: dict) -> Problem:
     """One shard's keywords and shapes checked, as a ``Problem`` (band, scale and seed drawn)."""
-    if arrays.kind_of(q) != "torch":
-        raise DTypeError(f"q: expected a torch tensor (ring attention runs on torch.distributed), got {type(q).__name__}")
+    _require_torch(q)
     chunks = _chunks_per_rank(layout)
     problem = build_problem(q, k, v, **complete("ring_attention", options))
     if problem.seqlen_k != problem.seqlen_q:
@@ -142,6 +142,11 @@ def _shard_problem(q, k, v, layout: str, options: dict) -> Problem:
         raise ShapeError(f"q: layout {layout!r} holds {chunks} equal chunks per rank: expected a shard length "
                          f"divisible by {chunks}, got shape {tuple(q.shape)}")
     return problem
+
+
+def _require_torch(q) -> None:
+    if arrays.kind_of(q) != "torch":
+        raise DTypeError(f"q: expected a torch tensor (ring attention runs on torch.distributed), got {type(q).__name__}")
 
 
 def _broadcast_seed(seed: int, group, device) -> int:

@@ -1,0 +1,333 @@
+"""flashx.distributed: ring attention against flashx and the oracle on the gathered sequence.
+
+The process-group tests start 2, 3 and 4 processes of a gloo group on CPU, once per size, and
+run every case in them: each rank runs the ring forward and backward on its shards, the shards
+of o, lse, dq, dk and dv are gathered, and one rank grades them by the contract's exactness rule
+against the float64 oracle on the whole sequence (``harness.conformance_failures``), compares
+float64 results with ``flashx.attention`` on the whole sequence, and reads the dropout mask out
+bit for bit. Ranks collect failures and report them at the end, so that no rank leaves the
+others waiting in a message.
+
+The same steps run in one process by ``simulate_ring_attention``; ``test_simulated_ring_on_cuda``
+is the GPU check (Triton kernels, 2, 4 and 8 simulated ranks), skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import math
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from flashx_conformance import oracle  # noqa: E402
+from flashx_conformance.harness import OUTPUTS, Case, conformance_failures, make_case  # noqa: E402
+
+import flashx  # noqa: E402
+from flashx.distributed import _pair, ring_attention, shard, simulate_ring_attention, unshard  # noqa: E402
+from flashx.errors import DTypeError, ShapeError  # noqa: E402
+
+LAYOUTS = ("contiguous", "zigzag")
+SEQLEN = 24  # divisible by 2W for W = 2, 3, 4: every layout fits every group size
+
+
+# ---------------------------------------------------------------- one backend call per chunk pair
+
+
+def _band_allowed(band, i, j):
+    left, right = band or (-1, -1)
+    return (left == -1 or j - i >= -left) & (right == -1 or j - i <= right)
+
+
+@pytest.mark.parametrize("band", [None, (-1, 0), (3, 0), (0, 0), (2, 5), (0, -1), (7, 1), (1, 9)], ids=str)
+def test_pair_call_reads_exactly_the_pairs_the_band_allows(band):
+    """The rows, keys and window of ``_pair``, read with the contract's bottom-right band, allow
+    exactly the pairs the whole sequence's band allows between the two chunks."""
+    for size, query_start, key_start in itertools.product((1, 3, 5), range(0, 16, 1), range(0, 16, 1)):
+        i, j = np.arange(size)[:, None], np.arange(size)[None, :]
+        expected = _band_allowed(band, query_start + i, key_start + j) & np.ones((size, size), bool)
+        found = _pair(band, size, query_start, key_start)
+        if found is None:
+            assert not expected.any(), (size, query_start, key_start)
+            continue
+        rows, keys, window, offsets = found
+        local_i, local_j = np.arange(rows.stop - rows.start)[:, None], np.arange(keys.stop - keys.start)[None, :]
+        diagonal = (keys.stop - keys.start) - (rows.stop - rows.start)
+        allowed = np.zeros((size, size), bool)
+        allowed[rows, keys] = _band_allowed(window, local_i + diagonal, local_j)
+        assert (allowed == expected).all(), (size, query_start, key_start, found)
+        assert offsets == (query_start + rows.start, key_start + keys.start)
+        assert expected[rows].any(axis=1).all() and expected[:, keys].any(axis=0).all()  # nothing read in vain
+
+
+# ---------------------------------------------------------------- the dropout_offsets option
+
+
+@pytest.mark.parametrize("offsets", [(0, 0), (5, 3), (1, 6), (17, 30)])
+def test_oracle_mask_at_offsets_is_a_slice_of_the_whole(offsets):
+    row0, key0 = offsets
+    x = np.random.default_rng(0).standard_normal((2, 48, 3, 4))
+    q, k = x[:, :11], x[:, :13]
+    whole = oracle.keep_mask(x, x, x, dropout_p=0.4, seed=2**40 + 7, rng_offset=3)
+    part = oracle.keep_mask(q, k, k, dropout_p=0.4, seed=2**40 + 7, rng_offset=3, dropout_offsets=offsets)
+    assert (part == whole[:, :, row0 : row0 + 11, key0 : key0 + 13]).all()
+
+
+def test_numpy_backend_draws_at_offsets():
+    case = make_case(np.random.default_rng(1), batch=2, seqlen_q=19, seqlen_k=26, heads_q=4, heads_k=2, head_dim=8,
+                     dtype="float64", causal=True, dropout_p=0.3, seed=99, dropout_offsets=(7, 13))
+    x = {name: torch.from_numpy(value).requires_grad_(name != "do") for name, value in case.inputs.items()}
+    o, lse = flashx.attention(x["q"], x["k"], x["v"], return_lse=True, backend="numpy", **case.options)
+    grads = torch.autograd.grad(o, (x["q"], x["k"], x["v"]), x["do"])
+    got = dict(zip(OUTPUTS, (t.detach().numpy() for t in (o, lse, *grads))))
+    assert not conformance_failures(case, got)
+    unshifted = flashx.attention(x["q"], x["k"], x["v"], backend="numpy", **{**case.options, "dropout_offsets": None})
+    assert (unshifted - o).abs().max() > 0.1  # the offsets move the mask
+
+
+def test_a_backend_that_does_not_declare_offsets_declines():
+    class Plain(flashx.Backend):  # the default declaration: every feature but the opt-in ones
+        name, devices = "plain-offsets-test", frozenset({"cpu"})
+
+    flashx.registry.register(Plain())
+    try:
+        q = np.ones((1, 4, 1, 8))
+        offset = flashx.explain(q, q, q, dropout_p=0.5, seed=1, dropout_offsets=(4, 0))
+        row = next(row for row in offset.rows if row.name == "plain-offsets-test")
+        assert row.reasons == ("does not support dropout drawn at offset positions (dropout_offsets, as ring attention uses)",)
+        for options in ({"dropout_p": 0.5, "seed": 1}, {"dropout_offsets": (4, 0)}):  # offsets that change nothing
+            row = next(row for row in flashx.explain(q, q, q, **options).rows if row.name == "plain-offsets-test")
+            assert row.reasons == ()
+    finally:
+        flashx.registry.unregister("plain-offsets-test")
+
+
+@pytest.mark.parametrize("offsets, error", [((1,), ShapeError), ((1, -1), ShapeError), ((0, 2**31), ShapeError),
+                                            ((1.0, 2), DTypeError), ("12", DTypeError), (3, DTypeError)])
+def test_dropout_offsets_are_checked(offsets, error):
+    q = np.ones((1, 4, 1, 8))
+    with pytest.raises(error, match="dropout_offsets: expected"):
+        flashx.attention(q, q, q, dropout_p=0.5, seed=1, dropout_offsets=offsets)
+
+
+# ---------------------------------------------------------------- shards and arguments
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shards_cover_the_sequence_once(layout):
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    shards = [shard(x, 3, rank, layout) for rank in range(3)]
+    assert torch.equal(unshard(shards, layout), x)
+    positions = [shard(torch.arange(24)[None], 3, rank, layout)[0].tolist() for rank in range(3)]
+    if layout == "zigzag":
+        assert positions[0] == [0, 1, 2, 3, 20, 21, 22, 23] and positions[1] == [4, 5, 6, 7, 16, 17, 18, 19]
+    else:
+        assert positions[1] == list(range(8, 16))
+
+
+def test_bad_arguments_are_refused():
+    q = torch.randn(1, 12, 2, 8)
+    with pytest.raises(ShapeError, match="layout: expected one of 'contiguous', 'zigzag', got 'ring'"):
+        shard(q, 2, 0, "ring")
+    with pytest.raises(ShapeError, match="into 8 equal chunks: expected a length divisible by that, got 12"):
+        shard(q, 4, 0, "zigzag")
+    with pytest.raises(ShapeError, match="rank: expected an int in"):
+        shard(q, 2, 2)
+    with pytest.raises(DTypeError, match="q: expected a torch tensor"):
+        simulate_ring_attention(q.numpy(), q.numpy(), q.numpy(), 1)
+    with pytest.raises(ShapeError, match="into 4 equal chunks: expected a length divisible by that, got 6"):
+        simulate_ring_attention(torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8), 2)
+    with pytest.raises(ShapeError, match="window: expected"):
+        simulate_ring_attention(q, q, q, 2, window=(-2, 0))
+
+
+# ---------------------------------------------------------------- ring cases
+
+
+@dataclasses.dataclass(frozen=True)
+class RingCase:
+    """One ring call: its keywords, shapes and what else is checked. ``seed=None`` with dropout
+    checks that rank 0's drawn seed reaches every rank."""
+
+    layout: str
+    options: dict
+    heads_k: int = 4
+    dtype: str = "float64"
+    head_dim_v: int = 8
+    backend: str = "numpy"
+    read_mask: bool = False  # v is one-hot per key: o != 0 exactly where a key is kept
+    seqlen: int = SEQLEN
+    batch: int = 2
+    heads_q: int = 4
+    poison: bool = False  # NaN in one key of k and another of v
+
+    def __str__(self):
+        extras = [name for name in ("read_mask", "poison") if getattr(self, name)]
+        return f"{self.layout} {self.options} Hk={self.heads_k} {self.dtype} {self.backend} {' '.join(extras)}"
+
+    def case(self, seed: int) -> Case:
+        options = dict(self.options)
+        if options.get("seed", 0) is None:
+            options["seed"] = seed  # the seed rank 0 drew, found by the caller
+        head_dim_v = self.seqlen if self.read_mask else self.head_dim_v
+        case = make_case(np.random.default_rng(zlib.crc32(str(self).encode())), batch=self.batch, seqlen_q=self.seqlen,
+                         heads_q=self.heads_q, heads_k=self.heads_k, head_dim=8, head_dim_v=head_dim_v, dtype=self.dtype, **options)
+        if self.read_mask:
+            one_hot = np.broadcast_to(np.eye(self.seqlen)[None, :, None, :], case.inputs["v"].shape)
+            case = dataclasses.replace(case, inputs={**case.inputs, "v": one_hot.copy()})
+        if self.poison:
+            key = np.zeros(self.seqlen, bool)
+            key[self.seqlen // 2 + 1] = True
+            case = case.with_poison("k", key[None, :, None, None]).with_poison("v", np.roll(key, -5)[None, :, None, None])
+        return case
+
+
+def ring_cases(world_size: int) -> list[RingCase]:
+    cases = []
+    for layout in LAYOUTS:
+        cases += [
+            RingCase(layout, {}),
+            RingCase(layout, {"causal": True}, heads_k=2),
+            RingCase(layout, {"window": (3, 2)}, heads_k=1, head_dim_v=12),
+            RingCase(layout, {"causal": True, "window": (5, 3)}),
+            RingCase(layout, {"window": (0, 7)}, heads_k=2),
+            RingCase(layout, {"causal": True, "dropout_p": 0.3, "seed": 2**63 + 5}, heads_k=2, read_mask=True),
+            RingCase(layout, {"window": (4, 4), "dropout_p": 0.25, "seed": 77, "rng_offset": 2**33 + 1}, read_mask=True),
+            RingCase(layout, {"causal": True, "window": (6, -1)}, heads_k=2, poison=True),
+        ]
+    cases += [
+        RingCase("zigzag", {"causal": True}, heads_k=2, dtype="float32"),
+        RingCase("contiguous", {"window": (5, 1)}, dtype="bfloat16"),
+        RingCase("zigzag", {"causal": True, "dropout_p": 0.2, "seed": None}, heads_k=2),
+    ]
+    if world_size == 2:  # Triton's kernels, interpreted: slow, so one small case
+        cases.append(RingCase("zigzag", {"causal": True, "dropout_p": 0.3, "seed": 123}, heads_k=1, dtype="float32",
+                              backend="triton", read_mask=True, seqlen=8, batch=1, heads_q=2))
+    return cases
+
+
+def _tensor(x: np.ndarray, dtype: str) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, dtype))
+
+
+def run_ring_case(ring: RingCase, rank: int, world_size: int, run) -> dict[str, np.ndarray] | None:
+    """Run one case on this rank (``run`` is the ring call) and return the gathered whole-sequence
+    outputs on rank 0 (None elsewhere), with the seed used."""
+    drawn = ring.options.get("seed", 0) is None and ring.options.get("dropout_p", 0) > 0
+    case = ring.case(seed=0)
+    x = {name: _tensor(value, ring.dtype) for name, value in case.rounded().items()}
+    mine = {name: shard(value, world_size, rank, ring.layout).detach().requires_grad_(name != "do")
+            for name, value in x.items()}
+    options = {**case.options, "seed": None} if drawn else case.options
+    if drawn:
+        torch.manual_seed(1000 + rank)  # every rank would draw another seed
+    o, lse = run(mine["q"], mine["k"], mine["v"], layout=ring.layout, return_lse=True, backend=ring.backend, **options)
+    grads = torch.autograd.grad(o, (mine["q"], mine["k"], mine["v"]), mine["do"])
+    return dict(zip(OUTPUTS, (o.detach(), lse, *grads)))
+
+
+def grade(ring: RingCase, got: dict[str, torch.Tensor]) -> list[str]:
+    """Everything in the gathered outputs that differs from the whole-sequence contract."""
+    seed = 0
+    if ring.options.get("seed", 0) is None:
+        x = {name: _tensor(value, ring.dtype) for name, value in ring.case(0).rounded().items()}
+        torch.manual_seed(1000)  # rank 0's generator when it drew
+        seed = flashx.attention_forward(x["q"], x["k"], x["v"], dropout_p=ring.options["dropout_p"])[1].seed
+    case = ring.case(seed)
+    got = {name: value.double().numpy() for name, value in got.items()}
+    failures = conformance_failures(case, got)
+    x = {name: _tensor(value, ring.dtype).requires_grad_(name != "do") for name, value in case.rounded().items()}
+    o, lse = flashx.attention(x["q"], x["k"], x["v"], return_lse=True, backend="numpy", **case.options)
+    if ring.dtype == "float64":
+        grads = torch.autograd.grad(o, (x["q"], x["k"], x["v"]), x["do"])
+        for name, single in zip(OUTPUTS, (o, lse, *grads)):
+            single = single.detach().numpy()
+            if not np.allclose(got[name], single, rtol=1e-12, atol=1e-12, equal_nan=True):
+                failures.append(f"{name}: {np.nanmax(np.abs(got[name] - single)):.3g} from flashx.attention")
+    if ring.read_mask:
+        shapes = {name: case.rounded()[name] for name in ("q", "k", "v")}
+        kept = oracle.keep_mask(**shapes, **case.options) & oracle.allowed(**shapes, **case.options)
+        for name, read in (("the oracle's", kept), ("flashx.attention's", o.detach().numpy().transpose(0, 2, 1, 3) != 0)):
+            if not np.array_equal(got["o"].transpose(0, 2, 1, 3) != 0, np.broadcast_to(read, kept.shape)):
+                failures.append(f"dropout mask differs from {name}")
+    return failures
+
+
+def _ranks(rank: int, world_size: int, init_file: str):
+    """One process of the group: every case, graded by one rank in turn; failures raised at the end
+    (ranks stay in step)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before the Triton backend compiles: its kernels on CPU
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    failures = []
+    try:
+        odd = torch.randn(1, 5, 2, 8)  # refused on every rank alike, before any message
+        with pytest.raises(ShapeError, match="q: layout 'zigzag' holds 2 equal chunks per rank: expected a shard length"):
+            ring_attention(odd, odd, odd)
+        with pytest.raises(ShapeError, match="k: expected a shard as long as q's"):
+            ring_attention(odd[:, :4], odd, odd, layout="contiguous")
+        for index, ring in enumerate(ring_cases(world_size)):
+            mine = run_ring_case(ring, rank, world_size, ring_attention)
+            gathered = {}
+            for name, x in mine.items():
+                parts = [torch.empty_like(x) for _ in range(world_size)]
+                dist.all_gather(parts, x.contiguous())
+                gathered[name] = unshard(parts, ring.layout, dim=2 if name == "lse" else 1)
+            if index % world_size == rank:
+                failures += [f"W={world_size} {ring}: {failure}" for failure in grade(ring, gathered)]
+    finally:
+        dist.destroy_process_group()
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the Triton interpreter's 1/0 on empty rows
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_attention_over_gloo(world_size, tmp_path):
+    torch.multiprocessing.spawn(_ranks, args=(world_size, str(tmp_path / "rendezvous")), nprocs=world_size)
+
+
+# ---------------------------------------------------------------- ranks simulated in one process
+
+
+@pytest.mark.parametrize("world_size, layout", [(1, "zigzag"), (3, "contiguous"), (8, "zigzag")])
+def test_simulated_ring_equals_single_device(world_size, layout):
+    ring = RingCase(layout, {"causal": True, "window": (9, 2), "dropout_p": 0.2, "seed": 3}, heads_k=2, read_mask=True,
+                    seqlen=6 * world_size)
+    got = run_ring_case(ring, 0, 1, lambda *xs, **kw: simulate_ring_attention(*xs, world_size, **kw))
+    assert not grade(ring, got)
+
+
+CUDA_CASES = [
+    ({"causal": True}, 2, "bfloat16"),
+    ({"window": (100, 30)}, 4, "bfloat16"),
+    ({"causal": True, "dropout_p": 0.2, "seed": 11}, 2, "bfloat16"),
+    ({"causal": True, "window": (300, -1), "dropout_p": 0.1, "seed": 5}, 1, "float16"),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU check of the simulated ring needs CUDA")
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("options, heads_k, dtype", CUDA_CASES, ids=str)
+def test_simulated_ring_on_cuda(world_size, layout, options, heads_k, dtype):
+    """W ranks simulated on one GPU with the Triton backend, graded on the gathered sequence by the
+    contract's rule; the same rule grades single-device flashx, whose errors are printed beside."""
+    case = make_case(np.random.default_rng(world_size), batch=1, seqlen_q=1024, heads_q=4, heads_k=heads_k,
+                     head_dim=64, dtype=dtype, **options)
+    x = {name: _tensor(value, dtype).cuda().requires_grad_(name != "do") for name, value in case.rounded().items()}
+    results = {}
+    for name, call in (("ring", lambda *xs, **kw: simulate_ring_attention(*xs, world_size, layout=layout, **kw)),
+                       ("single", flashx.attention)):
+        o, lse = call(x["q"], x["k"], x["v"], return_lse=True, backend="triton", **case.options)
+        grads = torch.autograd.grad(o, (x["q"], x["k"], x["v"]), x["do"])
+        results[name] = {n: t.detach().double().cpu().numpy() for n, t in zip(OUTPUTS, (o, lse, *grads))}
+    difference = max(np.abs(results["ring"][n] - results["single"][n]).max() for n in OUTPUTS)
+    print(f"\nW={world_size} {layout:10} {dtype} {options}: max |ring - single| = {difference:.3g}")
+    assert not conformance_failures(case, results["ring"])
