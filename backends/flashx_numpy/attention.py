@@ -251,7 +251,10 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
         np.exp(s, out=s)
         if p:
             total = s.sum(axis=0)  # the normaliser counts dropped elements too
-            np.copyto(s, 0, where=~_keep(problem, seq, heads, i0, i1, j0, j1))
+            # A dropped pair adds exactly 0, as a disallowed one does, even where v holds NaN.
+            dropped = ~_keep(problem, seq, heads, i0, i1, j0, j1)
+            np.copyto(s, 0, where=dropped)
+            disallowed = dropped if disallowed is None else disallowed | dropped
         _masked_matmul(s.T, values[j0:j1], None if disallowed is None else disallowed.T, out=pv)
         if p:
             pv[:, -1] = total
@@ -348,14 +351,15 @@ def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, block_
                     np.copyto(probs, -np.inf, where=disallowed)
                 np.exp(probs, out=probs)
                 d_scores = values[j0:j1] @ d_out[r0:r1].T  # dP^T
-                kept_probs = probs
+                kept_probs, unused = probs, disallowed  # unused: pairs that add exactly 0 to dv
                 if p:
                     dropped = ~_keep(problem, seq, heads, i0, i1, j0, j1)
                     kept_probs = probs / (1 - p)
                     np.copyto(kept_probs, 0, where=dropped)
                     np.copyto(d_scores, 0, where=dropped)
                     d_scores /= 1 - p
-                dv_acc += _masked_matmul(kept_probs, d_out[r0:r1], disallowed)
+                    unused = dropped if disallowed is None else disallowed | dropped
+                dv_acc += _masked_matmul(kept_probs, d_out[r0:r1], unused)
                 d_scores -= delta[r0:r1]
                 d_scores *= probs  # dS^T = P^T * (dP^T - D)
                 if disallowed is not None:  # P = 0 there, but dP may hold NaN from masked-out data

@@ -102,6 +102,8 @@ def test_aliased_layouts(flashx_target, flashx_rng, layout, name, varlen):
 
 def test_concurrent_calls(flashx_target, flashx_rng):
     """Calls of other shapes running in other threads change no bit of a call's results."""
+    if flashx_target.device == "cpu" and "cuda" in flashx_target.backend.devices:
+        pytest.skip("a GPU backend's CPU simulator (Triton's interpreter, Numba's) runs one kernel at a time")
     dtype = "float64" if "float64" in flashx_target.backend.dtypes else flashx_target.dtype
     case = make_case(flashx_rng, batch=1, seqlen_q=47, heads_q=3, heads_k=1, head_dim=256, head_dim_v=160, dtype=dtype)
     other = make_case(flashx_rng, batch=2, seqlen_q=64, heads_q=4, head_dim=64, dtype=dtype)

@@ -109,3 +109,16 @@ def test_dropout_rng_offset(flashx_target, flashx_rng):
     again = flashx_target.call(unseeded)[1]
     assert again.seed != res.seed, "seed=None drew the same seed twice"
     assert flashx.Residuals is type(res)
+
+
+@pytest.mark.parametrize("name", ["v", "do"])
+def test_dropped_pairs_contribute_nothing(flashx_target, flashx_rng, name):
+    """NaN in one key's v (or one row's do) reaches o (or dv) only through pairs dropout kept: a
+    dropped pair contributes exactly 0, as a disallowed one does, never 0 * NaN."""
+    case = make_case(flashx_rng, batch=1, heads_q=2, seqlen_q=24, seqlen_k=40, head_dim=16, dtype=flashx_target.dtype,
+                     dropout_p=0.5, seed=SEED, rng_offset=OFFSET)
+    where = np.zeros(case.inputs[name].shape, dtype=bool)
+    where[0, 5, 1, 3] = True
+    got = flashx_target.check(case.with_poison(name, where))
+    reached = got["o"] if name == "v" else got["dv"]
+    assert np.isnan(reached).any() and np.isfinite(reached).any(), "the case tests nothing: the NaN reached all or none"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import flashx
-from flashx_conformance.harness import DTYPES, OUTPUTS, conformance_failures, diagonal, make_case, make_varlen_case
+from flashx_conformance.harness import DTYPES, OUTPUTS, conformance_failures, diagonal, full_only, make_case, make_varlen_case
 
 EVERY_FOURTH = np.arange(40)[:, None] % 4 != 0
 
@@ -150,4 +150,22 @@ def test_large_magnitudes_constant(flashx_target, flashx_rng, dtype):
 def test_scale(flashx_target, flashx_rng, scale):
     """softmax_scale is used as given: 0 (uniform weights, dq = dk = 0), negative, sharp, flat."""
     case = make_case(flashx_rng, seqlen_q=57, seqlen_k=83, head_dim=32, dtype=flashx_target.dtype, causal=True, softmax_scale=scale)
+    flashx_target.check(case)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, scale",
+    diagonal([(1, 64, 128), (2, 97, 64)], [-1.0, -0.25]) + [pytest.param((1, 256, 256), -1.0, marks=full_only)],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_negative_scale_wide_scores(flashx_target, flashx_rng, dtype, shape, scale, causal):
+    """A negative softmax_scale over scores hundreds apart: a row's maximum is that of
+    scale * q k^T, the smallest q k^T, and exp of the spread from the wrong end overflows."""
+    batch, seqlen_q, seqlen_k = shape
+    case = make_case(flashx_rng, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32, dtype=dtype,
+                     causal=causal, softmax_scale=scale)
+    for name in ("q", "k"):
+        case.inputs[name] *= 4.0  # q.k spread near +-300
     flashx_target.check(case)
