@@ -76,8 +76,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
     not use it (``Passes``)."""
     rows_in_tile = tl.arange(0, BLOCK_M)
     q_len = pairs[0]  # pair_rule packs the query length first
-    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASKED and (EXACT or HAS_MASK or HAS_BLOCK_MASK)
-                            else None):  # see _dq_tiles
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if (MASKED and (EXACT or HAS_MASK or HAS_BLOCK_MASK))
+                            or (DROPOUT and EXACT) else None):  # see _dq_tiles
         rows = start_m + rows_in_tile
         if MASKED:
             ok = allowed_pairs(rows[None, :], cols[:, None], pairs, HAS_MASK, HAS_BLOCK_MASK)
@@ -111,7 +111,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
                 p = tl.exp2(s * scale_log2 - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
-            if MASKED and EXACT:
+            if EXACT and (MASKED or DROPOUT):
                 if USE_TMA:
                     suspect = any_nonfinite(s) | any_nonfinite(dp)  # of Q and dO (K and V too)
                 else:
@@ -128,9 +128,14 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
             ds = p * (dp - delta[None, :])
             if MASKED and EXACT:
                 # P is NaN at a disallowed pair of a row whose LSE is NaN, and dS wherever dP is
-                # non-finite (a non-finite row of V or dO): both are masked here.
-                dv = masked_dot(tl.where(ok, p_kept, 0.0).to(do.dtype), do, ok, dv, suspect, DOT_PRECISION)
+                # non-finite (a non-finite row of V or dO): both are masked here. A dropped pair
+                # reads no dO for dV (its dS, -P * delta, is a real term of dK).
+                read = ok & keep if DROPOUT else ok
+                dv = masked_dot(tl.where(read, p_kept, 0.0).to(do.dtype), do, read, dv, suspect, DOT_PRECISION)
                 dk = masked_dot(tl.where(ok, ds, 0.0).to(q.dtype), q, ok, dk, suspect, DOT_PRECISION)
+            elif EXACT and DROPOUT:
+                dv = masked_dot(p_kept.to(do.dtype), do, keep, dv, suspect, DOT_PRECISION)
+                dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION)
             else:
                 dv = dot(p_kept.to(do.dtype), do, dv, DOT_PRECISION)
                 dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION)
@@ -467,7 +472,7 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, par
     key_parts = band_parts(problem, True, stream) if keys else 0
     query_parts = band_parts(problem, False, stream) if queries else 0
     kernel = Passes(_gradients_kernel, problem.batch * problem.heads_k * per_head, config.options(),
-                    bool((key_parts | query_parts) & MASKED_PARTS),
+                    bool((key_parts | query_parts) & MASKED_PARTS) or problem.dropout_p > 0,
                     **{key: value for name, x in (("q", q), ("k", k), ("v", v), ("d", do), ("dq", dq), ("dk", dk),
                                                   ("dv", dv)) for key, value in row_strides(name, x, varlen).items()},
                     **lse_strides(lse2, varlen), **args, softmax_scale=problem.softmax_scale,

@@ -420,7 +420,8 @@ class Passes:
     (``flag_nonfinite``) for the second launch. The first kernel carries none of the exact path's
     code (``masked_dot``), which held its registers: 112 against 206 in the forward at d64, so
     twice the programs share an SM (causal d64 forward on the H100: 10-21% faster at N 512 to 4k).
-    A kernel without masked tiles runs once, exactly; its REDO is None.
+    Dropout makes every tile such a tile: a dropped pair must add 0 even where V or dO holds NaN.
+    A kernel without masked tiles or dropout runs once, exactly; its REDO is None.
 
     The second launch has one program per FLAGS_PER_PROGRAM programs of the first, each running
     those of its share that were flagged (``program_share``): a program per program of the first

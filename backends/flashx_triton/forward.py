@@ -66,14 +66,17 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold, drop_row0,
                                     drop_key0)
                 p = tl.where(keep, p, 0.0)
-            if MASKED and EXACT:
+            if EXACT and (MASKED or DROPOUT):
                 # No product has seen V yet: masked_dot checks it itself. "Allowed" is read back
                 # from the scores, -inf exactly where disallowed: ``ok`` kept alive across the
                 # products costs about a register per element (128x64 tile, d64: 424 bytes of
                 # spill stores against 76). The one pair this misreads, an allowed one whose score
                 # is -inf (an infinity in q or k), adds 0 for a non-finite v where the oracle has
-                # 0 * inf = NaN.
-                acc = masked_dot(p.to(v.dtype), v, s != float("-inf"), acc * alpha[:, None], True, DOT_PRECISION)
+                # 0 * inf = NaN. A dropped pair reads no v either, in every tile.
+                read = s != float("-inf")
+                if DROPOUT:
+                    read = read & keep
+                acc = masked_dot(p.to(v.dtype), v, read, acc * alpha[:, None], True, DOT_PRECISION)
             else:
                 acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
@@ -173,7 +176,7 @@ def _launch(problem, config, q, k, v, o, lse):
     v_descriptor = row_descriptors(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
     parts = band_parts(problem, False, config.block_n)
     kernel = Passes(_forward_kernel, problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),
-                    config.options(), bool(parts & MASKED_PARTS), PARTS=parts,
+                    config.options(), bool(parts & MASKED_PARTS) or problem.dropout_p > 0, PARTS=parts,
                     **row_strides("q", q, varlen), **row_strides("k", k, varlen), **row_strides("v", v, varlen),
                     **row_strides("o", o, varlen), **lse_strides(lse, varlen), **args,
                     scale_log2=abs(problem.softmax_scale) * LOG2E, USE_TMA=use_tma, **config.tiles())
