@@ -217,12 +217,15 @@ def test_flashx_bench_is_the_same_command(results, tmp_path, capsys):
     assert "| N=8k |" in capsys.readouterr().out
 
 
-def test_record_refuses_part_of_the_sweep(capsys):
+def test_options_that_would_not_do_what_they_say_are_refused(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--record", "--quick"])
     assert "--record keeps the full sweep" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--record", "--out", "somewhere"])  # one place or the other
+    with pytest.raises(SystemExit):
+        cli.main(["--cpu", "--impl", "flex"])
+    assert "--impl: options of the GPU sweep" in capsys.readouterr().err
 
 
 def test_merge_replaces_rows_of_a_rerun(results, tmp_path):

@@ -79,10 +79,15 @@ def main(argv: list[str] | None = None, prog: str = "flashx bench") -> int:
 
 
 def _out_dir(parser: argparse.ArgumentParser, args) -> Path:
+    """Where the run's record goes, after refusing options that would not do what they say."""
+    partial = [flag for flag, used in (("--quick", args.quick), ("--impl", args.impl), ("--seqlens", args.seqlens),
+                                       ("--sections", set(args.sections) != set(report.SECTIONS))) if used]
+    budgets = [flag for flag, used in (("--time-limit", args.time_limit), ("--compile-budget", args.compile_budget))
+               if used is not None]
+    if args.cpu and partial + budgets:
+        parser.error(f"--cpu runs one fixed comparison; {', '.join(partial + budgets)}: options of the GPU sweep")
     if not args.record:
         return args.out.resolve()
-    partial = [flag for flag, used in (("--quick", args.quick), ("--impl", args.impl), ("--seqlens", args.seqlens),
-                                       ("--sections", tuple(args.sections) != report.SECTIONS)) if used]
     if partial and not args.cpu:
         parser.error(f"--record keeps the full sweep as the device's record, and {', '.join(partial)} runs part of it: "
                      "run it with --out DIR, then `flashx bench merge benchmarks/results/<device>.json DIR/<device>.json`")

@@ -175,7 +175,8 @@ class Sweep:
             },
             "plan": asdict(plan),
             "timing": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "rest_s": REST_S, "statistic": "median",
-                       "check_tolerance": CHECK_TOLERANCE},
+                       "check_tolerance": CHECK_TOLERANCE,
+                       "host": {"calls": HOST_CALLS, "rounds": HOST_ROUNDS, "busy_s": HOST_BUSY_S}},
             "implementations": [impl.describe() for impl in impls],
             "ceilings": {},
             "checks": [],
@@ -201,7 +202,8 @@ class Sweep:
         self.progress.write(
             f"{self.results['device']}: {', '.join(impl.name for impl in self.impls)}; "
             f"{len(plan.check_shapes())} check shapes, {len(plan.memory_shapes())} memory shapes, "
-            f"{len(plan.speed_shapes())} speed shapes x {len(MODES)} modes; saving as it goes to {self.path}"
+            f"{len(plan.speed_shapes())} speed and {len(plan.host_shapes())} host-time shapes x {len(MODES)} modes; "
+            f"saving as it goes to {self.path}"
         )
         for section in [self.ceilings] + [getattr(self, name) for name in sections]:
             start = time.perf_counter()
