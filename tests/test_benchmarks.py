@@ -195,6 +195,18 @@ def test_publish_replaces_the_record_and_appends_the_history(results, tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["h100.json", "h100.md", "history.csv"]
 
 
+def test_the_decode_sweep_keeps_a_record_of_its_own(tmp_path):
+    decode = {"kind": "decode", "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-26", "versions": {"torch": "2.11.0"},
+              "shape": {"heads_q": 32, "heads_k": 8, "head_dim": 128, "dtype": "bfloat16", "seqlen_q": 1},
+              "copy_tbps": 3.0, "rows": [{"impl": "flashx", "batch": 1, "cache": 16384, "status": "ok", "tbps": 2.7},
+                                         {"impl": "sdpa-flash", "batch": 1, "cache": 16384, "status": "OOM"}]}
+    records.publish(decode, tmp_path, lambda results: "decode table\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["decode-h100.json", "decode-h100.md", "history.csv"]
+    rows = [(r["impl"], r["mode"], r["batch"], r["seqlen"], r["heads"], r["head_dim"], r["metric"], r["value"])
+            for r in _history(tmp_path)]
+    assert rows == [("", "", "", "", "", "", "copy_tbps", "3"), ("flashx", "decode", "1", "16384", "32", "128", "tbps", "2.7")]
+
+
 def test_commands_redraw_from_json(results, tmp_path, capsys):
     path = tmp_path / "h100.json"
     records.save_json(results, path)

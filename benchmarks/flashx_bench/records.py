@@ -10,7 +10,8 @@ source checkout's ``benchmarks/results``):
 - ``<device>.partial.json``: the run in progress, saved after each row so that a run stopped
   early keeps what it measured; it becomes ``<device>.json`` when the run ends.
 
-``<device>`` is ``cpu`` or the GPU's model (``device_slug``: h100, h200, rtx4090).
+``<device>`` is ``cpu``, the GPU's model (``device_slug``: h100, h200, rtx4090), or for the decode
+sweep ``decode-`` and the model.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def device_slug(name: str) -> str:
 
 
 def stem(results: dict) -> str:
-    return "cpu" if results["kind"] == "cpu" else device_slug(results["device"])
+    """The record's name: ``cpu``, the GPU's model, or ``decode-`` and the model for the decode sweep."""
+    if results["kind"] == "cpu":
+        return "cpu"
+    return ("decode-" if results["kind"] == "decode" else "") + device_slug(results["device"])
 
 
 def partial_path(out_dir: Path, slug: str) -> Path:
@@ -122,6 +126,12 @@ def history_rows(results: dict) -> list[dict]:
         rows.append(row({**source, "impl": "flashx-numpy", "seqlen": memory["seqlen"]}, "peak_mib",
                         memory["peak_extra_bytes"] / 2**20, dtype=shape["dtype"]))
         return rows
+    if results["kind"] == "decode":  # one query row per sequence over a cache of L keys
+        shape = results["shape"]
+        decode = {"mode": "decode", "heads": shape["heads_q"], "head_dim": shape["head_dim"]}
+        rows = [row({}, "copy_tbps", results["copy_tbps"])] if results.get("copy_tbps") else []
+        return rows + [row({**r, **decode, "seqlen": r["cache"]}, "tbps", r["tbps"], dtype=shape["dtype"])
+                       for r in results["rows"] if r["status"] == "ok"]
     rows = [row({}, metric, value) for metric, value in results.get("ceilings", {}).items()]
     rows += [row(r, "tflops", r["tflops"]) for r in results.get("speed", []) if r["status"] == "ok"]
     rows += [row(r, "host_us", r["host_us"]) for r in results.get("host", []) if r["status"] == "ok"]
