@@ -23,6 +23,7 @@ Importing this module imports torch; ``import flashx`` does not import this modu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -62,10 +63,8 @@ def ring_attention(q, k, v, *, group=None, layout="zigzag", causal=False, window
                    rng_offset=rng_offset)
     problem = _shard_problem(q, k, v, layout, options)
     if seed is None and problem.dropout_p > 0:
-        problem_seed = _broadcast_seed(problem.seed, group, q.device)
-    else:
-        problem_seed = problem.seed
-    ring = _Ring([_Rank(rank, world_size, layout, problem, problem_seed, backend)], _p2p_shift(group, world_size, rank))
+        problem = dataclasses.replace(problem, seed=_broadcast_seed(problem.seed, group, q.device))
+    ring = _Ring([_Rank(rank, world_size, layout, problem, backend)], _p2p_shift(group, world_size, rank))
     o, lse = _RingAttention.apply(ring, q, k, v)
     return (o, lse) if return_lse else o
 
@@ -83,7 +82,7 @@ def simulate_ring_attention(q, k, v, world_size, *, layout="zigzag", causal=Fals
     _require_torch(q)
     shards = [[shard(x, world_size, rank, layout) for rank in range(world_size)] for x in (q, k, v)]
     problem = _shard_problem(shards[0][0], shards[1][0], shards[2][0], layout, options)
-    ranks = [_Rank(rank, world_size, layout, problem, problem.seed, backend) for rank in range(world_size)]
+    ranks = [_Rank(rank, world_size, layout, problem, backend) for rank in range(world_size)]
     outputs = _RingAttention.apply(_Ring(ranks, _rotate), *shards[0], *shards[1], *shards[2])
     o = unshard(outputs[:world_size], layout)
     lse = unshard(outputs[world_size:], layout, dim=2)
@@ -137,7 +136,8 @@ def _shard_problem(q, k, v, layout: str, options: dict) -> Problem:
     chunks = _chunks_per_rank(layout)
     problem = build_problem(q, k, v, **complete("ring_attention", options))
     if problem.seqlen_k != problem.seqlen_q:
-        raise ShapeError(f"k: expected a shard as long as q's ({problem.seqlen_q} positions), got shape {tuple(k.shape)}")
+        raise ShapeError(f"k: expected a shard as long as q's ({problem.seqlen_q} positions), "
+                         f"got shape {tuple(k.shape)}")
     if problem.seqlen_q % chunks:
         raise ShapeError(f"q: layout {layout!r} holds {chunks} equal chunks per rank: expected a shard length "
                          f"divisible by {chunks}, got shape {tuple(q.shape)}")
@@ -146,7 +146,8 @@ def _shard_problem(q, k, v, layout: str, options: dict) -> Problem:
 
 def _require_torch(q) -> None:
     if arrays.kind_of(q) != "torch":
-        raise DTypeError(f"q: expected a torch tensor (ring attention runs on torch.distributed), got {type(q).__name__}")
+        raise DTypeError(f"q: expected a torch tensor (ring attention runs on torch.distributed), "
+                         f"got {type(q).__name__}")
 
 
 def _broadcast_seed(seed: int, group, device) -> int:
@@ -197,11 +198,11 @@ def _pair(band, size: int, query_start: int, key_start: int):
 class _Rank:
     """One rank's part of a ring call: for the K/V shard of each source rank, the calls of its step."""
 
-    def __init__(self, index: int, world_size: int, layout: str, problem: Problem, seed: int, backend):
+    def __init__(self, index: int, world_size: int, layout: str, problem: Problem, backend):
         self.index, self.backend = index, backend
         size = problem.seqlen_q // LAYOUTS[layout]
         mine = _chunks(layout, world_size, index, size)
-        common = dict(softmax_scale=problem.softmax_scale, dropout_p=problem.dropout_p, seed=seed,
+        common = dict(softmax_scale=problem.softmax_scale, dropout_p=problem.dropout_p, seed=problem.seed,
                       rng_offset=problem.rng_offset)
         self.calls = []
         for source in range(world_size):
@@ -213,8 +214,9 @@ class _Rank:
                     continue
                 rows, keys, window, offsets = found
                 options = dict(common, window=window, dropout_offsets=offsets if problem.dropout_p else None)
-                calls.append(_Call(slice(row0 + rows.start, row0 + rows.stop), slice(key0 + keys.start, key0 + keys.stop),
-                                   complete("ring_attention", options)))
+                rows = slice(row0 + rows.start, row0 + rows.stop)
+                keys = slice(key0 + keys.start, key0 + keys.stop)
+                calls.append(_Call(rows, keys, complete("ring_attention", options)))
             self.calls.append(calls)
 
     def forward_step(self, q, k, v, source: int, o, lse) -> None:
