@@ -1,6 +1,6 @@
 """Plugin installation end to end, as a user would do it.
 
-A throwaway venv that sees this interpreter's packages (torch, the editable flashx) gets,
+A throwaway venv that sees this environment's packages (torch, the editable flashx) gets,
 through pip, the out-of-tree example ``examples/flashx-sdpa`` and a plugin whose module raises
 on import. flashx must find the first through its entry point alone, report the second
 with its error without losing any other backend, and the conformance suite must grade SDPA.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -54,12 +55,19 @@ def plugin_venv(tmp_path_factory):
     """The venv's python, with flashx-sdpa and flashx-broken installed (offline, no build isolation)."""
     root = tmp_path_factory.mktemp("plugin-install")
     try:
-        venv.create(root / "venv", system_site_packages=True, with_pip=False)
+        venv.create(root / "venv", with_pip=False)
     except OSError as error:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"cannot create a venv here: {error}")
     python = root / "venv" / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    # The new venv sees this environment's site-packages, .pth files included (an editable
+    # install is one): `system_site_packages` would show the base interpreter's instead, which
+    # lacks what a virtual environment running these tests installed.
+    inner = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=root).strip()
+    outer = [path for path in site.getsitepackages() if Path(path).is_dir()]
+    lines = "".join(f"import site; site.addsitedir({path!r})\n" for path in outer)
+    Path(inner, "outer-environment.pth").write_text(lines)
     # Copies: setuptools builds in the source tree and would leave build/ and egg-info behind.
     sdpa = shutil.copytree(EXAMPLE, root / "flashx-sdpa")
     for relative, text in BROKEN_PLUGIN.items():
