@@ -21,6 +21,15 @@ from flashx.problem import BlockMask, Problem
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # flashx.distributed imports torch: it loads when first named, not with flashx.
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module("flashx.distributed")
+    raise AttributeError(f"module 'flashx' has no attribute {name!r}")
+
 __all__ = [
     "Backend",
     "BlockMask",

@@ -1,7 +1,7 @@
 """Whether this machine has a CUDA device, asked once here for everything that needs to know.
 
 The question goes to torch, imported only when asked (the core never needs it), so that the
-conformance suite's default device, the ``flashx`` command and the nox sessions' choice of CPU
+conformance suite's default device, the ``flashx`` command and nox's choice of CPU
 stand-ins always agree.
 """
 

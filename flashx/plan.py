@@ -24,6 +24,7 @@ from flashx.backend import Backend
 from flashx.problem import Problem
 from flashx.validation import build_problem
 _SCALARS = frozenset({type(None), bool, int, float})
+_PAIRS = ("window", "dropout_offsets")  # options given as a tuple of two ints
 _LIMIT = 256  # distinct calls remembered; past it the cache starts again empty
 
 _plans: dict[tuple, tuple[Problem, Backend]] = {}
@@ -50,16 +51,16 @@ def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
 def _key(q, k, v, backend, options):
     """Everything the outcome depends on, or None when the call must be checked in full."""
     options = dict(options)
-    window = options.pop("window")
+    pairs = tuple(options.pop(name) for name in _PAIRS)
     values = tuple(options.values())
     types = tuple(map(type, values))
     cacheable = (
         isinstance(backend, str)
         and _SCALARS.issuperset(types)  # not with an array option, nor a number of another type
-        and (window is None or (type(window) is tuple and all(type(side) is int for side in window)))
+        and all(pair is None or (type(pair) is tuple and all(type(side) is int for side in pair)) for pair in pairs)
         and (options["seed"] is not None or options["dropout_p"] == 0)  # else a seed is drawn
     )
     if not cacheable:
         return None
     signatures = (arrays.signature(q), arrays.signature(k), arrays.signature(v))
-    return dispatch.requested(backend), registry.version(), signatures, window, values, types
+    return dispatch.requested(backend), registry.version(), signatures, pairs, values, types

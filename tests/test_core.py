@@ -12,6 +12,7 @@ import pytest
 import flashx
 from flashx import registry
 from flashx.problem import FEATURES
+from flashx_conformance import oracle
 
 torch = pytest.importorskip("torch")
 
@@ -28,21 +29,6 @@ def qkv(batch=2, seqlen_q=5, seqlen_k=7, heads_q=4, heads_k=2, dim=8, dim_v=None
         randn(batch, seqlen_k, heads_k, dim, dtype=dtype),
         randn(batch, seqlen_k, heads_k, dim_v or dim, dtype=dtype),
     )
-
-
-def dense_reference(q, k, v, scale=None, causal=False):
-    """Plain float64 attention for the padded layout (bottom-right causal)."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    scores = np.einsum("bihd,bjhd->bhij", q, k) * scale
-    if causal:
-        nq, nk = q.shape[1], k.shape[1]
-        scores[..., np.arange(nk)[None, :] > np.arange(nq)[:, None] + nk - nq] = -np.inf
-    lse = np.logaddexp.reduce(scores, axis=-1)
-    probs = np.exp(scores - lse[..., None])
-    return np.einsum("bhij,bjhd->bihd", probs, v), lse
 
 
 class Marker(flashx.Backend):
@@ -348,7 +334,7 @@ def test_a_remembered_call_still_gets_its_own_arrays(fresh_registry):
     assert backend.received[1] is q_view and backend.received[1].strides != q.strides
     registry.reset()  # the entry points again: the numbers follow each call's arrays
     for x in (q, q_view, q * 2):
-        np.testing.assert_allclose(flashx.attention(x, k, v, backend="numpy"), dense_reference(x, k, v)[0], atol=2e-5)
+        np.testing.assert_allclose(flashx.attention(x, k, v, backend="numpy"), oracle.forward(x, k, v)[0], atol=2e-5)
 
 
 def test_a_remembered_call_follows_the_backend_choice(fresh_registry, monkeypatch):
@@ -371,7 +357,7 @@ def test_a_remembered_call_follows_the_backend_choice(fresh_registry, monkeypatc
     with pytest.raises(flashx.UnsupportedError, match="no backend named 'high'"):
         flashx.attention(q, k, v, backend="high")
     registry.reset()  # rediscovers the entry points: the NumPy backend computes again
-    np.testing.assert_allclose(flashx.attention(q, k, v), dense_reference(q, k, v)[0], atol=2e-5)
+    np.testing.assert_allclose(flashx.attention(q, k, v), oracle.forward(q, k, v)[0], atol=2e-5)
 
 
 def test_a_drawn_dropout_seed_is_drawn_again_on_every_call():
@@ -473,10 +459,10 @@ def test_empty_inputs_have_the_implied_shapes(fresh_registry):
 # -- numerics through the NumPy backend ------------------------------------------------------
 
 
-def test_forward_matches_dense_reference_through_numpy_backend():
+def test_forward_matches_the_oracle_through_numpy_backend():
     q, k, v = qkv(seqlen_q=37, seqlen_k=53, dim_v=12)
     o, lse = flashx.attention(q, k, v, causal=True, return_lse=True, backend="numpy")
-    ref_o, ref_lse = dense_reference(q, k, v, causal=True)
+    ref_o, ref_lse = oracle.forward(q, k, v, causal=True)
     np.testing.assert_allclose(o, ref_o, atol=2e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
 

@@ -442,52 +442,31 @@ def test_autotuner_poisons_outputs_so_a_candidate_must_write_every_element(monke
 
     log = []
     assert tuning._fastest(["ok", "lazy"], run, log, timed=True) == "ok"
-    assert log == [("lazy", None), ("ok", pytest.approx(1.0, abs=0.1))]  # plus the host's milliseconds
+    assert log == [("lazy", None), ("ok", pytest.approx(1.0, abs=0.1))]
     assert torch.equal(buffer, torch.tensor([0.0, 1.0, 2.0, 3.0, 7.0, 7.0]))  # as the first run left it
 
 
-def test_autotuner_times_the_candidates_side_by_side_in_rounds(monkeypatch):
-    """A GPU's clock drifts: "a", timed first (fresh from an idle compile), looks fastest once but
-    is slower in the later rounds; the median of the rounds, timed in turn, picks "b"."""
+def test_autotuner_times_each_candidate_once_and_keeps_the_fastest(monkeypatch):
+    """Each candidate that agrees with the first is timed once (do_bench's median) and the smallest
+    median wins: the call path times nothing else (equal power states and host time are the
+    benchmarks' methodology, not the tuner's)."""
     import triton.testing
 
     from flashx_triton import tuning
 
-    clock = {"a": [1.0, 3.0, 3.0], "b": [2.0, 2.0, 2.0]}
+    medians = {"a": 3.0, "b": 2.0, "c": 2.5}
     output, timed, running = torch.arange(4.0), [], []
 
     def do_bench(fn, **kwargs):
         fn()
         timed.append(running[-1])
-        return clock[running[-1]][timed.count(running[-1]) - 1]
+        return medians[running[-1]]
 
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     log = []
-    assert tuning._fastest(["a", "b"], lambda config: running.append(config) or [output], log, timed=True) == "b"
-    assert timed == ["a", "b"] * tuning.TIMING_ROUNDS
-    assert log == [("a", pytest.approx(3.0, abs=0.1)), ("b", pytest.approx(2.0, abs=0.1))]
-
-
-def test_autotuner_charges_each_candidate_its_host_time(monkeypatch):
-    """Equal on the GPU, "many" spends 5 ms more of host time per call (more launches, say):
-    a step that waits on the host runs slower with it, so "few" is chosen."""
-    import time
-
-    import triton.testing
-
-    from flashx_triton import tuning
-
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn() or 1.0)
-    output = torch.arange(4.0)
-
-    def run(config):
-        if config == "many":
-            time.sleep(0.005)
-        return [output]
-
-    log = []
-    assert tuning._fastest(["many", "few"], run, log, timed=True) == "few"
-    assert log[0][1] - log[1][1] >= 4.5  # each call slept at least 5 ms (a busy host may add more)
+    assert tuning._fastest(["a", "b", "c"], lambda config: running.append(config) or [output], log, timed=True) == "b"
+    assert timed == ["a", "b", "c"]
+    assert log == [("a", 3.0), ("b", 2.0), ("c", 2.5)]
 
 
 def test_launch_hands_later_calls_the_compiled_kernel_every_argument_in_order(monkeypatch):
@@ -518,7 +497,7 @@ def test_launch_hands_later_calls_the_compiled_kernel_every_argument_in_order(mo
 
 
 def test_a_tuned_kernel_chooses_again_when_autotuning_is_switched(monkeypatch):
-    """measure.py checks correctness untimed (FLASHX_TRITON_AUTOTUNE=0), then times with tuning:
+    """A caller may run untimed (FLASHX_TRITON_AUTOTUNE=0), then with tuning:
     a problem seen by both must not keep the untimed choice."""
     from flashx_triton import tuning
 

@@ -3,7 +3,7 @@
 Nothing here imports flashx, NumPy or a GPU library until a backend is named with
 ``--flashx-backend NAME`` (or ``FLASHX_CONFORMANCE_BACKEND``). Without one only the options,
 the markers and two fixtures exist, and the conformance tests skip, saying how to name one;
-with one, a ``_Session`` plugin adds the report header, the tier skips, the skip summary and
+with one, a ``_Run`` plugin adds the report header, the tier skips, the skip summary and
 the JSON report.
 
     pytest --pyargs flashx_conformance --flashx-backend numpy [--flashx-device cuda]
@@ -62,18 +62,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long or memory-hungry GPU cases (deselect with -m 'not slow')")
     config.addinivalue_line("markers", f"{FULL_ONLY}: a case too big for the small tier (interpreters, simulators)")
     if config.getoption("flashx_backend"):
-        session = _Session(config)
-        config.stash[_SESSION] = session
-        config.pluginmanager.register(session, "flashx_conformance_session")
+        run = _Run(config)
+        config.stash[_RUN] = run
+        config.pluginmanager.register(run, "flashx_conformance_run")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def flashx_target(request):
-    """The backend under test (``harness.Target``); skips when none is named or it cannot run here."""
-    session = request.config.stash.get(_SESSION, None)
-    if session is None:
+    """The backend under test (``harness.Target``, built once per run); skips when none is named
+    or it cannot run here."""
+    run = request.config.stash.get(_RUN, None)
+    if run is None:
         pytest.skip(f"no flashx backend named: pass --flashx-backend NAME or set {ENV_VAR}")
-    return session.target()
+    return run.target()
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def flashx_rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-class _Session:
+class _Run:
     """The named backend, its device and tier, and the outcomes recorded for the report."""
 
     def __init__(self, config):
@@ -194,7 +195,7 @@ class _Session:
         for reason, n in skipped.most_common():
             terminal.line(f"  skipped {n:4d} x  {reason}")
 
-    def pytest_sessionfinish(self):
+    def pytest_unconfigure(self):
         path = self.config.getoption("flashx_report")
         if not path:
             return
@@ -205,7 +206,7 @@ class _Session:
             json.dump(report, f, indent=1)
 
 
-_SESSION = pytest.StashKey[_Session]()
+_RUN = pytest.StashKey[_Run]()
 
 
 def _version(distribution: str) -> str | None:

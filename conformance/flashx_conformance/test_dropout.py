@@ -63,6 +63,10 @@ def _dropout_cases(rng, dtype):
             rng, batch=3, heads_q=4, heads_k=2, seqlen_q=21, seqlen_k=64, dtype=dtype, dropout_p=0.25, seed=42, rng_offset=3,
             seqlens_k=np.array([64, 17, 40], np.int32),
         ),
+        "offsets-p0.3": make_case(
+            rng, batch=2, heads_q=4, heads_k=2, seqlen_q=33, seqlen_k=64, dtype=dtype, dropout_p=0.3, seed=SEED,
+            rng_offset=OFFSET, causal=True, dropout_offsets=(4097, 1022),
+        ),
         "varlen-p0.3": make_varlen_case(
             rng, lengths_q=[9, 0, 30], lengths_k=[64, 5, 33], heads_q=2, dtype=dtype, dropout_p=0.3, seed=SEED >> 3, rng_offset=11
         ),
