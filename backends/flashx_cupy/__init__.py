@@ -1,0 +1,73 @@
+"""flashx's CuPy backend: FlashAttention-2 in hand-written CUDA C++, compiled at run time by
+NVRTC through ``cupy.RawModule``.
+
+The kernels (``kernels/*.cu``, ``*.cuh``) use tensor cores for float16 and bfloat16
+(mma.sync.m16n8k16 fed by ldmatrix, float32 accumulation, K/V tiles double-buffered with
+cp.async) and IEEE fma for float32 (no TF32). The backward has no atomics, so it is deterministic.
+
+The backend takes torch tensors (``array_kind = "torch"``): CuPy has no bfloat16 dtype, so a
+bfloat16 tensor cannot become a CuPy array, while a CuPy array becomes a torch tensor through
+DLPack without a copy. The kernels read the tensors through their addresses and strides, and
+run on the caller's stream: CuPy's current stream when the caller passed CuPy arrays.
+
+Importing this module imports neither CuPy nor torch.
+"""
+
+from __future__ import annotations
+
+import flashx
+from flashx.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+
+class CupyBackend(flashx.Backend):
+    name = "cupy"
+    version = __version__
+    array_kind = "torch"
+    devices = frozenset({"cuda"})
+    dtypes = frozenset({"float16", "bfloat16", "float32"})
+    max_head_dim = 256
+    features = frozenset({"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "gqa", "dv_ne_d"})
+    deterministic_backward = True
+
+    def available(self) -> str | None:
+        return unavailable_reason()
+
+    def priority(self, problem) -> int:
+        return 50  # below triton
+
+    def forward(self, problem, q, k, v):
+        from flashx_cupy.launch import forward
+
+        return forward(problem, q, k, v)
+
+    def backward(self, problem, q, k, v, o, lse, do):
+        from flashx_cupy.launch import backward
+
+        return backward(problem, q, k, v, o, lse, do)
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels can run here, else why not."""
+    try:
+        import cupy
+        import torch
+    except ImportError as error:
+        return f"cannot import {error.name}: pip install 'flashx-attention[cupy]'"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as error:
+        return f"CuPy sees no CUDA device ({error})"
+    if count == 0:
+        return "CuPy sees no CUDA device"
+    if min(int(cupy.cuda.Device(i).compute_capability) for i in range(count)) < 80:
+        return "needs compute capability 8.0 or newer (mma.sync bf16, cp.async)"
+    return None
+
+
+@hookimpl
+def flashx_backends():
+    return [CupyBackend()]

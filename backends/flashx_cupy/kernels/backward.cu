@@ -1,0 +1,343 @@
+// The backward, without atomics (deterministic), in three kernels:
+//   flashx_delta  D = rowsum(dO * O) per query row, float32;
+//   flashx_dkdv   one CTA per (key tile, kv head, sequence), K and V resident, streaming the
+//                 query tiles of every query head of its group: dV = P^T dO, dK = dS^T Q, summed
+//                 over the group in registers. Scores are held transposed (keys x queries), so
+//                 the warps own keys and the products are those of the forward;
+//   flashx_dq     one CTA per (query tile, query head, sequence), Q and dO resident, streaming
+//                 key tiles: dQ = dS K.
+// P is recomputed from the LSE; with dropout, Z is drawn again from (seed, rng_offset):
+//   dV = (P Z / (1 - p))^T dO,  dS = P (Z dP / (1 - p) - D),  dP = dO V^T.
+// DKDV_PARTS (bit 0: dK, bit 1: dV) lets the widest head dims compute dK and dV in two launches,
+// each holding one accumulator in registers.
+
+#include "common.cuh"
+
+#ifndef DKDV_PARTS
+#define DKDV_PARTS 3
+#endif
+
+extern "C" __global__ void flashx_delta(const Params p, int rows) {
+    // One warp per (row of the q tensor, query head); rows counts B * Nq (padded) or Tq (varlen).
+    const i64 id = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (id >= (i64)rows * p.heads_q) return;
+    const int h = (int)(id % p.heads_q);
+    const i64 row = id / p.heads_q;
+    int b = 0, n = (int)row;
+#if !VARLEN
+    b = (int)(row / p.seqlen_q);
+    n = (int)(row % p.seqlen_q);
+#endif
+    const elem_t* o = (const elem_t*)p.o + (i64)b * p.o_b + (i64)n * p.o_n + (i64)h * p.o_h;
+    const elem_t* dout = (const elem_t*)p.dout + (i64)b * p.do_b + (i64)n * p.do_n + (i64)h * p.do_h;
+    float sum = 0.f;
+    for (int c = lane; c < p.head_dim_v; c += 32) sum = fmaf(to_float(o[c * p.o_d]), to_float(dout[c * p.do_d]), sum);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) ((float*)p.delta)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] = sum;
+}
+
+// The LSE of query row i (within the sequence) in base 2, and D.
+__device__ __forceinline__ void row_stats(const Params& p, const Sequence& s, int h, int i, float& lse2, float& delta) {
+    if (i < s.len_q) {
+        lse2 = ((const float*)p.lse)[(i64)s.b * p.lse_b + (i64)h * p.lse_h + s.start_q + i] * LOG2E;
+        delta = ((const float*)p.delta)[(i64)s.b * p.delta_b + (i64)h * p.delta_h + s.start_q + i];
+    } else {
+        lse2 = delta = 0.f;  // a row past the sequence: every pair of it is disallowed
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    elem_t* sK = (elem_t*)smem;                                            // BLOCK_M x LD_QK
+    elem_t* sV = sK + BLOCK_M * LD_QK;                                     // BLOCK_M x LD_V
+    elem_t* sQ = sV + BLOCK_M * LD_V;                                      // 2 x BLOCK_N x LD_QK
+    elem_t* sDO = sQ + 2 * BLOCK_N * LD_QK;                                // 2 x BLOCK_N x LD_V
+    float* sLse2 = (float*)(sDO + 2 * BLOCK_N * LD_V);                     // 2 x BLOCK_N
+    float* sDelta = sLse2 + 2 * BLOCK_N;                                   // 2 x BLOCK_N
+    unsigned char* sAllowed = (unsigned char*)(sDelta + 2 * BLOCK_N);      // BLOCK_M x BLOCK_N
+    float* sStage = (float*)(sAllowed + BLOCK_M * BLOCK_N);                // float32: BLOCK_M x BLOCK_N
+
+    int tile, hk, b;
+    grid_tile(p.tiles_m, p.heads_k, tile, hk, b);
+    const Sequence s = sequence(p, b);
+    const int n0 = tile * BLOCK_M;
+    const int keys_out = VARLEN ? s.len_k : p.seqlen_k;  // padded keys past len_k still get dk = dv = 0
+    if (n0 >= keys_out) return;
+    const int warp = threadIdx.x / 32;
+    const int wrow = warp * ATOMS * 16;
+
+    const elem_t* k = (const elem_t*)p.k + row_offset(b, s.start_k, 0, hk, p.k_b, p.k_n, p.k_h);
+    const elem_t* v = (const elem_t*)p.v + row_offset(b, s.start_k, 0, hk, p.v_b, p.v_n, p.v_h);
+
+    // Query rows [first, end) use some key of this tile.
+    const int diag = s.len_k - s.len_q;
+    const int keys_end = min(n0 + BLOCK_M, s.len_k);
+    int first = max(n0 - diag - p.right, 0);
+    int end = min(keys_end - 1 - diag + p.left + 1, s.len_q);
+    if (keys_end <= n0 || end <= first) first = end = 0;
+    const int tile_lo = first / BLOCK_N * BLOCK_N;
+    const int tiles = (end - tile_lo + BLOCK_N - 1) / BLOCK_N;
+    const int steps = tiles * p.group;  // (query head of the group, query tile) pairs, head-major
+    auto head_of = [&](int step) { return hk * p.group + step / tiles; };
+    auto row_of = [&](int step) { return tile_lo + step % tiles * BLOCK_N; };
+    auto allowed_step = [&](int step) {  // the first step from ``step`` on that the block mask allows
+        while (step < steps && !blocks_allow(p, s, head_of(step), row_of(step), min(row_of(step) + BLOCK_N, end), n0,
+                                             keys_end))
+            ++step;
+        return step;
+    };
+    auto load_rows = [&](int step, int buf) {
+        const int h = head_of(step), m = row_of(step);
+        const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
+        const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
+        load_tile<BLOCK_N, DIM_QK, LD_QK>(sQ + buf * BLOCK_N * LD_QK, q, p.q_n, p.q_d, m, s.len_q, p.head_dim);
+        load_tile<BLOCK_N, DIM_V, LD_V>(sDO + buf * BLOCK_N * LD_V, dout, p.do_n, p.do_d, m, s.len_q, p.head_dim_v);
+        for (int r = threadIdx.x; r < BLOCK_N; r += THREADS)
+            row_stats(p, s, h, m + r, sLse2[buf * BLOCK_N + r], sDelta[buf * BLOCK_N + r]);
+    };
+
+    load_tile<BLOCK_M, DIM_QK, LD_QK>(sK, k, p.k_n, p.k_d, n0, s.len_k, p.head_dim);
+    load_tile<BLOCK_M, DIM_V, LD_V>(sV, v, p.v_n, p.v_d, n0, s.len_k, p.head_dim_v);
+    int step = allowed_step(0);
+    if (step < steps) load_rows(step, 0);
+    cp_async_commit();
+
+#if DKDV_PARTS & 1
+    float dk[ATOMS][DIM_QK / 8][4];
+    zero<ATOMS, DIM_QK>(dk);
+#endif
+#if DKDV_PARTS & 2
+    float dv[ATOMS][DIM_V / 8][4];
+    zero<ATOMS, DIM_V>(dv);
+#endif
+
+    for (int buf = 0; step < steps; buf ^= 1) {
+        const int next = allowed_step(step + 1);
+        if (next < steps) load_rows(next, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const int h = head_of(step), m = row_of(step);
+        elem_t* q_tile = sQ + buf * BLOCK_N * LD_QK;
+        elem_t* do_tile = sDO + buf * BLOCK_N * LD_V;
+        const float* lse2 = sLse2 + buf * BLOCK_N;
+        const float* delta = sDelta + buf * BLOCK_N;
+        const bool masked = !tile_unmasked(p, s, m, m + BLOCK_N, n0, n0 + BLOCK_M);
+
+        float pt[ATOMS][BLOCK_N / 8][4];  // P^T, then P^T Z / (1 - p)
+        zero<ATOMS, BLOCK_N>(pt);
+        gemm_abt<ATOMS, BLOCK_N, DIM_QK, LD_QK, LD_QK>(pt, sK + wrow * LD_QK, q_tile);
+#if DKDV_PARTS & 1
+        float dst[ATOMS][BLOCK_N / 8][4];  // dP^T, then dS^T
+        zero<ATOMS, BLOCK_N>(dst);
+        gemm_abt<ATOMS, BLOCK_N, DIM_V, LD_V, LD_V>(dst, sV + wrow * LD_V, do_tile);
+#endif
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
+                    bool ok = true;
+                    if (masked) {
+                        ok = allowed_pair(p, s, h, m + c, n0 + r);
+                        sAllowed[r * BLOCK_N + c] = ok;
+                    }
+                    const float pr = ok ? exp2f(pt[mt][nt][e] * p.scale_log2 - lse2[c]) : 0.f;
+#if DROPOUT
+                    const bool keep = dropout_keep(p, b, h, m + c, n0 + r);
+                    pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
+#if DKDV_PARTS & 1
+                    const float dpr = keep ? dst[mt][nt][e] * p.drop_scale : 0.f;
+#endif
+#else
+                    pt[mt][nt][e] = pr;
+#if DKDV_PARTS & 1
+                    const float dpr = dst[mt][nt][e];
+#endif
+#endif
+#if DKDV_PARTS & 1
+                    dst[mt][nt][e] = ok ? pr * (dpr - delta[c]) : 0.f;
+#endif
+                }
+
+        if (masked) {
+            __syncwarp();
+#if DKDV_PARTS & 2
+            const bool bad_do = tile_nonfinite<BLOCK_N, DIM_V, LD_V>(do_tile);
+            if (bad_do) poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, sAllowed + wrow * BLOCK_N, do_tile);
+#else
+            const bool bad_do = false;
+#endif
+#if DKDV_PARTS & 1
+            const bool bad_q = tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
+            if (bad_q) poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, sAllowed + wrow * BLOCK_N, q_tile);
+#else
+            const bool bad_q = false;
+#endif
+            if (bad_do || bad_q) {
+                __syncthreads();
+                if (bad_do) clear_nonfinite<BLOCK_N, DIM_V, LD_V>(do_tile);
+                if (bad_q) clear_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
+                __syncthreads();
+            }
+        }
+#if DKDV_PARTS & 2
+        gemm_areg<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, pt, do_tile, sStage + wrow * BLOCK_N);
+#endif
+#if DKDV_PARTS & 1
+        gemm_areg<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, dst, q_tile, sStage + wrow * BLOCK_N);
+#endif
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+        step = next;
+    }
+    cp_async_wait<0>();
+
+    elem_t* dk_out = (elem_t*)p.dk + row_offset(b, s.start_k, 0, hk, p.dk_b, p.dk_n, p.dk_h);
+    elem_t* dv_out = (elem_t*)p.dv + row_offset(b, s.start_k, 0, hk, p.dv_b, p.dv_n, p.dv_h);
+#pragma unroll
+    for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = n0 + wrow + frag_row(mt, e);
+            if (j >= keys_out) continue;
+#if DKDV_PARTS & 1
+#pragma unroll
+            for (int nt = 0; nt < DIM_QK / 8; ++nt) {
+                const int c = frag_col(nt, e);
+                if (c < p.head_dim) dk_out[(i64)j * p.dk_n + c] = from_float(dk[mt][nt][e] * p.scale);
+            }
+#endif
+#if DKDV_PARTS & 2
+#pragma unroll
+            for (int nt = 0; nt < DIM_V / 8; ++nt) {
+                const int c = frag_col(nt, e);
+                if (c < p.head_dim_v) dv_out[(i64)j * p.dv_n + c] = from_float(dv[mt][nt][e]);
+            }
+#endif
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    elem_t* sQ = (elem_t*)smem;                                            // BLOCK_M x LD_QK
+    elem_t* sDO = sQ + BLOCK_M * LD_QK;                                    // BLOCK_M x LD_V
+    elem_t* sK = sDO + BLOCK_M * LD_V;                                     // 2 x BLOCK_N x LD_QK
+    elem_t* sV = sK + 2 * BLOCK_N * LD_QK;                                 // 2 x BLOCK_N x LD_V
+    unsigned char* sAllowed = (unsigned char*)(sV + 2 * BLOCK_N * LD_V);   // BLOCK_M x BLOCK_N
+    float* sStage = (float*)(sAllowed + BLOCK_M * BLOCK_N);                // float32: BLOCK_M x BLOCK_N
+
+    int tile, h, b;
+    grid_tile(p.tiles_m, p.heads_q, tile, h, b);
+    const Sequence s = sequence(p, b);
+    const int m0 = tile * BLOCK_M;
+    const int rows_out = VARLEN ? s.len_q : p.seqlen_q;
+    if (m0 >= rows_out) return;
+    const int warp = threadIdx.x / 32;
+    const int wrow = warp * ATOMS * 16;
+    const int hk = h / p.group;
+
+    const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
+    const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
+    const elem_t* k = (const elem_t*)p.k + row_offset(b, s.start_k, 0, hk, p.k_b, p.k_n, p.k_h);
+    const elem_t* v = (const elem_t*)p.v + row_offset(b, s.start_k, 0, hk, p.v_b, p.v_n, p.v_h);
+
+    const int diag = s.len_k - s.len_q;
+    const int rows_end = min(m0 + BLOCK_M, s.len_q);
+    int first = max(m0 + diag - p.left, 0);
+    int end = min(rows_end - 1 + diag + p.right + 1, s.len_k);
+    if (rows_end <= m0 || end <= first) first = end = 0;
+    auto allowed_tile = [&](int n) {
+        while (n < end && !blocks_allow(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end))) n += BLOCK_N;
+        return n;
+    };
+    auto load_kv = [&](int n, int buf) {
+        load_tile<BLOCK_N, DIM_QK, LD_QK>(sK + buf * BLOCK_N * LD_QK, k, p.k_n, p.k_d, n, s.len_k, p.head_dim);
+        load_tile<BLOCK_N, DIM_V, LD_V>(sV + buf * BLOCK_N * LD_V, v, p.v_n, p.v_d, n, s.len_k, p.head_dim_v);
+    };
+
+    load_tile<BLOCK_M, DIM_QK, LD_QK>(sQ, q, p.q_n, p.q_d, m0, s.len_q, p.head_dim);
+    load_tile<BLOCK_M, DIM_V, LD_V>(sDO, dout, p.do_n, p.do_d, m0, s.len_q, p.head_dim_v);
+    int n = allowed_tile(first / BLOCK_N * BLOCK_N);
+    if (n < end) load_kv(n, 0);
+    cp_async_commit();
+
+    float lse2[ATOMS][2], delta[ATOMS][2];
+#pragma unroll
+    for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            row_stats(p, s, h, m0 + wrow + frag_row(mt, 2 * half), lse2[mt][half], delta[mt][half]);
+
+    float dq[ATOMS][DIM_QK / 8][4];
+    zero<ATOMS, DIM_QK>(dq);
+
+    for (int buf = 0; n < end; buf ^= 1) {
+        const int next = allowed_tile(n + BLOCK_N);
+        if (next < end) load_kv(next, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        elem_t* k_tile = sK + buf * BLOCK_N * LD_QK;
+        elem_t* v_tile = sV + buf * BLOCK_N * LD_V;
+        const bool masked = !tile_unmasked(p, s, m0, m0 + BLOCK_M, n, n + BLOCK_N);
+
+        float sc[ATOMS][BLOCK_N / 8][4];  // S, then dS
+        float dp[ATOMS][BLOCK_N / 8][4];
+        zero<ATOMS, BLOCK_N>(sc);
+        zero<ATOMS, BLOCK_N>(dp);
+        gemm_abt<ATOMS, BLOCK_N, DIM_QK, LD_QK, LD_QK>(sc, sQ + wrow * LD_QK, k_tile);
+        gemm_abt<ATOMS, BLOCK_N, DIM_V, LD_V, LD_V>(dp, sDO + wrow * LD_V, v_tile);
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
+                    bool ok = true;
+                    if (masked) {
+                        ok = allowed_pair(p, s, h, m0 + r, n + c);
+                        sAllowed[r * BLOCK_N + c] = ok;
+                    }
+                    const float pr = ok ? exp2f(sc[mt][nt][e] * p.scale_log2 - lse2[mt][e / 2]) : 0.f;
+#if DROPOUT
+                    const float dpr = dropout_keep(p, b, h, m0 + r, n + c) ? dp[mt][nt][e] * p.drop_scale : 0.f;
+#else
+                    const float dpr = dp[mt][nt][e];
+#endif
+                    sc[mt][nt][e] = ok ? pr * (dpr - delta[mt][e / 2]) : 0.f;
+                }
+
+        if (masked) {
+            __syncwarp();
+            if (tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile)) {
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dq, sAllowed + wrow * BLOCK_N, k_tile);
+                __syncthreads();
+                clear_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile);
+                __syncthreads();
+            }
+        }
+        gemm_areg<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dq, sc, k_tile, sStage + wrow * BLOCK_N);
+        __syncthreads();
+        n = next;
+    }
+    cp_async_wait<0>();
+
+    elem_t* dq_out = (elem_t*)p.dq + row_offset(b, s.start_q, 0, h, p.dq_b, p.dq_n, p.dq_h);
+#pragma unroll
+    for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = m0 + wrow + frag_row(mt, e);
+            if (i >= rows_out) continue;
+#pragma unroll
+            for (int nt = 0; nt < DIM_QK / 8; ++nt) {
+                const int c = frag_col(nt, e);
+                if (c < p.head_dim) dq_out[(i64)i * p.dq_n + c] = from_float(dq[mt][nt][e] * p.scale);
+            }
+        }
+}

@@ -1,0 +1,466 @@
+// What the forward and backward kernels share: element types, the warp-level products, tile
+// loads into shared memory, the pair rule of the contract's "Scores and masking" section and the
+// dropout draw of its "Dropout" section.
+//
+// Compile-time configuration comes from -D macros set by flashx_cupy.variants:
+//   DTYPE 0 float16, 1 bfloat16, 2 float32; DIM_QK, DIM_V the head-dim classes (64, 128, 256);
+//   BLOCK_M the rows a CTA owns (queries, or keys in the dK/dV kernel), split among WARPS warps;
+//   BLOCK_N the rows of the operand it streams through shared memory, two tiles in flight;
+//   VARLEN, SEQLENS_Q, SEQLENS_K, BAND, MASK, BLOCK_MASK, DROPOUT (0/1): the features used;
+//   ALIGNED: every operand may be read in 16-byte chunks (cp.async), else element by element.
+//
+// Every product leaves its result in the accumulator layout of mma.sync.m16n8k16: lane
+// (g = lane / 4, t = lane % 4) holds rows g and g + 8, columns 2t and 2t + 1 of each 16 x 8 atom.
+// The float32 path computes the same elements with IEEE fma from shared memory (no TF32), so
+// the softmax, masking and dropout code is one for all dtypes.
+//
+// Headers of the toolkit are not used, so NVRTC needs no include path: 16-bit values are raw
+// bits, converted with cvt instructions.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#if DTYPE == 2
+typedef float elem_t;
+#define TENSOR_CORES 0
+#else
+typedef u16 elem_t;
+#define TENSOR_CORES 1
+#endif
+
+#define THREADS (WARPS * 32)
+#define ATOMS (BLOCK_M / (16 * WARPS))             // 16-row atoms of the resident operand per warp
+#define CHUNK (16 / (int)sizeof(elem_t))        // elements per 16-byte copy
+#define LD_QK (DIM_QK + CHUNK)                  // shared-memory row pitch: 16 bytes of padding
+#define LD_V (DIM_V + CHUNK)                    // keeps ldmatrix free of bank conflicts
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define NEG_INF __int_as_float(0xff800000u)
+#define QUIET_NAN __int_as_float(0x7fffffff)
+
+// The arguments of every kernel, packed on the host by flashx_cupy.launch.PARAMS (same order,
+// 8-byte fields first so that no padding differs between numpy and C).
+struct Params {
+    u64 q, k, v, o, lse, dout, dq, dk, dv, delta, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks;
+    i64 q_b, q_n, q_h, q_d, k_b, k_n, k_h, k_d, v_b, v_n, v_h, v_d;
+    i64 o_b, o_n, o_h, o_d, do_b, do_n, do_h, do_d;
+    i64 dq_b, dq_n, dq_h, dk_b, dk_n, dk_h, dv_b, dv_n, dv_h;
+    i64 lse_b, lse_h, delta_b, delta_h, mask_b, mask_h, mask_i, mask_j, blocks_b, blocks_h, blocks_i, blocks_j;
+    u64 seed;
+    int batch, heads_q, heads_k, group, seqlen_q, seqlen_k, head_dim, head_dim_v;
+    int left, right, block_q, block_k, rng_offset, drop_threshold, tiles_m, tiles_n;
+    float scale, scale_log2, drop_scale, unused;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Element conversions.
+
+__device__ __forceinline__ float to_float(elem_t x) {
+#if DTYPE == 0
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+#elif DTYPE == 1
+    return __uint_as_float((u32)x << 16);
+#else
+    return x;
+#endif
+}
+
+__device__ __forceinline__ elem_t from_float(float f) {
+#if DTYPE == 0
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#elif DTYPE == 1
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    return f;
+#endif
+}
+
+__device__ __forceinline__ bool finite_bits(elem_t x) {
+#if DTYPE == 0
+    return (x & 0x7c00u) != 0x7c00u;
+#elif DTYPE == 1
+    return (x & 0x7f80u) != 0x7f80u;
+#else
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+#endif
+}
+
+#if TENSOR_CORES
+// Two floats as one register of two 16-bit values, lo in the low half (an mma A fragment).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if DTYPE == 0
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory, cp.async, ldmatrix, mma.
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    // src-size 0 fills the 16 bytes with zeros without reading src.
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+#if TENSOR_CORES
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const elem_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const elem_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if DTYPE == 0
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#endif
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// The two products. Each warp owns MT atoms of 16 rows: rows [16 * MT * warp, 16 * MT * (warp + 1))
+// of the resident operand.
+
+// C[MT][N / 8] += A[rows of this warp][0:K] * B[0:N][0:K]^T, A and B row-major in shared memory.
+template <int MT, int N, int K, int LDA, int LDB>
+__device__ __forceinline__ void gemm_abt(float (&c)[MT][N / 8][4], const elem_t* a, const elem_t* b) {
+    const int lane = threadIdx.x % 32;
+#if TENSOR_CORES
+#pragma unroll
+    for (int kk = 0; kk < K; kk += 16) {
+        u32 af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a + (mt * 16 + lane % 16) * LDA + kk + (lane / 16) * 8);
+#pragma unroll
+        for (int nt = 0; nt < N / 8; nt += 2) {
+            u32 bf[4];
+            ldmatrix_x4(bf, b + (nt * 8 + lane % 8 + (lane / 16) * 8) * LDB + kk + ((lane / 8) % 2) * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(c[mt][nt], af[mt], bf[0], bf[1]);
+                mma16816(c[mt][nt + 1], af[mt], bf[2], bf[3]);
+            }
+        }
+    }
+#else
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll 4
+    for (int kk = 0; kk < K; ++kk) {
+        float lo[MT], hi[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            lo[mt] = a[(mt * 16 + g) * LDA + kk];
+            hi[mt] = a[(mt * 16 + g + 8) * LDA + kk];
+        }
+#pragma unroll
+        for (int nt = 0; nt < N / 8; ++nt) {
+            const float b0 = b[(nt * 8 + 2 * t) * LDB + kk], b1 = b[(nt * 8 + 2 * t + 1) * LDB + kk];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                c[mt][nt][0] = fmaf(lo[mt], b0, c[mt][nt][0]);
+                c[mt][nt][1] = fmaf(lo[mt], b1, c[mt][nt][1]);
+                c[mt][nt][2] = fmaf(hi[mt], b0, c[mt][nt][2]);
+                c[mt][nt][3] = fmaf(hi[mt], b1, c[mt][nt][3]);
+            }
+        }
+    }
+#endif
+}
+
+// C[MT][N / 8] += A * B[0:K][0:N], A (this warp's rows x K) given in accumulator layout in
+// registers, B row-major in shared memory. The float32 path stages A in ``stage`` (this warp's
+// 16 * MT rows of K floats).
+template <int MT, int K, int N, int LDB>
+__device__ __forceinline__ void gemm_areg(float (&c)[MT][N / 8][4], const float (&a)[MT][K / 8][4], const elem_t* b,
+                                          float* stage) {
+    const int lane = threadIdx.x % 32;
+#if TENSOR_CORES
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            af[mt][0] = pack2(a[mt][2 * kk][0], a[mt][2 * kk][1]);
+            af[mt][1] = pack2(a[mt][2 * kk][2], a[mt][2 * kk][3]);
+            af[mt][2] = pack2(a[mt][2 * kk + 1][0], a[mt][2 * kk + 1][1]);
+            af[mt][3] = pack2(a[mt][2 * kk + 1][2], a[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < N / 8; nt += 2) {
+            u32 bf[4];
+            ldmatrix_x4_trans(bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LDB + nt * 8 + (lane / 16) * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(c[mt][nt], af[mt], bf[0], bf[1]);
+                mma16816(c[mt][nt + 1], af[mt], bf[2], bf[3]);
+            }
+        }
+    }
+#else
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+            stage[(mt * 16 + g) * K + nt * 8 + 2 * t] = a[mt][nt][0];
+            stage[(mt * 16 + g) * K + nt * 8 + 2 * t + 1] = a[mt][nt][1];
+            stage[(mt * 16 + g + 8) * K + nt * 8 + 2 * t] = a[mt][nt][2];
+            stage[(mt * 16 + g + 8) * K + nt * 8 + 2 * t + 1] = a[mt][nt][3];
+        }
+    __syncwarp();
+#pragma unroll 4
+    for (int kk = 0; kk < K; ++kk) {
+        float lo[MT], hi[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            lo[mt] = stage[(mt * 16 + g) * K + kk];
+            hi[mt] = stage[(mt * 16 + g + 8) * K + kk];
+        }
+#pragma unroll
+        for (int nt = 0; nt < N / 8; ++nt) {
+            const float b0 = b[kk * LDB + nt * 8 + 2 * t], b1 = b[kk * LDB + nt * 8 + 2 * t + 1];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                c[mt][nt][0] = fmaf(lo[mt], b0, c[mt][nt][0]);
+                c[mt][nt][1] = fmaf(lo[mt], b1, c[mt][nt][1]);
+                c[mt][nt][2] = fmaf(hi[mt], b0, c[mt][nt][2]);
+                c[mt][nt][3] = fmaf(hi[mt], b1, c[mt][nt][3]);
+            }
+        }
+    }
+    __syncwarp();
+#endif
+}
+
+// Row (0 .. 16 * MT) and column of element e of atom (mt, nt) of this lane.
+__device__ __forceinline__ int frag_row(int mt, int e) { return mt * 16 + (threadIdx.x % 32) / 4 + (e >= 2 ? 8 : 0); }
+__device__ __forceinline__ int frag_col(int nt, int e) { return nt * 8 + 2 * (threadIdx.x % 4) + (e & 1); }
+
+template <int MT, int N>
+__device__ __forceinline__ void zero(float (&c)[MT][N / 8][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[mt][nt][e] = 0.f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Masked products with non-finite operands.
+//
+// A product over a masked tile adds 0 * B[j, :] for each disallowed pair (i, j), which is NaN
+// where B holds a NaN or an infinity that row i may not read. In masked tiles the kernels ask
+// ``tile_nonfinite`` of B once; where it holds such values, ``poison_allowed`` sets to NaN each
+// output element whose allowed pairs read one (the contract: NaN in, NaN out), and
+// ``clear_nonfinite`` zeroes them in shared memory before the product.
+
+// Whether rows [0, ROWS) of a shared tile hold a NaN or an infinity (a block-wide answer).
+template <int ROWS, int COLS, int LD>
+__device__ __forceinline__ bool tile_nonfinite(const elem_t* s) {
+    int bad = 0;
+    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) bad |= !finite_bits(s[(idx / COLS) * LD + idx % COLS]);
+    return __syncthreads_or(bad);
+}
+
+template <int ROWS, int COLS, int LD>
+__device__ __forceinline__ void clear_nonfinite(elem_t* s) {
+    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+        elem_t& x = s[(idx / COLS) * LD + idx % COLS];
+        if (!finite_bits(x)) x = from_float(0.f);
+    }
+}
+
+// C[r][c] = NaN where some j has allowed[r][j] (this warp's rows, K columns) and B[j][c] not finite.
+template <int MT, int K, int N, int LDB>
+__device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], const unsigned char* allowed,
+                                               const elem_t* b) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = frag_row(mt, e), col = frag_col(nt, e);
+                for (int j = 0; j < K; ++j)
+                    if (allowed[r * K + j] && !finite_bits(b[j * LDB + col])) {
+                        c[mt][nt][e] = QUIET_NAN;
+                        break;
+                    }
+            }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiles into shared memory: rows [row0, row0 + ROWS) of one head's (length, width) matrix at
+// ``base`` (its row 0), zero at rows >= rows_valid and columns >= width, so padding and the
+// columns past the head dim are never read.
+
+template <int ROWS, int COLS, int LD>
+__device__ __forceinline__ void load_tile(elem_t* s, const elem_t* base, i64 row_stride, i64 col_stride, int row0,
+                                          int rows_valid, int width) {
+#if ALIGNED
+    for (int idx = threadIdx.x; idx < ROWS * COLS / CHUNK; idx += THREADS) {
+        const int r = idx / (COLS / CHUNK), c = (idx % (COLS / CHUNK)) * CHUNK;
+        const bool valid = row0 + r < rows_valid && c < width;
+        const elem_t* src = valid ? base + (i64)(row0 + r) * row_stride + c : base;
+        cp_async16(s + r * LD + c, src, valid);
+    }
+#else
+    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+        const int r = idx / COLS, c = idx % COLS;
+        const bool valid = row0 + r < rows_valid && c < width;
+        s[r * LD + c] = valid ? base[(i64)(row0 + r) * row_stride + c * col_stride] : from_float(0.f);
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequences and the pair rule.
+
+struct Sequence {
+    int b, start_q, len_q, start_k, len_k;
+};
+
+__device__ __forceinline__ Sequence sequence(const Params& p, int b) {
+    Sequence s;
+    s.b = b;
+#if VARLEN
+    const int* cu_q = (const int*)p.cu_q;
+    const int* cu_k = (const int*)p.cu_k;
+    s.start_q = cu_q[b];
+    s.len_q = cu_q[b + 1] - s.start_q;
+    s.start_k = cu_k[b];
+    s.len_k = cu_k[b + 1] - s.start_k;
+#else
+    s.start_q = s.start_k = 0;
+#if SEQLENS_Q
+    s.len_q = ((const int*)p.seqlens_q)[b];
+#else
+    s.len_q = p.seqlen_q;
+#endif
+#if SEQLENS_K
+    s.len_k = ((const int*)p.seqlens_k)[b];
+#else
+    s.len_k = p.seqlen_k;
+#endif
+#endif
+    return s;
+}
+
+// The offset of row ``row`` (within the sequence) of head ``h`` in a (B, N, H, D) or (T, H, D) array.
+__device__ __forceinline__ i64 row_offset(int b, int start, int row, int h, i64 sb, i64 sn, i64 sh) {
+#if VARLEN
+    sb = 0;
+#endif
+    return (i64)b * sb + (i64)(start + row) * sn + (i64)h * sh;
+}
+
+// Key j may be used by query i (both within the sequence) for query head h: the contract's rule.
+// ``left``/``right`` hold the band with -1 replaced by a reach no pair exceeds.
+__device__ __forceinline__ bool allowed_pair(const Params& p, const Sequence& s, int h, int i, int j) {
+    const int diag = s.len_k - s.len_q;
+    bool ok = i < s.len_q && j < s.len_k && j >= i + diag - p.left && j <= i + diag + p.right;
+#if MASK
+    if (ok)
+        ok = ((const unsigned char*)p.mask)[(i64)s.b * p.mask_b + (i64)h * p.mask_h + (i64)i * p.mask_i +
+                                            (i64)j * p.mask_j] != 0;
+#endif
+#if BLOCK_MASK
+    if (ok)
+        ok = ((const unsigned char*)p.blocks)[(i64)s.b * p.blocks_b + (i64)h * p.blocks_h +
+                                              (i64)(i / p.block_q) * p.blocks_i + (i64)(j / p.block_k) * p.blocks_j] != 0;
+#endif
+    return ok;
+}
+
+// Whether every pair of query rows [i0, i1) and keys [j0, j1) is allowed without looking
+// (inside both lengths and the band; no mask). Tiles for which it holds skip the pair rule.
+__device__ __forceinline__ bool tile_unmasked(const Params& p, const Sequence& s, int i0, int i1, int j0, int j1) {
+#if MASK || BLOCK_MASK
+    return false;
+#else
+    const int diag = s.len_k - s.len_q;
+    return i1 <= s.len_q && j1 <= s.len_k && j0 >= (i1 - 1) + diag - p.left && j1 - 1 <= i0 + diag + p.right;
+#endif
+}
+
+// Whether the block mask allows some pair of rows [i0, i1) and keys [j0, j1) (block-wide);
+// a tile it disallows is skipped unread.
+__device__ __forceinline__ bool blocks_allow(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1) {
+#if BLOCK_MASK
+    const int bi0 = i0 / p.block_q, bi1 = (i1 - 1) / p.block_q + 1;
+    const int bj0 = j0 / p.block_k, bj1 = (j1 - 1) / p.block_k + 1;
+    const int n = (bi1 - bi0) * (bj1 - bj0);
+    int any = 0;
+    for (int idx = threadIdx.x; idx < n && !any; idx += THREADS) {
+        const int bi = bi0 + idx / (bj1 - bj0), bj = bj0 + idx % (bj1 - bj0);
+        any = ((const unsigned char*)p.blocks)[(i64)s.b * p.blocks_b + (i64)h * p.blocks_h + (i64)bi * p.blocks_i +
+                                               (i64)bj * p.blocks_j] != 0;
+    }
+    return __syncthreads_or(any);
+#else
+    return true;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropout: Z[b, h, i, j] = word j % 4 of Philox4x32-10((j / 4, i, b * Hq + h, rng_offset), seed)
+// >= floor(p * 2^32), compared as integers.
+
+__device__ __forceinline__ u32 philox_word(u32 c0, u32 c1, u32 c2, u32 c3, u64 seed, u32 word) {
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
+}
+
+__device__ __forceinline__ bool dropout_keep(const Params& p, int b, int h, int i, int j) {
+    const u32 r = philox_word((u32)j / 4, (u32)i, (u32)(b * p.heads_q + h), (u32)p.rng_offset, p.seed, j % 4);
+    return r >= (u32)p.drop_threshold;
+}
+
+// The tile of the grid's x axis (every axis but x is 1: no 65535 limit), heaviest first:
+// (tile, head, batch) from blockIdx.x over ``tiles`` tiles per head.
+__device__ __forceinline__ void grid_tile(int tiles, int heads, int& tile, int& h, int& b) {
+    const int per_batch = tiles * heads;
+    b = blockIdx.x / per_batch;
+    const int rest = blockIdx.x % per_batch;
+    h = rest / tiles;
+    tile = tiles - 1 - rest % tiles;
+}

@@ -1,0 +1,220 @@
+"""Problems and tensors packed into the kernels' ``Params`` struct, and the launches.
+
+The kernels take one by-value struct (``kernels/common.cuh``), passed to CuPy as a NumPy
+structured array of the same layout (``PARAMS``: 8-byte fields first, so no padding can differ).
+Tensors arrive as torch CUDA tensors (the backend's array kind: CuPy has no bfloat16) and are
+read through their addresses and strides; outputs are allocated by torch. Every launch runs on
+the caller's current stream: torch's for torch callers, CuPy's for CuPy callers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+
+from flashx_cupy import variants
+
+_POINTERS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "cu_q", "cu_k", "seqlens_q", "seqlens_k",
+             "mask", "blocks")
+_STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n", "v_h", "v_d",
+            "o_b", "o_n", "o_h", "o_d", "do_b", "do_n", "do_h", "do_d",
+            "dq_b", "dq_n", "dq_h", "dk_b", "dk_n", "dk_h", "dv_b", "dv_n", "dv_h",
+            "lse_b", "lse_h", "delta_b", "delta_h", "mask_b", "mask_h", "mask_i", "mask_j",
+            "blocks_b", "blocks_h", "blocks_i", "blocks_j")
+_INTS = ("batch", "heads_q", "heads_k", "group", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
+         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "tiles_n")
+_FLOATS = ("scale", "scale_log2", "drop_scale", "unused")
+
+#: The layout of ``struct Params``.
+PARAMS = np.dtype(
+    [(name, np.uint64) for name in _POINTERS]
+    + [(name, np.int64) for name in _STRIDES]
+    + [("seed", np.uint64)]
+    + [(name, np.int32) for name in _INTS]
+    + [(name, np.float32) for name in _FLOATS],
+    align=True,
+)
+
+
+def pack(problem, **fields) -> np.ndarray:
+    """A one-element ``PARAMS`` array for ``problem``; ``fields`` give the tensors' addresses and
+    strides (names of ``PARAMS``). Unnamed pointers are null, unnamed strides 0."""
+    varlen = problem.varlen
+    reach = (problem.total_q + problem.total_k) if varlen else (problem.seqlen_q + problem.seqlen_k)
+    left, right = problem.band or (-1, -1)
+    params = np.zeros(1, dtype=PARAMS)
+    values = dict(
+        batch=problem.batch,
+        heads_q=problem.heads_q,
+        heads_k=problem.heads_k,
+        group=problem.group,
+        seqlen_q=problem.seqlen_q,
+        seqlen_k=problem.seqlen_k,
+        head_dim=problem.head_dim,
+        head_dim_v=problem.head_dim_v,
+        # -1 (unbounded) becomes a reach no pair exceeds, so one compare serves both.
+        left=reach if left == -1 else left,
+        right=reach if right == -1 else right,
+        block_q=problem.block_mask.block_size[0] if problem.block_mask is not None else 1,
+        block_k=problem.block_mask.block_size[1] if problem.block_mask is not None else 1,
+        rng_offset=np.uint32(problem.rng_offset & 0xFFFFFFFF).view(np.int32),
+        drop_threshold=np.uint32(math.floor(problem.dropout_p * 2**32)).view(np.int32),
+        seed=problem.seed & 0xFFFFFFFFFFFFFFFF,
+        scale=problem.softmax_scale,
+        scale_log2=problem.softmax_scale * math.log2(math.e),
+        drop_scale=1.0 / (1.0 - problem.dropout_p),
+    )
+    values.update(fields)
+    for name, value in values.items():
+        params[name] = value
+    return params
+
+
+def tensor_fields(name: str, x, varlen: bool, dims: int = 4) -> dict:
+    """The address and (batch, row, head[, dim]) strides of a (B, N, H, D) or varlen (T, H, D) tensor."""
+    strides = (0, *x.stride()) if varlen else tuple(x.stride())
+    fields = {name if name != "do" else "dout": x.data_ptr()}
+    for axis, stride in zip("bnhd"[:dims], strides):
+        fields[f"{name}_{axis}"] = stride
+    return fields
+
+
+def row_stat_fields(name: str, x, varlen: bool) -> dict:
+    """The address and (batch, head) strides of an lse-shaped (B, H, N) or (H, T) tensor; rows contiguous."""
+    b, h = (0, x.stride(0)) if varlen else (x.stride(0), x.stride(1))
+    return {name: x.data_ptr(), f"{name}_b": b, f"{name}_h": h}
+
+
+def auxiliary_fields(problem) -> dict:
+    """cu_seqlens, seqlens (as int32), the mask and the block mask, broadcast to (B, Hq, ., .)."""
+    import torch
+
+    fields, keep = {}, []
+    for name, array in (("cu_q", problem.cu_seqlens_q), ("cu_k", problem.cu_seqlens_k),
+                        ("seqlens_q", problem.seqlens_q), ("seqlens_k", problem.seqlens_k)):
+        if array is not None:
+            array = array.to(torch.int32).contiguous()
+            keep.append(array)
+            fields[name] = array.data_ptr()
+    shape = (problem.batch, problem.heads_q)
+    if problem.mask is not None:
+        mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
+        fields.update(mask=mask.data_ptr(), **dict(zip(("mask_b", "mask_h", "mask_i", "mask_j"), mask.stride())))
+    if problem.block_mask is not None:
+        bq, bk = problem.block_mask.block_size
+        blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
+        fields.update(blocks=blocks.data_ptr(),
+                      **dict(zip(("blocks_b", "blocks_h", "blocks_i", "blocks_j"), blocks.stride())))
+    return fields, keep
+
+
+def aligned(problem, *tensors) -> bool:
+    """Whether every operand can be read in 16-byte chunks: unit last stride, 16-byte aligned
+    base and row strides, head dims a whole number of chunks."""
+    size = variants.ELEMENT_SIZES[problem.dtype]
+    chunk = 16 // size
+    if problem.head_dim % chunk or problem.head_dim_v % chunk:
+        return False
+    for x in tensors:
+        if x.data_ptr() % 16 or (x.shape[-1] > 1 and x.stride(-1) != 1):
+            return False
+        if any(n > 1 and s * size % 16 for n, s in zip(x.shape[:-1], x.stride()[:-1])):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def caller_stream(problem, x):
+    """Run on the caller's current stream, torch's allocations included (the contract's
+    "Backend plugins" section): torch's stream for torch callers, CuPy's for CuPy callers.
+    Address 0 is the legacy default stream in both libraries."""
+    import cupy
+    import torch
+
+    index = x.device.index
+    with cupy.cuda.Device(index) as device:
+        if problem.array_kind == "cupy":
+            pointer = cupy.cuda.get_current_stream().ptr
+            ours = torch.cuda.ExternalStream(pointer, device=x.device) if pointer else torch.cuda.default_stream(x.device)
+            with torch.cuda.stream(ours):
+                yield device
+        else:
+            pointer = torch.cuda.current_stream(x.device).cuda_stream
+            with cupy.cuda.ExternalStream(pointer, index) if pointer else cupy.cuda.Stream.null:
+                yield device
+
+
+def launch(variant: variants.Variant, device, grid: int, params: np.ndarray, *extra) -> None:
+    if grid == 0:
+        return
+    limit = variants.shared_memory_limit(device.id)
+    if variant.shared_memory > limit:
+        from flashx.errors import UnsupportedError
+
+        raise UnsupportedError(f"cupy: {variant.kernel} needs {variant.shared_memory} bytes of shared memory per block, "
+                               f"this GPU allows {limit}")
+    kernel = variants.kernel(variant, device)
+    kernel((grid,), (variant.threads,), (params, *extra), shared_mem=variant.shared_memory)
+
+
+def tiles(rows: int, block: int) -> int:
+    return -(-rows // block)
+
+
+def forward(problem, q, k, v):
+    import torch
+
+    varlen = problem.varlen
+    with caller_stream(problem, q) as device:
+        if varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
+            o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
+            lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+        else:
+            o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+        variant = variants.choose("forward", problem, aligned(problem, q, k, v))
+        aux, keep = auxiliary_fields(problem)
+        tiles_m = tiles(problem.seqlen_q, variant.block_m)
+        params = pack(problem, tiles_m=tiles_m, **aux, **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),
+                      **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
+                      **row_stat_fields("lse", lse, varlen))
+        launch(variant, device, tiles_m * problem.heads_q * problem.batch, params)
+        del keep  # the int32 copies lived until the launch was queued (torch's allocator is stream-ordered)
+    return o, lse
+
+
+def backward(problem, q, k, v, o, lse, do):
+    import torch
+
+    varlen = problem.varlen
+    with caller_stream(problem, q) as device:
+        zeros_or_empty = torch.zeros if varlen else torch.empty  # varlen: rows of no sequence stay 0
+        dq = zeros_or_empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = zeros_or_empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = zeros_or_empty(v.shape, dtype=v.dtype, device=v.device)
+        delta = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+        is_aligned = aligned(problem, q, k, v, o, do)
+        aux, keep = auxiliary_fields(problem)
+        fields = dict(**aux, **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),
+                      **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
+                      **tensor_fields("do", do, varlen), **tensor_fields("dq", dq, varlen, 3),
+                      **tensor_fields("dk", dk, varlen, 3), **tensor_fields("dv", dv, varlen, 3),
+                      **row_stat_fields("lse", lse, varlen), **row_stat_fields("delta", delta, varlen))
+
+        variant = variants.choose("delta", problem, is_aligned)
+        rows = problem.total_q if varlen else problem.batch * problem.seqlen_q
+        launch(variant, device, tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, **fields), np.int32(rows))
+
+        variant = variants.choose("dq", problem, is_aligned)
+        tiles_m = tiles(problem.seqlen_q, variant.block_m)
+        launch(variant, device, tiles_m * problem.heads_q * problem.batch, pack(problem, tiles_m=tiles_m, **fields))
+
+        for parts in variants.dkdv_parts(variants.head_dim_class(problem.head_dim),
+                                         variants.head_dim_class(problem.head_dim_v)):
+            variant = variants.choose("dkdv", problem, is_aligned, parts)
+            tiles_m = tiles(problem.seqlen_k, variant.block_m)
+            launch(variant, device, tiles_m * problem.heads_k * problem.batch, pack(problem, tiles_m=tiles_m, **fields))
+        del keep
+    return dq, dk, dv

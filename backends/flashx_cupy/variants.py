@@ -1,0 +1,221 @@
+"""Which compiled variant serves a problem, and its build: source, NVRTC options, cache key.
+
+A variant is one kernel file compiled with -D macros (``Variant.macros``): the dtype, the
+head-dim classes of Q/K and of V (64, 128, 256: head dims are zero-padded up to their class in
+shared memory), the tile shape, and the features the problem uses, so that a plain causal call
+carries no mask code. Nothing here imports CuPy; ``module()`` does, on first use.
+
+The files under ``kernels/`` include ``common.cuh``. ``source()`` inlines those includes, so
+the text handed to NVRTC is every line the variant is built from. CuPy's on-disk kernel cache
+keys a build by that text, the options, the GPU architecture and the NVRTC and CuPy versions;
+left to NVRTC's ``-I``, an edit of an included header would reuse a stale binary from that
+cache. ``cache_key()`` hashes the same things, for the modules kept in this process.
+
+CuPy adds ``-ftz=true`` to every NVRTC build: float32 denormals in the softmax and the FMA
+products flush to zero, an absolute change below 1.2e-38, far inside the contract's float32
+floor. Nothing adds ``--use_fast_math``: exp2f and log2f are the only approximate functions,
+as in every FlashAttention kernel, and the products use fma without TF32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import re
+from pathlib import Path
+
+KERNELS = Path(__file__).parent / "kernels"
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
+HEAD_DIM_CLASSES = (64, 128, 256)
+
+#: (kernel, 16-bit or float32, head-dim class) -> (BLOCK_M, BLOCK_N, WARPS). BLOCK_M rows are
+#: owned by the warps (16 * WARPS * atoms), BLOCK_N rows stream through shared memory. Sized
+#: so that the accumulators fit 255 registers and shared memory the H100's 227 KiB per CTA.
+TILES = {
+    ("forward", "16", 64): (128, 64, 4),
+    ("forward", "16", 128): (128, 64, 4),
+    ("forward", "16", 256): (64, 32, 4),
+    ("forward", "32", 64): (64, 32, 4),
+    ("forward", "32", 128): (64, 32, 4),
+    ("forward", "32", 256): (32, 16, 2),
+    ("dq", "16", 64): (64, 64, 4),
+    ("dq", "16", 128): (64, 64, 4),
+    ("dq", "16", 256): (64, 32, 4),
+    ("dq", "32", 64): (64, 32, 4),
+    ("dq", "32", 128): (64, 32, 4),
+    ("dq", "32", 256): (32, 16, 2),
+    ("dkdv", "16", 64): (64, 64, 4),
+    ("dkdv", "16", 128): (64, 32, 4),
+    ("dkdv", "16", 256): (64, 32, 4),
+    ("dkdv", "32", 64): (64, 32, 4),
+    ("dkdv", "32", 128): (64, 32, 4),
+    ("dkdv", "32", 256): (32, 16, 2),
+}
+FILES = {"forward": "forward.cu", "dq": "backward.cu", "dkdv": "backward.cu", "delta": "backward.cu"}
+ENTRY_POINTS = {"forward": "flashx_forward", "dq": "flashx_dq", "dkdv": "flashx_dkdv", "delta": "flashx_delta"}
+#: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
+DELTA_WARPS = 8
+
+
+def head_dim_class(dim: int) -> int:
+    return next(c for c in HEAD_DIM_CLASSES if dim <= c)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kernel specialised for a problem's dtype, head dims, tiles and features."""
+
+    kernel: str  # "forward" | "dq" | "dkdv" | "delta"
+    dtype: str
+    dim_qk: int  # head-dim classes
+    dim_v: int
+    block_m: int
+    block_n: int
+    warps: int
+    varlen: bool = False
+    seqlens_q: bool = False
+    seqlens_k: bool = False
+    mask: bool = False
+    block_mask: bool = False
+    dropout: bool = False
+    aligned: bool = True
+    dkdv_parts: int = 3  # dK/dV kernel: bit 0 dK, bit 1 dV
+
+    @property
+    def threads(self) -> int:
+        return 32 * (DELTA_WARPS if self.kernel == "delta" else self.warps)
+
+    @property
+    def entry_point(self) -> str:
+        return ENTRY_POINTS[self.kernel]
+
+    @property
+    def macros(self) -> dict[str, int]:
+        return {
+            "DTYPE": DTYPE_CODES[self.dtype],
+            "DIM_QK": self.dim_qk,
+            "DIM_V": self.dim_v,
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "WARPS": self.warps,
+            "VARLEN": int(self.varlen),
+            "SEQLENS_Q": int(self.seqlens_q),
+            "SEQLENS_K": int(self.seqlens_k),
+            "MASK": int(self.mask),
+            "BLOCK_MASK": int(self.block_mask),
+            "DROPOUT": int(self.dropout),
+            "ALIGNED": int(self.aligned),
+            "DKDV_PARTS": self.dkdv_parts,
+        }
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return ("--std=c++17", *(f"-D{name}={value}" for name, value in self.macros.items()))
+
+    @property
+    def shared_memory(self) -> int:
+        """Dynamic shared memory of one CTA in bytes: the carving at the top of each kernel."""
+        if self.kernel == "delta":
+            return 0
+        size = ELEMENT_SIZES[self.dtype]
+        pad = 16 // size
+        ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
+        m, n = self.block_m, self.block_n
+        streamed = 2 * n * (ld_qk + ld_v) * size
+        resident = m * ld_qk * size if self.kernel == "forward" else m * (ld_qk + ld_v) * size
+        row_stats = 4 * n * 4 if self.kernel == "dkdv" else 0
+        stage = 4 * m * n if self.dtype == "float32" else 0
+        return resident + streamed + row_stats + m * n + stage
+
+
+def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3) -> Variant:
+    """The variant of ``kernel`` for ``problem``."""
+    dim_qk, dim_v = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
+    width = "32" if problem.dtype == "float32" else "16"
+    block_m, block_n, warps = TILES["dq" if kernel == "delta" else kernel, width, max(dim_qk, dim_v)]
+    return Variant(
+        kernel=kernel,
+        dtype=problem.dtype,
+        dim_qk=dim_qk,
+        dim_v=dim_v,
+        block_m=block_m,
+        block_n=block_n,
+        warps=warps,
+        varlen=problem.varlen,
+        seqlens_q=problem.seqlens_q is not None,
+        seqlens_k=problem.seqlens_k is not None,
+        mask=problem.mask is not None,
+        block_mask=problem.block_mask is not None,
+        dropout=problem.dropout_p > 0,
+        aligned=aligned,
+        dkdv_parts=dkdv_parts,
+    )
+
+
+def dkdv_parts(dim_qk: int, dim_v: int) -> tuple[int, ...]:
+    """The dK/dV launches: one for both, or dK and dV apart where two 256-wide accumulators
+    would not fit the registers."""
+    return (1, 2) if max(dim_qk, dim_v) > 128 else (3,)
+
+
+def source(name: str, kernels: Path = KERNELS) -> str:
+    """The text of kernel file ``name`` with its quoted includes inlined (each file once)."""
+    seen: set[str] = set()
+
+    def expand(file: str) -> str:
+        if file in seen:
+            return ""
+        seen.add(file)
+        text = (kernels / file).read_text()
+        return _INCLUDE.sub(lambda match: expand(match.group(1)), text)
+
+    return expand(name)
+
+
+def cache_key(text: str, options: tuple[str, ...], versions: tuple) -> str:
+    """sha256 of what a build depends on: the full source, the options and the compiler versions."""
+    digest = hashlib.sha256()
+    for part in (text, "\0".join(options), repr(versions)):
+        digest.update(part.encode())
+        digest.update(b"\1")
+    return digest.hexdigest()
+
+
+def versions(device) -> tuple:
+    """CuPy's and NVRTC's versions and the device's compute capability."""
+    import cupy
+
+    return cupy.__version__, cupy.cuda.nvrtc.getVersion(), device.compute_capability
+
+
+_modules: dict[str, object] = {}
+_kernels: dict[tuple[str, str], object] = {}
+
+
+def kernel(variant: Variant, device):
+    """The compiled kernel of ``variant`` for ``device`` (a cupy.cuda.Device), built once."""
+    import cupy
+
+    text = source(FILES[variant.kernel])
+    key = cache_key(text, variant.options, versions(device))
+    found = _kernels.get((key, variant.entry_point))
+    if found is None:
+        module = _modules.get(key)
+        if module is None:
+            module = _modules[key] = cupy.RawModule(code=text, options=variant.options)
+        found = module.get_function(variant.entry_point)
+        if variant.shared_memory > 48 * 1024:
+            found.max_dynamic_shared_size_bytes = variant.shared_memory
+        _kernels[key, variant.entry_point] = found
+    return found
+
+
+@functools.cache
+def shared_memory_limit(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
