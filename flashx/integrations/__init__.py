@@ -1,0 +1,1 @@
+"""flashx inside other frameworks: ``flashx.integrations.transformers`` (Hugging Face transformers)."""
