@@ -12,6 +12,7 @@ the JSON report.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -33,6 +34,10 @@ LIBRARIES = {
     "cupy": ("cupy-cuda13x", "cupy-cuda12x", "cupy"),
     "numba": ("numba-cuda", "numba"),
 }
+
+
+#: What the suite imports besides flashx (the oracle's naive baselines run in torch).
+REQUIREMENTS = ("numpy", "torch", "hypothesis")
 
 
 def pytest_addoption(parser):
@@ -62,6 +67,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long or memory-hungry GPU cases (deselect with -m 'not slow')")
     config.addinivalue_line("markers", f"{FULL_ONLY}: a case too big for the small tier (interpreters, simulators)")
     if config.getoption("flashx_backend"):
+        missing = [name for name in REQUIREMENTS if importlib.util.find_spec(name) is None]
+        if missing:
+            raise pytest.UsageError(
+                f"the flashx conformance suite needs {', '.join(missing)}: pip install 'flashx-attention[conformance]'"
+            )
         run = _Run(config)
         config.stash[_RUN] = run
         config.pluginmanager.register(run, "flashx_conformance_run")
