@@ -196,10 +196,11 @@ def test_numpy_declines_writing_a_torch_bfloat16_cache():
 
 
 @pytest.mark.parametrize("batch, capacity, expected", [
-    (1, 16384, 33),  # 8 programs on 132 SMs: two split programs per SM
-    (1, 131072, 33),
-    (16, 8192, 3),
-    (64, 4096, 1),  # 512 programs fill the SMs alone
+    (1, 16384, 16),  # 8 programs on 132 SMs: 16 splits make one wave of 128
+    (1, 131072, 16),
+    (4, 16384, 4),
+    (16, 8192, 1),  # 128 programs fill the SMs alone
+    (64, 4096, 1),
     (1, 512, 2),  # 8 key tiles of 64: at least 4 per split
 ])
 def test_triton_split_choice(batch, capacity, expected):
@@ -207,3 +208,15 @@ def test_triton_split_choice(batch, capacity, expected):
     from flashx_triton.decode import choose_splits
 
     assert choose_splits(batch, 8, 1, capacity, 64, 132) == expected
+
+
+def test_the_demo_decodes_and_checks_itself(monkeypatch, capsys):
+    from flashx import cli
+
+    assert cli._decode_demo(use_cuda=False) == 0
+    out = capsys.readouterr().out
+    assert "greedy tokens agree at 64 of 64" in out and out.rstrip().endswith("OK")
+    decode = flashx.attention_with_kvcache
+    monkeypatch.setattr(flashx, "attention_with_kvcache", lambda *args, **kw: decode(*args, **kw) + np.float32(1e-3))
+    assert cli._decode_demo(use_cuda=False) == 1
+    assert "FAILED: error above" in capsys.readouterr().err

@@ -21,11 +21,18 @@ call with ``validate=False`` can be captured in a CUDA graph):
 
 A split covers a fixed share of the key tiles its rows may see, computed on the device from the
 sequence's length, so a fixed ``num_splits`` gives bitwise the same result on every call.
-``num_splits=0`` takes ``choose_splits``: no split when the (sequence, kv head, row tile)
-programs alone fill the GPU's SMs, otherwise enough splits for about two programs per SM, each
-split keeping at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. It is chosen
-from the capacity (S, or max_pages x page_size), not from the lengths, which only the device
-holds, and so the choice is the same with and without ``validate``.
+``num_splits=0`` takes ``choose_splits``: as many splits as fit the (sequence, kv head, row tile)
+programs into one wave of one program per SM, none when those alone fill the SMs, and each split
+keeping at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. On the H100 (bf16,
+Hq = 32, Hk = 8, d = 128) that was the best split count measured at B = 1, 4, 16 and 64: two
+programs per SM ran 4-16% slower, the merge and the extra programs costing more than they hid.
+It is chosen from the capacity (S, or max_pages x page_size), not from the lengths, which only
+the device holds, and so the choice is the same with and without ``validate``.
+
+Tiles (``config``): 32 keys, 4 warps, 3 stages where a tile's rows are found without the table
+(a contiguous cache, or pages a multiple of 32 slots); 128 keys, 4 warps, 2 stages where each row
+goes through the table, so that each wait on a table read brings in more keys. Both were among
+the fastest of ten configurations at B = 1 (64k) and B = 16 (16k) on the H100.
 """
 
 from __future__ import annotations
@@ -41,7 +48,6 @@ from flashx_triton.common import Launch, _dot_precision, _tile_widths, dot, layo
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2)
-PROGRAMS_PER_SM = 2  # the split count aims at this many split programs per SM
 MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this per split cost more in the merge than they gain
 MAX_SPLITS = 128
 INTERPRETED_SMS = 4  # the stand-in SM count under TRITON_INTERPRET, so that tiny problems split too
@@ -194,10 +200,10 @@ def _split_kernel(
     o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln 2: natural log
     dims_v = tl.arange(0, BLOCK_DV)
-    rows_out = (split * stride_os + b64 * stride_ob + (i * stride_on + h * stride_oh).to(tl.int64))
+    rows_out = split.to(tl.int64) * stride_os + b64 * stride_ob + (i * stride_on + h * stride_oh).to(tl.int64)
     tl.store(O + rows_out[:, None] + dims_v[None, :] * stride_od, o.to(O.dtype.element_ty),
              mask=valid[:, None] & (dims_v[None, :] < HEAD_DIM_V))
-    tl.store(LSE + split * stride_ls + b64 * stride_lb + (h * stride_lh + i * stride_ln).to(tl.int64), lse, mask=valid)
+    tl.store(LSE + split.to(tl.int64) * stride_ls + b64 * stride_lb + (h * stride_lh + i * stride_ln).to(tl.int64), lse, mask=valid)
 
 
 @triton.jit
@@ -276,21 +282,21 @@ def _append_kernel(
 
 def choose_splits(batch: int, heads_k: int, row_tiles: int, capacity: int, block_n: int, sm_count: int) -> int:
     """The split count of ``num_splits=0`` (see the module docstring)."""
-    programs = batch * heads_k * row_tiles
-    if programs >= sm_count:
-        return 1
     most = max(1, triton.cdiv(triton.cdiv(capacity, block_n), MIN_TILES_PER_SPLIT))
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sm_count, programs), most, MAX_SPLITS))
+    return max(1, min(sm_count // (batch * heads_k * row_tiles), most, MAX_SPLITS))
 
 
 def config(problem) -> dict:
-    """The split kernel's tiles, warps and pipeline depth for this problem."""
+    """The split kernel's tiles, warps and pipeline depth for this problem (see the module docstring)."""
     rows = problem.seqlen_q * problem.group
     block_m = min(64, max(16, triton.next_power_of_2(max(rows, 1))))
     if _interpreting():
         return dict(BLOCK_M=block_m, BLOCK_N=16, num_warps=1, num_stages=1)
-    wide = max(problem.head_dim, problem.head_dim_v) > 128 or problem.dtype == "float32"
-    return dict(BLOCK_M=block_m, BLOCK_N=32 if wide else 64, num_warps=4, num_stages=2 if wide else 3)
+    if max(problem.head_dim, problem.head_dim_v) > 128 or problem.dtype == "float32":
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2)
+    if problem.paged and problem.page_size % 32:
+        return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=3)
 
 
 def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new, v_new):

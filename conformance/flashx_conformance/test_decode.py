@@ -189,9 +189,10 @@ def test_decode_num_splits(flashx_target, flashx_rng, num_splits):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 @pytest.mark.parametrize("new", [0, 2])
 def test_decode_ragged(flashx_target, flashx_rng, new, causal):
-    """Lengths 0, 1, either side of the key tiles' edges (16 and 64 rows) and longer in one batch;
+    """Lengths 0, 1, either side of the key tiles' edges (16 to 128 rows) and longer in one batch;
     with no new token a sequence of length 0 has no key at all: its rows are empty (o = 0, lse = -inf)."""
-    lengths = [0, 1, 15, 16, 17, 63, 64, 65, 250] if flashx_target.full else [0, 1, 15, 16, 17, 40]
+    edges = [0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 250]
+    lengths = edges if flashx_target.full else [0, 1, 15, 16, 17, 40]
     case = make_decode_case(flashx_rng, lengths=lengths, new=new, seqlen_q=2, page_size=16, dtype=flashx_target.dtype,
                             num_splits=2, causal=causal)
     check(flashx_target, case)
@@ -282,13 +283,15 @@ def test_decode_nan_propagation(flashx_target, flashx_rng):
     assert np.isnan(got["o"][0, :, :2]).all() and np.isfinite(got["o"][0, :, 2:]).all() and np.isfinite(got["o"][1]).all()
 
 
+@pytest.mark.parametrize("page_size", [None, 16, 256], ids=lambda p: "contiguous" if p is None else f"page{p}")
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 64), ("float16", 64)] + [
     pytest.param(dtype, 128, marks=full_only) for dtype in ("bfloat16", "float16")])
-def test_decode_16bit(flashx_target, flashx_rng, dtype, head_dim):
-    """16-bit caches, the decoding shapes of the benchmarks (GQA 4) at small lengths."""
+def test_decode_16bit(flashx_target, flashx_rng, dtype, head_dim, page_size):
+    """16-bit caches, the decoding shapes of the benchmarks (GQA 4) at small lengths, in each kind
+    of cache the kernels tile differently."""
     lengths = [1000, 517, 3] if flashx_target.full else [70, 33, 3]
     case = make_decode_case(flashx_rng, lengths=lengths, new=1, heads_q=8, heads_k=2, head_dim=head_dim,
-                            page_size=16, dtype=dtype)
+                            page_size=page_size, dtype=dtype, num_splits=0 if page_size else 3)
     check(flashx_target, case)
 
 
