@@ -1,0 +1,167 @@
+"""The host side: tile shapes, arrays handed to the kernels without copies, launches on the caller's stream.
+
+torch tensors reach numba through ``__cuda_array_interface__`` (``cuda.as_cuda_array``, which
+shares memory); bfloat16, which numba's arrays lack, travels as an int16 view of the same
+memory. Kernels launch on torch's current stream of the tensors' device
+(``cuda.external_stream``), and nothing here synchronizes.
+
+Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the tensors are CPU tensors and their NumPy
+views go in; the simulator copies its arguments in and out, and takes only contiguous or
+broadcast ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import sys
+
+import numpy as np
+import torch
+from numba import cuda
+
+from flashx_numba.kernels import Tiles, delta_kernel, dkdv_kernel, dq_kernel, forward_kernel
+from flashx_numba.primitives import SIMULATOR
+
+# Tile shapes on a GPU, by kernel and head-dim class (the widest of D and Dv, rounded up to 64,
+# 128 or 256): (rows, cols, row_groups, lanes). Shared tiles are float32 and fit the 48 KiB
+# a block may hold statically.
+GPU_TILES = {
+    "forward": {64: (64, 32, 16, 8), 128: (32, 16, 8, 8), 256: (16, 8, 8, 8)},
+    "backward": {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 4, 8)},
+}
+# In the simulator every CUDA thread is a Python thread and every syncthreads a round of
+# thread switches: few threads, large tiles. A row stays in one thread (the simulator has no
+# warp shuffles); two row groups still load and share each tile.
+SIMULATOR_TILES = (32, 32, 2, 1)
+# The simulator's block manager polls its threads: with Python's default 5 ms switch interval
+# a syncthreads costs ~10-20 ms, with 0.1 ms under 1 ms.
+SIMULATOR_SWITCH_INTERVAL = 1e-4
+DELTA_THREADS = 128
+
+
+def tiles(kernel: str, problem) -> Tiles:
+    widest = max(problem.head_dim, problem.head_dim_v)
+    width = 64 if widest <= 64 else 128 if widest <= 128 else 256
+    rows, cols, row_groups, lanes = SIMULATOR_TILES if SIMULATOR else GPU_TILES[kernel][width]
+    return Tiles(rows, cols, row_groups, lanes, width)
+
+
+def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    dtype = q.dtype
+    if problem.varlen:  # rows after the last sequence belong to none: empty rows
+        o = torch.zeros(problem.o_shape, dtype=dtype, device=q.device)
+        lse = torch.full(problem.lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        o = torch.empty(problem.o_shape, dtype=dtype, device=q.device)
+        lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    shape = tiles("forward", problem)
+    kernel = forward_kernel(shape, dtype == torch.bfloat16)
+    blocks = -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q
+    with _launching(q) as stream:
+        _launch(kernel, blocks, shape.threads, stream, *_rows(problem, q, k, v, o), _lse(problem, lse),
+                *_arguments(problem))
+    return o, lse
+
+
+def backward(problem, q, k, v, o, lse, do):
+    bf16 = q.dtype == torch.bfloat16
+    make = torch.zeros if problem.varlen else torch.empty  # varlen: rows after the last sequence get 0
+    dq, dk, dv = (make(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    delta = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    arguments = _arguments(problem)
+    q_, k_, v_, o_, do_, dq_, dk_, dv_ = _rows(problem, q, k, v, o, do, dq, dk, dv)
+    lse_, delta_ = _lse(problem, lse), _lse(problem, delta)
+    shape = tiles("backward", problem)
+    with _launching(q) as stream:
+        rows = o.shape[0] * o.shape[1] * o.shape[2]
+        _launch(delta_kernel(bf16), -(-rows // DELTA_THREADS), DELTA_THREADS, stream, o_, do_, delta_,
+                problem.head_dim_v)
+        _launch(dkdv_kernel(shape, bf16), -(-problem.seqlen_k // shape.rows) * problem.batch * problem.heads_k,
+                shape.threads, stream, q_, k_, v_, do_, lse_, delta_, dk_, dv_, *arguments)
+        _launch(dq_kernel(shape, bf16), -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q,
+                shape.threads, stream, q_, k_, v_, do_, lse_, delta_, dq_, *arguments)
+    return dq, dk, dv
+
+
+def _launch(kernel, blocks: int, threads: int, stream, *arguments):
+    if blocks:  # a varlen batch of empty sequences has no tile
+        kernel[blocks, threads, stream](*arguments)
+
+
+@contextlib.contextmanager
+def _launching(x: torch.Tensor):
+    """The stream to launch on: torch's current stream of x's device, that device current."""
+    if SIMULATOR:
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL)
+        try:
+            yield 0
+        finally:
+            sys.setswitchinterval(interval)
+        return
+    with cuda.gpus[x.device.index]:
+        yield cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
+
+
+def _device_array(x: torch.Tensor):
+    """x as an array the kernels take, sharing its memory (bfloat16 as int16 bit patterns).
+
+    A tensor carrying torch's lazy negation is negated first (one copy): its memory holds -x."""
+    x = x.resolve_neg()
+    if x.dtype == torch.bfloat16:
+        x = x.view(torch.int16)
+    if SIMULATOR:
+        broadcast = 0 in x.stride()
+        return (x if broadcast or x.is_contiguous() else x.contiguous()).numpy()
+    return cuda.as_cuda_array(x, sync=False)
+
+
+def _rows(problem, *xs):
+    """(B, N, H, D) arrays of q, k, v, o and their gradients: varlen (T, H, D) as (1, T, H, D)."""
+    return [_device_array(x.unsqueeze(0) if problem.varlen else x) for x in xs]
+
+
+def _lse(problem, x):
+    """lse or delta as (B, H, N): varlen (H, T) as (1, H, T)."""
+    return _device_array(x.unsqueeze(0) if problem.varlen else x)
+
+
+def _arguments(problem) -> tuple:
+    """The kernels' arguments after their arrays (see ``kernels``), placeholders for absent arrays."""
+    device = torch.device(problem.device, problem.device_index)
+    index, flag = _placeholders(device)
+    shape = (problem.batch, problem.heads_q)
+    mask = blocks = flag
+    block_q = block_k = 1
+    if problem.mask is not None:
+        mask = _broadcast(problem.mask, (*shape, problem.seqlen_q, problem.seqlen_k))
+    if problem.block_mask is not None:
+        block_q, block_k = problem.block_mask.block_size
+        blocks = _broadcast(problem.block_mask.blocks,
+                            (*shape, -(-problem.seqlen_q // block_q), -(-problem.seqlen_k // block_k)))
+    reach = problem.seqlen_q + problem.seqlen_k + 1  # an unbounded side of the band: beyond any length
+    left, right = (reach if side == -1 else side for side in (problem.band or (-1, -1)))
+    p = problem.dropout_p
+    seed = problem.seed & 0xFFFFFFFFFFFFFFFF
+    arrays = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k)
+    return (
+        *(_device_array(index if x is None else x) for x in arrays), _device_array(mask), _device_array(blocks),
+        problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.group, problem.head_dim, problem.head_dim_v,
+        problem.varlen, problem.seqlens_q is not None, problem.seqlens_k is not None, problem.mask is not None,
+        problem.block_mask is not None, block_q, block_k, left, right, np.float32(problem.softmax_scale), p > 0,
+        math.floor(p * 2**32), seed & 0xFFFFFFFF, seed >> 32, problem.rng_offset & 0xFFFFFFFF,
+        np.float32(1 / (1 - p)),
+    )
+
+
+def _broadcast(x: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A view of x broadcast to ``shape`` (zero strides: no copy)."""
+    return (x.contiguous() if SIMULATOR else x).expand(shape)
+
+
+@functools.cache
+def _placeholders(device: torch.device):
+    """Arrays passed for absent options (never read): an int32 index and a bool (1, 1, 1, 1) flag."""
+    return torch.zeros(1, dtype=torch.int32, device=device), torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)

@@ -1,0 +1,436 @@
+"""The kernels, in FlashAttention-2 order: the forward, and the backward's delta, dK/dV and dQ kernels.
+
+Every kernel sees q, k, v, o and their gradients as (B, N, H, D) arrays with any strides (a
+varlen (T, H, D) tensor arrives as (1, T, H, D), its sequences found through cu_seqlens), lse
+and delta as (B, H, N). Indexing goes through the arrays' strides in 64-bit arithmetic, so no
+offset can overflow.
+
+- forward: one block per (query tile, query head, sequence), on one grid axis (no 65535 limit
+  on B * H). Q stays in shared memory; K and V stream through it a tile at a time, skipping
+  tiles the band (causal, window) or the block mask leaves empty. The online softmax runs in
+  float32 on each thread's rows, its row maximum and sum reduced across lanes by shuffles.
+- delta: D = rowsum(dO * O), one thread per (row, head).
+- dK/dV: one block per (key tile, kv head, sequence), looping over the query tiles and every
+  query head of the GQA group: each key's gradients are summed in one block, in a fixed
+  order, with no atomics (a deterministic backward).
+- dQ: one block per (query tile, query head, sequence), looping over the key tiles.
+
+The backward recomputes P = exp(S - lse) from scores computed exactly as in the forward.
+A pair that adds nothing (disallowed, or dropped) gets the weight SKIP, whose terms the tile
+products leave out: NaN or inf that only such pairs read never reaches an output, while NaN
+in data an allowed pair reads propagates.
+
+The kernels are built per ``Tiles`` (compile-time tile shapes) and storage kind (bfloat16
+travels as int16 bit patterns); head dims, lengths and options are run-time arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import boolean, cuda
+
+from flashx_numba.philox import dropout_keep
+from flashx_numba.primitives import (NEG_INF, SKIP, accumulate, device_function, lanes_max, lanes_sum, load, load_tile,
+                                     max_nan, scores, store)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A kernel's compile-time shape: ``rows`` rows of its own and tiles of ``cols`` rows of the
+    other axis, ``row_groups`` x ``lanes`` threads (see ``primitives``), feature columns up to
+    ``width`` (the head dims, D and Dv, at most)."""
+
+    rows: int
+    cols: int
+    row_groups: int
+    lanes: int
+    width: int
+
+    @property
+    def threads(self) -> int:
+        return self.row_groups * self.lanes
+
+    def __post_init__(self):
+        assert self.rows % self.row_groups == 0 and self.cols % self.lanes == 0 and self.width % self.lanes == 0
+        assert 32 % self.lanes == 0, "the lanes of a row must lie in one warp"
+
+
+# -- what every kernel asks of a sequence ------------------------------------------------------
+
+
+@device_function
+def sequence(b, cu_seqlens, seqlens, padded, varlen, has_seqlens):
+    """(first row of sequence b in its tensor, its length)."""
+    if varlen:
+        start = np.int64(cu_seqlens[b])
+        return start, np.int64(cu_seqlens[b + 1]) - start
+    if has_seqlens:
+        return np.int64(0), np.int64(seqlens[b])
+    return np.int64(0), np.int64(padded)
+
+
+@device_function
+def allowed(i, j, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks, block_q, block_k):
+    """Whether query i may attend key j of sequence b, head h (the contract's Scores and masking
+    section); ``left``/``right`` are the band's reaches, unbounded ones larger than any length."""
+    if i >= lq or j >= lk:
+        return False
+    diagonal = i + lk - lq
+    if j < diagonal - left or j > diagonal + right:
+        return False
+    if has_mask and not mask[b, h, i, j]:
+        return False
+    if has_blocks and not blocks[b, h, i // block_q, j // block_k]:
+        return False
+    return True
+
+
+@device_function
+def keys_seen(i0, i1, lq, lk, left, right):
+    """[lo, hi): the keys the band lets any of the queries i0:i1 (i1 <= lq) see."""
+    lo = max(np.int64(0), i0 + lk - lq - left)
+    hi = min(lk, i1 - 1 + lk - lq + right + 1)
+    return lo, max(lo, hi)
+
+
+@device_function
+def queries_seeing(j0, j1, lq, lk, left, right):
+    """[lo, hi): the queries the band lets see any of the keys j0:j1 (j1 <= lk)."""
+    lo = max(np.int64(0), j0 - (lk - lq) - right)
+    hi = min(lq, j1 - 1 - (lk - lq) + left + 1)
+    return lo, max(lo, hi)
+
+
+@device_function
+def inside_band(i0, i1, j0, j1, lq, lk, left, right):
+    """Whether every pair of queries i0:i1 and keys j0:j1 lies in the sequence and the band."""
+    diagonal = lk - lq
+    return i1 <= lq and j1 <= lk and j0 >= i1 - 1 + diagonal - left and j1 - 1 <= i0 + diagonal + right
+
+
+@device_function
+def any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
+    """Whether any block of the block mask covering queries i0:i1 and keys j0:j1 is allowed."""
+    for bi in range(i0 // block_q, (i1 - 1) // block_q + 1):
+        for bj in range(j0 // block_k, (j1 - 1) // block_k + 1):
+            if blocks[b, h, bi, bj]:
+                return True
+    return False
+
+
+# -- the kernels ------------------------------------------------------------------------------
+#
+# Common arguments, in this order after the kernel's arrays:
+#   cu_q, cu_k, seqlens_q, seqlens_k, mask (B, Hq, Nq, Nk) and blocks (B, Hq, Nq/bq, Nk/bk)
+#   (broadcast views; placeholders when absent), nq, nk (padded or longest lengths), heads_q,
+#   group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q,
+#   block_k, left, right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale.
+
+
+@functools.cache
+def forward_kernel(tiles: Tiles, bf16: bool):
+    """The forward: (o, lse) for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``."""
+    ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
+    TM, TN, KV, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
+    PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1  # shared rows one float longer (see primitives)
+
+    @cuda.jit
+    def kernel(q, k, v, o, lse, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group, dim,
+               dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
+               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
+        tid = cuda.threadIdx.x
+        g, t = tid // LANES, tid % LANES
+        query_tiles = (nq + ROWS - 1) // ROWS
+        pid = cuda.blockIdx.x
+        b = pid // query_tiles // heads_q
+        h = pid // query_tiles % heads_q
+        i0 = (query_tiles - 1 - pid % query_tiles) * ROWS  # the last tiles, which see the most keys, first
+        q_start, lq = sequence(b, cu_q, seqlens_q, nq, varlen, has_seqlens_q)
+        k_start, lk = sequence(b, cu_k, seqlens_k, nk, varlen, has_seqlens_k)
+        rows_out = lq if varlen else nq  # padding rows of the padded layout get o = 0, lse = -inf
+        if i0 >= rows_out:
+            return
+        batch = 0 if varlen else b
+        kv_head = h // group
+        stream = b * heads_q + h
+
+        q_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
+        k_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
+        v_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
+        p_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)
+        s = cuda.local.array((TM, TN), np.float32)
+        ok = cuda.local.array((TM, TN), boolean)
+        acc = cuda.local.array((TM, KV), np.float32)
+        row_max = cuda.local.array(TM, np.float32)
+        row_sum = cuda.local.array(TM, np.float32)
+        for i in range(TM):
+            row_max[i] = NEG_INF
+            row_sum[i] = 0
+            for kk in range(KV):
+                acc[i, kk] = 0
+
+        i1 = min(i0 + ROWS, lq)
+        load_tile(q_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid, THREADS, bf16)
+        lo, hi = keys_seen(i0, i1, lq, lk, left, right) if i0 < lq else (np.int64(0), np.int64(0))
+        for j0 in range(lo - lo % COLS, hi, COLS):
+            j1 = min(j0 + COLS, lk)
+            if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
+                continue
+            cuda.syncthreads()  # the last tile's readers are done with k_tile, v_tile, p_tile
+            load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
+            load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
+            cuda.syncthreads()
+            scores(s, q_tile, k_tile, dim, g, t, GROUPS, LANES)
+            plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
+            for i in range(TM):
+                row = i0 + g + i * GROUPS
+                tile_max = NEG_INF
+                for j in range(TN):
+                    ok[i, j] = plain or allowed(row, j0 + t + j * LANES, lq, lk, left, right, b, h, mask, has_mask,
+                                                blocks, has_blocks, block_q, block_k)
+                    s[i, j] = s[i, j] * scale if ok[i, j] else NEG_INF
+                    tile_max = max_nan(tile_max, s[i, j])
+                new_max = max_nan(row_max[i], lanes_max(tile_max, LANES))
+                reference = np.float32(0) if new_max == NEG_INF else new_max  # no key yet: exp(-inf - 0) = 0
+                tile_sum = np.float32(0)
+                for j in range(TN):
+                    p = math.exp(s[i, j] - reference)
+                    tile_sum += p
+                    if ok[i, j] and dropout:
+                        ok[i, j] = dropout_keep(row, j0 + t + j * LANES, stream, rng_offset, seed_low, seed_high,
+                                                threshold)
+                    p_tile[g + i * GROUPS, t + j * LANES] = p if ok[i, j] else SKIP
+                rescale = math.exp(row_max[i] - reference)
+                row_sum[i] = row_sum[i] * rescale + lanes_sum(tile_sum, LANES)  # dropped pairs count here too
+                row_max[i] = new_max
+                for kk in range(KV):
+                    acc[i, kk] *= rescale
+            cuda.syncthreads()
+            accumulate(acc, p_tile, v_tile, dim_v, g, t, GROUPS, LANES)
+
+        for i in range(TM):
+            row = i0 + g + i * GROUPS
+            if row < rows_out:
+                empty = row >= lq or row_sum[i] == 0  # no allowed key (NaN rows stay NaN)
+                factor = np.float32(0) if empty else drop_scale / row_sum[i]
+                for kk in range(KV):
+                    d = t + kk * LANES
+                    if d < dim_v:
+                        store(o, batch, q_start + row, h, d, np.float32(0) if empty else acc[i, kk] * factor, bf16)
+                if t == 0:
+                    lse[batch, h, q_start + row] = NEG_INF if empty else row_max[i] + math.log(row_sum[i])
+
+    return kernel
+
+
+@functools.cache
+def delta_kernel(bf16: bool):
+    """delta[b, h, n] = sum over d of do[b, n, h, d] * o[b, n, h, d] in float32, one thread per
+    (b, n, h) of a grid covering the (B, N, H) rows of o."""
+
+    @cuda.jit
+    def kernel(o, do, delta, dim_v):
+        index = cuda.grid(1)
+        batch, length, heads = o.shape[0], o.shape[1], o.shape[2]
+        if index < batch * length * heads:
+            b, n, h = index // (length * heads), index // heads % length, index % heads
+            total = np.float32(0)
+            for d in range(dim_v):
+                total += load(do, b, n, h, d, bf16) * load(o, b, n, h, d, bf16)
+            delta[b, h, n] = total
+
+    return kernel
+
+
+@device_function
+def gradient_pair(p, dp, delta, keep, drop_scale):
+    """(weight of dO in dV, dS) of one allowed pair: P * Z / (1 - p) and P * (dP - delta), where
+    dP = dO . v * Z / (1 - p) (dropped pairs: SKIP, and dP = 0)."""
+    if keep:
+        return p * drop_scale, p * (dp * drop_scale - delta)
+    return SKIP, p * (np.float32(0) - delta)
+
+
+@functools.cache
+def dkdv_kernel(tiles: Tiles, bf16: bool):
+    """dK and dV for a grid of ceil(nk / rows) * B * Hk blocks of ``tiles.threads``: its rows are
+    keys, its streamed tiles query rows of each head in the key/value head's group."""
+    ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
+    TM, TN, KW, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
+    PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1
+
+    @cuda.jit
+    def kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q,
+               group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left,
+               right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
+        tid = cuda.threadIdx.x
+        g, t = tid // LANES, tid % LANES
+        key_tiles = (nk + ROWS - 1) // ROWS
+        heads_k = heads_q // group
+        pid = cuda.blockIdx.x
+        b = pid // key_tiles // heads_k
+        kv_head = pid // key_tiles % heads_k
+        j0 = pid % key_tiles * ROWS
+        q_start, lq = sequence(b, cu_q, seqlens_q, nq, varlen, has_seqlens_q)
+        k_start, lk = sequence(b, cu_k, seqlens_k, nk, varlen, has_seqlens_k)
+        rows_out = lk if varlen else nk
+        if j0 >= rows_out:
+            return
+        batch = 0 if varlen else b
+
+        k_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
+        v_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
+        q_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
+        do_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
+        p_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # P^T with dropout applied: dO's weights in dV
+        ds_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # dS^T: Q's weights in dK
+        s = cuda.local.array((TM, TN), np.float32)
+        dp = cuda.local.array((TM, TN), np.float32)
+        query_lse = cuda.local.array(TN, np.float32)
+        query_delta = cuda.local.array(TN, np.float32)
+        dk_acc = cuda.local.array((TM, KW), np.float32)
+        dv_acc = cuda.local.array((TM, KW), np.float32)
+        for i in range(TM):
+            for kk in range(KW):
+                dk_acc[i, kk] = 0
+                dv_acc[i, kk] = 0
+
+        j1 = min(j0 + ROWS, lk)
+        load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
+        load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
+        lo, hi = queries_seeing(j0, j1, lq, lk, left, right) if j0 < lk else (np.int64(0), np.int64(0))
+        for h in range(kv_head * group, (kv_head + 1) * group):
+            stream = b * heads_q + h
+            for i0 in range(lo - lo % COLS, hi, COLS):
+                i1 = min(i0 + COLS, lq)
+                if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
+                    continue
+                cuda.syncthreads()  # the last tile's readers are done with q_tile, do_tile, p_tile, ds_tile
+                load_tile(q_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid, THREADS, bf16)
+                load_tile(do_tile, do, batch, q_start + i0, i1 - i0, h, dim_v, tid, THREADS, bf16)
+                cuda.syncthreads()
+                scores(s, k_tile, q_tile, dim, g, t, GROUPS, LANES)  # S^T
+                scores(dp, v_tile, do_tile, dim_v, g, t, GROUPS, LANES)  # (dO V^T)^T
+                for j in range(TN):
+                    query = i0 + t + j * LANES
+                    if query < lq:
+                        query_lse[j] = lse[batch, h, q_start + query]
+                        query_delta[j] = delta[batch, h, q_start + query]
+                plain = not (has_mask or has_blocks) and inside_band(i0, i0 + COLS, j0, j0 + ROWS, lq, lk, left, right)
+                for i in range(TM):
+                    key = j0 + g + i * GROUPS
+                    for j in range(TN):
+                        query = i0 + t + j * LANES
+                        weight_v, weight_q = SKIP, SKIP
+                        if plain or allowed(query, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
+                                            block_q, block_k):
+                            keep = not dropout or dropout_keep(query, key, stream, rng_offset, seed_low, seed_high,
+                                                               threshold)
+                            p = math.exp(s[i, j] * scale - query_lse[j])
+                            weight_v, weight_q = gradient_pair(p, dp[i, j], query_delta[j], keep, drop_scale)
+                        p_tile[g + i * GROUPS, t + j * LANES] = weight_v
+                        ds_tile[g + i * GROUPS, t + j * LANES] = weight_q
+                cuda.syncthreads()
+                accumulate(dv_acc, p_tile, do_tile, dim_v, g, t, GROUPS, LANES)
+                accumulate(dk_acc, ds_tile, q_tile, dim, g, t, GROUPS, LANES)
+
+        for i in range(TM):
+            key = j0 + g + i * GROUPS
+            if key < rows_out:
+                for kk in range(KW):
+                    d = t + kk * LANES
+                    if d < dim:
+                        store(dk, batch, k_start + key, kv_head, d, dk_acc[i, kk] * scale, bf16)
+                    if d < dim_v:
+                        store(dv, batch, k_start + key, kv_head, d, dv_acc[i, kk], bf16)
+
+    return kernel
+
+
+@functools.cache
+def dq_kernel(tiles: Tiles, bf16: bool):
+    """dQ for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``."""
+    ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
+    TM, TN, KW, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
+    PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1
+
+    @cuda.jit
+    def kernel(q, k, v, do, lse, delta, dq, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group,
+               dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
+               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
+        tid = cuda.threadIdx.x
+        g, t = tid // LANES, tid % LANES
+        query_tiles = (nq + ROWS - 1) // ROWS
+        pid = cuda.blockIdx.x
+        b = pid // query_tiles // heads_q
+        h = pid // query_tiles % heads_q
+        i0 = (query_tiles - 1 - pid % query_tiles) * ROWS
+        q_start, lq = sequence(b, cu_q, seqlens_q, nq, varlen, has_seqlens_q)
+        k_start, lk = sequence(b, cu_k, seqlens_k, nk, varlen, has_seqlens_k)
+        rows_out = lq if varlen else nq
+        if i0 >= rows_out:
+            return
+        batch = 0 if varlen else b
+        kv_head = h // group
+        stream = b * heads_q + h
+
+        q_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
+        do_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
+        k_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
+        v_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
+        ds_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # dS: K's weights in dQ
+        s = cuda.local.array((TM, TN), np.float32)
+        dp = cuda.local.array((TM, TN), np.float32)
+        row_lse = cuda.local.array(TM, np.float32)
+        row_delta = cuda.local.array(TM, np.float32)
+        dq_acc = cuda.local.array((TM, KW), np.float32)
+        for i in range(TM):
+            row = i0 + g + i * GROUPS
+            if row < lq:
+                row_lse[i] = lse[batch, h, q_start + row]
+                row_delta[i] = delta[batch, h, q_start + row]
+            for kk in range(KW):
+                dq_acc[i, kk] = 0
+
+        i1 = min(i0 + ROWS, lq)
+        load_tile(q_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid, THREADS, bf16)
+        load_tile(do_tile, do, batch, q_start + i0, i1 - i0, h, dim_v, tid, THREADS, bf16)
+        lo, hi = keys_seen(i0, i1, lq, lk, left, right) if i0 < lq else (np.int64(0), np.int64(0))
+        for j0 in range(lo - lo % COLS, hi, COLS):
+            j1 = min(j0 + COLS, lk)
+            if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
+                continue
+            cuda.syncthreads()  # the last tile's readers are done with k_tile, v_tile, ds_tile
+            load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
+            load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
+            cuda.syncthreads()
+            scores(s, q_tile, k_tile, dim, g, t, GROUPS, LANES)
+            scores(dp, do_tile, v_tile, dim_v, g, t, GROUPS, LANES)
+            plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
+            for i in range(TM):
+                row = i0 + g + i * GROUPS
+                for j in range(TN):
+                    key = j0 + t + j * LANES
+                    weight = SKIP
+                    if plain or allowed(row, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
+                                        block_q, block_k):
+                        keep = not dropout or dropout_keep(row, key, stream, rng_offset, seed_low, seed_high, threshold)
+                        p = math.exp(s[i, j] * scale - row_lse[i])
+                        weight = gradient_pair(p, dp[i, j], row_delta[i], keep, drop_scale)[1]
+                    ds_tile[g + i * GROUPS, t + j * LANES] = weight
+            cuda.syncthreads()
+            accumulate(dq_acc, ds_tile, k_tile, dim, g, t, GROUPS, LANES)
+
+        for i in range(TM):
+            row = i0 + g + i * GROUPS
+            if row < rows_out:
+                for kk in range(KW):
+                    d = t + kk * LANES
+                    if d < dim:
+                        store(dq, batch, q_start + row, h, d, dq_acc[i, kk] * scale, bf16)
+
+    return kernel

@@ -1,0 +1,151 @@
+"""The Numba backend on the CPU, in numba-cuda's simulator: its declarations, its Philox device
+function and bfloat16 rounding, and its kernels on problems that cross several tiles.
+
+The simulator is chosen when numba is first imported, so it is set before anything imports it
+(no other test module does). The conformance suite grades the whole contract; the problems
+here are the few whose parts it does not isolate, kept tiny (the simulator runs every CUDA
+thread as a Python thread).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("numba_cuda", reason="the Numba backend needs numba-cuda (pip install 'flashx-attention[numba]')")
+
+from flashx_conformance import oracle, philox  # noqa: E402
+from numba import config  # noqa: E402
+
+import flashx  # noqa: E402
+import flashx_numba  # noqa: E402
+
+if not config.ENABLE_CUDASIM:  # numba came in before this module: its kernels would need a GPU
+    pytest.skip("numba was imported before NUMBA_ENABLE_CUDASIM=1 was set", allow_module_level=True)
+
+from flashx_numba import attention, kernels  # noqa: E402
+from flashx_numba.philox import dropout_word  # noqa: E402
+from flashx_numba.primitives import bits_to_float, float_to_bits  # noqa: E402
+
+
+def test_declarations():
+    backend = flashx.registry.get("numba")
+    assert isinstance(backend, flashx_numba.NumbaBackend)
+    assert backend.array_kind == "torch" and backend.devices == {"cuda", "cpu"}
+    assert backend.features == {"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "gqa",
+                                "dv_ne_d"}
+    assert backend.available() is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_without_the_simulator_it_needs_a_gpu():
+    assert "no CUDA device" in flashx_numba._unavailable(simulating=False)
+
+
+def test_tiles_fit_shared_memory_on_a_gpu():
+    """float32 tiles within the 48 KiB a block holds statically, for every kernel and head-dim class."""
+    for kind, classes in attention.GPU_TILES.items():
+        for width, (rows, cols, row_groups, lanes) in classes.items():
+            tiles = kernels.Tiles(rows, cols, row_groups, lanes, width)
+            streamed, own = 2 * cols * (width + 1), 2 * rows * (width + 1)  # K and V, Q and dO (or K and V)
+            weights = 2 * rows * (cols + 1)  # P^T and dS^T in the dK/dV kernel
+            if kind == "forward":
+                own, weights = rows * (width + 1), rows * (cols + 1)
+            assert 4 * (own + streamed + weights) <= 48 * 1024, (kind, width)
+            assert tiles.threads % 32 == 0
+
+
+# ---------------------------------------------------------------- Philox and bfloat16
+
+
+RANDOM123 = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, words", RANDOM123)
+def test_dropout_word_gives_the_known_answers(counter, key, words):
+    c0, c1, c2, c3 = counter
+    for w in range(4):  # word w of the call at key column 4 * c0 + w
+        assert dropout_word(c1, 4 * c0 + w, c2, c3, *key) == words[w]
+
+
+def test_dropout_word_matches_the_suites_philox():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        i, j, stream, offset, seed = (int(x) for x in rng.integers(0, 2**32 - 1, size=5, dtype=np.uint64))
+        seed |= int(rng.integers(0, 2**32 - 1)) << 32
+        key = (seed & 0xFFFFFFFF, seed >> 32)
+        expected = philox.philox4x32((j // 4, i, stream, offset), key)[j % 4]
+        assert dropout_word(i, j, stream, offset, *key) == expected
+
+
+def test_bfloat16_rounding_matches_torch():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(3000) * 10.0 ** rng.integers(-42, 39, 3000)).astype(np.float32)
+    ties = np.array([1.00390625, 1.01171875, -1.00390625, 3.3895314e38, 3.4e38, 1e-40, 0.0, -0.0, math.inf, -math.inf],
+                    np.float32)  # halfway cases, the largest bfloat16 and past it, a denormal, zeros, infinities
+    x = np.concatenate([x, ties])
+    ours = np.array([float_to_bits(value) for value in x], np.int16)
+    assert np.array_equal(ours, torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy())
+    assert np.array_equal([bits_to_float(b) for b in ours], torch.from_numpy(ours).view(torch.bfloat16).float().numpy())
+    assert math.isnan(bits_to_float(float_to_bits(np.float32(math.nan))))
+
+
+# ---------------------------------------------------------------- kernels, tile by tile
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """torch.empty hands out NaN: an output element the kernels never write shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(math.nan) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _check(dtype, tolerance, q, k, v, do, **options):
+    o, res = flashx.attention_forward(q, k, v, backend="numba", **options)
+    grads = flashx.attention_backward(do, q, k, v, o, res, backend="numba", **options)
+    wide = [x.double().numpy() for x in (do, q, k, v)]
+    options = {name: x.numpy() if isinstance(x, torch.Tensor) else x for name, x in options.items()}
+    expected = (*oracle.forward(*wide[1:], **options), *oracle.backward(*wide, **options))
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), (o, res.lse, *grads), expected):
+        assert got.dtype == (torch.float32 if name == "lse" else dtype), name
+        got = got.double().numpy()
+        assert np.array_equal(np.isnan(got), np.isnan(want)), name
+        finite = np.isfinite(want)
+        assert np.array_equal(got[~finite], want[~finite]), name  # -inf lse of empty rows
+        scale = max(1.0, np.abs(want[finite]).max(initial=0))
+        assert np.abs(got[finite] - want[finite]).max(initial=0) <= tolerance * scale, name
+
+
+def test_causal_gqa_dropout_across_tiles(poisoned_allocations):
+    """70 queries and 90 keys cross three 32-row tiles each way: skipped tiles above the causal
+    diagonal, the masked diagonal and partial last tiles, two query heads per kv head, and
+    dropout regenerated in both backward kernels."""
+    gen = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 70, 4, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 90, 2, 16, generator=gen) for _ in range(2))
+    _check(torch.float32, 2e-5, q, k, v, do, causal=True, dropout_p=0.3, seed=11, rng_offset=5)
+
+
+def test_bfloat16_varlen_window(poisoned_allocations):
+    gen = torch.Generator().manual_seed(1)
+    rows_q, rows_k = 5 + 40 + 3, 7 + 50 + 3  # three rows past the last sequence
+    q, do = (torch.randn(rows_q, 2, 8, generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(rows_k, 2, 8, generator=gen).bfloat16() for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 5, 45], dtype=torch.int32), torch.tensor([0, 7, 57], dtype=torch.int32)
+    _check(torch.bfloat16, 2e-2, q, k, v, do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window=(9, 3))
