@@ -1,4 +1,8 @@
-"""torch autograd: saves o and the residuals, and calls the same backend's backward."""
+"""torch autograd of eager calls: saves o and the residuals, and calls the same backend's backward.
+
+Under ``torch.compile`` the same formula is the autograd registration of flashx's operators
+(``flashx.ops``); eager calls come here, the shorter way for the host.
+"""
 
 from __future__ import annotations
 

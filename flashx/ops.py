@@ -127,6 +127,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, _, *options = inputs
     o, lse, seed_used = output
     ctx.save_for_backward(q, k, v, o, lse, seed_used)
+    ctx.mark_non_differentiable(lse)  # as in eager: the LSE takes no gradient
     ctx.options = options
 
 

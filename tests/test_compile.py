@@ -114,6 +114,14 @@ def test_the_dropout_seed_drawn_in_the_forward_is_the_backwards():
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_lse_takes_no_gradient_compiled_or_not():
+    q, k, v = _inputs((1, 4, 2, 8), (1, 4, 2, 8))
+    module = Attention(return_lse=True)
+    for run in (torch.compile(module, backend="aot_eager", fullgraph=True), module):
+        _, lse = run(q, k, v)
+        assert not lse.requires_grad
+
+
 def test_eager_calls_skip_the_operators():
     q, k, v = _inputs((1, 4, 2, 8), (1, 4, 2, 8))
     o = flashx.attention(q, k, v, backend="numpy")
