@@ -57,7 +57,7 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         o = torch.empty(problem.o_shape, dtype=dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
     shape = tiles("forward", problem)
-    kernel = forward_kernel(shape, dtype == torch.bfloat16)
+    kernel = forward_kernel(shape, problem.dtype)
     blocks = -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q
     with _launching(q) as stream:
         _launch(kernel, blocks, shape.threads, stream, *_rows(problem, q, k, v, o), _lse(problem, lse),
@@ -66,7 +66,6 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def backward(problem, q, k, v, o, lse, do):
-    bf16 = q.dtype == torch.bfloat16
     make = torch.zeros if problem.varlen else torch.empty  # varlen: rows after the last sequence get 0
     dq, dk, dv = (make(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     delta = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
@@ -76,11 +75,11 @@ def backward(problem, q, k, v, o, lse, do):
     shape = tiles("backward", problem)
     with _launching(q) as stream:
         rows = o.shape[0] * o.shape[1] * o.shape[2]
-        _launch(delta_kernel(bf16), -(-rows // DELTA_THREADS), DELTA_THREADS, stream, o_, do_, delta_,
+        _launch(delta_kernel(problem.dtype), -(-rows // DELTA_THREADS), DELTA_THREADS, stream, o_, do_, delta_,
                 problem.head_dim_v)
-        _launch(dkdv_kernel(shape, bf16), -(-problem.seqlen_k // shape.rows) * problem.batch * problem.heads_k,
+        _launch(dkdv_kernel(shape, problem.dtype), -(-problem.seqlen_k // shape.rows) * problem.batch * problem.heads_k,
                 shape.threads, stream, q_, k_, v_, do_, lse_, delta_, dk_, dv_, *arguments)
-        _launch(dq_kernel(shape, bf16), -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q,
+        _launch(dq_kernel(shape, problem.dtype), -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q,
                 shape.threads, stream, q_, k_, v_, do_, lse_, delta_, dq_, *arguments)
     return dq, dk, dv
 
@@ -145,9 +144,10 @@ def _arguments(problem) -> tuple:
     left, right = (reach if side == -1 else side for side in (problem.band or (-1, -1)))
     p = problem.dropout_p
     seed = problem.seed & 0xFFFFFFFFFFFFFFFF
-    arrays = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k)
+    lengths = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k)
     return (
-        *(_device_array(index if x is None else x) for x in arrays), _device_array(mask), _device_array(blocks),
+        *(_device_array(index if x is None else x.to(torch.int32)) for x in lengths),
+        _device_array(mask), _device_array(blocks),
         problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.group, problem.head_dim, problem.head_dim_v,
         problem.varlen, problem.seqlens_q is not None, problem.seqlens_k is not None, problem.mask is not None,
         problem.block_mask is not None, block_q, block_k, left, right, np.float32(problem.softmax_scale), p > 0,

@@ -20,8 +20,9 @@ A pair that adds nothing (disallowed, or dropped) gets the weight SKIP, whose te
 products leave out: NaN or inf that only such pairs read never reaches an output, while NaN
 in data an allowed pair reads propagates.
 
-The kernels are built per ``Tiles`` (compile-time tile shapes) and storage kind (bfloat16
-travels as int16 bit patterns); head dims, lengths and options are run-time arguments.
+The kernels are compiled once per ``Tiles`` (compile-time tile shapes) and dtype (bfloat16
+travels as int16 bit patterns), on first use; head dims, lengths, layouts and options are
+run-time arguments.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import boolean, cuda
+from numba import boolean, cuda, types
 
 from flashx_numba.philox import dropout_keep
 from flashx_numba.primitives import (NEG_INF, SKIP, accumulate, device_function, lanes_max, lanes_sum, load, load_tile,
@@ -57,6 +58,24 @@ class Tiles:
     def __post_init__(self):
         assert self.rows % self.row_groups == 0 and self.cols % self.lanes == 0 and self.width % self.lanes == 0
         assert 32 % self.lanes == 0, "the lanes of a row must lie in one warp"
+
+
+# -- signatures: one compile per kernel, tile shape and storage dtype -----------------------------
+#
+# Arrays are typed with any layout ("A"), so transposed, sliced or broadcast inputs reuse the
+# kernel compiled for contiguous ones; bfloat16 is stored as int16 bit patterns.
+
+STORAGE = {"float16": types.float16, "bfloat16": types.int16, "float32": types.float32}
+_ROWS = types.Array(types.float32, 3, "A")  # lse, delta
+_INDEX = types.Array(types.int32, 1, "A")  # cu_seqlens, seqlens
+_FLAGS = types.Array(types.boolean, 4, "A")  # mask, block mask
+_i, _b, _f = types.int64, types.boolean, types.float32
+_COMMON = (_INDEX, _INDEX, _INDEX, _INDEX, _FLAGS, _FLAGS, _i, _i, _i, _i, _i, _i, _b, _b, _b, _b, _b, _i, _i, _i, _i,
+           _f, _b, _i, _i, _i, _i, _f)
+
+
+def _tensor(dtype: str):
+    return types.Array(STORAGE[dtype], 4, "A")
 
 
 # -- what every kernel asks of a sequence ------------------------------------------------------
@@ -132,13 +151,14 @@ def any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
 
 
 @functools.cache
-def forward_kernel(tiles: Tiles, bf16: bool):
+def forward_kernel(tiles: Tiles, dtype: str):
     """The forward: (o, lse) for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``."""
+    x, bf16 = _tensor(dtype), dtype == "bfloat16"
     ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
     TM, TN, KV, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
     PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1  # shared rows one float longer (see primitives)
 
-    @cuda.jit
+    @cuda.jit(types.void(x, x, x, x, _ROWS, *_COMMON))
     def kernel(q, k, v, o, lse, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group, dim,
                dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
                scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
@@ -228,11 +248,12 @@ def forward_kernel(tiles: Tiles, bf16: bool):
 
 
 @functools.cache
-def delta_kernel(bf16: bool):
+def delta_kernel(dtype: str):
     """delta[b, h, n] = sum over d of do[b, n, h, d] * o[b, n, h, d] in float32, one thread per
     (b, n, h) of a grid covering the (B, N, H) rows of o."""
+    x, bf16 = _tensor(dtype), dtype == "bfloat16"
 
-    @cuda.jit
+    @cuda.jit(types.void(x, x, _ROWS, types.int64))
     def kernel(o, do, delta, dim_v):
         index = cuda.grid(1)
         batch, length, heads = o.shape[0], o.shape[1], o.shape[2]
@@ -256,14 +277,15 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
 
 
 @functools.cache
-def dkdv_kernel(tiles: Tiles, bf16: bool):
+def dkdv_kernel(tiles: Tiles, dtype: str):
     """dK and dV for a grid of ceil(nk / rows) * B * Hk blocks of ``tiles.threads``: its rows are
     keys, its streamed tiles query rows of each head in the key/value head's group."""
+    x, bf16 = _tensor(dtype), dtype == "bfloat16"
     ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
     TM, TN, KW, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
     PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1
 
-    @cuda.jit
+    @cuda.jit(types.void(x, x, x, x, _ROWS, _ROWS, x, x, *_COMMON))
     def kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q,
                group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left,
                right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
@@ -352,13 +374,14 @@ def dkdv_kernel(tiles: Tiles, bf16: bool):
 
 
 @functools.cache
-def dq_kernel(tiles: Tiles, bf16: bool):
+def dq_kernel(tiles: Tiles, dtype: str):
     """dQ for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``."""
+    x, bf16 = _tensor(dtype), dtype == "bfloat16"
     ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
     TM, TN, KW, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
     PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1
 
-    @cuda.jit
+    @cuda.jit(types.void(x, x, x, x, _ROWS, _ROWS, x, *_COMMON))
     def kernel(q, k, v, do, lse, delta, dq, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group,
                dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
                scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
