@@ -60,7 +60,7 @@ LABELS = {
     "sdpa-cudnn": "SDPA cuDNN",
     "sdpa-flash": "SDPA FlashAttention-2",
 }
-SCAN_POINTS = ((1, 16384), (1, 131072), (4, 16384), (16, 8192), (16, 65536), (64, 4096))
+SCAN_POINTS = ((1, 1024), (1, 4096), (1, 16384), (1, 131072), (4, 1024), (4, 16384), (16, 8192), (64, 4096))
 COPY_BYTES = 2**31
 FLUSH_BYTES = 2**28
 WARMUP_MS, REP_MS, REST_S = 25, 100, 0.25

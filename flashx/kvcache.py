@@ -26,9 +26,8 @@ from flashx.backend import ALL_DTYPES
 from flashx.errors import DTypeError, FlashXError, ShapeError
 from flashx.options import python_scalar
 from flashx.problem import default_scale
-from flashx.validation import _bool_broadcastable, _is_int, _is_real, _number, _same_array_as_q, _window
+from flashx.validation import INTEGER_DTYPES, _bool_broadcastable, _is_int, _is_real, _number, _same_array_as_q, _window
 
-INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 _LIMIT = 256  # dispatch choices remembered; past it the memory starts again empty
 
 
