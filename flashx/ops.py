@@ -9,7 +9,7 @@ eager call does (backend="auto" picks at run time), through ``flashx.execute``.
 
 An operator takes tensors and primitives only, so each keyword of ``flashx.attention`` travels
 as one argument (``block_mask`` as its blocks and its block size), in the order of
-``_OPTIONS``. Seeds and RNG offsets are uint64 in the contract and int64 in an operator's
+``_TYPES``. Seeds and RNG offsets are uint64 in the contract and int64 in an operator's
 schema: they travel as the int64 with the same 64 bits. The forward returns the dropout seed
 it used (drawn at run time when none was given, from torch's default generator as in eager)
 as a CPU int64 scalar, which the autograd formula hands to the backward: the backward
@@ -32,6 +32,7 @@ from flashx.execute import run_backward, run_forward
 from flashx.options import OPTIONS
 from flashx.plan import plan
 from flashx.problem import BlockMask
+from flashx.validation import _is_int, _number
 
 U64 = 2**64
 I64_MAX = 2**63 - 1
@@ -188,7 +189,7 @@ def attention(q, k, v, backend, options: dict, return_lse: bool):
     for name in _TUPLES:
         if isinstance(arguments[name], tuple):
             arguments[name] = list(arguments[name])
-    seed = _int64("seed", arguments["seed"])
+    seed = None if arguments["seed"] is None else _int64("seed", arguments["seed"])
     o, lse, _ = forward_op(q, k, v, seed, *(arguments[name] for name in _OPTION_NAMES))
     return (o, lse) if return_lse else o
 
@@ -205,12 +206,10 @@ def _keywords(options, seed) -> tuple[str, dict]:
     return arguments["backend"], {name: arguments[name] for name in OPTIONS}
 
 
-def _int64(name: str, value):
-    """A uint64 as the int64 with the same bits; what is not an int is left to the schema to reject."""
-    if type(value) is not int:
-        return value
-    if not 0 <= value < U64:
-        raise ShapeError(f"{name}: expected an int in [0, 2**64){' or None' if name == 'seed' else ''}, got {value!r}")
+def _int64(name: str, value: int) -> int:
+    """A uint64, checked as validation checks it, as the int64 with the same bits."""
+    expected = "an int in [0, 2**64)" + (" or None" if name == "seed" else "")
+    _number(name, value, _is_int, expected, lambda x: 0 <= x < U64)
     return value - U64 if value > I64_MAX else value
 
 

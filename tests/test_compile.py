@@ -172,12 +172,26 @@ def test_kvcache_operator_compiles_and_writes_the_cache():
                                            None, None, None, 0, True, "numpy"))
 
 
-def test_seeds_outside_uint64_are_refused_before_the_operator():
+@pytest.mark.parametrize("name, value, error", [("seed", -1, flashx.ShapeError), ("seed", 2**64, flashx.ShapeError),
+                                               ("rng_offset", -3, flashx.ShapeError), ("seed", 1.5, flashx.DTypeError)])
+def test_seeds_are_checked_as_in_eager_before_the_operator(name, value, error):
+    """An int64 argument could not tell a negative seed from a large one: it never gets one."""
     q, k, v = _inputs((1, 4, 2, 8), (1, 4, 2, 8))
-    for name, value in (("seed", -1), ("seed", 2**64), ("rng_offset", -3)):
-        options = {**OPTIONS, "dropout_p": 0.1, name: value}
-        with pytest.raises(flashx.ShapeError, match=name):
-            ops.attention(q, k, v, "numpy", options, False)
+    options = {**OPTIONS, "dropout_p": 0.1, name: value}
+    with pytest.raises(error, match=name):
+        ops.attention(q, k, v, "numpy", options, False)
+    with pytest.raises(error, match=name):
+        # Without fullgraph: Dynamo breaks the graph at the raise and the error reaches the caller as it is.
+        torch.compile(Attention(**{name: value, "dropout_p": 0.1}), backend="eager")(q, k, v)
+
+
+def test_export_records_the_operator():
+    q, k, v = (x.detach() for x in _inputs((1, 6, 2, 8), (1, 6, 2, 8)))
+    module = Attention(causal=True)
+    exported = torch.export.export(module, (q, k, v), strict=False)
+    targets = [node.target for node in exported.graph.nodes if node.op == "call_function"]
+    assert torch.ops.flashx.attention_forward.default in targets
+    assert torch.equal(exported.module()(q, k, v), module(q, k, v))
 
 
 def _numpy(options):
