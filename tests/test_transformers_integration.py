@@ -11,13 +11,12 @@ import os
 
 import pytest
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: nothing here downloads
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import flashx  # noqa: E402
 from flashx.integrations import transformers as integration  # noqa: E402
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
