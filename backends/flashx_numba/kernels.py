@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import boolean, cuda, types
+from numba import cuda, types
 
 from flashx_numba.philox import dropout_keep
 from flashx_numba.primitives import (NEG_INF, SKIP, accumulate, device_function, lanes_max, lanes_sum, load, load_tile,
@@ -183,10 +183,10 @@ def forward_kernel(tiles: Tiles, dtype: str):
         v_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
         p_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)
         s = cuda.local.array((TM, TN), np.float32)
-        ok = cuda.local.array((TM, TN), boolean)
         acc = cuda.local.array((TM, KV), np.float32)
         row_max = cuda.local.array(TM, np.float32)
         row_sum = cuda.local.array(TM, np.float32)
+        rescale = cuda.local.array(TM, np.float32)
         for i in range(TM):
             row_max[i] = NEG_INF
             row_sum[i] = 0
@@ -204,31 +204,38 @@ def forward_kernel(tiles: Tiles, dtype: str):
             load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
             load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
             cuda.syncthreads()
-            scores(s, q_tile, k_tile, dim, g, t, GROUPS, LANES)
+            scores(p_tile, s, q_tile, k_tile, dim, g, t, GROUPS, LANES)  # Q K^T of this thread's elements
+            # Each row of this thread, in p_tile: scaled and masked scores, then P (SKIP where
+            # disallowed or dropped; a -inf score reads as disallowed).
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
             for i in range(TM):
-                row = i0 + g + i * GROUPS
+                r, row = g + i * GROUPS, i0 + g + i * GROUPS
                 tile_max = NEG_INF
                 for j in range(TN):
-                    ok[i, j] = plain or allowed(row, j0 + t + j * LANES, lq, lk, left, right, b, h, mask, has_mask,
-                                                blocks, has_blocks, block_q, block_k)
-                    s[i, j] = s[i, j] * scale if ok[i, j] else NEG_INF
-                    tile_max = max_nan(tile_max, s[i, j])
+                    c = t + j * LANES
+                    if plain or allowed(row, j0 + c, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
+                                        block_q, block_k):
+                        p_tile[r, c] *= scale
+                    else:
+                        p_tile[r, c] = NEG_INF
+                    tile_max = max_nan(tile_max, p_tile[r, c])
                 new_max = max_nan(row_max[i], lanes_max(tile_max, LANES))
                 reference = np.float32(0) if new_max == NEG_INF else new_max  # no key yet: exp(-inf - 0) = 0
                 tile_sum = np.float32(0)
                 for j in range(TN):
-                    p = math.exp(s[i, j] - reference)
-                    tile_sum += p
-                    if ok[i, j] and dropout:
-                        ok[i, j] = dropout_keep(row, j0 + t + j * LANES, stream, rng_offset, seed_low, seed_high,
-                                                threshold)
-                    p_tile[g + i * GROUPS, t + j * LANES] = p if ok[i, j] else SKIP
-                rescale = math.exp(row_max[i] - reference)
-                row_sum[i] = row_sum[i] * rescale + lanes_sum(tile_sum, LANES)  # dropped pairs count here too
+                    c = t + j * LANES
+                    score = p_tile[r, c]
+                    p = math.exp(score - reference)
+                    tile_sum += p  # dropped pairs count here too
+                    kept = score != NEG_INF and (not dropout or dropout_keep(
+                        row, j0 + c, stream, rng_offset, seed_low, seed_high, threshold))
+                    p_tile[r, c] = p if kept else SKIP
+                rescale[i] = math.exp(row_max[i] - reference)
+                row_sum[i] = row_sum[i] * rescale[i] + lanes_sum(tile_sum, LANES)
                 row_max[i] = new_max
+            for i in range(TM):
                 for kk in range(KV):
-                    acc[i, kk] *= rescale
+                    acc[i, kk] *= rescale[i]
             cuda.syncthreads()
             accumulate(acc, p_tile, v_tile, dim_v, g, t, GROUPS, LANES)
 
@@ -311,9 +318,6 @@ def dkdv_kernel(tiles: Tiles, dtype: str):
         p_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # P^T with dropout applied: dO's weights in dV
         ds_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # dS^T: Q's weights in dK
         s = cuda.local.array((TM, TN), np.float32)
-        dp = cuda.local.array((TM, TN), np.float32)
-        query_lse = cuda.local.array(TN, np.float32)
-        query_delta = cuda.local.array(TN, np.float32)
         dk_acc = cuda.local.array((TM, KW), np.float32)
         dv_acc = cuda.local.array((TM, KW), np.float32)
         for i in range(TM):
@@ -335,27 +339,23 @@ def dkdv_kernel(tiles: Tiles, dtype: str):
                 load_tile(q_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid, THREADS, bf16)
                 load_tile(do_tile, do, batch, q_start + i0, i1 - i0, h, dim_v, tid, THREADS, bf16)
                 cuda.syncthreads()
-                scores(s, k_tile, q_tile, dim, g, t, GROUPS, LANES)  # S^T
-                scores(dp, v_tile, do_tile, dim_v, g, t, GROUPS, LANES)  # (dO V^T)^T
-                for j in range(TN):
-                    query = i0 + t + j * LANES
-                    if query < lq:
-                        query_lse[j] = lse[batch, h, q_start + query]
-                        query_delta[j] = delta[batch, h, q_start + query]
+                scores(p_tile, s, k_tile, q_tile, dim, g, t, GROUPS, LANES)  # S^T
+                scores(ds_tile, s, v_tile, do_tile, dim_v, g, t, GROUPS, LANES)  # dP^T before dropout
                 plain = not (has_mask or has_blocks) and inside_band(i0, i0 + COLS, j0, j0 + ROWS, lq, lk, left, right)
                 for i in range(TM):
-                    key = j0 + g + i * GROUPS
+                    r, key = g + i * GROUPS, j0 + g + i * GROUPS
                     for j in range(TN):
-                        query = i0 + t + j * LANES
+                        c, query = t + j * LANES, i0 + t + j * LANES
                         weight_v, weight_q = SKIP, SKIP
                         if plain or allowed(query, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
                                             block_q, block_k):
                             keep = not dropout or dropout_keep(query, key, stream, rng_offset, seed_low, seed_high,
                                                                threshold)
-                            p = math.exp(s[i, j] * scale - query_lse[j])
-                            weight_v, weight_q = gradient_pair(p, dp[i, j], query_delta[j], keep, drop_scale)
-                        p_tile[g + i * GROUPS, t + j * LANES] = weight_v
-                        ds_tile[g + i * GROUPS, t + j * LANES] = weight_q
+                            p = math.exp(p_tile[r, c] * scale - lse[batch, h, q_start + query])
+                            weight_v, weight_q = gradient_pair(p, ds_tile[r, c], delta[batch, h, q_start + query], keep,
+                                                               drop_scale)
+                        p_tile[r, c] = weight_v
+                        ds_tile[r, c] = weight_q
                 cuda.syncthreads()
                 accumulate(dv_acc, p_tile, do_tile, dim_v, g, t, GROUPS, LANES)
                 accumulate(dk_acc, ds_tile, q_tile, dim, g, t, GROUPS, LANES)
@@ -405,17 +405,11 @@ def dq_kernel(tiles: Tiles, dtype: str):
         do_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
         k_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
         v_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
-        ds_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # dS: K's weights in dQ
+        s_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # S of this tile
+        ds_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # dP before dropout, then dS: K's weights in dQ
         s = cuda.local.array((TM, TN), np.float32)
-        dp = cuda.local.array((TM, TN), np.float32)
-        row_lse = cuda.local.array(TM, np.float32)
-        row_delta = cuda.local.array(TM, np.float32)
         dq_acc = cuda.local.array((TM, KW), np.float32)
         for i in range(TM):
-            row = i0 + g + i * GROUPS
-            if row < lq:
-                row_lse[i] = lse[batch, h, q_start + row]
-                row_delta[i] = delta[batch, h, q_start + row]
             for kk in range(KW):
                 dq_acc[i, kk] = 0
 
@@ -431,20 +425,20 @@ def dq_kernel(tiles: Tiles, dtype: str):
             load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
             load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
             cuda.syncthreads()
-            scores(s, q_tile, k_tile, dim, g, t, GROUPS, LANES)
-            scores(dp, do_tile, v_tile, dim_v, g, t, GROUPS, LANES)
+            scores(s_tile, s, q_tile, k_tile, dim, g, t, GROUPS, LANES)
+            scores(ds_tile, s, do_tile, v_tile, dim_v, g, t, GROUPS, LANES)
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
             for i in range(TM):
-                row = i0 + g + i * GROUPS
+                r, row = g + i * GROUPS, i0 + g + i * GROUPS
                 for j in range(TN):
-                    key = j0 + t + j * LANES
+                    c, key = t + j * LANES, j0 + t + j * LANES
                     weight = SKIP
                     if plain or allowed(row, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
                                         block_q, block_k):
                         keep = not dropout or dropout_keep(row, key, stream, rng_offset, seed_low, seed_high, threshold)
-                        p = math.exp(s[i, j] * scale - row_lse[i])
-                        weight = gradient_pair(p, dp[i, j], row_delta[i], keep, drop_scale)[1]
-                    ds_tile[g + i * GROUPS, t + j * LANES] = weight
+                        p = math.exp(s_tile[r, c] * scale - lse[batch, h, q_start + row])
+                        weight = gradient_pair(p, ds_tile[r, c], delta[batch, h, q_start + row], keep, drop_scale)[1]
+                    ds_tile[r, c] = weight
             cuda.syncthreads()
             accumulate(dq_acc, ds_tile, k_tile, dim, g, t, GROUPS, LANES)
 
