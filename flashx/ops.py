@@ -96,7 +96,8 @@ def _define(name: str, schema: str, implementation, fake, tags=()):
 
 def _forward_fake(q, k, v, seed, *options):
     if q.ndim not in (3, 4) or v.ndim != q.ndim:
-        raise ShapeError(f"q, v: expected (B, N, H, D) or (T, H, D) (varlen), got shapes {tuple(q.shape)} and {tuple(v.shape)}")
+        raise ShapeError(f"q, v: expected (B, N, H, D) or (T, H, D) (varlen), "
+                         f"got shapes {tuple(q.shape)} and {tuple(v.shape)}")
     # (B, Nq, Hq, Dv) and (B, Hq, Nq) padded, (Tq, Hq, Dv) and (Hq, Tq) varlen.
     o = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty((*q.shape[:-3], q.shape[-2], q.shape[-3]), dtype=_lse_dtype(q))

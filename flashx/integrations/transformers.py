@@ -28,9 +28,9 @@ NAME = "flx"
 
 
 def register(name: str = NAME) -> str:
-    """Register flashx with transformers' attention and mask interfaces; returns the name for ``attn_implementation``."""
+    """Register flashx with transformers' attention and mask interfaces; returns the ``attn_implementation``."""
     if "flash" in name:
-        raise ValueError(f"name: transformers sends every name containing 'flash' to its flash-attn loader, got {name!r}")
+        raise ValueError(f"name: transformers sends names containing 'flash' to its flash-attn loader, got {name!r}")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
