@@ -15,6 +15,9 @@ it used (drawn at run time when none was given, from torch's default generator a
 as a CPU int64 scalar, which the autograd formula hands to the backward: the backward
 regenerates exactly the forward's dropout mask without the host ever reading a device value.
 
+Every output is contiguous, as the fake implementations promise (and as the built-in backends
+allocate them: a backend that returns another layout costs one copy here).
+
 Lengths and offsets (seqlens, cu_seqlens) are read on the host inside the operator, at run
 time, as eager calls read them: nothing in the traced graph depends on their values, so the
 varlen layout needs no ``max_seqlen_*`` to trace (given, it is checked as in eager).
@@ -77,8 +80,7 @@ def _attention_forward(q, k, v, seed, *options):
 def _attention_backward(do, q, k, v, o, lse, seed, *options):
     backend, keywords = _keywords(options, _uint64(int(seed)))
     problem, impl = plan(q, k, v, backend, keywords)
-    grads = run_backward(impl, problem, q, k, v, o, lse, do)
-    return tuple(_laid_out_like(grad, x) for grad, x in zip(grads, (q, k, v)))
+    return tuple(grad.contiguous() for grad in run_backward(impl, problem, q, k, v, o, lse, do))
 
 
 def _define(name: str, schema: str, implementation, fake, tags=()):
@@ -105,7 +107,7 @@ def _forward_fake(q, k, v, seed, *options):
 
 
 def _backward_fake(do, q, k, v, o, lse, seed, *options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
 
 forward_op = _define(
@@ -220,11 +222,3 @@ def _uint64(value: int) -> int:
 
 def _lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _laid_out_like(grad, x):
-    """``grad`` with the strides ``torch.empty_like(x)`` has, as the fake implementation promises."""
-    if grad.stride() == x.stride():
-        return grad
-    out = torch.empty_like(x)
-    return grad if out.stride() == grad.stride() else out.copy_(grad)

@@ -126,11 +126,13 @@ def test_eager_calls_skip_the_operators():
     assert type(o.grad_fn).__name__ == "FlashAttentionFunctionBackward"
 
 
-@pytest.mark.parametrize("layout", ["padded", "varlen"])
+@pytest.mark.parametrize("layout", ["padded", "padded (B, H, N, D) views", "varlen"])
 def test_opcheck(layout):
-    """Schema, fake implementation, autograd registration and AOT dispatch (dynamic shapes)."""
-    if layout == "padded":
+    """Schema, fake implementation (strides included), autograd registration and AOT dispatch (dynamic shapes)."""
+    if layout.startswith("padded"):
         q, k, v = _inputs((2, 5, 4, 8), (2, 7, 2, 8))
+        if layout.endswith("views"):  # as transformers hands them over: (B, H, N, D) transposed
+            q, k, v = (x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v))
         arrays = {"seqlens_q": torch.tensor([5, 3])}
     else:
         q, k, v = _inputs((12, 4, 8), (12, 2, 8))
