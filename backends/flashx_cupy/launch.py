@@ -24,8 +24,8 @@ _STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n"
             "lse_b", "lse_h", "delta_b", "delta_h", "mask_b", "mask_h", "mask_i", "mask_j",
             "blocks_b", "blocks_h", "blocks_i", "blocks_j")
 _INTS = ("batch", "heads_q", "heads_k", "group", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "tiles_n")
-_FLOATS = ("scale", "scale_log2", "drop_scale", "unused")
+         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0")
+_FLOATS = ("scale", "scale_log2", "drop_scale")
 
 #: The layout of ``struct Params``.
 PARAMS = np.dtype(
@@ -62,6 +62,8 @@ def pack(problem, **fields) -> np.ndarray:
         rng_offset=np.uint32(problem.rng_offset & 0xFFFFFFFF).view(np.int32),
         drop_threshold=np.uint32(math.floor(problem.dropout_p * 2**32)).view(np.int32),
         seed=problem.seed & 0xFFFFFFFFFFFFFFFF,
+        drop_row0=problem.dropout_offsets[0],
+        drop_col0=problem.dropout_offsets[1],
         scale=problem.softmax_scale,
         scale_log2=problem.softmax_scale * math.log2(math.e),
         drop_scale=1.0 / (1.0 - problem.dropout_p),

@@ -7,7 +7,8 @@
 //   flashx_dq     one CTA per (query tile, query head, sequence), Q and dO resident, streaming
 //                 key tiles: dQ = dS K.
 // P is recomputed from the LSE; with dropout, Z is drawn again from (seed, rng_offset):
-//   dV = (P Z / (1 - p))^T dO,  dS = P (Z dP / (1 - p) - D),  dP = dO V^T.
+//   dV = (P Z / (1 - p))^T dO,  dS = P (Z dP / (1 - p) - D),  dP = dO V^T;
+// a dropped pair reads no dO (its dP is 0), but its dS = -P D still reaches dQ and dK.
 // DKDV_PARTS (bit 0: dK, bit 1: dV) lets the widest head dims compute dK and dV in two launches,
 // each holding one accumulator in registers.
 
@@ -125,6 +126,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p
         const float* lse2 = sLse2 + buf * BLOCK_N;
         const float* delta = sDelta + buf * BLOCK_N;
         const bool masked = !tile_unmasked(p, s, m, m + BLOCK_N, n0, n0 + BLOCK_M);
+        const bool exact = masked || DROPOUT;  // some pair of the tile reads no dO (and, if masked, no Q)
 
         float pt[ATOMS][BLOCK_N / 8][4];  // P^T, then P^T Z / (1 - p)
         zero<ATOMS, BLOCK_N>(pt);
@@ -141,11 +143,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
-                    bool ok = true;
-                    if (masked) {
-                        ok = allowed_pair(p, s, h, m + c, n0 + r);
-                        sAllowed[r * BLOCK_N + c] = ok;
-                    }
+                    const bool ok = !masked || allowed_pair(p, s, h, m + c, n0 + r);
                     const float pr = ok ? exp2f(pt[mt][nt][e] * p.scale_log2 - lse2[c]) : 0.f;
 #if DROPOUT
                     const bool keep = dropout_keep(p, b, h, m + c, n0 + r);
@@ -154,27 +152,30 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p
                     const float dpr = keep ? dst[mt][nt][e] * p.drop_scale : 0.f;
 #endif
 #else
+                    const bool keep = true;
                     pt[mt][nt][e] = pr;
 #if DKDV_PARTS & 1
                     const float dpr = dst[mt][nt][e];
 #endif
 #endif
+                    if (exact) sAllowed[r * BLOCK_N + c] = ok | (ok && keep) << 1;
 #if DKDV_PARTS & 1
                     dst[mt][nt][e] = ok ? pr * (dpr - delta[c]) : 0.f;
 #endif
                 }
 
-        if (masked) {
+        if (exact) {
             __syncwarp();
 #if DKDV_PARTS & 2
             const bool bad_do = tile_nonfinite<BLOCK_N, DIM_V, LD_V>(do_tile);
-            if (bad_do) poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, sAllowed + wrow * BLOCK_N, do_tile);
+            if (bad_do) poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, sAllowed + wrow * BLOCK_N, 2, do_tile);
 #else
             const bool bad_do = false;
 #endif
 #if DKDV_PARTS & 1
-            const bool bad_q = tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
-            if (bad_q) poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, sAllowed + wrow * BLOCK_N, q_tile);
+            // Dropped pairs still read Q (dS = -P delta): only masked tiles need the exact dK.
+            const bool bad_q = masked && tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
+            if (bad_q) poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, sAllowed + wrow * BLOCK_N, 1, q_tile);
 #else
             const bool bad_q = false;
 #endif
@@ -298,11 +299,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
-                    bool ok = true;
-                    if (masked) {
-                        ok = allowed_pair(p, s, h, m0 + r, n + c);
-                        sAllowed[r * BLOCK_N + c] = ok;
-                    }
+                    const bool ok = !masked || allowed_pair(p, s, h, m0 + r, n + c);
+                    if (masked) sAllowed[r * BLOCK_N + c] = ok;
                     const float pr = ok ? exp2f(sc[mt][nt][e] * p.scale_log2 - lse2[mt][e / 2]) : 0.f;
 #if DROPOUT
                     const float dpr = dropout_keep(p, b, h, m0 + r, n + c) ? dp[mt][nt][e] * p.drop_scale : 0.f;
@@ -315,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
         if (masked) {
             __syncwarp();
             if (tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile)) {
-                poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dq, sAllowed + wrow * BLOCK_N, k_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dq, sAllowed + wrow * BLOCK_N, 1, k_tile);
                 __syncthreads();
                 clear_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile);
                 __syncthreads();

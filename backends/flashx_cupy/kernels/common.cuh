@@ -50,8 +50,8 @@ struct Params {
     i64 lse_b, lse_h, delta_b, delta_h, mask_b, mask_h, mask_i, mask_j, blocks_b, blocks_h, blocks_i, blocks_j;
     u64 seed;
     int batch, heads_q, heads_k, group, seqlen_q, seqlen_k, head_dim, head_dim_v;
-    int left, right, block_q, block_k, rng_offset, drop_threshold, tiles_m, tiles_n;
-    float scale, scale_log2, drop_scale, unused;
+    int left, right, block_q, block_k, rng_offset, drop_threshold, tiles_m, drop_row0, drop_col0;
+    float scale, scale_log2, drop_scale;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -298,9 +298,11 @@ __device__ __forceinline__ void clear_nonfinite(elem_t* s) {
     }
 }
 
-// C[r][c] = NaN where some j has allowed[r][j] (this warp's rows, K columns) and B[j][c] not finite.
+// C[r][c] = NaN where some j has bit ``bit`` of reads[r][j] set (this warp's rows, K columns) and
+// B[j][c] is not finite. Bit 1: the pair is allowed; bit 2: allowed and kept by dropout (a
+// dropped pair reads no V and no dO).
 template <int MT, int K, int N, int LDB>
-__device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], const unsigned char* allowed,
+__device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], const unsigned char* reads, int bit,
                                                const elem_t* b) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -310,7 +312,7 @@ __device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], const u
             for (int e = 0; e < 4; ++e) {
                 const int r = frag_row(mt, e), col = frag_col(nt, e);
                 for (int j = 0; j < K; ++j)
-                    if (allowed[r * K + j] && !finite_bits(b[j * LDB + col])) {
+                    if ((reads[r * K + j] & bit) && !finite_bits(b[j * LDB + col])) {
                         c[mt][nt][e] = QUIET_NAN;
                         break;
                     }
@@ -431,8 +433,9 @@ __device__ __forceinline__ bool blocks_allow(const Params& p, const Sequence& s,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout: Z[b, h, i, j] = word j % 4 of Philox4x32-10((j / 4, i, b * Hq + h, rng_offset), seed)
-// >= floor(p * 2^32), compared as integers.
+// Dropout: Z[b, h, i, j] = word j' % 4 of Philox4x32-10((j' / 4, i', b * Hq + h, rng_offset), seed)
+// >= floor(p * 2^32), compared as integers, at positions i' = i + drop_row0 and j' = j + drop_col0
+// (dropout_offsets).
 
 __device__ __forceinline__ u32 philox_word(u32 c0, u32 c1, u32 c2, u32 c3, u64 seed, u32 word) {
     u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
@@ -451,7 +454,8 @@ __device__ __forceinline__ u32 philox_word(u32 c0, u32 c1, u32 c2, u32 c3, u64 s
 }
 
 __device__ __forceinline__ bool dropout_keep(const Params& p, int b, int h, int i, int j) {
-    const u32 r = philox_word((u32)j / 4, (u32)i, (u32)(b * p.heads_q + h), (u32)p.rng_offset, p.seed, j % 4);
+    const u32 col = (u32)(j + p.drop_col0);
+    const u32 r = philox_word(col / 4, (u32)(i + p.drop_row0), (u32)(b * p.heads_q + h), (u32)p.rng_offset, p.seed, col % 4);
     return r >= (u32)p.drop_threshold;
 }
 

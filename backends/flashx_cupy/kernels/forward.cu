@@ -15,7 +15,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_forward(const Param
     elem_t* sQ = (elem_t*)smem;                                            // BLOCK_M x LD_QK
     elem_t* sK = sQ + BLOCK_M * LD_QK;                                     // 2 x BLOCK_N x LD_QK
     elem_t* sV = sK + 2 * BLOCK_N * LD_QK;                                 // 2 x BLOCK_N x LD_V
-    unsigned char* sAllowed = (unsigned char*)(sV + 2 * BLOCK_N * LD_V);   // BLOCK_M x BLOCK_N
+    unsigned char* sAllowed = (unsigned char*)(sV + 2 * BLOCK_N * LD_V);   // BLOCK_M x BLOCK_N pairs read
     float* sStage = (float*)(sAllowed + BLOCK_M * BLOCK_N);                // float32: BLOCK_M x BLOCK_N
 
     int tile, h, b;
@@ -69,6 +69,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_forward(const Param
         elem_t* k_tile = sK + buf * BLOCK_N * LD_QK;
         elem_t* v_tile = sV + buf * BLOCK_N * LD_V;
         const bool masked = !tile_unmasked(p, s, m0, m0 + BLOCK_M, n, n + BLOCK_N);
+        const bool exact = masked || DROPOUT;  // some pair of the tile reads no V
 
         float sc[ATOMS][BLOCK_N / 8][4];
         zero<ATOMS, BLOCK_N>(sc);
@@ -84,12 +85,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_forward(const Param
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float x = sc[mt][nt][e] * p.scale_log2;
-                    if (masked) {
-                        const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
-                        const bool ok = allowed_pair(p, s, h, m0 + r, n + c);
-                        sAllowed[r * BLOCK_N + c] = ok;
-                        x = ok ? x : NEG_INF;
-                    }
+                    if (masked) x = allowed_pair(p, s, h, m0 + wrow + frag_row(mt, e), n + frag_col(nt, e)) ? x : NEG_INF;
                     sc[mt][nt][e] = x;
                     tile_max[mt][e / 2] = fmaxf(tile_max[mt][e / 2], x);
                 }
@@ -113,20 +109,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_forward(const Param
                 for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                     for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                        const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
                         const float pr = exp2f(sc[mt][nt][e] - m_ref);
                         row_sum[mt][half] += pr;  // the LSE is taken before dropout
 #if DROPOUT
-                        sc[mt][nt][e] = dropout_keep(p, b, h, m0 + wrow + frag_row(mt, e), n + frag_col(nt, e)) ? pr : 0.f;
+                        const bool keep = dropout_keep(p, b, h, m0 + r, n + c);
 #else
-                        sc[mt][nt][e] = pr;
+                        const bool keep = true;
 #endif
+                        if (exact) sAllowed[r * BLOCK_N + c] = keep && sc[mt][nt][e] != NEG_INF ? 2 : 0;
+                        sc[mt][nt][e] = keep ? pr : 0.f;
                     }
             }
 
-        if (masked) {
+        if (exact) {
             __syncwarp();
             if (tile_nonfinite<BLOCK_N, DIM_V, LD_V>(v_tile)) {
-                poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(acc, sAllowed + wrow * BLOCK_N, v_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(acc, sAllowed + wrow * BLOCK_N, 2, v_tile);
                 __syncthreads();
                 clear_nonfinite<BLOCK_N, DIM_V, LD_V>(v_tile);
                 __syncthreads();

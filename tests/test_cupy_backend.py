@@ -1,0 +1,200 @@
+"""The CuPy backend: its host side (variant choice, argument packing, cache keys, availability)
+runs anywhere; the kernels, against the float64 oracle, only where a CUDA GPU is present."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import flashx
+from flashx_conformance import oracle
+from flashx_cupy import CupyBackend, launch, unavailable_reason, variants
+
+
+def _problem(**changes):
+    fields = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, varlen=False, seqlens_q=None, seqlens_k=None,
+                  mask=None, block_mask=None, dropout_p=0.0)
+    return SimpleNamespace(**(fields | changes))
+
+
+def _gpu() -> bool:
+    return unavailable_reason() is None
+
+
+# -- declarations and availability ---------------------------------------------------------
+
+def test_declarations():
+    backend = flashx.registry.get("cupy")
+    assert isinstance(backend, CupyBackend)
+    assert backend.features <= frozenset(flashx.problem.FEATURES)
+    assert {"softcap", "alibi"}.isdisjoint(backend.features)
+    assert backend.deterministic_backward and backend.devices == {"cuda"}
+
+
+@pytest.mark.skipif(_gpu(), reason="a GPU is present")
+def test_unavailable_reason_without_a_gpu():
+    reason = flashx.registry.get("cupy").available()
+    assert reason is not None and ("CUDA device" in reason or "cannot import" in reason)
+    info = next(b for b in flashx.backends() if b.name == "cupy")
+    assert not info.available and info.reason == reason
+
+
+# -- variants --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dim, expected", [(8, 64), (64, 64), (65, 128), (128, 128), (200, 256), (256, 256)])
+def test_head_dim_class(dim, expected):
+    assert variants.head_dim_class(dim) == expected
+
+
+def test_variant_follows_the_problem():
+    plain = variants.choose("forward", _problem(), aligned=True)
+    assert (plain.dim_qk, plain.dim_v, plain.block_m, plain.block_n, plain.warps) == (128, 128, 128, 64, 4)
+    assert plain.macros["DTYPE"] == 1 and not any(plain.macros[m] for m in ("MASK", "BLOCK_MASK", "DROPOUT", "VARLEN"))
+    featured = variants.choose("forward", _problem(dtype="float32", head_dim=40, head_dim_v=200, mask=1, dropout_p=0.1,
+                                                   varlen=True), aligned=False)
+    assert (featured.dim_qk, featured.dim_v) == (64, 256)
+    assert featured.macros | {} == featured.macros and featured.macros["DTYPE"] == 2
+    assert featured.macros["MASK"] == featured.macros["DROPOUT"] == featured.macros["VARLEN"] == 1
+    assert featured.macros["ALIGNED"] == 0 and featured.block_m == 32  # float32 at 256 wide: two warps
+    assert plain.options != featured.options
+
+
+def test_delta_shares_the_dq_build():
+    dq, delta = (variants.choose(kernel, _problem(), aligned=True) for kernel in ("dq", "delta"))
+    assert dq.options == delta.options and variants.FILES["dq"] == variants.FILES["delta"]
+    assert dq.entry_point != delta.entry_point and delta.threads == 32 * variants.DELTA_WARPS
+
+
+@pytest.mark.parametrize("key", sorted(variants.TILES))
+@pytest.mark.parametrize("split", [False, True])
+def test_tiles_fit(key, split):
+    """Warps own whole 16-row atoms, tiles feed mma in 16s, and shared memory fits the H100."""
+    kernel, width, dim = key
+    block_m, block_n, warps = variants.TILES[key]
+    assert block_m % (16 * warps) == 0 and block_n % 16 == 0
+    dtype = "float32" if width == "32" else "bfloat16"
+    variant = variants.choose(kernel, _problem(dtype=dtype, head_dim=dim, head_dim_v=dim if not split else 64),
+                              aligned=True)
+    assert variant.shared_memory <= 227 * 1024
+
+
+def test_dkdv_split_only_for_the_widest():
+    assert variants.dkdv_parts(128, 128) == (3,)
+    assert variants.dkdv_parts(64, 256) == (1, 2)
+
+
+# -- sources and cache keys ----------------------------------------------------------------
+
+def test_source_inlines_the_headers():
+    text = variants.source("backward.cu")
+    assert not re.search(r'^#include "', text, re.MULTILINE)
+    assert text.count("struct Params {") == 1 and "flashx_dkdv" in text and "flashx_delta" in text
+
+
+def test_cache_key_follows_included_headers(tmp_path):
+    """An edit of common.cuh, which forward.cu includes, makes a new key (NVRTC's -I would not)."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(variants.KERNELS, copy)
+    options, versions = variants.choose("forward", _problem(), aligned=True).options, ("14.2.0", (13, 0), "90")
+    before = variants.cache_key(variants.source("forward.cu", copy), options, versions)
+    header = copy / "common.cuh"
+    header.write_text(header.read_text().replace("#define LOG2E", "// edited\n#define LOG2E"))
+    after = variants.cache_key(variants.source("forward.cu", copy), options, versions)
+    assert before != after
+    assert before == variants.cache_key(variants.source("forward.cu"), options, versions)
+    assert before != variants.cache_key(variants.source("forward.cu"), options, ("14.2.0", (13, 1), "90"))
+    assert before != variants.cache_key(variants.source("forward.cu"), options + ("-DX=1",), versions)
+
+
+# -- argument packing ----------------------------------------------------------------------
+
+def test_params_layout_matches_the_struct():
+    """PARAMS lists the fields of ``struct Params`` in order, with C's sizes and offsets."""
+    text = (variants.KERNELS / "common.cuh").read_text()
+    body = re.search(r"struct Params \{(.*?)\};", text, re.DOTALL).group(1)
+    sizes = {"u64": 8, "i64": 8, "int": 4, "float": 4}
+    fields, offset = [], 0
+    for kind, names in re.findall(r"(u64|i64|int|float) ([^;]+);", body):
+        for name in (n.strip() for n in names.split(",")):
+            offset = -(-offset // sizes[kind]) * sizes[kind]
+            fields.append((name, offset, sizes[kind]))
+            offset += sizes[kind]
+    assert list(launch.PARAMS.names) == [name for name, _, _ in fields]
+    assert [launch.PARAMS.fields[name][1] for name, _, _ in fields] == [o for _, o, _ in fields]
+    assert [launch.PARAMS.fields[name][0].itemsize for name, _, _ in fields] == [s for _, _, s in fields]
+    assert launch.PARAMS.itemsize == -(-offset // 8) * 8
+
+
+def test_pack():
+    problem = SimpleNamespace(varlen=False, total_q=None, total_k=None, seqlen_q=100, seqlen_k=300, band=(-1, 0),
+                              batch=2, heads_q=8, heads_k=2, group=4, head_dim=64, head_dim_v=32, block_mask=None,
+                              rng_offset=(1 << 32) + 7, dropout_offsets=(5, 9), dropout_p=0.25, seed=(1 << 64) - 1, softmax_scale=-0.5)
+    params = launch.pack(problem, q=1234, q_n=512, tiles_m=3)[0]
+    assert params["left"] == 400 and params["right"] == 0  # unbounded: a reach past every pair
+    assert np.uint32(params["rng_offset"].view(np.uint32)) == 7
+    assert params["drop_threshold"].view(np.uint32) == math.floor(0.25 * 2**32)
+    assert params["seed"] == (1 << 64) - 1 and params["q"] == 1234 and params["q_n"] == 512 and params["k"] == 0
+    assert params["scale"] == np.float32(-0.5) and params["scale_log2"] == np.float32(-0.5 * math.log2(math.e))
+    assert params["drop_scale"] == np.float32(1 / 0.75) and params["tiles_m"] == 3 and params["group"] == 4
+    assert (params["drop_row0"], params["drop_col0"]) == (5, 9)
+
+
+# -- the kernels, on a GPU ------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not _gpu(), reason=f"cupy backend unavailable: {unavailable_reason()}")
+
+CASES = {
+    "bf16-causal-gqa": dict(dtype="bfloat16", shape=(2, 300, 8, 2, 128, 128), causal=True),
+    "fp16-window-dv": dict(dtype="float16", shape=(1, 130, 4, 4, 64, 40), window=(20, 5)),
+    "fp32-dropout": dict(dtype="float32", shape=(2, 70, 2, 1, 96, 96), dropout_p=0.3, seed=11),
+    "fp16-dropout-offsets": dict(dtype="float16", shape=(1, 90, 2, 2, 64, 64), dropout_p=0.2, seed=5,
+                                 dropout_offsets=(3, 130), causal=True),
+    "bf16-d256-causal": dict(dtype="bfloat16", shape=(1, 150, 2, 2, 256, 256), causal=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_the_oracle(name):
+    import torch
+
+    spec = dict(CASES[name])
+    dtype, (batch, seqlen, heads_q, heads_k, dim, dim_v) = spec.pop("dtype"), spec.pop("shape")
+    rng = np.random.default_rng(0)
+    shapes = {"q": (batch, seqlen, heads_q, dim), "k": (batch, seqlen + 17, heads_k, dim),
+              "v": (batch, seqlen + 17, heads_k, dim_v), "do": (batch, seqlen, heads_q, dim_v)}
+    tensors = {n: torch.from_numpy(rng.standard_normal(s)).to("cuda", getattr(torch, dtype)) for n, s in shapes.items()}
+    o, res = flashx.attention_forward(tensors["q"], tensors["k"], tensors["v"], backend="cupy", **spec)
+    grads = flashx.attention_backward(tensors["do"], tensors["q"], tensors["k"], tensors["v"], o, res, backend="cupy",
+                                      **spec)
+    inputs = {n: t.double().cpu().numpy() for n, t in tensors.items()}
+    want = oracle.forward_backward(inputs["do"], inputs["q"], inputs["k"], inputs["v"], **spec)
+    got = (o, res.lse, *grads)
+    bound = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}[dtype]
+    for label, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        x = x.double().cpu().numpy()
+        finite = np.isfinite(y)
+        assert (np.isfinite(x) == finite).all(), label
+        err = np.abs(x[finite] - y[finite]).max() / max(1.0, np.abs(y[finite]).max())
+        assert err < bound, f"{label}: {err}"
+
+
+@gpu
+def test_cupy_arrays_on_a_cupy_stream():
+    """CuPy arrays in, CuPy arrays out, computed on CuPy's current (non-default) stream."""
+    import cupy
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 64, 2, 64)).astype(np.float32) for _ in range(3))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        o = flashx.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=True, backend="cupy")
+        stream.synchronize()
+    assert isinstance(o, cupy.ndarray)
+    want = oracle.forward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=True)[0]
+    np.testing.assert_allclose(o.get(), want, atol=1e-5)
