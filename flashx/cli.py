@@ -1,4 +1,5 @@
-"""The ``flashx`` command (also ``python -m flashx``): ``flashx info``, ``flashx demo`` and ``flashx bench``."""
+"""The ``flashx`` command (also ``python -m flashx``): ``flashx info``, ``flashx demo``, ``flashx bench`` and
+``flashx tune``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     # flashx bench's arguments are flashx_bench's to parse (`flashx bench --help`).
     commands.add_parser("bench", add_help=False, help="time the backends beside PyTorch's kernels (GPU, or --cpu)")
+    _add_tune_parser(commands)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         from flashx_bench.cli import main as bench
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "tune":
+        return tune(args)
     return info() if args.command == "info" else demo(args.seqlen, args.device)
 
 
@@ -222,6 +226,97 @@ def _decode_demo(use_cuda: bool) -> int:
         return 1
     print("  OK")
     return 0
+
+
+def _add_tune_parser(commands) -> None:
+    parser = commands.add_parser(
+        "tune", help="time the Triton kernels' configurations for the shapes you name, once per machine",
+        description="Time the Triton backend's candidate configurations for the shapes named and keep the fastest "
+                    "on disk, where every later process on this machine finds them (docs/triton-design.md, Tuning).")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--seqlen", type=_positive_int, nargs="+", metavar="N", help="sequence lengths to tune")
+    what.add_argument("--list", action="store_true", help="show the choices kept on disk")
+    what.add_argument("--clear", action="store_true", help="remove the choices kept on disk")
+    parser.add_argument("--batch", type=_positive_int, default=1)
+    parser.add_argument("--heads", type=_positive_int, default=16, help="query heads")
+    parser.add_argument("--kv-heads", type=_positive_int, default=None, help="key and value heads (default: --heads)")
+    parser.add_argument("--head-dim", type=_positive_int, default=128)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--backward", action="store_true", help="tune the backward's kernels too")
+
+
+def tune(args) -> int:
+    """Run one call (and its backward with --backward) per named length, so that every kernel it
+    launches is tuned and its choice kept on disk (flashx_triton.tuning_cache); print the choices."""
+    from flashx_triton import tuning, tuning_cache
+
+    if args.list:
+        return _list_tuned(tuning_cache)
+    if args.clear:
+        removed = tuning_cache.clear()
+        print(f"flashx tune: removed {removed} tuned choices from {tuning_cache.table_directory()}")
+        return 0
+    refusal = None if tuning.interpreting() else _cuda_refusal()  # the interpreter: tests only
+    if refusal is None and not tuning.autotuning():
+        refusal = "FLASHX_TRITON_AUTOTUNE=0 is set, which turns timing (and the table on disk) off"
+    if refusal:
+        print(f"flashx tune: {refusal}", file=sys.stderr)
+        return 1
+    import torch
+
+    device = "cpu" if tuning.interpreting() else "cuda"
+    where = tuning_cache.environment(torch.cuda.current_device() if device == "cuda" else None)
+    kv_heads = args.kv_heads or args.heads
+    print(f"flashx tune: {where}")
+    shown = {key for key, _, _ in tuning.choices()}
+    for seqlen in args.seqlen:
+        generator = torch.Generator(device).manual_seed(seqlen)
+
+        def normal(heads, grad=args.backward):
+            return torch.randn(args.batch, seqlen, heads, args.head_dim, generator=generator, device=device,
+                               dtype=getattr(torch, args.dtype), requires_grad=grad)
+
+        q, k, v = normal(args.heads), normal(kv_heads), normal(kv_heads)
+        start = time.perf_counter()
+        o = flashx.attention(q, k, v, causal=args.causal, backend="triton")
+        if args.backward:
+            o.backward(normal(args.heads, grad=False))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        print(f"  B={args.batch} N={seqlen} Hq={args.heads} Hk={kv_heads} D={args.head_dim} {args.dtype}"
+              f"{' causal' if args.causal else ''}{', with the backward' if args.backward else ''}: "
+              f"{time.perf_counter() - start:.1f} s")
+        for key, choice, timings in tuning.choices():
+            if key not in shown:
+                shown.add(key)
+                medians = [ms for _, ms in timings or () if ms is not None]
+                how = f"fastest of {len(medians)} timed, {min(medians):.3f} ms" if medians else "found on disk"
+                print(f"    {key:<44} {_choice_text(choice)}  ({how})")
+    print(f"choices kept in {where.directory}")
+    return 0
+
+
+def _list_tuned(tuning_cache) -> int:
+    found = list(tuning_cache.records())
+    print(f"flashx tune: {len(found)} tuned choices in {tuning_cache.table_directory()}")
+    environment = None
+    for path, record in found:
+        if path.parent.name != environment:
+            environment = path.parent.name
+            print(f"  {environment}")
+        try:
+            median = record["median_ms"]
+            line = f"{record['key']:<44} {_choice_text(record['choice'])}" + (f"  {median:.3f} ms" if median else "")
+        except (TypeError, KeyError, ValueError):
+            line = f"{path.name}: unreadable (ignored)"
+        print(f"    {line}")
+    return 0
+
+
+def _choice_text(choice) -> str:
+    """A choice as the table on disk holds it (a configuration's fields, or a plan's name), on one line."""
+    return " ".join(f"{name}={value}" for name, value in choice.items()) if isinstance(choice, dict) else str(choice)
 
 
 def _cuda_refusal() -> str | None:

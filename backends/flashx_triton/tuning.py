@@ -1,22 +1,26 @@
-"""Tile shapes, warps and pipeline depth for each kernel, picked by timing on first use.
+"""Tile shapes, warps and pipeline depth for each kernel: the fastest of a few candidates, timed once per machine.
 
-Each kernel has a short list of candidate configurations per head-dim class and dtype. The
-first time a (kernel, head dims, dtype, band or not, GPU) key is seen, every candidate runs on
-the call's own inputs. One that needs more shared memory than the GPU has, fails to compile, or
-whose output disagrees with the first candidate's (NaN elsewhere, or values off by more than
-rounding: some tile shapes have miscompiled on Hopper) is dropped, and the fastest of the rest
-is cached for the process. With FLASHX_TRITON_AUTOTUNE=0 the first candidate that fits is taken
-untimed; under TRITON_INTERPRET=1 (CI, CPU) one small fixed configuration runs.
+Each kernel has a short list of candidate configurations per head-dim class and dtype
+(docs/triton-design.md, "Tuning"). A choice is kept under its kernel key (``kernel_key``: the
+kernel, head dims, dtype, band or none, and size class) and looked for in turn in this
+process's table, then in the table on disk for this GPU, Triton and flashx (``tuning_cache``);
+only where both lack it is it made (``_fastest``): every candidate runs on the call's own
+inputs, one that needs more shared memory than the GPU has, fails to compile, or whose outputs
+disagree with the first candidate's is dropped, and the fastest of the rest is kept in both
+tables. With FLASHX_TRITON_AUTOTUNE=0 the first candidate that fits is taken untimed, and the
+table on disk is neither read nor written: that mode runs the shipped defaults, whatever was
+tuned. Under TRITON_INTERPRET=1 (CI, CPU) one small fixed configuration runs.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
+
+from flashx_triton import tuning_cache
 
 
 @dataclass(frozen=True)
@@ -26,8 +30,8 @@ class Config:
     num_warps: int
     num_stages: int
     #: Backward only: TMA descriptors built on the host (one per tensor) or in the kernel (one per
-    #: program and head). Host ones won every short-N and d64 case on the H100; at d128 and
-    #: N = 8k causal, in-kernel ones ran the backward 8% faster.
+    #: program and head). Neither wins everywhere (docs/triton-design.md, "Loads: TMA
+    #: descriptors"), so the placement is tuned with the tiles.
     host_descriptors: bool = True
 
     def tiles(self) -> dict:
@@ -72,16 +76,18 @@ FUSED = {
 FUSED_FP32 = [C(32, 64, 4, 2), C(32, 32, 4, 2), C(16, 32, 4, 1)]
 
 # How the backward launches its dK/dV and dQ programs: "fused", one launch (FUSED), or "split",
-# DKDV's launch then DQ's. On the H100 one launch took 4-12% off the d128 backward at N = 512 to
-# 2k and was slower at 8k, and at d64 without a mask (docs/triton-design.md, "The backward");
-# under the interpreter the fused kernel runs both parts.
+# DKDV's launch then DQ's. One launch wins short sequences at d128, two win long ones and d64
+# (docs/triton-design.md, "The backward"), so both are candidates; under the interpreter the
+# fused kernel runs both parts.
 GRADIENTS = {64: ["split", "fused"], 128: ["fused", "split"], 256: ["split", "fused"]}
 GRADIENTS_FP32 = ["split", "fused"]
 INTERPRETED_GRADIENTS = ["fused"]
 
-_chosen: dict[tuple, Config] = {}
-#: Per key, every candidate that ran and its median milliseconds (``_fastest``; None: dropped).
-measured: dict[tuple, list[tuple[Config, float | None]]] = {}
+#: This process's choices, by (kernel key, tuning_cache.Environment, whether timed).
+_chosen: dict[tuple, Config | str] = {}
+#: By the same keys, every candidate this process ran and its median milliseconds (``_fastest``;
+#: None: dropped). A choice found on disk has none.
+measured: dict[tuple, list[tuple[Config | str, float | None]]] = {}
 
 
 def interpreting() -> bool:
@@ -112,17 +118,52 @@ def candidates(kernel: str, problem) -> list:
     return table[64 if wide <= 64 else 128 if wide <= 128 else 256]
 
 
-def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config:
-    """The configuration for ``kernel`` on ``problem``; ``run(config)`` launches it and returns its outputs."""
+def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config | str:
+    """The configuration for ``kernel`` on ``problem``; ``run(config)`` launches it and returns its
+    outputs. Looked for in this process's table, then (timed only) on disk; made by ``_fastest``
+    where neither has it, and kept in both."""
     options = candidates(kernel, problem)
     if len(options) == 1:
         return options[0]
     timed = autotuning()
-    key = (kernel, problem.head_dim, problem.head_dim_v, problem.dtype, problem.band is not None, size_class(problem),
-           _device_name(problem.device_index), timed)
-    if key not in _chosen:
-        _chosen[key] = _fastest(options, run, measured.setdefault(key, []), timed)
-    return _chosen[key]
+    key = kernel_key(kernel, problem)
+    where = tuning_cache.environment(problem.device_index)
+    slot = (key, where, timed)
+    if slot not in _chosen:
+        choice = _stored(where, key, options) if timed else None
+        if choice is None:
+            log = measured.setdefault(slot, [])
+            choice = _fastest(options, run, log, timed)
+            if timed:
+                tuning_cache.store(where, key, _encoded(choice), dict(log).get(choice))
+        _chosen[slot] = choice
+    return _chosen[slot]
+
+
+def kernel_key(kernel: str, problem) -> str:
+    """What a choice is kept under besides its environment: the kernel, head dims, dtype, whether a
+    band bounds the problem, and its size class, e.g. "forward-d128x128-bfloat16-band-n13-r17"."""
+    length, rows = size_class(problem)
+    band = "band" if problem.band is not None else "full"
+    return f"{kernel}-d{problem.head_dim}x{problem.head_dim_v}-{problem.dtype}-{band}-n{length}-r{rows}"
+
+
+def choices() -> list[tuple[str, dict | str, list | None]]:
+    """This process's timed choices: (kernel key, choice as the table on disk holds it, the
+    timings that made it; None where the choice came from disk)."""
+    return [(key, _encoded(choice), measured.get((key, where, timed)))
+            for (key, where, timed), choice in _chosen.items() if timed]
+
+
+def _stored(where, key: str, options: list) -> Config | str | None:
+    """The candidate that the table on disk holds for ``key``, if it still is one."""
+    stored = tuning_cache.load(where, key)
+    return next((option for option in options if _encoded(option) == stored), None)
+
+
+def _encoded(choice: Config | str):
+    """``choice`` as JSON holds it: a Config's fields, or a plan's name."""
+    return asdict(choice) if isinstance(choice, Config) else choice
 
 
 class Tuned:
@@ -158,23 +199,15 @@ def tuned_launch(kernel: str, problem, make: Callable, *tensors) -> Callable:
 
 
 def size_class(problem) -> tuple[int, int]:
-    """The size bucket a choice is cached under: the sequence length and the query rows of all
-    sequences and heads, each by its power of two (capped where the GPU is full either way).
+    """The size bucket a choice is kept under: the bit lengths of the sequence length and of the
+    query rows of all sequences and heads (capped where the GPU is full either way).
 
-    The length sets each program's loop, the rows how many programs there are to fill the GPU.
-    Keyed by length alone, the benchmark's small accuracy check (B=2, H=4, N=1k) chose the tiles
-    that its N=1k sweep (B=16, H=32) then ran with: causal d64 fwd+bwd at 146 TFLOP/s on the
-    H100, where the untuned first candidates had run at 189.
+    The length sets each program's loop, the rows how many programs there are to fill the GPU:
+    keyed by length alone, a few heads would choose the tiles that a full GPU then runs with at
+    the same length (docs/triton-design.md, "Tuning").
     """
     rows = problem.batch * problem.heads_q * problem.seqlen_q
     return min(problem.seqlen_q, 8192).bit_length(), min(rows, 1 << 18).bit_length()
-
-
-@functools.cache
-def _device_name(index) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(index)
 
 
 def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list, timed: bool) -> Config:
@@ -187,7 +220,7 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
 
     The outputs are poisoned with NaN before each candidate runs: they are the same buffers every
     time, so a candidate that leaves elements unwritten would otherwise show the values that the
-    one before it wrote there (Triton's Hopper warp specialization miscompiled so on the H100).
+    one before it wrote there (kernels under Triton's Hopper warp specialization did).
     The buffers are restored afterwards to what the first run left, which keeps the elements no
     kernel writes (varlen rows past the last sequence) as the caller initialised them.
     """
