@@ -7,7 +7,7 @@
      of its group: dV = P^T dO, dK = dS^T Q, summed over the group in registers;
    - ``_dq_program``: one query tile, Q/dO resident, streaming key tiles: dQ = dS K.
    Both kinds run in one launch, or each in a launch of its own with tiles of its own, whichever
-   ran faster on first use (``tuning.GRADIENTS``). As in the forward, a launch with masked tiles
+   the tuner chose (``tuning.GRADIENTS``). As in the forward, a launch with masked tiles
    runs twice (``Passes``): plain products first, then exactly for the programs whose sums ended
    non-finite.
 
@@ -232,9 +232,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
               HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
     """Add key tiles [lo, hi) into this query tile's dq; MASKED and EXACT as in _dkdv_tiles."""
     cols_in_tile = tl.arange(0, BLOCK_N)
-    # A masked loop with a branch on data around its products is not software-pipelined:
-    # pipelined around masked_dot's branch on ``suspect``, Triton 3.6 computed wrong 16-bit
-    # gradients on the H100 (dq and dk off by up to 100% with more keys than queries, causal).
+    # A masked loop with a branch on data around its products is not software-pipelined: Triton
+    # 3.6 miscompiles the pipelined loop around masked_dot's branch on ``suspect`` (wrong causal
+    # 16-bit gradients with more keys than queries; conformance's test_causal_16bit holds it).
     # The plain masked tiles have no such branch unless a mask can leave a tile empty.
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and (EXACT or HAS_MASK or HAS_BLOCK_MASK)
                             else None):

@@ -46,7 +46,8 @@ def query_tile(pid, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, padded_q, padded_k, heads_
 
     One axis (no 65535 limit); a head's tiles are adjacent so they share K/V in L2, and the
     last query tiles, which see the most keys under a causal band, start first. (Interleaving
-    the tiles of 4-16 heads, so that no heavy tile starts last, measured no faster on the H100.)
+    the tiles of several heads, so that no heavy tile starts last, measured no faster:
+    docs/triton-design.md, "The forward".)
     """
     num_tiles = tl.cdiv(padded_q, BLOCK_M)
     head = pid // num_tiles
@@ -180,9 +181,9 @@ def row_descriptors(x: torch.Tensor, varlen: bool, rows: int, cols: int, use_tma
     tensor (seqlens, varlen) are read and then masked, as ``load_rows`` says.
 
     The descriptor is checked once, on ``x``; each call's copy only takes the new tensor as its
-    base, which Triton reads for its address and dtype (checking every time cost several us per
-    descriptor, six per forward and backward). A tensor of the same layout (``layout``) passes
-    the same checks.
+    base, which Triton reads for its address and dtype (a check costs microseconds of host time,
+    and a forward and backward pass six descriptors). A tensor of the same layout (``layout``)
+    passes the same checks.
     """
     if not use_tma:
         return _same
@@ -318,9 +319,8 @@ def band_parts(problem, keys: bool, tile: int) -> int:
     that hold query rows (``keys`` False) or keys and stream the other axis ``tile`` rows at a time.
 
     The kernels compile only these parts' loops: a masked loop holds registers and shared memory
-    even where it never runs (masked_dot's NaN path above all). In the causal d128 backward on
-    the H100 the second masked loop of each kind made the full tiles' loop spill (364 B against
-    236) and cost 7-10% of the gradient launch. By ``band_tiles``, masked tiles come before the
+    even where it never runs (masked_dot's NaN path above all), and makes the full tiles' loop
+    spill (docs/triton-design.md, "Tiles of a band"). By ``band_tiles``, masked tiles come before the
     full ones only under a mask (then every used tile is masked) or where the near edge of the
     band is bounded, and after them only where its far edge is, or where the other axis can end
     inside a tile.
@@ -418,19 +418,19 @@ class Passes:
     a NaN or an infinity; then it is NaN, and that shows in the program's outputs. So a program
     whose outputs end finite has its exact result, and the others flag themselves
     (``flag_nonfinite``) for the second launch. The first kernel carries none of the exact path's
-    code (``masked_dot``), which held its registers: 112 against 206 in the forward at d64, so
-    twice the programs share an SM (causal d64 forward on the H100: 10-21% faster at N 512 to 4k).
-    Dropout makes every tile such a tile: a dropped pair must add 0 even where V or dO holds NaN.
-    A kernel without masked tiles or dropout runs once, exactly; its REDO is None.
+    code (``masked_dot``), whose registers would otherwise halve the programs that share an SM
+    (docs/triton-design.md, "Two launches for problems with masked tiles"). Dropout makes every
+    tile such a tile: a dropped pair must add 0 even where V or dO holds NaN. A kernel without
+    masked tiles or dropout runs once, exactly; its REDO is None.
 
     The second launch has one program per FLAGS_PER_PROGRAM programs of the first, each running
-    those of its share that were flagged (``program_share``): a program per program of the first
-    launch, each returning at once when not flagged, cost 8-21 µs in the forward and 18-119 µs in
-    the backward at N 1k to 8k (H100, causal bf16), 8% of the d64 forward at N = 1k.
+    those of its share that were flagged (``program_share``): a program for every program of the
+    first launch, nearly all returning at once, would cost a short launch a visible share of its
+    time on clean data.
 
     In the backward's gradient kernel the plain masked tiles also keep their software pipelining,
-    which the exact ones must go without (``_dq_tiles``): causal bf16 backward on the H100, 6-17%
-    faster at d128 (N 512 to 8k), 12% faster to 2% slower at d64.
+    which the exact ones must go without (``_dq_tiles``): that is what pays for the second launch
+    there.
     """
 
     def __init__(self, kernel, programs: int, options: dict, masked: bool, **bound):
@@ -443,9 +443,8 @@ class Passes:
         """Both launches; returns the flags (None: one launch).
 
         A candidate under trial (``tuning.trying_candidates``) compiles its exact kernel only
-        when a program is flagged: so a choice compiles each candidate once, not twice. (On the
-        H100 host a first causal d128 fwd+bwd took 115 s with both and 61 s with one, before the
-        tuner timed candidates in rounds, which adds about 0.4 s per candidate.)"""
+        when a program is flagged: so a choice compiles each candidate once, not twice (compiling
+        is most of what tuning costs)."""
         redo = torch.empty(self.programs, dtype=torch.int8, device=tensors[0].device) if self.masked else None
         plain, *exact = self.launches
         plain(*tensors, redo)
@@ -528,11 +527,10 @@ def _problem_args(problem) -> dict:
 def _tile_widths(head_dim: int, head_dim_v: int) -> dict:
     """BLOCK_D and BLOCK_DV: the head dims padded to powers of two, at least 16 (tl.dot's minimum).
 
-    A 16- or 32-wide tile beside a wider one miscompiles on the H100 (Triton 3.6). In the dK/dV
-    kernel, D = 32 with Dv = 128 gave a wrong dk or an illegal access, D = 32 with Dv = 40 or
-    64 illegal accesses, D = 8 with Dv = 64 a wrong dk; D = 64 with Dv = 32 read out of bounds
-    through TMA in the forward. Equal widths, and unequal ones of 64 and more, pass; so unequal
-    widths are padded to 64 at least.
+    Triton 3.6 miscompiles a 16- or 32-wide tile beside a wider one for sm_90: wrong dk and
+    illegal accesses in the dK/dV kernel, out-of-bounds TMA reads in the forward
+    (docs/triton-design.md, "Loads: TMA descriptors"). Equal widths, and unequal ones of 64 and
+    more, compile right; so unequal widths are padded to 64 at least.
     """
     block_d, block_dv = (max(16, triton.next_power_of_2(d)) for d in (head_dim, head_dim_v))
     if block_d != block_dv:

@@ -1,8 +1,8 @@
 """A compiled kernel launched again with as little host work as Triton 3.6 allows.
 
-A short causal step (N = 512) is five launches and is timed by the host, not the GPU: through
-``CompiledKernel[grid]`` a launch cost the H100's host 15-43 µs (docs/triton-design.md, "Host work per call"). Most of it is Python around Triton's C launcher,
-which ``direct`` leaves out:
+A short causal step is five launches and is timed by the host, not the GPU (docs/triton-design.md,
+"Host work per call"). Most of a launch's host time through ``CompiledKernel[grid]`` is Python
+around Triton's C launcher, which ``direct`` leaves out:
 
 - with a host TMA descriptor among the arguments, Triton wraps the C launch in a loop over every
   argument (``wrap_handle_tensordesc``; 66-86 of ours) and encodes each descriptor again
