@@ -191,7 +191,7 @@ class Sweep:
             def step():
                 return flashx.attention_with_kvcache(q, keys, values, cache_seqlens=lengths, validate=False,
                                                      backend="triton")
-            return step, {"num_splits": _chosen_splits(batch, cache, self.results["sm_count"])}
+            return step, {"num_splits": _chosen_splits(q, keys, values, lengths)}
 
         def paged(page_size):
             def make():
@@ -206,7 +206,8 @@ class Sweep:
                 def step():
                     return flashx.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table,
                                                          validate=False, backend="triton")
-                return step, {"page_size": page_size}
+                return step, {"page_size": page_size,
+                              "num_splits": _chosen_splits(q, k_pages, v_pages, lengths, block_table=table)}
             return make
 
         def sdpa(kernel):
@@ -248,7 +249,7 @@ class Sweep:
                                                                      num_splits=splits, validate=False,
                                                                      backend="triton"))
             times[splits] = ms
-        row = {"batch": batch, "cache": cache, "chosen": _chosen_splits(batch, cache, self.results["sm_count"]),
+        row = {"batch": batch, "cache": cache, "chosen": _chosen_splits(q, keys, values, lengths),
                "tbps": {str(n): _kv_bytes(batch, cache) / ms / 1e9 for n, ms in times.items()}}
         self.results["splits_scan"].append(row)
         print(f"splits B={batch} L={cache}: " + "  ".join(f"{n}: {t:.2f}" for n, t in row["tbps"].items()), flush=True)
@@ -324,10 +325,12 @@ def _kv_bytes(batch: int, cache: int) -> int:
     return batch * cache * SHAPE["heads_k"] * 2 * SHAPE["head_dim"] * 2
 
 
-def _chosen_splits(batch: int, cache: int, sm_count: int) -> int:
-    from flashx_triton.decode import choose_splits
+def _chosen_splits(q, keys, values, lengths, **keywords) -> int:
+    """The split count the Triton backend runs for this call (``num_splits=0``)."""
+    from flashx.kvcache import build_decode_problem
+    from flashx_triton.decode import splits
 
-    return choose_splits(batch, SHAPE["heads_k"], 1, cache, 64, sm_count)
+    return splits(build_decode_problem(q, keys, values, cache_seqlens=lengths, validate=False, **keywords), q.device)
 
 
 def _slug(name: str) -> str:

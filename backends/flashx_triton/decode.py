@@ -23,16 +23,17 @@ A split covers a fixed share of the key tiles its rows may see, computed on the 
 sequence's length, so a fixed ``num_splits`` gives bitwise the same result on every call.
 ``num_splits=0`` takes ``choose_splits``: as many splits as fit the (sequence, kv head, row tile)
 programs into one wave of one program per SM, none when those alone fill the SMs, and each split
-keeping at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. On the H100 (bf16,
-Hq = 32, Hk = 8, d = 128) that was the best split count measured at B = 1, 4, 16 and 64: two
-programs per SM ran 4-16% slower, the merge and the extra programs costing more than they hid.
-It is chosen from the capacity (S, or max_pages x page_size), not from the lengths, which only
-the device holds, and so the choice is the same with and without ``validate``.
+keeping at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. It is chosen from the
+capacity (S, or max_pages x page_size), not from the lengths, which only the device holds, and so
+the choice is the same with and without ``validate``.
 
-Tiles (``config``): 32 keys, 4 warps, 3 stages where a tile's rows are found without the table
-(a contiguous cache, or pages a multiple of 32 slots); 128 keys, 4 warps, 2 stages where each row
-goes through the table, so that each wait on a table read brings in more keys. Both were among
-the fastest of ten configurations at B = 1 (64k) and B = 16 (16k) on the H100.
+Tiles (``config``), measured together with that choice on the H100 (bf16, Hq = 32, Hk = 8,
+d = 128; benchmarks/decode.py's scans): a contiguous cache takes 64 keys, 4 warps and 3 stages,
+whose 64 KB in flight keep one program per SM at the copy bandwidth (B = 4, 64k tokens: 3.04 TB/s,
+against 2.66 with 32-key tiles, which need two programs per SM and so twice the splits). A paged
+cache takes 128 keys, 4 warps and 2 stages: every tile's addresses wait on a block-table read,
+which Triton's pipeline does not overlap, and a longer tile waits once for more bytes (pages of
+256 at B = 4, 64k: 2.84 TB/s, against 2.33 with 64-key and 1.58 with 32-key tiles).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import triton.language as tl
 from flashx_triton.common import Launch, _dot_precision, _tile_widths, dot, layout, masked_dot
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2)
 MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this per split cost more in the merge than they gain
 MAX_SPLITS = 128
 INTERPRETED_SMS = 4  # the stand-in SM count under TRITON_INTERPRET, so that tiny problems split too
@@ -294,9 +294,18 @@ def config(problem) -> dict:
         return dict(BLOCK_M=block_m, BLOCK_N=16, num_warps=1, num_stages=1)
     if max(problem.head_dim, problem.head_dim_v) > 128 or problem.dtype == "float32":
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2)
-    if problem.paged and problem.page_size % 32:
+    if problem.paged:
         return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def splits(problem, device: torch.device) -> int:
+    """How many splits a call runs: ``num_splits``, or ``choose_splits``'s count, never more than
+    the cache's key tiles (more would only add empty splits)."""
+    tiles = config(problem)
+    chosen = problem.num_splits or choose_splits(problem.batch, problem.heads_k, _row_tiles(problem, tiles),
+                                                 problem.capacity, tiles["BLOCK_N"], _sm_count(device))
+    return min(chosen, max(1, triton.cdiv(problem.capacity, tiles["BLOCK_N"])))
 
 
 def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new, v_new):
@@ -308,31 +317,27 @@ def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
     if problem.batch * problem.seqlen_q * problem.heads_q == 0:
         return o, lse
-    tiles = config(problem)
-    splits = problem.num_splits or choose_splits(problem.batch, problem.heads_k, _row_tiles(problem, tiles),
-                                                 problem.capacity, tiles["BLOCK_N"], _sm_count(q.device))
-    # More splits than key tiles in the cache only add empty ones.
-    splits = min(splits, max(1, triton.cdiv(problem.capacity, tiles["BLOCK_N"])))
+    count = splits(problem, q.device)
     mask = None if problem.mask is None else problem.mask.expand(*problem.lse_shape, problem.seqlen_q)
-    if splits == 1:
-        _launch("split", problem, (q, k_cache, v_cache, seqlens, table, mask, o[None], lse[None]), splits)
+    if count == 1:
+        _launch("split", problem, (q, k_cache, v_cache, seqlens, table, mask, o[None], lse[None]), count)
         return o, lse
-    o_part = torch.empty((splits, *problem.o_shape), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((splits, *problem.lse_shape), dtype=torch.float32, device=q.device)
-    _launch("split", problem, (q, k_cache, v_cache, seqlens, table, mask, o_part, lse_part), splits)
-    _launch("merge", problem, (o_part, lse_part, o, lse), splits)
+    o_part = torch.empty((count, *problem.o_shape), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((count, *problem.lse_shape), dtype=torch.float32, device=q.device)
+    _launch("split", problem, (q, k_cache, v_cache, seqlens, table, mask, o_part, lse_part), count)
+    _launch("merge", problem, (o_part, lse_part, o, lse), count)
     return o, lse
 
 
-def _launch(kernel: str, problem, tensors: tuple, splits: int = 1) -> None:
+def _launch(kernel: str, problem, tensors: tuple, count: int = 1) -> None:
     """``kernel`` on ``tensors``, through a ``Launch`` kept per static problem, layout and split count."""
     key = (kernel, problem.static_key(), layout(*(x for x in tensors if x is not None)),
-           tuple(x is None for x in tensors), splits)
+           tuple(x is None for x in tensors), count)
     launch = _launches.get(key)
     if launch is None:
         if len(_launches) >= _LIMIT:
             _launches.clear()
-        launch = _launches[key] = _BUILD[kernel](problem, tensors, splits)
+        launch = _launches[key] = _BUILD[kernel](problem, tensors, count)
     launch(*tensors)
 
 
@@ -343,7 +348,7 @@ def _strides(x, count: int) -> tuple:
     return tuple(x.stride()) if x is not None else (0,) * count
 
 
-def _build_split(problem, tensors, splits) -> Launch:
+def _build_split(problem, tensors, count) -> Launch:
     q, k_cache, v_cache, _, table, mask, o, lse = tensors
     tiles = config(problem)
     left, right = problem.band or (-1, -1)
@@ -354,22 +359,22 @@ def _build_split(problem, tensors, splits) -> Launch:
          "stride_mi", "stride_mj", "stride_os", "stride_ob", "stride_on", "stride_oh", "stride_od", "stride_ls",
          "stride_lb", "stride_lh", "stride_ln"),
         (*q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(table, 2), *_strides(mask, 4),
-         0 if splits == 1 else o.stride(0), *o.stride()[1:], 0 if splits == 1 else lse.stride(0), *lse.stride()[1:]),
+         0 if count == 1 else o.stride(0), *o.stride()[1:], 0 if count == 1 else lse.stride(0), *lse.stride()[1:]),
     ))
-    grid = (problem.batch * problem.heads_k * _row_tiles(problem, tiles), splits)
+    grid = (problem.batch * problem.heads_k * _row_tiles(problem, tiles), count)
     return Launch(_split_kernel, grid, dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]), **bound,
                   heads_k=problem.heads_k, seqlen_q=problem.seqlen_q, group=problem.group,
                   new_tokens=problem.new_tokens, left=unbounded if left == -1 else left,
                   right=unbounded if right == -1 else right, scale_log2=problem.softmax_scale * LOG2E,
-                  num_splits=splits, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
+                  num_splits=count, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
                   **_tile_widths(problem.head_dim, problem.head_dim_v), BLOCK_M=tiles["BLOCK_M"],
                   BLOCK_N=tiles["BLOCK_N"], PAGE_SIZE=problem.page_size or 0, HAS_MASK=mask is not None,
                   DOT_PRECISION=_dot_precision(problem.dtype))
 
 
-def _build_merge(problem, tensors, splits) -> Launch:
+def _build_merge(problem, tensors, count) -> Launch:
     o_part, lse_part, o, lse = tensors
-    block_s = triton.next_power_of_2(splits)
+    block_s = triton.next_power_of_2(count)
     bound = dict(zip(
         ("stride_ps", "stride_pb", "stride_pn", "stride_ph", "stride_pd", "stride_qs", "stride_qb", "stride_qh",
          "stride_qn", "stride_ob", "stride_on", "stride_oh", "stride_od", "stride_lb", "stride_lh", "stride_ln"),
@@ -377,12 +382,12 @@ def _build_merge(problem, tensors, splits) -> Launch:
     ))
     grid = (problem.batch * problem.seqlen_q * problem.heads_q,)
     return Launch(_merge_kernel, grid, dict(num_warps=4 if not _interpreting() else 1), **bound,
-                  heads_q=problem.heads_q, seqlen_q=problem.seqlen_q, num_splits=splits,
+                  heads_q=problem.heads_q, seqlen_q=problem.seqlen_q, num_splits=count,
                   HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=_tile_widths(problem.head_dim, problem.head_dim_v)["BLOCK_DV"],
                   BLOCK_S=block_s, CHUNK=min(block_s, 32))
 
 
-def _build_append(problem, tensors, splits) -> Launch:
+def _build_append(problem, tensors, count) -> Launch:
     k_new, v_new, k_cache, v_cache, _, table = tensors
     bound = dict(zip(
         ("stride_nb", "stride_nn", "stride_nh", "stride_nd", "stride_wb", "stride_wn", "stride_wh", "stride_wd",
