@@ -27,14 +27,12 @@ keeping at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. It i
 capacity (S, or max_pages x page_size), not from the lengths, which only the device holds, and so
 the choice is the same with and without ``validate``.
 
-Tiles (``config``), measured together with that choice on the H100 (bf16, Hq = 32, Hk = 8,
-d = 128; benchmarks/decode.py's scans): a contiguous cache takes 64 keys, 4 warps and 3 stages,
-whose 64 KB in flight keep one program per SM at the copy bandwidth (B = 4, 64k tokens: 3.04 TB/s,
-against 2.66 with 32-key tiles, which need two programs per SM and so twice the splits). A paged
+Tiles (``config``), chosen together with that split count on the H100: a contiguous cache takes
+64 keys, 4 warps and 3 stages, whose 64 KB in flight keep one program per SM at the copy
+bandwidth (32-key tiles needed two programs per SM, so twice the splits, and ran slower). A paged
 cache takes 128 keys, 4 warps and 2 stages: every tile's addresses wait on a block-table read,
-which the measurements suggest Triton's pipeline does not overlap, and a longer tile waits once
-for more bytes (pages of 256 at B = 4, 64k: 2.84 TB/s, against 2.33 with 64-key and 1.58 with
-32-key tiles, where the contiguous cache loses little with either).
+which Triton's pipeline did not appear to overlap, and a longer tile waits once for more bytes
+(pages of 256 ran 1.8x faster than with 32-key tiles).
 """
 
 from __future__ import annotations
