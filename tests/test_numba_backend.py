@@ -1,10 +1,11 @@
 """The Numba backend on the CPU, in numba-cuda's simulator: its declarations, its Philox device
 function and bfloat16 rounding, and its kernels on problems that cross several tiles.
 
-The simulator is chosen when numba is first imported, so it is set before anything imports it
-(no other test module does). The conformance suite grades the whole contract; the problems
-here are the few whose parts it does not isolate, kept tiny (the simulator runs every CUDA
-thread as a Python thread).
+numba chooses the simulator when it is first imported: this module sets NUMBA_ENABLE_CUDASIM
+for that import only (no other test module imports numba), so the rest of the run sees the
+environment it had. The conformance suite grades the whole contract; the problems here are the
+few whose parts it does not isolate, kept tiny (the simulator runs every CUDA thread as a
+Python thread).
 """
 
 from __future__ import annotations
@@ -12,16 +13,23 @@ from __future__ import annotations
 import math
 import os
 
-os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("numba_cuda", reason="the Numba backend needs numba-cuda (pip install 'flashx-attention[numba]')")
 
+_environment = os.environ.get("NUMBA_ENABLE_CUDASIM")
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+try:
+    from numba.cuda.core import config
+finally:
+    if _environment is None:
+        del os.environ["NUMBA_ENABLE_CUDASIM"]
+    else:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = _environment
+
 from flashx_conformance import oracle, philox  # noqa: E402
-from numba import config  # noqa: E402
 
 import flashx  # noqa: E402
 import flashx_numba  # noqa: E402

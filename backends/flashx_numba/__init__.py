@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 import flashx
 from flashx.hookspecs import hookimpl
@@ -21,7 +22,10 @@ __version__ = "0.1.0"
 
 
 def _simulating() -> bool:
-    """Whether numba runs CUDA kernels in its simulator (read as numba reads it, at its import)."""
+    """Whether numba runs CUDA kernels in its simulator: as it decided on import, or as it will."""
+    config = sys.modules.get("numba.cuda.core.config")
+    if config is not None:
+        return bool(config.ENABLE_CUDASIM)
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 

@@ -7,8 +7,10 @@ offset can overflow.
 
 - forward: one block per (query tile, query head, sequence), on one grid axis (no 65535 limit
   on B * H). Q stays in shared memory; K and V stream through it a tile at a time, skipping
-  tiles the band (causal, window) or the block mask leaves empty. The online softmax runs in
-  float32 on each thread's rows, its row maximum and sum reduced across lanes by shuffles.
+  tiles the band (causal, window) or the block mask leaves empty. Each thread's scores go to
+  shared memory, where the online softmax works on them in float32 row by row (registers hold
+  only what loops of fixed length index: the accumulators), the row maximum and sum reduced
+  across lanes by shuffles.
 - delta: D = rowsum(dO * O), one thread per (row, head).
 - dK/dV: one block per (key tile, kv head, sequence), looping over the query tiles and every
   query head of the GQA group: each key's gradients are summed in one block, in a fixed

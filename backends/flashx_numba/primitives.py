@@ -21,19 +21,20 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda
+from numba import cuda
+from numba.cuda.core import config
 
 #: Whether kernels run in the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) rather than on a GPU.
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in a shuffle
-_MICRO = 64  # the longest run of one thread's tile or accumulator columns (registers, after unrolling)
+_MICRO = 256  # the most tile or accumulator columns one thread holds (a whole head dim); unused ones vanish
 
 
 def device_function(function):
     """A numba device function, inlined into its callers on the GPU (so that the thread-layout
     constants it receives fold, and its small arrays stay in registers). In the simulator, the
     Python function itself: the simulator's wrapper swaps module globals on every call, which
-    made these small functions the larger part of its time (none of them uses ``cuda``)."""
+    made these small functions the larger part of its time (those it runs use no ``cuda.*``)."""
     if SIMULATOR:
         return function
     return cuda.jit(device=True, forceinline=True)(function)
@@ -41,9 +42,10 @@ def device_function(function):
 
 # -- numbers -------------------------------------------------------------------------------
 
-#: The P or dS written for a pair that adds nothing (disallowed, or dropped): -0.0, which no
-#: allowed pair produces (exp() >= +0). Its term is skipped, not multiplied: 0 * NaN is NaN,
-#: and NaN or inf in data that only such pairs read must not reach any output.
+#: The P or dS written for a pair that adds nothing (disallowed, or dropped): -0.0. Its term is
+#: skipped, not multiplied: 0 * NaN is NaN, and NaN or inf in data that only such pairs read
+#: must not reach any output. An allowed pair's P is never -0.0 (exp() >= +0); its dS is where
+#: P = 0, a term that adds 0 anyway unless the row's own data hold an infinity.
 SKIP = np.float32(-0.0)
 NEG_INF = np.float32(-np.inf)  # float32, so that no computation widens to float64
 
