@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashx
-from flashx_bench import cli, gpu, records, report
+from flashx_bench import cli, decode, gpu, records, report
 from flashx_bench.implementations import Shape, causal_block_mask, implementations
 
 
@@ -205,6 +205,97 @@ def test_the_decode_sweep_keeps_a_record_of_its_own(tmp_path):
     rows = [(r["impl"], r["mode"], r["batch"], r["seqlen"], r["heads"], r["head_dim"], r["metric"], r["value"])
             for r in _history(tmp_path)]
     assert rows == [("", "", "", "", "", "", "copy_tbps", "3"), ("flashx", "decode", "1", "16384", "32", "128", "tbps", "2.7")]
+
+
+
+def _decode_row(impl, batch, cache, tbps):
+    size = decode._kv_bytes(batch, cache)
+    return {"impl": impl, "batch": batch, "cache": cache, "bytes": size, "status": "ok", "ms": size / tbps / 1e9,
+            "timing": "graph", "tbps": tbps, "copy_fraction": tbps / 3.0}
+
+
+@pytest.fixture
+def decode_results():
+    """Two points of the decode sweep on a 3.0 TB/s device: flashx behind cuDNN at B=1, ahead at B=4;
+    pages of 16 out of memory at B=4."""
+    speeds = {(1, 16384): {"flashx": 2.7, "flashx-page256": 2.25, "flashx-page16": 2.6, "flashx-page1": 2.5,
+                           "sdpa-cudnn": 3.0, "sdpa-flash": 2.4},
+              (4, 65536): {"flashx": 3.0, "flashx-page256": 2.0, "flashx-page16": None, "flashx-page1": 2.9,
+                           "sdpa-cudnn": 2.9, "sdpa-flash": 2.8}}
+    rows = [_decode_row(impl, batch, cache, tbps) if tbps else
+            {"impl": impl, "batch": batch, "cache": cache, "status": "error: OutOfMemoryError: CUDA out of memory"}
+            for (batch, cache), point in speeds.items() for impl, tbps in point.items()]
+    return {"kind": "decode", "device": "NVIDIA H100 80GB HBM3", "sm_count": 132, "date": "2026-11-25",
+            "versions": {"torch": "2.11.0", "triton": "3.6.0", "flashx": "0.1.0"},
+            "shape": {**decode.SHAPE, "dtype": "bfloat16", "seqlen_q": 1}, "labels": decode.LABELS, "copy_tbps": 3.0,
+            "rows": rows, "notes": ["Measured with tiles since replaced."],
+            "splits_scan": [{"batch": 1, "cache": 16384, "chosen": 16, "tbps": {"0": 2.7, "1": 0.2, "16": 2.7}}]}
+
+
+def test_decode_options():
+    args = decode.parse_args([])
+    assert (args.command, args.out, args.batches, args.caches, args.scan_splits, args.time_limit) == (
+        "run", records.DEFAULT_OUT.resolve(), list(decode.BATCHES), list(decode.CACHES), False, None)
+    args = decode.parse_args(["--scan-splits", "--batches", "1", "4", "--caches", "1024", "--max-tokens", "4096",
+                              "--time-limit", "60", "--out", "elsewhere"])
+    assert (args.out.name, args.batches, args.caches, args.max_tokens, args.scan_splits, args.time_limit) == (
+        "elsewhere", [1, 4], [1024], 4096, True, 60.0)
+    assert decode.parse_args(["--record", "--scan-splits"]).out == records.CHECKOUT_RESULTS
+    for refused in (["--record", "--caches", "1024"], ["--record", "--out", "elsewhere"], ["report"]):
+        with pytest.raises(SystemExit):
+            decode.parse_args(refused)
+
+
+def test_decode_record_is_the_device_record(decode_results, tmp_path, monkeypatch):
+    """The sweep saves decode-<device>.partial.json as it goes; publishing replaces decode-<device>.*
+    and appends one history row per number."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: decode_results["device"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132))
+    sweep = decode.Sweep(decode.parse_args(["--out", str(tmp_path)]))
+    assert sweep.path == records.partial_path(tmp_path, "decode-h100")
+    sweep.results["rows"] = decode_results["rows"][:1]
+    sweep._save()
+    assert records.load_json(sweep.path)["rows"] == decode_results["rows"][:1]
+
+    records.publish(decode_results, tmp_path, decode.markdown)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["decode-h100.json", "decode-h100.md", "history.csv"]
+    assert records.load_json(tmp_path / "decode-h100.json") == decode_results
+    history = _history(tmp_path)
+    assert len(history) == 1 + 11  # the copy bandwidth, and every row but the out-of-memory one
+    assert [(r["impl"], r["batch"], r["seqlen"], r["metric"], r["value"]) for r in history[:2]] == [
+        ("", "", "", "copy_tbps", "3"), ("flashx", "1", "16384", "tbps", "2.7")]
+
+
+def test_decode_markdown(decode_results):
+    text = decode.markdown(decode_results)
+    assert "**Note.** Measured with tiles since replaced.\n" in text
+    assert "| B=1, L=16k: >= 85% of copy bandwidth | 90.0% (2.70 of 3.00 TB/s) | yes |" in text
+    assert "| >= 1.0x the faster of cuDNN and FA2 at every point | lowest 0.90x (B=1, L=16k) | **no** |" in text
+    assert "| flashx, pages of 256: time <= 1.10x contiguous at every point | worst 1.50x (B=4, L=64k) | **no** |" in text
+    assert "| flashx, pages of 16: time <= 1.10x contiguous at every point | worst 1.04x (B=1, L=16k) | yes |" in text
+    assert "| 4 | 64k | 3.00 (100%) | 2.00 (67%) | error | 2.90 (97%) | 2.90 (97%) | 2.80 (93%) | 1.03x |" in text
+    assert "- flashx-page16: error: OutOfMemoryError: CUDA out of memory" in text
+    assert "| 1 | 16k | 16 | 2.70 | 0.20 | 2.70 |" in text  # the num_splits scan
+    for line in text.splitlines():
+        if line.startswith("|"):
+            assert line.endswith("|")
+
+
+def test_flashx_bench_decode_runs_the_decode_sweep(decode_results, tmp_path):
+    """`flashx bench decode ARGS` is the decode sweep's command line; its report redraws a record."""
+    from flashx import cli as flashx_cli
+
+    path = tmp_path / "decode-h100.json"
+    records.save_json(decode_results, path)
+    assert flashx_cli.main(["bench", "decode", "report", str(path)]) == 0
+    assert path.with_suffix(".md").read_text() == decode.markdown(decode_results)
+    path.with_suffix(".md").unlink()
+    assert cli.main(["decode", "report", str(path)]) == 0
+    assert path.with_suffix(".md").read_text() == decode.markdown(decode_results)
+    with pytest.raises(SystemExit):
+        cli.main(["decode", "--batches", "x"])
 
 
 def test_commands_redraw_from_json(results, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """flashx bench (also python -m flashx_bench): the GPU sweep (default), the CPU comparison (--cpu),
 and redrawing a record's tables and plot from its JSON (table, plot, headline, merge).
+`flashx bench decode [ARGS]` runs the KV-cache decode sweep instead (`flashx bench decode --help`).
 
 A run replaces its device's record (<device>.json, .md, .png) in the output directory and
 appends its numbers to history.csv there: --out DIR (default ./flashx-bench-results), or
@@ -20,6 +21,11 @@ INSTALL = "pip install 'flashx-attention[triton,plot]'"
 
 
 def main(argv: list[str] | None = None, prog: str = "flashx bench") -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["decode"]:
+        from flashx_bench import decode
+
+        return decode.main(argv[1:])
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the NumPy backend against torch's CPU SDPA instead")

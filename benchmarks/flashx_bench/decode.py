@@ -1,8 +1,8 @@
-"""The decode sweep: ``flashx.attention_with_kvcache`` against SDPA's cuDNN and FlashAttention-2 kernels.
+"""flashx bench decode: ``flashx.attention_with_kvcache`` against SDPA's cuDNN and FlashAttention-2 kernels.
 
-    python -m benchmarks.decode [--out DIR] [--batches 1 4 16 64] [--caches 1024 ... 131072]
-                                [--max-tokens N] [--scan-splits] [--time-limit S]
-    python -m benchmarks.decode report RESULTS.json     # the markdown table and the plot again
+    flashx bench decode [--out DIR | --record] [--batches 1 4 16 64] [--caches 1024 ... 131072]
+                        [--max-tokens N] [--scan-splits] [--time-limit S]
+    flashx bench decode report FILE.json     # FILE.md and FILE.png again, from the JSON
 
 One decoding step per point: B sequences with L cached tokens each, one query row per sequence,
 bf16, Hq = 32 query heads over Hk = 8 kv heads, d = 128. Points with B * L above ``--max-tokens``
@@ -31,21 +31,23 @@ are left out (their caches would not fit beside the peers' copies).
 - ``--scan-splits``: at a few points, flashx on the contiguous cache at every power-of-two
   ``num_splits`` beside its own choice (``num_splits=0``), the table behind that choice.
 
-Writes ``decode-<device>-<date>.json`` (saved after every row), ``.md`` and ``.png`` into ``--out``
-(default benchmarks/results).
+The run is the device's decode record (``flashx_bench.records``): ``decode-<device>.partial.json``
+saved after every row, then ``decode-<device>.json``, ``.md`` and ``.png`` replaced and its numbers
+appended to ``history.csv`` (metric ``tbps``, and the run's ``copy_tbps``), in ``--out`` (default
+./flashx-bench-results) or, with ``--record``, the source checkout's benchmarks/results (the full
+sweep only). A JSON's ``notes`` (a list of sentences) are printed under the markdown's header.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from flashx_bench import records
+
 SHAPE = dict(heads_q=32, heads_k=8, head_dim=128)
 BATCHES = (1, 4, 16, 64)
 CACHES = (1024, 4096, 16384, 65536, 131072)
@@ -70,22 +72,55 @@ TARGET_FRACTION, TARGET_CACHES = 0.85, (16384, 65536, 131072)
 TARGET_PAGED = {"flashx-page256": 1.10, "flashx-page16": 1.10, "flashx-page1": 1.25}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n")[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The sweep's options; ``args.out`` is where the record goes (``--record``: the checkout's)."""
+    parser = argparse.ArgumentParser(prog="flashx bench decode", description=__doc__.split("\n")[0])
     parser.add_argument("command", nargs="?", choices=("run", "report"), default="run")
-    parser.add_argument("results", nargs="?", help="report: the JSON to draw again")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("results", nargs="?", type=Path, help="report: the record's JSON to draw again")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=records.DEFAULT_OUT,
+                       help=f"directory of the records and history (default ./{records.DEFAULT_OUT})")
+    where.add_argument("--record", action="store_true",
+                       help="update the source checkout's benchmarks/results instead (the full sweep only)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--caches", type=int, nargs="+", default=list(CACHES))
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--scan-splits", action="store_true", help="also time every power-of-two num_splits")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds; what is left is marked skipped")
     args = parser.parse_args(argv)
+    if args.command == "report" and args.results is None:
+        parser.error("report needs the record's JSON")
+    if args.record:
+        partial = [flag for flag, used in (("--batches", args.batches != list(BATCHES)),
+                                           ("--caches", args.caches != list(CACHES)),
+                                           ("--max-tokens", args.max_tokens != MAX_TOKENS)) if used]
+        if partial:
+            parser.error(f"--record keeps the full sweep as the device's decode record, and {', '.join(partial)} "
+                         "runs part of it: pass --out DIR instead")
+        args.out = records.checkout_results()
+    args.out = args.out.resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.command == "report":
-        path = Path(args.results)
-        write_report(json.loads(path.read_text()), path)
-        return
-    Sweep(args).run()
+        written = records.redraw(records.load_json(args.results), args.results, markdown, plot)
+    else:
+        try:
+            import torch
+            import triton  # noqa: F401  (flashx's decode kernels)
+        except ImportError as error:
+            raise SystemExit(f"flashx bench decode: needs {error.name}: pip install 'flashx-attention[bench]'")
+        if not torch.cuda.is_available():
+            raise SystemExit("flashx bench decode: no CUDA device here")
+        sweep = Sweep(args)
+        print(f"the record goes to {args.out}: {sweep.path.name.replace('.partial', '')}, .md, .png replaced; "
+              f"{records.HISTORY} appended")
+        written = records.publish(sweep.run(), args.out, markdown, plot)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
 
 
 class Sweep:
@@ -100,7 +135,6 @@ class Sweep:
         self.deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
         name = torch.cuda.get_device_name(self.device)
         today = datetime.date.today().isoformat()
-        self.path = Path(args.out) / f"decode-{_slug(name)}-{today}.json"
         self.results = {
             "kind": "decode",
             "device": name,
@@ -116,6 +150,7 @@ class Sweep:
             "rows": [],
             "splits_scan": [],
         }
+        self.path = records.partial_path(args.out, records.stem(self.results))
 
     def run(self) -> dict:
         import torch
@@ -137,7 +172,6 @@ class Sweep:
                 if batch * cache <= self.args.max_tokens:
                     self._scan(batch, cache)
         self._save()
-        write_report(self.results, self.path)
         return self.results
 
     # -- one point ------------------------------------------------------------------------------
@@ -315,10 +349,7 @@ class Sweep:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
     def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(self.results, indent=1))
-        os.replace(partial, self.path)
+        records.save_json(self.results, self.path)
 
 
 def _kv_bytes(batch: int, cache: int) -> int:
@@ -333,25 +364,7 @@ def _chosen_splits(q, keys, values, lengths, **keywords) -> int:
     return splits(build_decode_problem(q, keys, values, cache_seqlens=lengths, validate=False, **keywords), q.device)
 
 
-def _slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100'."""
-    words = [w for w in name.split() if w.lower() not in {"nvidia", "geforce", "tesla"}]
-    for word in words:
-        if any(c.isdigit() for c in word):
-            return word.lower()
-    return "gpu"
-
-
 # -- the report (from the JSON alone) ------------------------------------------------------------
-
-
-def write_report(results: dict, json_path: Path) -> None:
-    json_path = Path(json_path)
-    json_path.with_suffix(".md").write_text(markdown(results))
-    try:
-        plot(results, json_path.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib is not installed: no plot (python -m benchmarks.decode report JSON draws it later)")
 
 
 def _rows(results: dict) -> dict[tuple, dict]:
@@ -413,9 +426,10 @@ def markdown(results: dict) -> str:
         f"Hk={shape['heads_k']}, d={shape['head_dim']}. TB/s of K/V read (B·L·Hk·2d·2 bytes / time); in brackets, "
         f"the fraction of the device-to-device copy bandwidth measured in the same run: "
         f"**{results['copy_tbps']:.2f} TB/s** (bytes read + written). CUDA-graph replays, medians, the L2 "
-        f"flushed before each by reading {FLUSH_BYTES >> 20} MiB (`python -m benchmarks.decode`; its docstring says "
+        f"flushed before each by reading {FLUSH_BYTES >> 20} MiB (`flashx bench decode`; its docstring says "
         f"why not by writing). {versions}; {results['sm_count']} SMs.",
         "",
+        *(f"**Note.** {note}\n" for note in results.get("notes", ())),
         "## Targets",
         "",
         "| target | measured | met |",
@@ -462,7 +476,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -493,7 +507,5 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
-
-if __name__ == "__main__":
-    main()
