@@ -255,7 +255,7 @@ def tune(args) -> int:
         return _list_tuned(tuning_cache)
     if args.clear:
         removed = tuning_cache.clear()
-        print(f"flashx tune: removed {removed} tuned choices from {tuning_cache.table_directory()}")
+        print(f"flashx tune: removed {_choices(removed)} from {tuning_cache.table_directory()}")
         return 0
     refusal = None if tuning.interpreting() else _cuda_refusal()  # the interpreter: tests only
     if refusal is None and not tuning.autotuning():
@@ -279,7 +279,11 @@ def tune(args) -> int:
 
         q, k, v = normal(args.heads), normal(kv_heads), normal(kv_heads)
         start = time.perf_counter()
-        o = flashx.attention(q, k, v, causal=args.causal, backend="triton")
+        try:
+            o = flashx.attention(q, k, v, causal=args.causal, backend="triton")
+        except flashx.FlashXError as error:  # a shape the backend declines: the user's to change
+            print(f"flashx tune: {error}", file=sys.stderr)
+            return 1
         if args.backward:
             o.backward(normal(args.heads, grad=False))
         if device == "cuda":
@@ -299,7 +303,7 @@ def tune(args) -> int:
 
 def _list_tuned(tuning_cache) -> int:
     found = list(tuning_cache.records())
-    print(f"flashx tune: {len(found)} tuned choices in {tuning_cache.table_directory()}")
+    print(f"flashx tune: {_choices(len(found))} in {tuning_cache.table_directory()}")
     environment = None
     for path, record in found:
         if path.parent.name != environment:
@@ -312,6 +316,10 @@ def _list_tuned(tuning_cache) -> int:
             line = f"{path.name}: unreadable (ignored)"
         print(f"    {line}")
     return 0
+
+
+def _choices(count: int) -> str:
+    return f"{count} tuned choice{'' if count == 1 else 's'}"
 
 
 def _choice_text(choice) -> str:

@@ -268,11 +268,11 @@ def test_flashx_tune_fills_lists_and_clears_the_table(table, monkeypatch, capsys
 
     assert cli.main(["tune", "--list"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"flashx tune: 1 tuned choices in {table}\n")
+    assert out.startswith(f"flashx tune: 1 tuned choice in {table}\n")
     assert re.search(rf"^    {TUNED_KEY}\s+split  1\.000 ms$", out, re.MULTILINE), out
 
     assert cli.main(["tune", "--clear"]) == 0
-    assert capsys.readouterr().out == f"flashx tune: removed 1 tuned choices from {table}\n"
+    assert capsys.readouterr().out == f"flashx tune: removed 1 tuned choice from {table}\n"
     assert not table.exists()
     assert cli.main(["tune", "--list"]) == 0
     assert capsys.readouterr().out == f"flashx tune: 0 tuned choices in {table}\n"
@@ -289,6 +289,12 @@ def test_flashx_tune_refuses_in_one_line_where_it_cannot_time(table, monkeypatch
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 1 and reason in captured.err, captured.err
     assert not table.exists()
+
+
+def test_flashx_tune_names_a_shape_the_backend_declines_in_one_line(table, capsys):
+    assert cli.main(["tune", "--seqlen", "40", "--heads", "3", "--kv-heads", "2", "--head-dim", "16"]) == 1
+    captured = capsys.readouterr()
+    assert len(captured.err.splitlines()) == 1 and "flashx tune: " in captured.err and "Traceback" not in captured.err
 
 
 def test_flashx_tune_needs_a_shape_or_list_or_clear(capsys):
