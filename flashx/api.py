@@ -30,7 +30,7 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     in docs/contract.md, sections "Shapes", "Scores and masking" and "Dropout".
     """
     options = complete("attention", options)
-    if _traced(q):
+    if arrays.traced(q):
         from flashx.ops import attention as traced_attention
 
         return traced_attention(q, k, v, backend, options, return_lse)
@@ -108,15 +108,6 @@ def explain(q, k, v, *, return_lse=False, backend="auto", **options) -> dispatch
     """Which backend ``attention`` would run for these arguments, and why each other one would not."""
     options = complete("explain", options)
     return dispatch.explain(build_problem(q, k, v, **options))
-
-
-def _traced(q) -> bool:
-    """torch.compile or torch.export is tracing: the call becomes flashx's torch operators (``flashx.ops``)."""
-    if arrays.kind_of(q) != "torch":
-        return False
-    import torch
-
-    return torch.compiler.is_compiling()
 
 
 def _wants_grad(q, k, v) -> bool:

@@ -64,6 +64,16 @@ def resolved(x: Any) -> Any:
     return x
 
 
+def traced(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor seen by torch.compile or torch.export, not a real one:
+    then calls go through flashx's torch operators (``flashx.ops``)."""
+    if kind_of(x) != "torch":
+        return False
+    import torch  # a plain import: Dynamo traces it (importlib would break the graph here)
+
+    return torch.compiler.is_compiling()
+
+
 def module(kind: str):
     return importlib.import_module(kind)
 

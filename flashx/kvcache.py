@@ -161,6 +161,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     (0: the backend chooses). ``validate=False``: no host synchronization (the caller promises
     valid lengths and tables), capturable in a CUDA graph.
     """
+    if arrays.traced(q):
+        from flashx.ops import attention_with_kvcache as traced_call
+
+        return traced_call(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
+                           block_table=block_table, causal=causal, window=window, softmax_scale=softmax_scale,
+                           mask=mask, num_splits=num_splits, validate=validate, return_lse=return_lse,
+                           backend=backend)
     problem, impl = plan_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
                                  block_table=block_table, causal=causal, window=window, softmax_scale=softmax_scale,
                                  mask=mask, num_splits=num_splits, validate=validate, backend=backend)

@@ -145,7 +145,7 @@ def test_opcheck(layout):
                                             *arguments[4:]))
 
 
-def test_kvcache_operator_compiles_and_writes_the_cache():
+def test_attention_with_kvcache_compiles_and_writes_the_cache():
     generator = torch.Generator().manual_seed(0)
     q, k_new, v_new = (torch.randn(2, 2, 4, 8, generator=generator) for _ in range(3))
     k_new, v_new = k_new[:, :, :2], v_new[:, :, :2]
@@ -153,8 +153,8 @@ def test_kvcache_operator_compiles_and_writes_the_cache():
     lengths = torch.tensor([3, 9], dtype=torch.int32)
 
     def decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new):
-        return ops.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
-                                          v_new=v_new, return_lse=True, backend="numpy")
+        return flashx.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
+                                             v_new=v_new, return_lse=True, backend="numpy")
 
     explanation = torch._dynamo.explain(decode)(q, k_cache.clone(), v_cache.clone(), lengths, k_new, v_new)
     assert explanation.graph_break_count == 0, explanation.break_reasons
