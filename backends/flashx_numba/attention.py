@@ -107,8 +107,8 @@ def _launching(x: torch.Tensor):
 def _device_array(x: torch.Tensor):
     """x as an array the kernels take, sharing its memory (bfloat16 as int16 bit patterns).
 
-    A tensor carrying torch's lazy negation is negated first (one copy): its memory holds -x."""
-    x = x.resolve_neg()
+    Autograd's tensors arrive as they are (the core resolved torch's lazy negation already)."""
+    x = x.detach()
     if x.dtype == torch.bfloat16:
         x = x.view(torch.int16)
     if SIMULATOR:
