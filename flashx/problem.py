@@ -122,6 +122,14 @@ class Problem:
         return left, 0 if right == -1 else min(right, 0)
 
     @functools.cached_property
+    def band_reach(self) -> tuple[int, int]:
+        """``band`` with an unbounded side (-1, or no band at all) as a reach no pair exceeds, so
+        that a kernel tests each side with one compare."""
+        reach = (self.total_q + self.total_k) if self.varlen else (self.seqlen_q + self.seqlen_k)
+        left, right = self.band or (-1, -1)
+        return (reach if left == -1 else left), (reach if right == -1 else right)
+
+    @functools.cached_property
     def features(self) -> frozenset[str]:
         """The optional features (keys of ``FEATURES``) this problem uses."""
         used = {

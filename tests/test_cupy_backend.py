@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import flashx
+from flashx.problem import Problem
 from flashx_conformance import oracle
 from flashx_cupy import CupyBackend, launch, unavailable_reason, variants
 
@@ -131,9 +132,10 @@ def test_params_layout_matches_the_struct():
 
 
 def test_pack():
-    problem = SimpleNamespace(varlen=False, total_q=None, total_k=None, seqlen_q=100, seqlen_k=300, band=(-1, 0),
-                              batch=2, heads_q=8, heads_k=2, group=4, head_dim=64, head_dim_v=32, block_mask=None,
-                              rng_offset=(1 << 32) + 7, dropout_offsets=(5, 9), dropout_p=0.25, seed=(1 << 64) - 1, softmax_scale=-0.5)
+    problem = Problem(array_kind="torch", device="cuda", device_index=0, dtype="bfloat16", batch=2, seqlen_q=100,
+                      seqlen_k=300, total_q=None, total_k=None, heads_q=8, heads_k=2, head_dim=64, head_dim_v=32,
+                      softmax_scale=-0.5, causal=True, rng_offset=(1 << 32) + 7, dropout_offsets=(5, 9), dropout_p=0.25,
+                      seed=(1 << 64) - 1)
     params = launch.pack(problem, q=1234, q_n=512, tiles_m=3)[0]
     assert params["left"] == 400 and params["right"] == 0  # unbounded: a reach past every pair
     assert np.uint32(params["rng_offset"].view(np.uint32)) == 7

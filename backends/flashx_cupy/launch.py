@@ -41,9 +41,7 @@ PARAMS = np.dtype(
 def pack(problem, **fields) -> np.ndarray:
     """A one-element ``PARAMS`` array for ``problem``; ``fields`` give the tensors' addresses and
     strides (names of ``PARAMS``). Unnamed pointers are null, unnamed strides 0."""
-    varlen = problem.varlen
-    reach = (problem.total_q + problem.total_k) if varlen else (problem.seqlen_q + problem.seqlen_k)
-    left, right = problem.band or (-1, -1)
+    left, right = problem.band_reach
     params = np.zeros(1, dtype=PARAMS)
     values = dict(
         batch=problem.batch,
@@ -54,9 +52,8 @@ def pack(problem, **fields) -> np.ndarray:
         seqlen_k=problem.seqlen_k,
         head_dim=problem.head_dim,
         head_dim_v=problem.head_dim_v,
-        # -1 (unbounded) becomes a reach no pair exceeds, so one compare serves both.
-        left=reach if left == -1 else left,
-        right=reach if right == -1 else right,
+        left=left,
+        right=right,
         block_q=problem.block_mask.block_size[0] if problem.block_mask is not None else 1,
         block_k=problem.block_mask.block_size[1] if problem.block_mask is not None else 1,
         rng_offset=np.uint32(problem.rng_offset & 0xFFFFFFFF).view(np.int32),

@@ -497,8 +497,7 @@ def problem_args(problem) -> dict:
 
 def _problem_args(problem) -> dict:
     varlen = problem.varlen
-    big = (problem.total_q + problem.total_k) if varlen else (problem.seqlen_q + problem.seqlen_k)
-    left, right = problem.band or (-1, -1)
+    left, right = problem.band_reach
     args = dict(
         CU_Q=problem.cu_seqlens_q,
         CU_K=problem.cu_seqlens_k,
@@ -508,9 +507,8 @@ def _problem_args(problem) -> dict:
         padded_k=problem.seqlen_k,
         heads_q=problem.heads_q,
         group=problem.group,
-        # -1 (unbounded) becomes a reach no row can exceed, so one compare serves both.
-        left=big if left == -1 else left,
-        right=big if right == -1 else right,
+        left=left,
+        right=right,
         IS_VARLEN=varlen,
         HAS_SEQLENS_Q=problem.seqlens_q is not None,
         HAS_SEQLENS_K=problem.seqlens_k is not None,
