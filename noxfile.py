@@ -32,8 +32,9 @@ def _backend_names() -> list[str]:
 @nox.session(python=False)
 def tests(session):
     # The Triton interpreter is chosen when triton is first imported: its tests get a process of their own.
-    session.run("pytest", "tests", "--ignore=tests/test_triton_backend.py", *session.posargs)
-    session.run("pytest", "tests/test_triton_backend.py", *session.posargs, env={"TRITON_INTERPRET": "1"})
+    session.run("pytest", "tests", "--ignore-glob=tests/test_triton_*.py", *session.posargs)
+    triton_tests = sorted(str(path) for path in Path("tests").glob("test_triton_*.py"))
+    session.run("pytest", *triton_tests, *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=False)
