@@ -63,7 +63,7 @@ def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backe
         if given is not None and given != getattr(res, name):
             raise ShapeError(f"{name}: the backward regenerates dropout from res.{name}={getattr(res, name)}, got {given}")
     options = complete("attention_backward", {**options, "seed": res.seed, "rng_offset": res.rng_offset})
-    do, q, k, v, o, lse = map(arrays.resolved, (do, q, k, v, o, res.lse))
+    q, k, v, o, lse = map(arrays.resolved, (q, k, v, o, res.lse))
     problem, impl = plan(q, k, v, backend, options)
     check_like("o", o, problem.o_shape, problem.dtype, problem)
     check_like("res.lse", lse, problem.lse_shape, problem.lse_dtype, problem)

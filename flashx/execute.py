@@ -25,7 +25,9 @@ def run_forward(impl: Backend, problem: Problem, q, k, v):
 
 
 def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
-    """The backend's gradients; ``o`` and ``lse`` must already be checked (autograd's are its own)."""
+    """The backend's gradients; ``o`` and ``lse`` must already be checked (autograd's are its own).
+    ``do`` may come from autograd, so torch's lazy negation is resolved here."""
+    do = arrays.resolved(do)
     check_like("do", do, problem.o_shape, problem.dtype, problem)
     if problem.is_empty:
         return tuple(arrays.full(q, x.shape, 0.0, problem.dtype) for x in (q, k, v))
