@@ -534,3 +534,17 @@ def test_merge_states_with_an_empty_part_weighs_it_zero():
     assert not np.isnan(o).any() and (o == 0).all() and np.isneginf(lse).all()
     with pytest.raises(flashx.ShapeError, match="lse_b: expected shape"):
         flashx.merge_states(o_a, lse_a, o_b, lse_b[..., :2])
+
+
+def test_autograd_takes_a_gradient_carrying_torchs_negation_bit():
+    """The do autograd hands the backward may be a lazy negation (is_neg): it is read as its values."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 2, 8, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(3))
+    negated = torch.randn(1, 5, 2, 8, dtype=torch.complex128, generator=generator).conj().imag
+    assert negated.is_neg()
+    flashx.attention(q, k, v, backend="numpy").backward(negated)
+    lazy = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    flashx.attention(q, k, v, backend="numpy").backward(negated.resolve_neg())
+    assert all(torch.equal(a, x.grad) for a, x in zip(lazy, (q, k, v)))
