@@ -1,0 +1,112 @@
+"""Time to the first result of a new shape, fwd+bwd (B=2, N=6000, H=16, d=128, bf16, causal):
+flashx and FlexAttention, each case in a fresh process, side by side in one run.
+
+    python3 scripts/first_call.py          # the driver: every case below, then a table
+    python3 scripts/first_call.py CASE     # one case, printed as one JSON line (the driver's child)
+
+Cases, in this order (each directory is fresh unless reused as named):
+  flashx cold           new TRITON_CACHE_DIR and FLASHX_CACHE_DIR: compiles and tunes everything
+  flashx table          the same two directories again: Triton's cache warm, choices read from disk
+  flashx no-table       the same Triton cache, an empty FLASHX_CACHE_DIR: compiled, tuned again
+  flex cold             new TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: torch.compile from scratch
+  flex warm             the same two directories again
+The first call is timed from the inputs on the GPU (CUDA context made) to the gradients there.
+FIRST_CALL_SMOKE=1 runs the flashx cases on a tiny float32 shape under TRITON_INTERPRET=1 (CPU).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SMOKE = os.environ.get("FIRST_CALL_SMOKE") == "1"
+B, N, H, D = (1, 64, 2, 16) if SMOKE else (2, 6000, 16, 128)
+
+
+def child(case: str) -> None:
+    import torch
+
+    device, dtype = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
+    generator = torch.Generator(device).manual_seed(0)
+    q, k, v, do = (torch.randn(B, N, H, D, generator=generator, device=device, dtype=dtype) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_()
+    if case == "flashx":
+        import flashx
+
+        def step():
+            return flashx.attention(q, k, v, causal=True, backend="triton")
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention)
+
+        def step():
+            mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, N, N, device=device)
+            return compiled(*(x.transpose(1, 2) for x in (q, k, v)), block_mask=mask).transpose(1, 2)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    seconds = []
+    for _ in range(3):
+        for x in (q, k, v):
+            x.grad = None
+        sync()
+        start = time.perf_counter()
+        o = step()
+        o.backward(do)
+        sync()
+        seconds.append(time.perf_counter() - start)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    want.backward(do.transpose(1, 2))
+    errors = [(o.detach() - want.detach().transpose(1, 2)).abs().max().item()]
+    errors += [(x.grad - y.grad.transpose(1, 2)).abs().max().item() for x, y in ((q, qt), (k, kt), (v, vt))]
+    row = {"first_s": seconds[0], "later_ms": min(seconds[1:]) * 1e3, "max_err_vs_sdpa": max(errors)}
+    if case == "flashx":
+        from flashx_triton import tuning
+
+        made = tuning.choices()
+        row["choices_tuned"] = sum(timings is not None for _, _, timings in made)
+        row["choices_from_disk"] = sum(timings is None for _, _, timings in made)
+    print(json.dumps(row))
+
+
+def main() -> None:
+    root = tempfile.mkdtemp(prefix="first-call-")
+    fresh = iter(range(100))
+
+    def new(name):
+        return os.path.join(root, f"{name}-{next(fresh)}")
+
+    flashx_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx")}
+    flex_dirs = {"TRITON_CACHE_DIR": new("triton"), "TORCHINDUCTOR_CACHE_DIR": new("inductor")}
+    cases = [("flashx cold", "flashx", flashx_dirs), ("flashx table", "flashx", flashx_dirs),
+             ("flashx no-table", "flashx", {**flashx_dirs, "FLASHX_CACHE_DIR": new("flashx")})]
+    if not SMOKE:
+        cases += [("flex cold", "flex", flex_dirs), ("flex warm", "flex", flex_dirs)]
+    env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if SMOKE else {}))
+    env.pop("FLASHX_TRITON_AUTOTUNE", None)
+    rows = []
+    for label, case, dirs in cases:
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, case], env={**env, **dirs}, capture_output=True, text=True)
+        if done.returncode:
+            print(f"{label}: failed\n{done.stderr[-3000:]}", flush=True)
+            continue
+        row = {"case": label, **json.loads(done.stdout.splitlines()[-1]), "process_s": time.perf_counter() - started}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print(f"\nB={B} N={N} H={H} d={D} {'float32 (smoke, CPU)' if SMOKE else 'bf16'} causal, fwd+bwd")
+    print(f"{'case':<16} {'first call s':>12} {'later ms':>9} {'process s':>9} {'tuned':>5} {'disk':>4} {'err vs SDPA':>11}")
+    for row in rows:
+        print(f"{row['case']:<16} {row['first_s']:>12.2f} {row['later_ms']:>9.2f} {row['process_s']:>9.1f} "
+              f"{row.get('choices_tuned', ''):>5} {row.get('choices_from_disk', ''):>4} {row['max_err_vs_sdpa']:>11.2e}")
+
+
+if __name__ == "__main__":
+    child(sys.argv[1]) if len(sys.argv) > 1 else main()
