@@ -25,14 +25,14 @@ from flashx import arrays, dispatch, registry
 from flashx.backend import ALL_DTYPES
 from flashx.errors import DTypeError, FlashXError, ShapeError
 from flashx.options import python_scalar
-from flashx.problem import default_scale
+from flashx.problem import HeadsAndBand, default_scale
 from flashx.validation import INTEGER_DTYPES, _bool_broadcastable, _is_int, _is_real, _number, _same_array_as_q, _window
 
 _LIMIT = 256  # dispatch choices remembered; past it the memory starts again empty
 
 
 @dataclass(frozen=True, eq=False)
-class DecodeProblem:
+class DecodeProblem(HeadsAndBand):
     """One ``attention_with_kvcache`` call, validated. Arrays in it are of the backend's kind.
 
     q (B, Nq, Hq, D); a contiguous cache (B, S, Hk, D) or a paged one (P, page_size, Hk, D);
@@ -71,30 +71,12 @@ class DecodeProblem:
         return self.page_size is not None
 
     @property
-    def group(self) -> int:
-        """Query heads per key/value head: query head h reads kv head h // group."""
-        return self.heads_q // self.heads_k
-
-    @property
-    def lse_dtype(self) -> str:
-        return "float64" if self.dtype == "float64" else "float32"
-
-    @property
     def o_shape(self) -> tuple[int, ...]:
         return (self.batch, self.seqlen_q, self.heads_q, self.head_dim_v)
 
     @property
     def lse_shape(self) -> tuple[int, ...]:
         return (self.batch, self.heads_q, self.seqlen_q)
-
-    @functools.cached_property
-    def band(self) -> tuple[int, int] | None:
-        """(left, right) with causal folded in, or None: key j is allowed for query i iff
-        ``i + Lk - Nq - left <= j <= i + Lk - Nq + right``, a side of -1 being unbounded."""
-        if not self.causal:
-            return self.window
-        left, right = self.window or (-1, -1)
-        return left, 0 if right == -1 else min(right, 0)
 
     @functools.cached_property
     def features(self) -> frozenset[str]:

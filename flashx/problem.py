@@ -56,8 +56,34 @@ class BlockMask:
         object.__setattr__(self, "block_size", tuple(size))
 
 
+class HeadsAndBand:
+    """What a validated call derives alike, for attention (``Problem``) and decoding
+    (``flashx.kvcache.DecodeProblem``): from heads_q, heads_k, dtype, causal and window."""
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head: query head h reads kv head h // group."""
+        return self.heads_q // self.heads_k
+
+    @property
+    def lse_dtype(self) -> str:
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @functools.cached_property
+    def band(self) -> tuple[int, int] | None:
+        """The diagonal band with causal folded in, or None when neither is set.
+
+        Key j is allowed for query i iff ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``,
+        a side of -1 being unbounded (Lq, Lk: the lengths of that sequence).
+        """
+        if not self.causal:
+            return self.window
+        left, right = self.window or (-1, -1)
+        return left, 0 if right == -1 else min(right, 0)
+
+
 @dataclass(frozen=True, eq=False)
-class Problem:
+class Problem(HeadsAndBand):
     """One attention call, validated. Arrays in it are of the backend's array kind.
 
     Shapes (the contract's Shapes section): padded q (B, Nq, Hq, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv);
@@ -99,27 +125,6 @@ class Problem:
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
-
-    @property
-    def group(self) -> int:
-        """Query heads per key/value head: query head h reads kv head h // group."""
-        return self.heads_q // self.heads_k
-
-    @property
-    def lse_dtype(self) -> str:
-        return "float64" if self.dtype == "float64" else "float32"
-
-    @functools.cached_property
-    def band(self) -> tuple[int, int] | None:
-        """The diagonal band with causal folded in, or None when neither is set.
-
-        Key j is allowed for query i iff ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``,
-        a side of -1 being unbounded (Lq, Lk: the lengths of that sequence).
-        """
-        if not self.causal:
-            return self.window
-        left, right = self.window or (-1, -1)
-        return left, 0 if right == -1 else min(right, 0)
 
     @functools.cached_property
     def band_reach(self) -> tuple[int, int]:
