@@ -54,9 +54,11 @@ def _positive_int(text: str) -> int:
 
 def info() -> int:
     print(f"flashx {flashx.__version__}  (python {platform.python_version()}, {platform.machine()})")
-    for library in ("numpy", "pluggy", "torch", "triton", "cupy", "numba", "numba-cuda"):
+    # CuPy's distribution is named for its CUDA (cupy-cuda13x): found through the module it provides.
+    cupy = importlib.metadata.packages_distributions().get("cupy", ["cupy"])
+    for library in ("numpy", "pluggy", "torch", "triton", *cupy, "numba", "numba-cuda"):
         try:
-            print(f"  {library:<11} {importlib.metadata.version(library)}")
+            print(f"  {library:<12} {importlib.metadata.version(library)}")
         except importlib.metadata.PackageNotFoundError:
             pass
     print("devices:")
