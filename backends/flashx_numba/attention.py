@@ -32,9 +32,11 @@ GPU_TILES = {
     "backward": {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 4, 8)},
 }
 # In the simulator every CUDA thread is a Python thread and every syncthreads a round of
-# thread switches: few threads, large tiles. A row stays in one thread (the simulator has no
-# warp shuffles); two row groups still load and share each tile.
-SIMULATOR_TILES = (32, 32, 2, 1)
+# thread switches: one thread a block, large tiles, each tile operation one NumPy call. With
+# two threads a block the simulator once returned garbage in one dK element of 243 cases
+# (not reproduced since, cause unknown); one thread leaves it nothing to interleave. The
+# cooperative loads and barriers of the CUDA forms are checked on the GPU.
+SIMULATOR_TILES = (32, 32, 1, 1)
 # The simulator's block manager polls its threads: with Python's default 5 ms switch interval
 # a syncthreads costs ~10-20 ms, with 0.1 ms under 1 ms.
 SIMULATOR_SWITCH_INTERVAL = 1e-4
