@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -37,7 +39,7 @@ import flashx_numba  # noqa: E402
 if not config.ENABLE_CUDASIM:  # numba came in before this module: its kernels would need a GPU
     pytest.skip("numba was imported before NUMBA_ENABLE_CUDASIM=1 was set", allow_module_level=True)
 
-from flashx_numba import attention, kernels  # noqa: E402
+from flashx_numba import attention, kernels, mma  # noqa: E402
 from flashx_numba.philox import dropout_word  # noqa: E402
 from flashx_numba.primitives import bits_to_float, float_to_bits  # noqa: E402
 
@@ -157,3 +159,72 @@ def test_bfloat16_varlen_window(poisoned_allocations):
     k, v = (torch.randn(rows_k, 2, 8, generator=gen).bfloat16() for _ in range(2))
     cu_q, cu_k = torch.tensor([0, 5, 45], dtype=torch.int32), torch.tensor([0, 7, 57], dtype=torch.int32)
     _check(torch.bfloat16, 2e-2, q, k, v, do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window=(9, 3))
+
+
+# ---------------------------------------------------------------- tensor cores
+
+
+def _packed(x: torch.Tensor) -> np.ndarray:
+    """Pairs of adjacent elements along the last axis of a float16 or bfloat16 tensor, as words."""
+    return x.contiguous().view(torch.int32).numpy().view(np.uint32)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mma_fragments_multiply_and_chain(dtype):
+    """The fragment layout of m16n8k16 (mma.mma_lanes): D = A B + C, and the C fragments of two
+    adjacent tiles, packed pairwise, are the A fragment of their union (P reused as an operand)."""
+    half = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(5)
+    a, c = torch.randn(16, 16, generator=gen).to(half), torch.randn(16, 8, generator=gen)
+    b_t = torch.randn(8, 16, generator=gen).to(half)  # B column-major: its columns are b_t's rows
+    a_words, b_words = _packed(a), _packed(b_t)
+    lanes = range(32)
+    a_frag = np.array([[a_words[mma.a_position(l, i)[0], mma.a_position(l, i)[1] // 2] for i in range(4)] for l in lanes])
+    b_frag = np.array([[b_words[mma.b_position(l, i)[1], mma.b_position(l, i)[0] // 2] for i in range(2)] for l in lanes])
+    c_frag = np.array([[c[mma.c_position(l, i)] for i in range(4)] for l in lanes], np.float32)
+    d = mma.mma_lanes(a_frag, b_frag, c_frag, dtype)
+    expected = (a.double() @ b_t.double().T + c.double()).numpy()
+    got = np.zeros((16, 8))
+    for lane in lanes:
+        for i in range(4):
+            got[mma.c_position(lane, i)] = d[lane, i]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+    # two 16x8 results side by side, as the A operand of the next product
+    left, right = (torch.randn(16, 8, generator=gen).to(half) for _ in range(2))
+    union = _packed(torch.cat([left, right], dim=1))
+    for lane in lanes:
+        for i in range(4):
+            tile = left if i // 2 == 0 else right
+            row, col = mma.c_position(lane, 2 * (i % 2))  # elements 0, 1 (rows g) or 2, 3 (rows g + 8)
+            pair = _packed(tile[row : row + 1, col : col + 2])[0, 0]
+            assert pair == union[mma.a_position(lane, i)[0], mma.a_position(lane, i)[1] // 2]
+
+
+_PTX_SCRIPT = """
+from numba import cuda, types
+from flashx_numba.mma import intrinsics
+for dtype in ("float16", "bfloat16"):
+    mma, pack = intrinsics(dtype)
+    def kernel(a, c):
+        lane = cuda.threadIdx.x
+        d = mma(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], a[lane, 4], a[lane, 5], c[lane, 0], c[lane, 1],
+                c[lane, 2], c[lane, 3])
+        a[lane, 0] = pack(d[0], d[1])
+    ptx, _ = cuda.compile_ptx(kernel, (types.uint32[:, ::1], types.float32[:, ::1]), cc=(8, 0))
+    print(ptx)
+"""
+
+
+def test_mma_compiles_to_tensor_core_ptx():
+    """The intrinsics lower to mma.sync and cvt.rn (numba-cuda's compiler, outside the simulator:
+    it needs NVVM and NVRTC, not a GPU; skipped where they are missing)."""
+    environment = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=environment,
+                          timeout=120)
+    if done.returncode and ("DynamicLibNotFoundError" in done.stderr or "NvvmSupportError" in done.stderr):
+        pytest.skip("no NVVM or NVRTC here")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for half in ("f16", "bf16"):
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{half}.{half}.f32" in done.stdout
+        assert f"cvt.rn.{half}x2.f32" in done.stdout

@@ -1,0 +1,140 @@
+"""Tensor cores from numba-cuda: the warp-wide ``mma.sync.aligned.m16n8k16`` product and the
+float32 -> half-pair conversion, as inline PTX, with the fragment layout they imply.
+
+numba-cuda has no tensor-core API, so each instruction is an ``@intrinsic`` whose code is one
+llvmlite ``InlineAsm``. Operands travel as PTX registers: A (16x16) as four and B (16x8) as two
+32-bit registers per lane, each holding two float16 or bfloat16 values (the lower-indexed
+element in the low half); C and D (16x8, float32) as four floats per lane.
+
+Lane ``l`` of the warp, with ``group = l // 4`` and ``pair = l % 4``, holds (PTX ISA,
+"Matrix fragments for mma.m16n8k16"):
+
+- A: register ``i`` holds row ``group + 8 * (i % 2)``, columns ``2 * pair + 8 * (i // 2)`` and
+  the next one;
+- B: register ``i`` holds rows (the k index) ``2 * pair + 8 * i`` and the next one, column
+  ``group``;
+- C, D: element ``i`` is row ``group + 8 * (i // 2)``, column ``2 * pair + i % 2``.
+
+So the C fragments of two adjacent 16x8 tiles are, packed pairwise, the A fragment of their
+16x16 union: FlashAttention's P goes from one product into the next without leaving registers.
+
+The plain-Python form below (``mma_lanes``) computes what the instruction does for a whole
+warp's registers at once; the tests check the layout against them, and the CUDA
+simulator, which has no warps, runs the kernels' NumPy tile forms instead (``fragments``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+#: The two half types the instructions take, by flashx dtype name (PTX type suffix).
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def a_position(lane: int, i: int) -> tuple[int, int]:
+    """(row, column) of the first of the two elements of A register ``i`` of ``lane``."""
+    return lane // 4 + 8 * (i % 2), 2 * (lane % 4) + 8 * (i // 2)
+
+
+def b_position(lane: int, i: int) -> tuple[int, int]:
+    """(k, column) of the first of the two elements of B register ``i`` of ``lane``."""
+    return 2 * (lane % 4) + 8 * i, lane // 4
+
+
+def c_position(lane: int, i: int) -> tuple[int, int]:
+    """(row, column) of C or D element ``i`` of ``lane``."""
+    return lane // 4 + 8 * (i // 2), 2 * (lane % 4) + i % 2
+
+
+# -- plain Python ---------------------------------------------------------------------------
+
+
+def unpack_pair(word, dtype: str) -> tuple[np.float32, np.float32]:
+    """The two values of a packed word, as float32 (exact)."""
+    halves = np.array([int(word) & 0xFFFF, int(word) >> 16], np.uint16)
+    if dtype == "float16":
+        return tuple(halves.view(np.float16).astype(np.float32))
+    return tuple((halves.astype(np.uint32) << 16).view(np.float32))
+
+
+def mma_lanes(a: np.ndarray, b: np.ndarray, c: np.ndarray, dtype: str) -> np.ndarray:
+    """D = A B + C for a warp: a (32, 4) and b (32, 2) packed words, c (32, 4) float32 -> d (32, 4).
+
+    The products are exact in float64 and each sum is rounded once; the tensor cores' float32
+    sums may differ from it in the last bits."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        for i in range(4):
+            row, col = a_position(lane, i)
+            A[row, col : col + 2] = unpack_pair(a[lane, i], dtype)
+        for i in range(2):
+            k, col = b_position(lane, i)
+            B[k : k + 2, col] = unpack_pair(b[lane, i], dtype)
+    product = A @ B
+    d = np.empty((32, 4), np.float32)
+    for lane in range(32):
+        for i in range(4):
+            row, col = c_position(lane, i)
+            d[lane, i] = np.float32(product[row, col] + np.float64(c[lane, i]))
+    return d
+
+
+# -- CUDA -----------------------------------------------------------------------------------
+
+
+def _mma_intrinsic(ptx_type: str):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    instruction = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32 "
+                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+    words, floats = [types.uint32] * 6, [types.float32] * 4
+    result = types.UniTuple(types.float32, 4)
+
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """(d0, d1, d2, d3) = A B + (c0, c1, c2, c3) for this lane's fragments (see the module)."""
+
+        def codegen(context, builder, signature, arguments):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            function = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            values = [context.cast(builder, value, given, wanted)
+                      for value, given, wanted in zip(arguments, signature.args, words + floats)]
+            asm = ir.InlineAsm(function, instruction, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
+            d = builder.call(asm, values)
+            return context.make_tuple(builder, result, [builder.extract_value(d, i) for i in range(4)])
+
+        return result(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+
+    return mma
+
+
+def _pack_intrinsic(ptx_type: str):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def pack(typingctx, low, high):
+        """Two float32 rounded to nearest (ties to even) into one word, ``low`` in the low half."""
+
+        def codegen(context, builder, signature, arguments):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            values = [context.cast(builder, value, given, types.float32)
+                      for value, given in zip(arguments, signature.args)]
+            # cvt's first source goes to the upper half
+            asm = ir.InlineAsm(ir.FunctionType(i32, [f32, f32]), f"cvt.rn.{ptx_type}x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, [values[1], values[0]])
+
+        return types.uint32(low, high), codegen
+
+    return pack
+
+
+@functools.cache
+def intrinsics(dtype: str):
+    """(mma, pack) for ``dtype``, float16 or bfloat16: device-callable on a GPU only."""
+    return _mma_intrinsic(PTX_TYPE[dtype]), _pack_intrinsic(PTX_TYPE[dtype])
