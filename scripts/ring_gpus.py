@@ -1,0 +1,396 @@
+"""Ring attention on the GPUs of one host, through NCCL: correctness, scaling, overlap, longest context.
+
+    python3 scripts/ring_gpus.py [--out DIR]          # the driver: every part on 1, 2, 4 (8) GPUs, then a table
+    torchrun --nproc-per-node W scripts/ring_gpus.py PART ARGS...   # one part on W GPUs (the driver's child)
+
+Parts (each rank prints one JSON line per result; rank 0's lines are the part's results):
+  check        bf16, fwd+bwd, zigzag and contiguous, causal or not, a window, dropout: graded by the
+               contract's rule against the float64 oracle on the gathered sequence (N = 2048, each rank
+               grading its share of the cases), and compared with single-GPU flashx.attention on a
+               sequence of 32k (every rank computes the whole of it on its own GPU).
+  time N R     causal fwd+bwd, B=1, H=16, D=128, bf16, zigzag, N tokens in all: the median of R steps
+               after one warm-up, the slowest rank's; TFLOP/s per GPU; peak memory per rank. With one
+               rank it times flashx.attention itself, the single-GPU baseline.
+  trace N      one profiled fwd+bwd on rank 0: its Chrome trace, and the share of NCCL kernel time that
+               ran while a compute kernel ran (the overlap of communication with computation).
+
+The driver writes ring-<device>.json and .md under --out (default /tmp/flashx-out), keeping what it has
+after each part, so a run cut short still reports. RING_SMOKE=1 runs every part on tiny float32 shapes
+on the CPU (gloo, the numpy backend), to check the script itself. FLOPs count as flash-attn's: a causal forward is
+2·B·H·N²·D, the backward 2.5 times that. The Triton backend runs its shipped tiles
+(FLASHX_TRITON_AUTOTUNE=0): the ring's calls and the single-GPU baseline run the same configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SMOKE = os.environ.get("RING_SMOKE") == "1"
+SIZES = (256, 512) if SMOKE else (131072, 524288)  # tokens in all, for the scaling table
+HEADS, HEAD_DIM = (4, 16) if SMOKE else (16, 128)
+CHECK_SEQLENS = (64, 128) if SMOKE else (2048, 32768)  # graded by the oracle; compared with single-GPU flashx
+DEVICE, DTYPE, BACKEND = ("cpu", "float32", "numpy") if SMOKE else ("cuda", "bfloat16", "auto")
+CHECK_CASES = [
+    ("zigzag", {"causal": True}),
+    ("zigzag", {}),
+    ("zigzag", {"window": (300, 0)}),
+    ("zigzag", {"causal": True, "dropout_p": 0.1, "seed": 1234}),
+    ("contiguous", {"causal": True}),
+    ("contiguous", {}),
+    ("contiguous", {"causal": True, "dropout_p": 0.1, "seed": 1234}),
+]
+
+
+def flops(seqlen: int, causal: bool = True) -> float:
+    forward = 4 * HEADS * seqlen * seqlen * HEAD_DIM / (2 if causal else 1)
+    return forward * 3.5
+
+
+# ---------------------------------------------------------------- the parts, one process per GPU
+
+
+def _start():
+    import torch
+    import torch.distributed as dist
+
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()),
+                                timeout=datetime.timedelta(minutes=10))
+    else:
+        dist.init_process_group("gloo")
+    return torch, dist, dist.get_rank(), dist.get_world_size()
+
+
+def _emit(rank: int, **result) -> None:
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+
+
+def _synchronize(torch) -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def part_check() -> None:
+    import numpy as np
+    from flashx_conformance.harness import OUTPUTS, conformance_failures, make_case
+
+    import flashx
+    import flashx.distributed as fxd
+
+    torch, dist, rank, world = _start()
+    dtype = getattr(torch, DTYPE)
+
+    def gathered(shards: dict, layout: str) -> dict:
+        out = {}
+        for name, x in shards.items():
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous())
+            out[name] = fxd.unshard(parts, layout, dim=2 if name == "lse" else 1)
+        return out
+
+    def run(call, x: dict, options: dict) -> dict:
+        inputs = {name: value.detach().requires_grad_(name != "do") for name, value in x.items()}
+        o, lse = call(inputs["q"], inputs["k"], inputs["v"], return_lse=True, backend=BACKEND, **options)
+        grads = torch.autograd.grad(o, (inputs["q"], inputs["k"], inputs["v"]), inputs["do"])
+        return dict(zip(OUTPUTS, (o.detach(), lse, *grads)))
+
+    def ring(x: dict, layout: str, options: dict) -> dict:
+        mine = {name: fxd.shard(value, world, rank, layout) for name, value in x.items()}
+        return run(lambda *qkv, **kw: fxd.ring_attention(*qkv, layout=layout, **kw), mine, options)
+
+    graded, compared = CHECK_SEQLENS
+    for index, (layout, options) in enumerate(CHECK_CASES):
+        # the oracle's grade, on a sequence the float64 oracle computes in seconds
+        case = make_case(np.random.default_rng(index), batch=1, seqlen_q=graded, heads_q=4, heads_k=2,
+                         head_dim=HEAD_DIM, dtype=DTYPE, **options)
+        x = {name: torch.from_numpy(np.ascontiguousarray(value)).to(DEVICE, dtype)
+             for name, value in case.rounded().items()}
+        got = gathered(ring(x, layout, options), layout)
+        failures = []
+        if index % world == rank:
+            failures = conformance_failures(case, {n: t.double().cpu().numpy() for n, t in got.items()})
+        # single-GPU flashx on a longer sequence, the same inputs on every rank
+        generator = torch.Generator(DEVICE).manual_seed(index)
+        heads = {"q": HEADS, "k": HEADS // 4, "v": HEADS // 4, "do": HEADS}
+        x = {name: torch.randn((1, compared, h, HEAD_DIM), generator=generator, device=DEVICE, dtype=dtype)
+             for name, h in heads.items()}
+        reference, mine = run(flashx.attention, x, options), ring(x, layout, options)
+        difference = {}
+        for name in OUTPUTS:
+            expected = fxd.shard(reference[name], world, rank, layout, dim=2 if name == "lse" else 1).float()
+            scale = reference[name].float().abs().max().item()
+            difference[name] = (mine[name].float() - expected).abs().max().item() / scale
+        everything = [None] * world  # every rank's failures and differences, on rank 0
+        dist.all_gather_object(everything, (failures, difference))
+        failures = [failure for theirs, _ in everything for failure in theirs]
+        difference = {name: max(theirs[name] for _, theirs in everything) for name in OUTPUTS}
+        bound = 2.0**-7  # one bfloat16 step at the output's largest magnitude
+        failures += [f"{name}: {value:.3g} of its largest magnitude from single-GPU flashx at N={compared}"
+                     for name, value in difference.items() if value > bound]
+        _emit(rank, part="check", world=world, layout=layout, options=_describe(options),
+              relative_difference=difference, failures=failures)
+    dist.destroy_process_group()
+
+
+def _describe(options: dict) -> str:
+    return ", ".join(f"{name}={value}" for name, value in options.items()) or "full"
+
+
+def _step(torch, seqlen: int, world: int, rank: int):
+    """A causal fwd+bwd on this rank's shards of a whole sequence of ``seqlen`` tokens, made on its
+    GPU without the whole sequence: a function returning its seconds, the slowest rank's."""
+    import torch.distributed as dist
+
+    import flashx
+    import flashx.distributed as fxd
+
+    generator = torch.Generator(DEVICE).manual_seed(rank)
+    shape = (1, seqlen // world, HEADS, HEAD_DIM)
+    q, k, v, do = (torch.randn(shape, generator=generator, device=DEVICE, dtype=getattr(torch, DTYPE))
+                   for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_()
+    if world == 1:
+        def forward():
+            return flashx.attention(q, k, v, causal=True, backend=BACKEND)
+    else:
+        def forward():
+            return fxd.ring_attention(q, k, v, layout="zigzag", causal=True, backend=BACKEND)
+
+    def step() -> float:
+        for x in (q, k, v):
+            x.grad = None
+        _synchronize(torch)
+        dist.barrier()
+        start = time.perf_counter()  # steps of seconds: the host's clock after a synchronisation is exact enough
+        forward().backward(do)
+        _synchronize(torch)
+        return time.perf_counter() - start
+
+    return step
+
+
+def part_time(seqlen: int, repeats: int) -> None:
+    torch, dist, rank, world = _start()
+    step = _step(torch, seqlen, world, rank)
+    cuda = DEVICE == "cuda"
+    inputs = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    first = step()
+    seconds = statistics.median(step() for _ in range(repeats)) if repeats else first
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    slowest = torch.tensor([seconds, first, peak / 2**20], dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    seconds, first, peak = slowest.tolist()
+    _emit(rank, part="time", world=world, seqlen=seqlen, repeats=repeats, seconds=seconds, first_seconds=first,
+          tflops_per_gpu=flops(seqlen) / world / seconds / 1e12, peak_mib=peak, inputs_mib=inputs / 2**20,
+          capacity_mib=torch.cuda.mem_get_info()[1] / 2**20 if cuda else 0)
+    dist.destroy_process_group()
+
+
+def part_trace(seqlen: int, out: str) -> None:
+    torch, dist, rank, world = _start()
+    step = _step(torch, seqlen, world, rank)
+    step()  # compiled and warm
+    activities = [torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as profile:
+        step()
+    if rank == 0:
+        path = Path(out) / f"ring-trace-w{world}.json"
+        profile.export_chrome_trace(str(path))
+        _emit(rank, part="trace", world=world, seqlen=seqlen, trace=path.name, **_overlap(path))
+    dist.destroy_process_group()
+
+
+def _overlap(path: Path) -> dict:
+    """NCCL kernel time, and the part of it during which a compute kernel ran, from a Chrome trace."""
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
+               if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    compute = []  # the union of compute kernels' intervals
+    for start, end in sorted((start, end) for start, end, nccl in kernels if not nccl):
+        if compute and start <= compute[-1][1]:
+            compute[-1][1] = max(compute[-1][1], end)
+        else:
+            compute.append([start, end])
+    nccl_us = sum(end - start for start, end, nccl in kernels if nccl)
+    overlapped_us = sum(max(0.0, min(end, b) - max(start, a)) for start, end, nccl in kernels if nccl
+                        for a, b in compute)
+    return dict(nccl_ms=nccl_us / 1e3, overlapped_ms=overlapped_us / 1e3,
+                compute_ms=sum(b - a for a, b in compute) / 1e3, overlap=overlapped_us / nccl_us if nccl_us else None)
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def _run_part(world: int, args: list[str], log, timeout: float) -> list[dict]:
+    """One part on ``world`` processes; its results, and an "error" row if it failed or ran out of time."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               FLASHX_TRITON_AUTOTUNE="0", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               __file__, *args]
+    print(f"$ W={world} {' '.join(args)}", file=log, flush=True)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        output, failed = done.stdout + done.stderr, done.returncode != 0
+    except subprocess.TimeoutExpired as stopped:
+        output = "".join(x.decode() if isinstance(x, bytes) else x or "" for x in (stopped.stdout, stopped.stderr))
+        output, failed = output + f"\n(time box of {timeout:.0f} s closed)\n", True
+    log.write(output)
+    log.flush()
+    results = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    return results + ([{"part": "error", "world": world, "args": args}] if failed else [])
+
+
+def _longest(times: list[dict], world: int) -> dict | None:
+    """The longest sequence whose fwd+bwd fits each rank's memory: peak memory is linear in the
+    tokens per rank (O(N/W)), fitted through the shortest and longest runs, with 2 GiB of each GPU
+    left to the CUDA context and the allocator."""
+    runs = sorted((r["seqlen"] // world, r["peak_mib"], r["capacity_mib"]) for r in times if r["world"] == world)
+    if len(runs) < 2 or runs[-1][1] <= runs[0][1]:  # one length, or no memory measured (the CPU)
+        return None
+    (n0, m0, capacity), (n1, m1, _) = runs[0], runs[-1]
+    per_token = (m1 - m0) / (n1 - n0)
+    tokens = int((capacity - 2048 - (m0 - per_token * n0)) / per_token) * world
+    verified = max(r["seqlen"] for r in times if r["world"] == world)
+    return dict(world=world, mib_per_token_per_rank=per_token, longest_tokens=tokens, verified_tokens=verified)
+
+
+def _plan(worlds: list[int], out: Path) -> list[tuple[int, list[str]]]:
+    """(ranks, part arguments) in the order run: correctness, the overlap trace, the scaling table with
+    its single-GPU baselines, then one longer step per group size toward the longest context."""
+    widest = worlds[-1]
+    plan = [(w, ["check"]) for w in reversed(worlds)]
+    plan.append((widest, ["trace", str(SIZES[0]), str(out)]))
+    for seqlen in SIZES:
+        plan += [(w, ["time", str(seqlen), "3"]) for w in reversed(worlds)]
+    singles = sorted({seqlen // w for seqlen in SIZES for w in [1, *worlds]})
+    plan += [(1, ["time", str(n), "3"]) for n in singles]
+    plan.append((widest, ["time", str(SIZES[-1] * widest), "0"]))  # as many tokens per GPU as SIZES[-1] on one
+    return plan
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def driver(out: Path, budget: float) -> None:
+    import torch
+    from flashx_bench.records import device_slug
+
+    import flashx
+
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count() if DEVICE == "cuda" else 4
+    worlds = [w for w in (2, 4, 8) if w <= gpus]
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+    results = dict(device=device, gpus=gpus, date=datetime.date.today().isoformat(), torch=torch.__version__,
+                   triton=_version("triton"), flashx=flashx.__version__,
+                   nccl=".".join(map(str, torch.cuda.nccl.version())) if DEVICE == "cuda" else "none (gloo)",
+                   rows=[], longest=[])
+    slug = "ring-" + (device_slug(device) if DEVICE == "cuda" else "cpu")
+    deadline = time.monotonic() + budget
+    with open(out / f"{slug}.log", "w") as log:
+        for world, args in _plan(worlds, out):
+            left = deadline - time.monotonic()
+            if left < 30:
+                results["rows"].append({"part": "error", "world": world, "args": args + ["(not run: time box)"]})
+                continue
+            results["rows"] += _run_part(world, args, log, left)
+            times = [r for r in results["rows"] if r["part"] == "time"]
+            results["longest"] = [x for x in (_longest(times, w) for w in [1, *worlds]) if x]
+            (out / f"{slug}.json").write_text(json.dumps(results, indent=1))
+            (out / f"{slug}.md").write_text(render(results))
+    print(render(results))
+
+
+def render(results: dict) -> str:
+    rows = results["rows"]
+    graded, compared = CHECK_SEQLENS
+    lines = [f"# Ring attention on {results['gpus']}x {results['device']}", "",
+             f"{results['date']}; flashx {results['flashx']}, torch {results['torch']}, Triton {results['triton']}, "
+             f"NCCL {results['nccl']}; {DTYPE}, B=1, H={HEADS}, D={HEAD_DIM}; Triton's shipped tiles "
+             f"(FLASHX_TRITON_AUTOTUNE=0); `python3 scripts/ring_gpus.py`.", ""]
+    checks = [r for r in rows if r["part"] == "check"]
+    if checks:
+        lines += ["## Correctness", "",
+                  f"Each case, forward and backward: graded by the contract's rule against the float64 oracle on the "
+                  f"gathered sequence (N = {graded}, Hq = 4, Hk = 2), and the largest difference from single-GPU "
+                  f"flashx at N = {compared} (Hq = {HEADS}, Hk = {HEADS // 4}), relative to the output's largest "
+                  f"magnitude (bound: 2^-7, one bfloat16 step).", "",
+                  "| W | layout | options | o | lse | dq | dk | dv | result |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in checks:
+            difference = " | ".join(f"{r['relative_difference'][n]:.2g}" for n in ("o", "lse", "dq", "dk", "dv"))
+            verdict = "FAIL: " + "; ".join(r["failures"]) if r["failures"] else "pass"
+            lines.append(f"| {r['world']} | {r['layout']} | {r['options']} | {difference} | {verdict} |")
+        lines.append("")
+    times = [r for r in rows if r["part"] == "time"]
+    single = {r["seqlen"]: r for r in times if r["world"] == 1}
+    if times:
+        lines += ["## Scaling: causal fwd+bwd, zigzag", "",
+                  "Efficiency: the ring's TFLOP/s per GPU over single-GPU flashx's at the same tokens per GPU. "
+                  "Speed-up: single-GPU time at the same N over the ring's. Steps: the median of 3 after a warm-up, "
+                  "the slowest rank's (one step, no warm-up, where repeats is 0).", "",
+                  "| N | W | tokens/GPU | repeats | step (s) | TFLOP/s per GPU | efficiency | speed-up | peak MiB/GPU |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sorted(times, key=lambda r: (r["seqlen"], r["world"])):
+            same_tokens, same_n, ring = single.get(r["seqlen"] // r["world"]), single.get(r["seqlen"]), r["world"] > 1
+            efficiency = f"{r['tflops_per_gpu'] / same_tokens['tflops_per_gpu']:.2f}" if ring and same_tokens else ""
+            speedup = f"{same_n['seconds'] / r['seconds']:.2f}" if ring and same_n else ""
+            lines.append(f"| {r['seqlen']} | {r['world']} | {r['seqlen'] // r['world']} | {r['repeats']} | "
+                         f"{r['seconds']:.3f} | {r['tflops_per_gpu']:.0f} | {efficiency} | {speedup} | "
+                         f"{r['peak_mib']:.0f} |")
+        lines.append("")
+    for r in (r for r in rows if r["part"] == "trace"):
+        share = f" ({100 * r['overlap']:.0f}%)" if r["overlap"] is not None else ""
+        lines += [f"## Overlap (W={r['world']}, N={r['seqlen']}, one fwd+bwd, rank 0's GPU)", "",
+                  f"NCCL kernels ran {r['nccl_ms']:.1f} ms, {r['overlapped_ms']:.1f} ms of it{share} while a compute "
+                  f"kernel ran; compute kernels {r['compute_ms']:.1f} ms. Trace: `{r['trace']}`.", ""]
+    if results["longest"]:
+        lines += ["## Longest causal context (fwd+bwd)", "",
+                  "Predicted from the peak memory per GPU, linear in its tokens (fitted through the shortest and "
+                  "longest steps run), with 2 GiB of each GPU left to the CUDA context; verified: the longest "
+                  "step run.", "",
+                  "| W | peak memory per token per GPU | longest N (predicted) | verified N |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['world']} | {r['mib_per_token_per_rank'] * 1024:.1f} KiB | {r['longest_tokens']:,} | "
+                  f"{r['verified_tokens']:,} |" for r in results["longest"]]
+        lines.append("")
+    errors = ["W={} {}".format(r["world"], " ".join(r["args"])) for r in rows if r["part"] == "error"]
+    return "\n".join(lines + ([f"Parts that did not finish: {'; '.join(errors)}.", ""] if errors else []))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", nargs="?", choices=("check", "time", "trace"))
+    parser.add_argument("args", nargs="*")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/flashx-out")))
+    parser.add_argument("--budget", type=float, default=500, help="seconds for the whole driver run")
+    options = parser.parse_args()
+    if options.part == "check":
+        part_check()
+    elif options.part == "time":
+        part_time(int(options.args[0]), int(options.args[1]))
+    elif options.part == "trace":
+        part_trace(int(options.args[0]), options.args[1])
+    else:
+        driver(options.out, options.budget)
+
+
+if __name__ == "__main__":
+    main()
