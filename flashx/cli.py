@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 import sys
 import time
@@ -260,18 +261,17 @@ def tune(args) -> int:
         print(f"flashx tune: removed {_choices(removed)} from {tuning_cache.table_directory()}")
         return 0
     refusal = None if tuning.interpreting() else _cuda_refusal()  # the interpreter: tests only
-    if refusal is None and not tuning.autotuning():
-        refusal = "FLASHX_TRITON_AUTOTUNE=0 is set, which turns timing (and the table on disk) off"
     if refusal:
         print(f"flashx tune: {refusal}", file=sys.stderr)
         return 1
     import torch
 
+    os.environ["FLASHX_TRITON_AUTOTUNE"] = "1"  # time what the table on disk lacks
     device = "cpu" if tuning.interpreting() else "cuda"
     where = tuning_cache.environment(torch.cuda.current_device() if device == "cuda" else None)
     kv_heads = args.kv_heads or args.heads
     print(f"flashx tune: {where}")
-    shown = {key for key, _, _ in tuning.choices()}
+    shown = {made.key for made in tuning.choices()}
     for seqlen in args.seqlen:
         generator = torch.Generator(device).manual_seed(seqlen)
 
@@ -293,12 +293,13 @@ def tune(args) -> int:
         print(f"  B={args.batch} N={seqlen} Hq={args.heads} Hk={kv_heads} D={args.head_dim} {args.dtype}"
               f"{' causal' if args.causal else ''}{', with the backward' if args.backward else ''}: "
               f"{time.perf_counter() - start:.1f} s")
-        for key, choice, timings in tuning.choices():
-            if key not in shown:
-                shown.add(key)
-                medians = [ms for _, ms in timings or () if ms is not None]
-                how = f"fastest of {len(medians)} timed, {min(medians):.3f} ms" if medians else "found on disk"
-                print(f"    {key:<44} {_choice_text(choice)}  ({how})")
+        for made in tuning.choices():
+            if made.key not in shown:
+                shown.add(made.key)
+                medians = [ms for _, ms in made.timings or () if ms is not None]
+                how = f"fastest of {len(medians)} timed, {min(medians):.3f} ms" if medians else (
+                    "found on disk" if made.source == "disk" else made.source)
+                print(f"    {made.key:<44} {_choice_text(made.choice)}  ({how})")
     print(f"choices kept in {where.directory}")
     return 0
 

@@ -417,12 +417,17 @@ def test_autotuner_drops_candidates_that_do_not_compile_or_disagree():
             raise failures[config]
         return [good]
 
+    assert tuning._first_that_runs(["ptxas", "smem", "pass", "ok"], run) == "ok"  # untimed
     log = []
-    assert tuning._fastest(["ptxas", "smem", "pass", "ok"], run, log, timed=False) == "ok"
-    assert log == [("ptxas", None), ("smem", None), ("pass", None)]
+    with pytest.MonkeyPatch.context() as patch:
+        import triton.testing
+
+        patch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn() or 1.0)
+        assert tuning._fastest(["ptxas", "smem", "pass", "ok"], run, log) == "ok"
+    assert log == [("ptxas", None), ("smem", None), ("pass", None), ("ok", 1.0)]
     assert not tuning._agree(good + 1, good) and tuning._agree(good + 1e-7, good)
     with pytest.raises(PTXASError):  # nothing left to fall back on
-        tuning._fastest(["smem", "ptxas"], run, [], timed=False)
+        tuning._first_that_runs(["smem", "ptxas"], run)
 
 
 def test_autotuner_poisons_outputs_so_a_candidate_must_write_every_element(monkeypatch):
@@ -441,7 +446,7 @@ def test_autotuner_poisons_outputs_so_a_candidate_must_write_every_element(monke
         return [buffer]
 
     log = []
-    assert tuning._fastest(["ok", "lazy"], run, log, timed=True) == "ok"
+    assert tuning._fastest(["ok", "lazy"], run, log) == "ok"
     assert log == [("lazy", None), ("ok", pytest.approx(1.0, abs=0.1))]
     assert torch.equal(buffer, torch.tensor([0.0, 1.0, 2.0, 3.0, 7.0, 7.0]))  # as the first run left it
 
@@ -464,7 +469,7 @@ def test_autotuner_times_each_candidate_once_and_keeps_the_fastest(monkeypatch):
 
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     log = []
-    assert tuning._fastest(["a", "b", "c"], lambda config: running.append(config) or [output], log, timed=True) == "b"
+    assert tuning._fastest(["a", "b", "c"], lambda config: running.append(config) or [output], log) == "b"
     assert timed == ["a", "b", "c"]
     assert log == [("a", 3.0), ("b", 2.0), ("c", 2.5)]
 
@@ -497,18 +502,18 @@ def test_launch_hands_later_calls_the_compiled_kernel_every_argument_in_order(mo
 
 
 def test_a_tuned_kernel_chooses_again_when_autotuning_is_switched(monkeypatch):
-    """A caller may run untimed (FLASHX_TRITON_AUTOTUNE=0), then with tuning:
+    """A caller may run untimed (the default), then with tuning (FLASHX_TRITON_AUTOTUNE=1):
     a problem seen by both must not keep the untimed choice."""
     from flashx_triton import tuning
 
-    monkeypatch.setattr(tuning, "choose", lambda kernel, problem, run: "timed" if tuning.autotuning() else "first")
+    monkeypatch.setattr(tuning, "choose", lambda kernel, problem, run: "timed" if tuning.autotuning() else "shipped")
     tuned = tuning.Tuned("forward", lambda problem, config, x: lambda x: (config, x))
-    monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "0")
-    assert tuned(None, 1) == ("first", 1)
-    monkeypatch.delenv("FLASHX_TRITON_AUTOTUNE")
+    monkeypatch.delenv("FLASHX_TRITON_AUTOTUNE", raising=False)
+    assert tuned(None, 1) == ("shipped", 1)
+    monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "1")
     assert tuned(None, 2) == ("timed", 2)
     monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "0")
-    assert tuned(None, 3) == ("first", 3)
+    assert tuned(None, 3) == ("shipped", 3)
 
 
 def test_direct_launch_hands_triton_3_6s_c_launch_its_arguments(monkeypatch):

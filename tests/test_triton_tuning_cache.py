@@ -76,6 +76,7 @@ def timings(monkeypatch):
 
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     monkeypatch.setattr(tuning, "candidates", lambda kernel, problem: CONFIGS)
+    monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "1")  # time what the tables lack
     log.choose = lambda: tuning.choose("dkdv", PROBLEM, run)
     return log
 
@@ -84,6 +85,7 @@ def plans_timed(monkeypatch, medians):
     """Time the backward's plans (both candidates under the interpreter here) at ``medians`` in turn;
     returns the list of medians handed out."""
     monkeypatch.setattr(tuning, "INTERPRETED_GRADIENTS", ["fused", "split"])
+    monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "1")
     given, queue = [], itertools.cycle(medians)
 
     def do_bench(fn, **kwargs):
@@ -106,7 +108,7 @@ def test_a_later_process_finds_the_choice_on_disk_and_times_nothing(table, timin
     timings.ran.clear(), timings.timed.clear()
     assert timings.choose() == CONFIGS[1]
     assert timings.ran == [] and timings.timed == []
-    assert tuning.choices() == [(KEY, asdict(CONFIGS[1]), None)]  # None: from disk
+    assert tuning.choices() == [(KEY, asdict(CONFIGS[1]), "disk", None)]
 
 
 def test_a_stored_plan_runs_the_backward_untimed_and_exact(table, monkeypatch):
@@ -197,12 +199,20 @@ def test_a_table_that_cannot_be_written_warns_and_the_choice_holds_for_the_proce
     assert list(tmp_path.glob("**/*.tmp")) == []
 
 
-def test_untimed_choices_neither_read_nor_write_the_table(table, timings, monkeypatch):
+def test_untimed_choices_read_the_table_and_never_write_it(table, timings, monkeypatch):
+    """By default nothing is timed: a choice on disk (``flashx tune``'s) wins; without one the
+    shipped choice runs, and nothing is written."""
+    monkeypatch.delenv("FLASHX_TRITON_AUTOTUNE")
+    assert timings.choose() == CONFIGS[0]  # no table for the interpreter: the list's first
+    assert timings.ran == [CONFIGS[0]] and timings.timed == []
+    assert not table.exists()
+
+    fresh_process(monkeypatch)
     tuning_cache.store(tuning_cache.environment(None), KEY, asdict(CONFIGS[2]), 0.5)
-    monkeypatch.setenv("FLASHX_TRITON_AUTOTUNE", "0")
-    assert timings.choose() == CONFIGS[0]  # the shipped first candidate, whatever was tuned
-    assert timings.timed == []
-    assert tuning_cache.load(tuning_cache.environment(None), KEY) == asdict(CONFIGS[2])
+    timings.ran.clear()
+    assert timings.choose() == CONFIGS[2]
+    assert timings.ran == [] and timings.timed == []
+    assert tuning.choices() == [(KEY, asdict(CONFIGS[2]), "disk", None)]
 
 
 WRITER = """
@@ -256,6 +266,7 @@ TUNED_KEY = "gradients-d16x16-float32-band-n6-r7"
 
 def test_flashx_tune_fills_lists_and_clears_the_table(table, monkeypatch, capsys):
     medians = plans_timed(monkeypatch, [2.0, 1.0])  # fused, then split
+    monkeypatch.delenv("FLASHX_TRITON_AUTOTUNE")  # flashx tune times without being asked
     assert cli.main(TUNE) == 0
     out = capsys.readouterr().out
     assert re.search(rf"^    {TUNED_KEY}\s+split  \(fastest of 2 timed, 1\.000 ms\)$", out, re.MULTILINE), out
@@ -278,16 +289,13 @@ def test_flashx_tune_fills_lists_and_clears_the_table(table, monkeypatch, capsys
     assert capsys.readouterr().out == f"flashx tune: 0 tuned choices in {table}\n"
 
 
-@pytest.mark.parametrize("setting, reason", [({"TRITON_INTERPRET": None}, "sees no CUDA device"),
-                                             ({"FLASHX_TRITON_AUTOTUNE": "0"}, "FLASHX_TRITON_AUTOTUNE=0")])
-def test_flashx_tune_refuses_in_one_line_where_it_cannot_time(table, monkeypatch, capsys, setting, reason):
-    if torch.cuda.is_available() and "TRITON_INTERPRET" in setting:
+def test_flashx_tune_refuses_in_one_line_where_it_cannot_time(table, monkeypatch, capsys):
+    if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    for name, value in setting.items():
-        monkeypatch.delenv(name) if value is None else monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TRITON_INTERPRET")
     assert cli.main(TUNE) == 1
     captured = capsys.readouterr()
-    assert captured.out == "" and len(captured.err.splitlines()) == 1 and reason in captured.err, captured.err
+    assert captured.out == "" and len(captured.err.splitlines()) == 1 and "sees no CUDA device" in captured.err
     assert not table.exists()
 
 

@@ -1,24 +1,32 @@
-"""Tile shapes, warps and pipeline depth for each kernel: the fastest of a few candidates, timed once per machine.
+"""Tile shapes, warps and pipeline depth for each kernel: shipped per GPU, timed only when asked.
 
 Each kernel has a short list of candidate configurations per head-dim class and dtype
 (docs/triton-design.md, "Tuning"). A choice is kept under its kernel key (``kernel_key``: the
-kernel, head dims, dtype, band or none, and size class) and looked for in turn in this
-process's table, then in the table on disk for this GPU, Triton and flashx (``tuning_cache``);
-only where both lack it is it made (``_fastest``): every candidate runs on the call's own
-inputs, one that needs more shared memory than the GPU has, fails to compile, or whose outputs
-disagree with the first candidate's is dropped, and the fastest of the rest is kept in both
-tables. With FLASHX_TRITON_AUTOTUNE=0 the first candidate that fits is taken untimed, and the
-table on disk is neither read nor written: that mode runs the shipped defaults, whatever was
-tuned. Under TRITON_INTERPRET=1 (CI, CPU) one small fixed configuration runs.
+kernel, head dims, dtype, band or none, and size class). A call takes, in this order:
+
+1. the choice in this process's table;
+2. the choice in the table on disk for this GPU, Triton and flashx (``tuning_cache``), which
+   ``flashx tune`` fills;
+3. only with FLASHX_TRITON_AUTOTUNE=1: the fastest candidate, timed on the call's inputs
+   (``_fastest``), which then goes into the table on disk;
+4. otherwise the shipped choice, untimed (``untimed_order``): the entry of ``shipped.json`` for
+   this GPU's capability at the nearest length class, or for a GPU without a table, sm_90's
+   entry and then the candidates whose shared memory fits the GPU.
+
+Under TRITON_INTERPRET=1 (CI, CPU) one small fixed configuration runs.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
+import re
 import threading
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
 
 from flashx_triton import tuning_cache
 
@@ -45,8 +53,7 @@ class Config:
 INTERPRETED = Config(32, 32, 1, 1)
 
 C = Config
-# The H100's winners at N = 8k, causal or not, come first (docs/triton-design.md, "Tuning"):
-# FLASHX_TRITON_AUTOTUNE=0 runs the first.
+# Where shipped.json has no entry, the first of a list whose shared memory fits the GPU runs.
 FORWARD = {
     64: [C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 128, 4, 3), C(64, 128, 4, 3)],
     128: [C(64, 64, 4, 3), C(128, 128, 8, 3), C(128, 64, 8, 3)],
@@ -85,9 +92,15 @@ INTERPRETED_GRADIENTS = ["fused"]
 
 #: This process's choices, by (kernel key, tuning_cache.Environment, whether timed).
 _chosen: dict[tuple, Config | str] = {}
-#: By the same keys, every candidate this process ran and its median milliseconds (``_fastest``;
-#: None: dropped). A choice found on disk has none.
+#: By the same keys, where each choice came from: "timed", "disk" or "shipped".
+_sources: dict[tuple, str] = {}
+#: By the same keys, every candidate this process timed and its median milliseconds (``_fastest``;
+#: None: dropped).
 measured: dict[tuple, list[tuple[Config | str, float | None]]] = {}
+
+SHIPPED = Path(__file__).with_name("shipped.json")
+#: The capability whose table stands in for a GPU without one (``untimed_order``).
+REFERENCE_CAPABILITY = "sm_90"
 
 
 def interpreting() -> bool:
@@ -95,7 +108,8 @@ def interpreting() -> bool:
 
 
 def autotuning() -> bool:
-    return os.environ.get("FLASHX_TRITON_AUTOTUNE") != "0"
+    """Whether a choice missing from the tables is timed (FLASHX_TRITON_AUTOTUNE=1) rather than shipped."""
+    return os.environ.get("FLASHX_TRITON_AUTOTUNE") == "1"
 
 
 _trying = threading.local()
@@ -114,14 +128,13 @@ def candidates(kernel: str, problem) -> list:
         return {"forward": FORWARD_FP32, "dkdv": DKDV_FP32, "dq": DQ_FP32, "fused": FUSED_FP32,
                 "gradients": GRADIENTS_FP32}[kernel]
     table = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ, "fused": FUSED, "gradients": GRADIENTS}[kernel]
-    wide = max(problem.head_dim, problem.head_dim_v)
-    return table[64 if wide <= 64 else 128 if wide <= 128 else 256]
+    return table[head_dim_class(problem)]
 
 
 def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config | str:
     """The configuration for ``kernel`` on ``problem``; ``run(config)`` launches it and returns its
-    outputs. Looked for in this process's table, then (timed only) on disk; made by ``_fastest``
-    where neither has it, and kept in both."""
+    outputs. Looked for in this process's table, then on disk; timed by ``_fastest`` (and kept on
+    disk) only under FLASHX_TRITON_AUTOTUNE=1, otherwise the shipped choice, untimed."""
     options = candidates(kernel, problem)
     if len(options) == 1:
         return options[0]
@@ -130,13 +143,14 @@ def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config | 
     where = tuning_cache.environment(problem.device_index)
     slot = (key, where, timed)
     if slot not in _chosen:
-        choice = _stored(where, key, options) if timed else None
-        if choice is None:
-            log = measured.setdefault(slot, [])
-            choice = _fastest(options, run, log, timed)
-            if timed:
-                tuning_cache.store(where, key, _encoded(choice), dict(log).get(choice))
-        _chosen[slot] = choice
+        choice, source = _stored(where, key, options), "disk"
+        if choice is None and timed:
+            choice, source = _fastest(options, run, measured.setdefault(slot, [])), "timed"
+            tuning_cache.store(where, key, _encoded(choice), dict(measured[slot]).get(choice))
+        elif choice is None:
+            order = untimed_order(kernel, problem, options, where.capability, lambda: _shared_memory(problem))
+            choice, source = _first_that_runs(order, run), "shipped"
+        _chosen[slot], _sources[slot] = choice, source
     return _chosen[slot]
 
 
@@ -148,11 +162,95 @@ def kernel_key(kernel: str, problem) -> str:
     return f"{kernel}-d{problem.head_dim}x{problem.head_dim_v}-{problem.dtype}-{band}-n{length}-r{rows}"
 
 
-def choices() -> list[tuple[str, dict | str, list | None]]:
-    """This process's timed choices: (kernel key, choice as the table on disk holds it, the
-    timings that made it; None where the choice came from disk)."""
-    return [(key, _encoded(choice), measured.get((key, where, timed)))
-            for (key, where, timed), choice in _chosen.items() if timed]
+class Choice(NamedTuple):
+    key: str  # kernel_key
+    choice: dict | str  # as the table on disk holds it
+    source: str  # "timed", "disk" or "shipped"
+    timings: list | None  # of "timed": every candidate and its median ms (None: dropped)
+
+
+def choices() -> list[Choice]:
+    """Every choice this process made, in the order made."""
+    return [Choice(key, _encoded(choice), _sources[slot], measured.get(slot) if _sources[slot] == "timed" else None)
+            for slot, choice in _chosen.items() for key in slot[:1]]
+
+
+def shipped_table(capability: str) -> dict:
+    """shipped.json's choices for GPUs of ``capability`` ("sm_90"), by "kernel dD dtype band" and
+    then by the shortest length each entry holds from; empty where none are shipped."""
+    return _shipped().get(capability, {}).get("choices", {})
+
+
+@functools.cache
+def _shipped() -> dict:
+    return json.loads(SHIPPED.read_text())
+
+
+def shipped(kernel: str, problem, capability: str) -> Config | str | None:
+    """The shipped choice for ``kernel`` on ``problem`` on a GPU of ``capability``: the entry of the
+    longest length class at or below the problem's (or the shortest entry); None where none is shipped."""
+    entries = shipped_table(capability).get(f"{kernel} d{head_dim_class(problem)} {problem.dtype} "
+                                            f"{'band' if problem.band is not None else 'full'}")
+    if not entries:
+        return None
+    length, _ = size_class(problem)
+    by_class = sorted((int(n).bit_length(), text) for n, text in entries.items())
+    return parse(next((text for n, text in reversed(by_class) if n <= length), by_class[0][1]))
+
+
+def parse(text: str) -> Config | str:
+    """A choice as shipped.json writes it: "64x128 w8 s3", with " in-kernel" where the backward
+    builds its descriptors in the kernel, or a plan's name ("fused", "split")."""
+    found = re.fullmatch(r"(\d+)x(\d+) w(\d+) s(\d+)( in-kernel)?", text)
+    if found is None:
+        return text
+    *numbers, in_kernel = found.groups()
+    return Config(*map(int, numbers), host_descriptors=not in_kernel)
+
+
+def untimed_order(kernel: str, problem, options: list, capability: str, shared_memory: Callable[[], int]) -> list:
+    """``options`` in the order an untimed choice tries them (the first that compiles and fits wins).
+
+    With a table for ``capability``: its entry first, then the list's order. For any other GPU the
+    reference (sm_90) table's entry comes first, since what it encodes (tile shapes against 255
+    registers a thread, warps against tile size) holds on every NVIDIA GPU; what differs is shared
+    memory, so candidates whose pipelined tiles (``shared_memory_needed``) exceed the GPU's are
+    left out, unless none fits.
+    """
+    table = capability if shipped_table(capability) else REFERENCE_CAPABILITY
+    preferred = shipped(kernel, problem, table)
+    order = ([preferred] if preferred in options else []) + [option for option in options if option != preferred]
+    if table == capability:
+        return order
+    limit = shared_memory()
+    fitting = [option for option in order
+               if not isinstance(option, Config) or shared_memory_needed(kernel, option, problem) <= limit]
+    return fitting or order
+
+
+def shared_memory_needed(kernel: str, config: Config, problem) -> int:
+    """A lower bound on the shared memory ``config`` takes: its pipeline's stages of streamed rows
+    (K and V in the forward and dQ, Q and dO in dK/dV), both head dims padded as the kernels pad them."""
+    width = sum(max(16, 1 << (d - 1).bit_length()) for d in (problem.head_dim, problem.head_dim_v))
+    rows = config.block_n if kernel in ("forward", "dq") else config.block_m
+    return config.num_stages * rows * width * (4 if problem.dtype == "float32" else 2)
+
+
+def _shared_memory(problem) -> float:
+    """The shared memory a block of ``problem``'s GPU may take (bytes; the interpreter has no limit)."""
+    import torch
+    import triton
+
+    if interpreting():
+        return math.inf
+    device = problem.device_index if problem.device_index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+def head_dim_class(problem) -> int:
+    """64, 128 or 256: the candidate lists' class of the wider head dim."""
+    wide = max(problem.head_dim, problem.head_dim_v)
+    return 64 if wide <= 64 else 128 if wide <= 128 else 256
 
 
 def _stored(where, key: str, options: list) -> Config | str | None:
@@ -210,8 +308,22 @@ def size_class(problem) -> tuple[int, int]:
     return min(problem.seqlen_q, 8192).bit_length(), min(rows, 1 << 18).bit_length()
 
 
-def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list, timed: bool) -> Config:
-    """The fastest candidate that compiles, fits the GPU and agrees with the first; untimed: the first such.
+def _first_that_runs(options: list, run: Callable[[Config], Sequence]) -> Config | str:
+    """The first of ``options`` that compiles and fits the GPU, untimed (its run is the call's own)."""
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    for config in options:
+        try:
+            run(config)
+            return config
+        except (OutOfResources, PTXASError, RuntimeError):  # as in _fastest
+            if config is options[-1]:
+                raise
+    raise ValueError("no options")
+
+
+def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list) -> Config:
+    """The fastest candidate that compiles, fits the GPU and agrees with the first.
 
     Every candidate runs and is checked first, then each of those left is timed once by
     ``triton.testing.do_bench`` (its median over ~100 ms of calls, after a warm-up) and the
@@ -252,8 +364,6 @@ def _fastest(options: list[Config], run: Callable[[Config], Sequence], log: list
             elif not all(_agree(a, b) for a, b in zip(outputs, reference)):
                 log.append((config, None))
                 continue
-            if not timed:
-                return config
             usable.append(config)
         costs = {}
         for config in usable:

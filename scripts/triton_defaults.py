@@ -1,0 +1,231 @@
+"""Where the Triton backend's shipped configurations come from, and how close they come to tuned.
+
+    python3 scripts/triton_defaults.py sweep OUT.json      # tune at every sweep point; write every
+                                                           # candidate's median and the choices
+    python3 scripts/triton_defaults.py encode SWEEP.json   # SWEEP.json -> backends/flashx_triton/shipped.json
+    python3 scripts/triton_defaults.py compare OUT.json    # shipped (untimed) vs tuned, same process
+
+``sweep`` runs the tuner (FLASHX_TRITON_AUTOTUNE=1) at the benchmark's points: bf16 and fp16
+fwd+bwd and fp32 forwards, d 64/128/256, causal or not, N 512..16k, B = 16384 / N and
+H = 2048 / d, plus the off-sweep shapes of issue 26. Compiling every candidate is most of a cold
+tuning's time, so worker processes first compile them all (one shape per class, timings
+stubbed) into the shared Triton cache, in parallel; the tuner then runs serially on a quiet GPU.
+``encode`` turns its output into the shipped table (``encode``'s docstring says how).
+
+``compare`` times each shape's fwd+bwd (do_bench median) under the shipped choice, untimed, then
+tunes it in a fresh table and times it again, in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (128, 64, 256)
+# (label, B, N, Hq, Hk, d, causal): the first-call shape and the Llama-like GQA step of issue 26
+OFF_SWEEP = [("first-call", 2, 6000, 16, 16, 128, True), ("gqa", 4, 4096, 32, 8, 128, True),
+             ("gqa-full", 4, 4096, 32, 8, 128, False)]
+
+
+def sweep_points():
+    """(label, B, N, Hq, Hk, d, causal, dtype, backward) of every point, the most used first."""
+    points = []
+    for dtype, backward in (("bfloat16", True), ("float16", True), ("float32", False)):
+        for d in HEAD_DIMS:
+            for causal in (True, False):
+                for n in SEQLENS:
+                    points.append(("sweep", 16384 // n, n, 2048 // d, 2048 // d, d, causal, dtype, backward))
+        if dtype == "float16":
+            points += [(label, b, n, hq, hk, d, causal, "bfloat16", True) for label, b, n, hq, hk, d, causal in OFF_SWEEP]
+    return points
+
+
+def _inputs(point):
+    import torch
+
+    _, b, n, hq, hk, d, _, dtype, backward = point
+    generator = torch.Generator("cuda").manual_seed(n * d)
+    make = lambda h: torch.randn(b, n, h, d, generator=generator, device="cuda",  # noqa: E731
+                                 dtype=getattr(torch, dtype), requires_grad=backward)
+    return make(hq), make(hk), make(hk), torch.randn(b, n, hq, d, generator=generator, device="cuda",
+                                                     dtype=getattr(torch, dtype))
+
+
+def _step(point, q, k, v, do):
+    import flashx
+
+    o = flashx.attention(q, k, v, causal=point[6], backend="triton")
+    if point[8]:
+        o.backward(do)
+    return o
+
+
+def _compile_class(point) -> str:
+    """Compile every candidate of one class (dtype, d, causal, group) by one tuning with do_bench stubbed."""
+    import torch
+    import triton.testing
+
+    os.environ["FLASHX_CACHE_DIR"] = tempfile.mkdtemp()
+    triton.testing.do_bench = lambda fn, **kwargs: (fn(), 1.0)[1]
+    started = time.perf_counter()
+    try:
+        _step(point, *_inputs(point))
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - the serial tuning meets it again and records it
+        return f"{point}: {error!r}"[:300]
+    return f"{point}: compiled in {time.perf_counter() - started:.0f} s"
+
+
+def sweep(out: str) -> None:
+    os.environ["FLASHX_TRITON_AUTOTUNE"] = "1"
+    points = sweep_points()
+    classes = {}
+    for point in points:  # one shape per class: the sweep's lengths (powers of two) compile alike
+        classes.setdefault((point[0], *point[5:]), (point[0], 16, 1024, *point[3:]) if point[0] == "sweep" else point)
+    started = time.perf_counter()
+    workers = os.cpu_count() or 1
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for line in pool.map(_compile_class, classes.values()):
+            print(line, flush=True)
+    print(f"compiled {len(classes)} classes in {time.perf_counter() - started:.0f} s", flush=True)
+
+    import torch
+
+    from flashx_triton import tuning
+
+    os.environ["FLASHX_CACHE_DIR"] = tempfile.mkdtemp()
+    import datetime
+
+    import triton
+
+    record = {"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
+              "triton": triton.__version__, "date": datetime.date.today().isoformat(), "points": [], "keys": {}}
+    for point in points:
+        if time.perf_counter() - started > float(os.environ.get("DEADLINE_S", "inf")):
+            print("deadline: the points left are not tuned", flush=True)
+            break
+        inputs = _inputs(point)
+        start = time.perf_counter()
+        try:
+            _step(point, *inputs)
+            torch.cuda.synchronize()
+        except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
+            record["points"].append({"point": point, "error": repr(error)[:300]})
+            print(f"{point}: {error!r}"[:300], flush=True)
+            continue
+        keys = []
+        for key, choice, timings in tuning.choices():
+            if key not in record["keys"] and timings is not None:
+                record["keys"][key] = {"choice": choice, "medians": [[tuning._encoded(c), ms] for c, ms in timings]}
+                keys.append(key)
+        record["points"].append({"point": point, "seconds": time.perf_counter() - start, "keys": keys})
+        print(f"{point}: {time.perf_counter() - start:.1f} s " + "; ".join(
+            f"{key} -> {_text(record['keys'][key]['choice'])}" for key in keys), flush=True)
+        with open(out, "w") as file:
+            json.dump(record, file, indent=1)
+        del inputs
+
+
+def _text(choice) -> str:
+    if isinstance(choice, str):
+        return choice
+    return "{block_m}x{block_n} w{num_warps} s{num_stages}".format(**choice) + (
+        "" if choice["host_descriptors"] else " in-kernel")
+
+
+TOLERANCE = 1.03  # a choice is kept for the next length class while within 3% of that class's fastest
+
+
+def encode(sweep_json: str) -> None:
+    """The shipped table from a ``sweep``: per kernel, head-dim class, dtype and band, the tuner's
+    choice at each length class of the sweep, kept for longer classes while it stays within
+    TOLERANCE of their fastest candidate (so run-to-run ties do not flip the table)."""
+    import re
+    from pathlib import Path
+
+    record = json.load(open(sweep_json))
+    rows = 16384 * 2048 // 128  # the sweep's query rows at d <= 128 (d 256: half), one size class each
+    groups = {}
+    for key, found in record["keys"].items():
+        kernel, d, dtype, band, length, row_class = re.fullmatch(r"(\w+)-d(\d+)x\d+-(\w+)-(band|full)-n(\d+)-r(\d+)",
+                                                                key).groups()
+        if int(row_class) != min(rows * 128 // max(int(d), 128), 1 << 18).bit_length():
+            continue  # an off-sweep shape
+        groups.setdefault(f"{kernel} d{d} {dtype} {band}", {})[int(length)] = found
+    table = {}
+    for group, by_length in sorted(groups.items()):
+        entries, kept = {}, None
+        for length in sorted(by_length):
+            medians = {json.dumps(choice): ms for choice, ms in by_length[length]["medians"] if ms is not None}
+            if kept is None or medians.get(json.dumps(kept), float("inf")) > TOLERANCE * min(medians.values()):
+                kept = by_length[length]["choice"]
+                entries[str(1 << (length - 1))] = _text(kept)
+        table[group] = entries
+    shipped = Path(__file__).parents[1] / "backends" / "flashx_triton" / "shipped.json"
+    document = json.loads(shipped.read_text()) if shipped.exists() else {}
+    document[f"sm_{''.join(map(str, record['capability']))}"] = {
+        "measured": f"{record['device']}, Triton {record.get('triton', '3.6')}, {record.get('date', '2026-11-26')}: "
+                    "scripts/triton_defaults.py sweep, then encode", "choices": table}
+    shipped.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"{shipped}: {len(table)} groups, {sum(map(len, table.values()))} entries from {record['device']}")
+
+
+def _time_step(point, inputs) -> float:
+    from triton.testing import do_bench
+
+    q, k, v, do = inputs
+
+    def step():
+        _step(point, q, k, v, do)
+
+    return do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v] if point[8] else None, return_mode="median")
+
+
+def _tflops(point, ms: float) -> float:
+    _, b, n, hq, _, d, causal, _, backward = point
+    flops = 4 * b * hq * n * n * d / (2 if causal else 1) * (3.5 if backward else 1)
+    return flops / ms / 1e9
+
+
+def compare(out: str, points=None) -> None:
+    """Shipped (untimed) against tuned at ``points`` (default: the off-sweep shapes), one process."""
+    import torch
+
+    from flashx_triton import tuning
+
+    points = points or [p for p in sweep_points() if p[0] != "sweep"]
+    rows = []
+    for point in points:
+        inputs = _inputs(point)
+        os.environ.pop("FLASHX_TRITON_AUTOTUNE", None)
+        shipped = _time_step(point, inputs)
+        os.environ["FLASHX_TRITON_AUTOTUNE"] = "1"
+        os.environ["FLASHX_CACHE_DIR"] = tempfile.mkdtemp()
+        start = time.perf_counter()
+        _step(point, *inputs)
+        torch.cuda.synchronize()
+        tuning_s = time.perf_counter() - start
+        tuned = _time_step(point, inputs)
+        os.environ.pop("FLASHX_TRITON_AUTOTUNE")
+        rows.append({"point": point, "shipped_tflops": _tflops(point, shipped), "tuned_tflops": _tflops(point, tuned),
+                     "tuning_s": tuning_s, "tuned": [(key, choice) for key, choice, t in tuning.choices()]})
+        print(json.dumps(rows[-1]), flush=True)
+        del inputs
+    with open(out, "w") as file:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, file, indent=1)
+    print(f"\n{'shape':<44} {'shipped':>8} {'tuned':>8} {'ratio':>6}")
+    for row in rows:
+        label, b, n, hq, hk, d, causal, dtype, backward = row["point"]
+        shape = f"{label} B={b} N={n} H={hq}/{hk} d{d} {dtype}{' causal' if causal else ''}"
+        print(f"{shape:<44} {row['shipped_tflops']:>8.0f} {row['tuned_tflops']:>8.0f} "
+              f"{row['shipped_tflops'] / row['tuned_tflops']:>6.2f}")
+
+
+if __name__ == "__main__":
+    {"sweep": sweep, "encode": encode, "compare": compare}[sys.argv[1]](sys.argv[2])
