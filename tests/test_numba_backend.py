@@ -48,8 +48,8 @@ def test_declarations():
     backend = flashx.registry.get("numba")
     assert isinstance(backend, flashx_numba.NumbaBackend)
     assert backend.array_kind == "torch" and backend.devices == {"cuda", "cpu"}
-    assert backend.features == {"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "gqa",
-                                "dv_ne_d"}
+    assert backend.features == {"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout",
+                                "dropout_offsets", "gqa", "dv_ne_d"}
     assert backend.available() is None
 
 
@@ -205,19 +205,20 @@ _PTX_SCRIPT = """
 from numba import cuda, types
 from flashx_numba.mma import intrinsics
 for dtype in ("float16", "bfloat16"):
-    mma, pack = intrinsics(dtype)
+    mma, pack, widen = intrinsics(dtype)
     def kernel(a, c):
         lane = cuda.threadIdx.x
         d = mma(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], a[lane, 4], a[lane, 5], c[lane, 0], c[lane, 1],
                 c[lane, 2], c[lane, 3])
         a[lane, 0] = pack(d[0], d[1])
+        c[lane, 0] = widen(a[lane, 1])
     ptx, _ = cuda.compile_ptx(kernel, (types.uint32[:, ::1], types.float32[:, ::1]), cc=(8, 0))
     print(ptx)
 """
 
 
 def test_mma_compiles_to_tensor_core_ptx():
-    """The intrinsics lower to mma.sync and cvt.rn (numba-cuda's compiler, outside the simulator:
+    """The intrinsics lower to mma.sync and cvt (numba-cuda's compiler, outside the simulator:
     it needs NVVM and NVRTC, not a GPU; skipped where they are missing)."""
     environment = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
     done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=environment,
@@ -228,3 +229,4 @@ def test_mma_compiles_to_tensor_core_ptx():
     for half in ("f16", "bf16"):
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{half}.{half}.f32" in done.stdout
         assert f"cvt.rn.{half}x2.f32" in done.stdout
+    assert "cvt.f32.f16" in done.stdout

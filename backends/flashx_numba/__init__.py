@@ -35,7 +35,8 @@ class NumbaBackend(flashx.Backend):
     array_kind = "torch"
     dtypes = frozenset({"float16", "bfloat16", "float32"})
     max_head_dim = 256
-    features = frozenset({"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "gqa", "dv_ne_d"})
+    features = frozenset({"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "dropout_offsets",
+                          "gqa", "dv_ne_d"})
     deterministic_backward = True
 
     @property

@@ -25,12 +25,14 @@ from flashx_numba.kernels import Tiles, delta_kernel, dkdv_kernel, dq_kernel, fo
 from flashx_numba.primitives import SIMULATOR
 
 # Tile shapes on a GPU, by kernel and head-dim class (the widest of D and Dv, rounded up to 64,
-# 128 or 256): (rows, cols, row_groups, lanes). Shared tiles are float32 and fit the 48 KiB
-# a block may hold statically.
+# 128 or 256): (rows, cols, row_groups, lanes), micro-tiles with float32 shared tiles, and
+# (rows, cols) of the forward on tensor cores (a warp per 16 rows; packed half tiles). All fit
+# the 48 KiB a block may hold statically.
 GPU_TILES = {
     "forward": {64: (64, 32, 16, 8), 128: (32, 16, 8, 8), 256: (16, 8, 8, 8)},
     "backward": {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 4, 8)},
 }
+TENSOR_CORE_TILES = {64: (64, 64), 128: (64, 64), 256: (32, 32)}
 # In the simulator every CUDA thread is a Python thread and every syncthreads a round of
 # thread switches: one thread a block, large tiles, each tile operation one NumPy call. With
 # two threads a block the simulator once returned garbage in one dK element of 243 cases
@@ -43,9 +45,17 @@ SIMULATOR_SWITCH_INTERVAL = 1e-4
 DELTA_THREADS = 128
 
 
+def tensor_cores(problem) -> bool:
+    """Whether the forward runs on tensor cores: float16 and bfloat16 on a GPU."""
+    return not SIMULATOR and problem.dtype in ("float16", "bfloat16")
+
+
 def tiles(kernel: str, problem) -> Tiles:
     widest = max(problem.head_dim, problem.head_dim_v)
     width = 64 if widest <= 64 else 128 if widest <= 128 else 256
+    if kernel == "forward" and tensor_cores(problem):
+        rows, cols = TENSOR_CORE_TILES[width]
+        return Tiles(rows, cols, rows // 16, 32, width)
     rows, cols, row_groups, lanes = SIMULATOR_TILES if SIMULATOR else GPU_TILES[kernel][width]
     return Tiles(rows, cols, row_groups, lanes, width)
 
@@ -58,11 +68,12 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     else:
         o = torch.empty(problem.o_shape, dtype=dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-    shape = tiles("forward", problem)
-    kernel = forward_kernel(shape, problem.dtype)
+    shape, fragments = tiles("forward", problem), tensor_cores(problem)
+    kernel = forward_kernel(shape, problem.dtype, fragments)
     blocks = -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q
+    inputs = [_pairs(x) for x in (q, k, v)] if fragments else (q, k, v)
     with _launching(q) as stream:
-        _launch(kernel, blocks, shape.threads, stream, *_rows(problem, q, k, v, o), _lse(problem, lse),
+        _launch(kernel, blocks, shape.threads, stream, *_rows(problem, *inputs, o), _lse(problem, lse),
                 *_arguments(problem))
     return o, lse
 
@@ -106,8 +117,22 @@ def _launching(x: torch.Tensor):
         yield cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
 
+def _pairs(x: torch.Tensor) -> torch.Tensor:
+    """A float16 or bfloat16 tensor as int32 words, each two adjacent features (the tensor-core
+    kernels' operands): a view where the last axis is contiguous and every other stride and the
+    address allow it, else a copy, an odd head dim padded with a zero feature."""
+    dim = x.shape[-1]
+    viewable = x.stride(-1) == 1 and dim % 2 == 0 and all(st % 2 == 0 for st in x.stride()[:-1])
+    if not (viewable and x.data_ptr() % 4 == 0):
+        padded = torch.zeros((*x.shape[:-1], dim + dim % 2), dtype=x.dtype, device=x.device)
+        padded[..., :dim] = x
+        x = padded
+    return x.view(torch.int32)
+
+
 def _device_array(x: torch.Tensor):
-    """x as an array the kernels take, sharing its memory (bfloat16 as int16 bit patterns).
+    """x as an array the kernels take, sharing its memory (bfloat16 as int16 bit patterns, int32
+    words of pairs as they are).
 
     Autograd's tensors arrive as they are (the core resolved torch's lazy negation already)."""
     x = x.detach()
@@ -154,7 +179,7 @@ def _arguments(problem) -> tuple:
         problem.varlen, problem.seqlens_q is not None, problem.seqlens_k is not None, problem.mask is not None,
         problem.block_mask is not None, block_q, block_k, left, right, np.float32(problem.softmax_scale), p > 0,
         math.floor(p * 2**32), seed & 0xFFFFFFFF, seed >> 32, problem.rng_offset & 0xFFFFFFFF,
-        np.float32(1 / (1 - p)),
+        np.float32(1 / (1 - p)), *problem.dropout_offsets,
     )
 
 

@@ -6,11 +6,11 @@ and delta as (B, H, N). Indexing goes through the arrays' strides in 64-bit arit
 offset can overflow.
 
 - forward: one block per (query tile, query head, sequence), on one grid axis (no 65535 limit
-  on B * H). Q stays in shared memory; K and V stream through it a tile at a time, skipping
-  tiles the band (causal, window) or the block mask leaves empty. Each thread's scores go to
-  shared memory, where the online softmax works on them in float32 row by row (registers hold
-  only what loops of fixed length index: the accumulators), the row maximum and sum reduced
-  across lanes by shuffles.
+  on B * H). K and V stream through shared memory a tile at a time, skipping tiles the band
+  (causal, window) or the block mask leaves empty. The scores of a tile stay in registers,
+  where the online softmax works on them in float32, the row maximum reduced across lanes by
+  shuffles: on tensor cores for float16 and bfloat16, in float32 micro-tiles otherwise (the
+  two ``fragments`` forms, behind one kernel).
 - delta: D = rowsum(dO * O), one thread per (row, head).
 - dK/dV: one block per (key tile, kv head, sequence), looping over the query tiles and every
   query head of the GQA group: each key's gradients are summed in one block, in a fixed
@@ -23,8 +23,8 @@ products leave out: NaN or inf that only such pairs read never reaches an output
 in data an allowed pair reads propagates.
 
 The kernels are compiled once per ``Tiles`` (compile-time tile shapes) and dtype (bfloat16
-travels as int16 bit patterns), on first use; head dims, lengths, layouts and options are
-run-time arguments.
+travels as int16 bit patterns, and to the tensor cores as int32 words of feature pairs), on
+first use; head dims, lengths, layouts and options are run-time arguments.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
+from flashx_numba.fragments import micro_tile_form, tensor_core_form
 from flashx_numba.philox import dropout_keep
 from flashx_numba.primitives import (NEG_INF, SKIP, accumulate, device_function, lanes_max, lanes_sum, load, load_tile,
-                                     max_nan, scores, store)
+                                     max_nan, scores, store, to_shared)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ _INDEX = types.Array(types.int32, 1, "A")  # cu_seqlens, seqlens
 _FLAGS = types.Array(types.boolean, 4, "A")  # mask, block mask
 _i, _b, _f = types.int64, types.boolean, types.float32
 _COMMON = (_INDEX, _INDEX, _INDEX, _INDEX, _FLAGS, _FLAGS, _i, _i, _i, _i, _i, _i, _b, _b, _b, _b, _b, _i, _i, _i, _i,
-           _f, _b, _i, _i, _i, _i, _f)
+           _f, _b, _i, _i, _i, _i, _f, _i, _i)
 
 
 def _tensor(dtype: str):
@@ -149,23 +150,36 @@ def any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
 #   cu_q, cu_k, seqlens_q, seqlens_k, mask (B, Hq, Nq, Nk) and blocks (B, Hq, Nq/bq, Nk/bk)
 #   (broadcast views; placeholders when absent), nq, nk (padded or longest lengths), heads_q,
 #   group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q,
-#   block_k, left, right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale.
+#   block_k, left, right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale,
+#   row_offset, key_offset (dropout_offsets: the draw's positions of query 0 and key 0).
 
 
 @functools.cache
-def forward_kernel(tiles: Tiles, dtype: str):
-    """The forward: (o, lse) for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``."""
-    x, bf16 = _tensor(dtype), dtype == "bfloat16"
-    ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
-    TM, TN, KV, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
-    PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1  # shared rows one float longer (see primitives)
+def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
+    """The forward: (o, lse) for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``.
 
-    @cuda.jit(types.void(x, x, x, x, _ROWS, *_COMMON))
+    ``tensor_cores``: float16 or bfloat16 on m16n8k16 fragments, q, k, v arriving as int32 words
+    of feature pairs; otherwise float32 micro-tiles (see ``fragments``)."""
+    bf16 = dtype == "bfloat16"
+    ROWS, COLS, WIDTH = tiles.rows, tiles.cols, tiles.width
+    if tensor_cores:
+        form = tensor_core_form(ROWS, COLS, WIDTH, dtype)
+        inputs = types.Array(types.int32, 4, "A")
+    else:
+        form = micro_tile_form(ROWS, COLS, tiles.row_groups, tiles.lanes, WIDTH, bf16)
+        inputs = _tensor(dtype)
+    assert form.threads == tiles.threads and form.held_cols <= 63  # a row's columns index bits of an int64
+    R, C, A, ROW_LANES, TILE = form.held_rows, form.held_cols, form.held_features, form.row_lanes, form.tile_dtype
+    Q_SHAPE, K_SHAPE, V_SHAPE, P_SHAPE, FRAG = form.q_shape, form.k_shape, form.v_shape, form.p_shape, form.frag_words
+    row_of, col_of, stage_queries, load_keys, load_values, qk, share_weights, pv = (
+        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.share_weights,
+        form.pv)
+
+    @cuda.jit(types.void(inputs, inputs, inputs, _tensor(dtype), _ROWS, *_COMMON))
     def kernel(q, k, v, o, lse, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group, dim,
                dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
-               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
+               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
         tid = cuda.threadIdx.x
-        g, t = tid // LANES, tid % LANES
         query_tiles = (nq + ROWS - 1) // ROWS
         pid = cuda.blockIdx.x
         b = pid // query_tiles // heads_q
@@ -180,78 +194,88 @@ def forward_kernel(tiles: Tiles, dtype: str):
         kv_head = h // group
         stream = b * heads_q + h
 
-        q_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
-        k_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
-        v_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
-        p_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)
-        s = cuda.local.array((TM, TN), np.float32)
-        acc = cuda.local.array((TM, KV), np.float32)
-        row_max = cuda.local.array(TM, np.float32)
-        row_sum = cuda.local.array(TM, np.float32)
-        rescale = cuda.local.array(TM, np.float32)
-        for i in range(TM):
+        q_tile = cuda.shared.array(Q_SHAPE, TILE)
+        k_tile = cuda.shared.array(K_SHAPE, TILE)
+        v_tile = cuda.shared.array(V_SHAPE, TILE)
+        p_tile = cuda.shared.array(P_SHAPE, np.float32)
+        q_frag = cuda.local.array(FRAG, np.uint32)
+        s = cuda.local.array((R, C), np.float32)
+        acc = cuda.local.array((R, A), np.float32)
+        row_max = cuda.local.array(R, np.float32)
+        row_sum = cuda.local.array(R, np.float32)  # this thread's columns only, summed across lanes at the end
+        masked = cuda.local.array(R, np.int64)
+        dropped = cuda.local.array(R, np.int64)
+        for i in range(R):
             row_max[i] = NEG_INF
             row_sum[i] = 0
-            for kk in range(KV):
-                acc[i, kk] = 0
+            for a in range(A):
+                acc[i, a] = 0
 
         i1 = min(i0 + ROWS, lq)
-        load_tile(q_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid, THREADS, bf16)
+        stage_queries(q_frag, q_tile, k_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid)
         lo, hi = keys_seen(i0, i1, lq, lk, left, right) if i0 < lq else (np.int64(0), np.int64(0))
         for j0 in range(lo - lo % COLS, hi, COLS):
             j1 = min(j0 + COLS, lk)
             if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
                 continue
-            cuda.syncthreads()  # the last tile's readers are done with k_tile, v_tile, p_tile
-            load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
-            load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
-            cuda.syncthreads()
-            scores(p_tile, s, q_tile, k_tile, dim, g, t, GROUPS, LANES)  # Q K^T of this thread's elements
-            # Each row of this thread, in p_tile: scaled and masked scores, then P (SKIP where
-            # disallowed or dropped; a -inf score reads as disallowed).
+            cuda.syncthreads()  # the last tile's readers are done with the shared tiles
+            load_keys(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
+            nonfinite = load_values(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
+            # plain: every pair of the tile is allowed; otherwise P holds SKIP weights
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
-            for i in range(TM):
-                r, row = g + i * GROUPS, i0 + g + i * GROUPS
+            exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
+            qk(s, q_frag, q_tile, k_tile, dim, tid)
+            # Each row of this thread: scaled and masked scores, then P (SKIP where disallowed or
+            # dropped; a -inf score reads as disallowed). The per-pair tests fill bit masks first,
+            # in loops of their own, so that the loops indexing s and acc unroll into registers.
+            for i in range(R):
+                row = i0 + row_of(tid, i)
+                masked[i] = 0  # bit c: the pair of column c is disallowed
+                if not plain:
+                    for c in range(C):
+                        if not allowed(row, j0 + col_of(tid, c), lq, lk, left, right, b, h, mask, has_mask, blocks,
+                                       has_blocks, block_q, block_k):
+                            masked[i] |= np.int64(1) << c
+                dropped[i] = 0
+                if dropout:
+                    for c in range(C):
+                        if not dropout_keep(row_offset + row, key_offset + j0 + col_of(tid, c), stream, rng_offset,
+                                            seed_low, seed_high, threshold):
+                            dropped[i] |= np.int64(1) << c
+            for i in range(R):
                 tile_max = NEG_INF
-                for j in range(TN):
-                    c = t + j * LANES
-                    if plain or allowed(row, j0 + c, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
-                                        block_q, block_k):
-                        p_tile[r, c] *= scale
-                    else:
-                        p_tile[r, c] = NEG_INF
-                    tile_max = max_nan(tile_max, p_tile[r, c])
-                new_max = max_nan(row_max[i], lanes_max(tile_max, LANES))
+                for c in range(C):
+                    s[i, c] = NEG_INF if (masked[i] >> c) & 1 else s[i, c] * scale
+                    tile_max = max_nan(tile_max, s[i, c])
+                new_max = max_nan(row_max[i], lanes_max(tile_max, ROW_LANES))
                 reference = np.float32(0) if new_max == NEG_INF else new_max  # no key yet: exp(-inf - 0) = 0
+                rescale = math.exp(row_max[i] - reference)
                 tile_sum = np.float32(0)
-                for j in range(TN):
-                    c = t + j * LANES
-                    score = p_tile[r, c]
+                for c in range(C):
+                    score = s[i, c]
                     p = math.exp(score - reference)
                     tile_sum += p  # dropped pairs count here too
-                    kept = score != NEG_INF and (not dropout or dropout_keep(
-                        row, j0 + c, stream, rng_offset, seed_low, seed_high, threshold))
-                    p_tile[r, c] = p if kept else SKIP
-                rescale[i] = math.exp(row_max[i] - reference)
-                row_sum[i] = row_sum[i] * rescale[i] + lanes_sum(tile_sum, LANES)
+                    s[i, c] = SKIP if score == NEG_INF or (dropped[i] >> c) & 1 else p
+                row_sum[i] = row_sum[i] * rescale + tile_sum
                 row_max[i] = new_max
-            for i in range(TM):
-                for kk in range(KV):
-                    acc[i, kk] *= rescale[i]
+                for a in range(A):
+                    acc[i, a] *= rescale
+            share_weights(p_tile, s, tid)
             cuda.syncthreads()
-            accumulate(acc, p_tile, v_tile, dim_v, g, t, GROUPS, LANES)
+            pv(acc, s, k_tile, v_tile, p_tile, dim_v, tid, exact)
 
-        for i in range(TM):
-            row = i0 + g + i * GROUPS
+        for i in range(R):
+            row = i0 + row_of(tid, i)
+            total = lanes_sum(row_sum[i], ROW_LANES)
             if row < rows_out:
-                empty = row >= lq or row_sum[i] == 0  # no allowed key (NaN rows stay NaN)
-                factor = np.float32(0) if empty else drop_scale / row_sum[i]
-                for kk in range(KV):
-                    d = t + kk * LANES
+                empty = row >= lq or total == 0  # no allowed key (NaN rows stay NaN)
+                factor = np.float32(0) if empty else drop_scale / total
+                for a in range(A):
+                    d = col_of(tid, a)
                     if d < dim_v:
-                        store(o, batch, q_start + row, h, d, np.float32(0) if empty else acc[i, kk] * factor, bf16)
-                if t == 0:
-                    lse[batch, h, q_start + row] = NEG_INF if empty else row_max[i] + math.log(row_sum[i])
+                        store(o, batch, q_start + row, h, d, np.float32(0) if empty else acc[i, a] * factor, bf16)
+                if col_of(tid, 0) == 0:
+                    lse[batch, h, q_start + row] = NEG_INF if empty else row_max[i] + math.log(total)
 
     return kernel
 
@@ -297,7 +321,7 @@ def dkdv_kernel(tiles: Tiles, dtype: str):
     @cuda.jit(types.void(x, x, x, x, _ROWS, _ROWS, x, x, *_COMMON))
     def kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q,
                group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left,
-               right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
+               right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
         tid = cuda.threadIdx.x
         g, t = tid // LANES, tid % LANES
         key_tiles = (nk + ROWS - 1) // ROWS
@@ -341,8 +365,10 @@ def dkdv_kernel(tiles: Tiles, dtype: str):
                 load_tile(q_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid, THREADS, bf16)
                 load_tile(do_tile, do, batch, q_start + i0, i1 - i0, h, dim_v, tid, THREADS, bf16)
                 cuda.syncthreads()
-                scores(p_tile, s, k_tile, q_tile, dim, g, t, GROUPS, LANES)  # S^T
-                scores(ds_tile, s, v_tile, do_tile, dim_v, g, t, GROUPS, LANES)  # dP^T before dropout
+                scores(s, k_tile, q_tile, dim, g, t, GROUPS, LANES)  # S^T
+                to_shared(p_tile, s, g, t, GROUPS, LANES)
+                scores(s, v_tile, do_tile, dim_v, g, t, GROUPS, LANES)  # dP^T before dropout
+                to_shared(ds_tile, s, g, t, GROUPS, LANES)
                 plain = not (has_mask or has_blocks) and inside_band(i0, i0 + COLS, j0, j0 + ROWS, lq, lk, left, right)
                 for i in range(TM):
                     r, key = g + i * GROUPS, j0 + g + i * GROUPS
@@ -351,8 +377,8 @@ def dkdv_kernel(tiles: Tiles, dtype: str):
                         weight_v, weight_q = SKIP, SKIP
                         if plain or allowed(query, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
                                             block_q, block_k):
-                            keep = not dropout or dropout_keep(query, key, stream, rng_offset, seed_low, seed_high,
-                                                               threshold)
+                            keep = not dropout or dropout_keep(row_offset + query, key_offset + key, stream, rng_offset,
+                                                               seed_low, seed_high, threshold)
                             p = math.exp(p_tile[r, c] * scale - lse[batch, h, q_start + query])
                             weight_v, weight_q = gradient_pair(p, ds_tile[r, c], delta[batch, h, q_start + query], keep,
                                                                drop_scale)
@@ -386,7 +412,7 @@ def dq_kernel(tiles: Tiles, dtype: str):
     @cuda.jit(types.void(x, x, x, x, _ROWS, _ROWS, x, *_COMMON))
     def kernel(q, k, v, do, lse, delta, dq, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group,
                dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
-               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale):
+               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
         tid = cuda.threadIdx.x
         g, t = tid // LANES, tid % LANES
         query_tiles = (nq + ROWS - 1) // ROWS
@@ -427,8 +453,10 @@ def dq_kernel(tiles: Tiles, dtype: str):
             load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
             load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
             cuda.syncthreads()
-            scores(s_tile, s, q_tile, k_tile, dim, g, t, GROUPS, LANES)
-            scores(ds_tile, s, do_tile, v_tile, dim_v, g, t, GROUPS, LANES)
+            scores(s, q_tile, k_tile, dim, g, t, GROUPS, LANES)
+            to_shared(s_tile, s, g, t, GROUPS, LANES)
+            scores(s, do_tile, v_tile, dim_v, g, t, GROUPS, LANES)
+            to_shared(ds_tile, s, g, t, GROUPS, LANES)
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
             for i in range(TM):
                 r, row = g + i * GROUPS, i0 + g + i * GROUPS
@@ -437,7 +465,8 @@ def dq_kernel(tiles: Tiles, dtype: str):
                     weight = SKIP
                     if plain or allowed(row, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
                                         block_q, block_k):
-                        keep = not dropout or dropout_keep(row, key, stream, rng_offset, seed_low, seed_high, threshold)
+                        keep = not dropout or dropout_keep(row_offset + row, key_offset + key, stream, rng_offset,
+                                                           seed_low, seed_high, threshold)
                         p = math.exp(s_tile[r, c] * scale - lse[batch, h, q_start + row])
                         weight = gradient_pair(p, ds_tile[r, c], delta[batch, h, q_start + row], keep, drop_scale)[1]
                     ds_tile[r, c] = weight

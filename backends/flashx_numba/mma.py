@@ -134,7 +134,30 @@ def _pack_intrinsic(ptx_type: str):
     return pack
 
 
+def _widen_intrinsic(ptx_type: str):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def widen(typingctx, bits):
+        """The half in the low 16 bits of ``bits`` as float32 (exact)."""
+
+        def codegen(context, builder, signature, arguments):
+            f32, i16, i32 = ir.FloatType(), ir.IntType(16), ir.IntType(32)
+            word = context.cast(builder, arguments[0], signature.args[0], types.uint32)
+            if ptx_type == "bf16":  # bfloat16 is float32's upper half
+                return builder.bitcast(builder.shl(word, ir.Constant(i32, 16)), f32)
+            asm = ir.InlineAsm(ir.FunctionType(f32, [i16]), "cvt.f32.f16 $0, $1;", "=f,h")
+            return builder.call(asm, [builder.trunc(word, i16)])
+
+        return types.float32(bits), codegen
+
+    return widen
+
+
 @functools.cache
 def intrinsics(dtype: str):
-    """(mma, pack) for ``dtype``, float16 or bfloat16: device-callable on a GPU only."""
-    return _mma_intrinsic(PTX_TYPE[dtype]), _pack_intrinsic(PTX_TYPE[dtype])
+    """(mma, pack, widen) for ``dtype``, float16 or bfloat16: device-callable on a GPU only."""
+    ptx_type = PTX_TYPE[dtype]
+    return _mma_intrinsic(ptx_type), _pack_intrinsic(ptx_type), _widen_intrinsic(ptx_type)

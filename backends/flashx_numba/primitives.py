@@ -135,16 +135,20 @@ if SIMULATOR:
         tile[:rows, :width] = (block.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if bf16 else block
         tile[rows:, :width] = 0
 
-    def scores(out, registers, a, b, width, g, t, row_groups, lanes):
-        """out[g + i * row_groups, t + j * lanes] = sum over d < width of a[g + i * row_groups, d] *
-        b[t + j * lanes, d], for this thread's i < registers.shape[0], j < registers.shape[1].
+    def scores(registers, a, b, width, g, t, row_groups, lanes):
+        """registers[i, j] = sum over d < width of a[g + i * row_groups, d] * b[t + j * lanes, d].
 
         Summed in float64 and rounded once: the same value whichever operand comes first, as
         the float32 FMA chain of the CUDA form is, so the backward's scores equal the forward's."""
         tm, tn = registers.shape
         rows_a = a[g :: row_groups][:tm, :width].astype(np.float64)
         rows_b = b[t :: lanes][:tn, :width].astype(np.float64)
-        out[g :: row_groups, t :: lanes][:tm, :tn] = rows_a @ rows_b.T
+        registers[:, :] = rows_a @ rows_b.T
+
+    def to_shared(out, registers, g, t, row_groups, lanes):
+        """out[g + i * row_groups, t + j * lanes] = registers[i, j]."""
+        tm, tn = registers.shape
+        out[g :: row_groups, t :: lanes][:tm, :tn] = registers
 
     def accumulate(acc, w, values, width, g, t, row_groups, lanes):
         """acc[i, k] += sum over c of w[g + i * row_groups, c] * values[c, t + k * lanes], for
@@ -182,12 +186,10 @@ else:
                 tile[r, d] = load(x, b, row0 + r, h, d, bf16) if inside else np.float32(0)
 
     @device_function
-    def scores(out, registers, a, b, width, g, t, row_groups, lanes):
-        """out[g + i * row_groups, t + j * lanes] = sum over d < width of a[g + i * row_groups, d] *
-        b[t + j * lanes, d], for this thread's i < registers.shape[0], j < registers.shape[1]: a
-        float32 FMA chain in the order of d, in ``registers``, then stored to the shared ``out``
-        (where the kernels' elementwise passes index it freely; indexed so, a local array would
-        leave the registers for memory)."""
+    def scores(registers, a, b, width, g, t, row_groups, lanes):
+        """registers[i, j] = sum over d < width of a[g + i * row_groups, d] * b[t + j * lanes, d],
+        for this thread's i < registers.shape[0], j < registers.shape[1]: a float32 FMA chain in
+        the order of d."""
         column = cuda.local.array(_MICRO, np.float32)
         for i in range(registers.shape[0]):
             for j in range(registers.shape[1]):
@@ -199,6 +201,11 @@ else:
                 x = a[g + i * row_groups, d]
                 for j in range(registers.shape[1]):
                     registers[i, j] += x * column[j]
+
+    @device_function
+    def to_shared(out, registers, g, t, row_groups, lanes):
+        """out[g + i * row_groups, t + j * lanes] = registers[i, j] (where the kernels' elementwise
+        passes index them freely; indexed so, a local array would leave the registers)."""
         for i in range(registers.shape[0]):
             for j in range(registers.shape[1]):
                 out[g + i * row_groups, t + j * lanes] = registers[i, j]
