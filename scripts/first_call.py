@@ -1,16 +1,17 @@
 """Time to the first result of a new shape, fwd+bwd (B=2, N=6000, H=16, d=128, bf16, causal):
 flashx and FlexAttention, each case in a fresh process, side by side in one run.
 
-    python3 scripts/first_call.py          # the driver: every case below, then a table
-    python3 scripts/first_call.py CASE     # one case, printed as one JSON line (the driver's child)
+    python3 scripts/first_call.py [OUT.json]   # the driver: every case below, then a table
+    python3 scripts/first_call.py --case CASE  # one case, printed as one JSON line (the driver's child)
 
 Cases, in this order (each directory is fresh unless reused as named):
-  flashx cold           new TRITON_CACHE_DIR and FLASHX_CACHE_DIR: compiles and tunes everything
-  flashx table          the same two directories again: Triton's cache warm, choices read from disk
-  flashx no-table       the same Triton cache, an empty FLASHX_CACHE_DIR: compiled, tuned again
+  flashx cold           new TRITON_CACHE_DIR and FLASHX_CACHE_DIR: the shipped choices, compiled
+  flashx warm           the same two directories again: Triton's cache warm
+  flashx tuned cold     FLASHX_TRITON_AUTOTUNE=1, new directories: every candidate compiled and timed
   flex cold             new TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: torch.compile from scratch
   flex warm             the same two directories again
-The first call is timed from the inputs on the GPU (CUDA context made) to the gradients there.
+The first call is timed from the inputs on the GPU (CUDA context made) to the gradients there;
+"kernels" counts the kernels a flashx case found compiled in its Triton cache afterwards.
 FIRST_CALL_SMOKE=1 runs the flashx cases on a tiny float32 shape under TRITON_INTERPRET=1 (CPU).
 """
 
@@ -68,11 +69,13 @@ def child(case: str) -> None:
     errors += [(x.grad - y.grad.transpose(1, 2)).abs().max().item() for x, y in ((q, qt), (k, kt), (v, vt))]
     row = {"first_s": seconds[0], "later_ms": min(seconds[1:]) * 1e3, "max_err_vs_sdpa": max(errors)}
     if case == "flashx":
+        from pathlib import Path
+
         from flashx_triton import tuning
 
-        made = tuning.choices()
-        row["choices_tuned"] = sum(timings is not None for _, _, timings in made)
-        row["choices_from_disk"] = sum(timings is None for _, _, timings in made)
+        row["choices"] = {source: sum(made.source == source for made in tuning.choices())
+                          for source in ("shipped", "disk", "timed")}
+        row["kernels"] = len(list(Path(os.environ["TRITON_CACHE_DIR"]).glob("*/*.cubin")))
     print(json.dumps(row))
 
 
@@ -85,8 +88,9 @@ def main() -> None:
 
     flashx_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx")}
     flex_dirs = {"TRITON_CACHE_DIR": new("triton"), "TORCHINDUCTOR_CACHE_DIR": new("inductor")}
-    cases = [("flashx cold", "flashx", flashx_dirs), ("flashx table", "flashx", flashx_dirs),
-             ("flashx no-table", "flashx", {**flashx_dirs, "FLASHX_CACHE_DIR": new("flashx")})]
+    tuned_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx"), "FLASHX_TRITON_AUTOTUNE": "1"}
+    cases = [("flashx cold", "flashx", flashx_dirs), ("flashx warm", "flashx", flashx_dirs),
+             ("flashx tuned cold", "flashx", tuned_dirs)]
     if not SMOKE:
         cases += [("flex cold", "flex", flex_dirs), ("flex warm", "flex", flex_dirs)]
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if SMOKE else {}))
@@ -94,7 +98,8 @@ def main() -> None:
     rows = []
     for label, case, dirs in cases:
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, __file__, case], env={**env, **dirs}, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, __file__, "--case", case], env={**env, **dirs}, capture_output=True,
+                              text=True)
         if done.returncode:
             print(f"{label}: failed\n{done.stderr[-3000:]}", flush=True)
             continue
@@ -102,11 +107,14 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"\nB={B} N={N} H={H} d={D} {'float32 (smoke, CPU)' if SMOKE else 'bf16'} causal, fwd+bwd")
-    print(f"{'case':<16} {'first call s':>12} {'later ms':>9} {'process s':>9} {'tuned':>5} {'disk':>4} {'err vs SDPA':>11}")
+    print(f"{'case':<18} {'first call s':>12} {'later ms':>9} {'process s':>9} {'kernels':>7} {'err vs SDPA':>11}")
     for row in rows:
-        print(f"{row['case']:<16} {row['first_s']:>12.2f} {row['later_ms']:>9.2f} {row['process_s']:>9.1f} "
-              f"{row.get('choices_tuned', ''):>5} {row.get('choices_from_disk', ''):>4} {row['max_err_vs_sdpa']:>11.2e}")
+        print(f"{row['case']:<18} {row['first_s']:>12.2f} {row['later_ms']:>9.2f} {row['process_s']:>9.1f} "
+              f"{row.get('kernels', ''):>7} {row['max_err_vs_sdpa']:>11.2e}")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as file:
+            json.dump(rows, file, indent=1)
 
 
 if __name__ == "__main__":
-    child(sys.argv[1]) if len(sys.argv) > 1 else main()
+    child(sys.argv[2]) if sys.argv[1:2] == ["--case"] else main()

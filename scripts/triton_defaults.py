@@ -28,9 +28,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (128, 64, 256)
-# (label, B, N, Hq, Hk, d, causal): the first-call shape and the Llama-like GQA step of issue 26
-OFF_SWEEP = [("first-call", 2, 6000, 16, 16, 128, True), ("gqa", 4, 4096, 32, 8, 128, True),
-             ("gqa-full", 4, 4096, 32, 8, 128, False)]
+# (label, B, N, Hq, Hk, d, causal, dtype, backward): the first-call shape and the Llama-like GQA
+# step of issue 26, and float32 forwards at d 256
+OFF_SWEEP = [("first-call", 2, 6000, 16, 16, 128, True, "bfloat16", True),
+             ("gqa", 4, 4096, 32, 8, 128, True, "bfloat16", True),
+             ("gqa-full", 4, 4096, 32, 8, 128, False, "bfloat16", True),
+             ("fp32-d256", 8, 2048, 8, 8, 256, True, "float32", False),
+             ("fp32-d256", 2, 8192, 8, 8, 256, False, "float32", False)]
 
 
 def sweep_points():
@@ -42,7 +46,7 @@ def sweep_points():
                 for n in SEQLENS:
                     points.append(("sweep", 16384 // n, n, 2048 // d, 2048 // d, d, causal, dtype, backward))
         if dtype == "float16":
-            points += [(label, b, n, hq, hk, d, causal, "bfloat16", True) for label, b, n, hq, hk, d, causal in OFF_SWEEP]
+            points += OFF_SWEEP
     return points
 
 
@@ -193,17 +197,21 @@ def _tflops(point, ms: float) -> float:
     return flops / ms / 1e9
 
 
-def compare(out: str, points=None) -> None:
-    """Shipped (untimed) against tuned at ``points`` (default: the off-sweep shapes), one process."""
+def compare(out: str) -> None:
+    """Shipped (untimed) against tuned in one process, at the points COMPARE names: "off-sweep"
+    (default), "sweep-bf16" (the sweep's bf16 points), or both, comma-separated; cuDNN beside them."""
     import torch
 
     from flashx_triton import tuning
 
-    points = points or [p for p in sweep_points() if p[0] != "sweep"]
+    wanted = os.environ.get("COMPARE", "off-sweep").split(",")
+    points = [p for p in sweep_points() if ("off-sweep" in wanted and p[0] != "sweep")
+              or ("sweep-bf16" in wanted and p[0] == "sweep" and p[7] == "bfloat16")]
     rows = []
     for point in points:
         inputs = _inputs(point)
         os.environ.pop("FLASHX_TRITON_AUTOTUNE", None)
+        os.environ["FLASHX_CACHE_DIR"] = tempfile.mkdtemp()  # no choice on disk: the shipped one runs
         shipped = _time_step(point, inputs)
         os.environ["FLASHX_TRITON_AUTOTUNE"] = "1"
         os.environ["FLASHX_CACHE_DIR"] = tempfile.mkdtemp()
@@ -214,17 +222,44 @@ def compare(out: str, points=None) -> None:
         tuned = _time_step(point, inputs)
         os.environ.pop("FLASHX_TRITON_AUTOTUNE")
         rows.append({"point": point, "shipped_tflops": _tflops(point, shipped), "tuned_tflops": _tflops(point, tuned),
-                     "tuning_s": tuning_s, "tuned": [(key, choice) for key, choice, t in tuning.choices()]})
+                     "cudnn_tflops": _tflops(point, _cudnn_ms(point, inputs)), "tuning_s": tuning_s,
+                     "tuned": [made[:3] for made in tuning.choices() if made.source == "timed"]})
         print(json.dumps(rows[-1]), flush=True)
         del inputs
     with open(out, "w") as file:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, file, indent=1)
-    print(f"\n{'shape':<44} {'shipped':>8} {'tuned':>8} {'ratio':>6}")
+    print(f"\n{'shape':<50} {'shipped':>8} {'tuned':>8} {'ratio':>6} {'cuDNN':>6}  TFLOP/s")
     for row in rows:
         label, b, n, hq, hk, d, causal, dtype, backward = row["point"]
-        shape = f"{label} B={b} N={n} H={hq}/{hk} d{d} {dtype}{' causal' if causal else ''}"
-        print(f"{shape:<44} {row['shipped_tflops']:>8.0f} {row['tuned_tflops']:>8.0f} "
-              f"{row['shipped_tflops'] / row['tuned_tflops']:>6.2f}")
+        shape = (f"{label} B={b} N={n} H={hq}/{hk} d{d} {dtype}{' causal' if causal else ''}"
+                 f"{' fwd+bwd' if backward else ' fwd'}")
+        print(f"{shape:<50} {row['shipped_tflops']:>8.0f} {row['tuned_tflops']:>8.0f} "
+              f"{row['shipped_tflops'] / row['tuned_tflops']:>6.2f} {row['cudnn_tflops']:>6.0f}")
+
+
+def _cudnn_ms(point, inputs) -> float:
+    """SDPA's cuDNN kernel on the same inputs, heads first, K and V repeated to every query head."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    q, k, v, do = (x.detach().transpose(1, 2).contiguous() for x in inputs)
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    for x in (q, k, v):
+        x.requires_grad_(point[8])
+
+    def step():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=point[6])
+        if point[8]:
+            o.backward(do)
+
+    try:
+        step()
+        return do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v] if point[8] else None,
+                        return_mode="median")
+    except RuntimeError:
+        return float("nan")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def test_the_band_parts_left_out_of_a_kernel_never_hold_a_tile(nq, nk, options):
     tile = 32
     for keys in (False, True):
         rows, other = (k_lengths, q_lengths) if keys else (q_lengths, k_lengths)
-        near, far = (args["right"], args["left"]) if keys else (args["left"], args["right"])
+        near, far = args["band"][::-1] if keys else args["band"]
         tiles = math.ceil((nk if keys else nq) / tile)
         sizes = torch.empty(rows.numel(), tiles, 3, dtype=torch.int32)
         band_part_sizes[(tiles, rows.numel())](sizes, rows.flatten().int(), other.flatten().int(), near, far, tile,
@@ -341,8 +341,8 @@ DROPOUT_DRAWS = [  # seed, rng_offset, Hq, b, h, i, j
 
 @triton.jit
 def draw(OUT, i, j, stream, seed, rng_offset, threshold):
-    tl.store(OUT + tl.arange(0, 2), dropout_keep(i, j + tl.arange(0, 2) * 0, stream, seed, rng_offset,
-                                                 threshold, 0, 0).to(tl.int8))
+    tl.store(OUT + tl.arange(0, 2), dropout_keep(i, j + tl.arange(0, 2) * 0, stream,
+                                                 (seed, rng_offset, threshold, 0, 0, 1.0)).to(tl.int8))
 
 
 @pytest.mark.parametrize("seed, offset, hq, b, h, i, j", DROPOUT_DRAWS)

@@ -31,10 +31,12 @@ from flashx_triton.common import (LOG2E, MASKED_PARTS, Launch, Passes, allow_ker
 
 
 @triton.jit
-def _prepare_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_on, stride_oh, stride_db, stride_dn, stride_dh,
-                    stride_lb, stride_lh, CU_Q, SEQLENS_Q, padded_q, heads_q,
+def _prepare_kernel(O, DO, LSE, DELTA, LSE2, o_strides, do_strides, lse_strides, CU_Q, SEQLENS_Q, padded_q, heads_q,
                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr):
+    stride_ob, stride_on, stride_oh = o_strides
+    stride_db, stride_dn, stride_dh = do_strides
+    stride_lb, stride_lh = lse_strides
     num_tiles = tl.cdiv(padded_q, BLOCK_M)
     pid = tl.program_id(0)
     head = pid // num_tiles
@@ -65,8 +67,7 @@ def _prepare_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_on, stride_oh, st
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base,
-                delta_base, cols, lo, hi, first_row, end_row, pairs, scale_log2, stream, seed, rng_offset,
-                drop_threshold, drop_row0, drop_key0, drop_scale,
+                delta_base, cols, lo, hi, first_row, end_row, pairs, scale_log2, stream, dropout,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                 DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -119,10 +120,9 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                     # registers (allocation failed at 255, D = 40, Dv = 80): the exact path always.
                     suspect = True
             if DROPOUT:
-                keep = dropout_keep(rows[None, :], cols[:, None], stream, seed, rng_offset, drop_threshold, drop_row0,
-                                    drop_key0)
-                p_kept = tl.where(keep, p * drop_scale, 0.0)
-                dp = tl.where(keep, dp * drop_scale, 0.0)
+                keep = dropout_keep(rows[None, :], cols[:, None], stream, dropout)
+                p_kept = tl.where(keep, p * dropout[5], 0.0)  # dropout[5]: the kept values' scale
+                dp = tl.where(keep, dp * dropout[5], 0.0)
             else:
                 p_kept = p
             ds = p * (dp - delta[None, :])
@@ -144,20 +144,26 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
 
 @triton.jit
 def _dkdv_program(
-    head_k, n0, Q, K, V, DO, q_desc, do_desc, DK, DV, LSE2, DELTA, REDO,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
-    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
-    padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
-    drop_row0, drop_key0, drop_scale,
+    head_k, n0, Q, K, V, DO, q_desc, do_desc, DK, DV, LSE2, DELTA, REDO, strides,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, shape, band, masks, dropout, scales,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time."""
+    """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time.
+    ``strides`` are _gradients_kernel's, in its order."""
+    stride_qb, stride_qn, stride_qh = strides[0]
+    stride_kb, stride_kn, stride_kh = strides[1]
+    stride_vb, stride_vn, stride_vh = strides[2]
+    stride_db, stride_dn, stride_dh = strides[3]
+    stride_dkb, stride_dkn, stride_dkh = strides[5]
+    stride_dvb, stride_dvn, stride_dvh = strides[6]
+    stride_lb, stride_lh = strides[7]
+    padded_q, padded_k, heads_q, group = shape
+    left, right = band
+    softmax_scale, scale_log2 = scales
     heads_k = heads_q // group
     b = head_k // heads_k
     hk = head_k % heads_k
@@ -191,9 +197,7 @@ def _dkdv_program(
             do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
             lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
             delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-            pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj,
-                              BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
-                              HAS_BLOCK_MASK)
+            pairs = pair_rule(b, head, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
             stream = b * heads_q + h
             q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
                                                  HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
@@ -203,10 +207,9 @@ def _dkdv_program(
                     lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
                     dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
                                          stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
-                                         scale_log2, stream, seed, rng_offset, drop_threshold, drop_row0, drop_key0,
-                                         drop_scale, HEAD_DIM,
-                                         HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK,
-                                         DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
+                                         scale_log2, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                         part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
+                                         HOST_DESCRIPTORS, EXACT)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dk) + tl.sum(dv))
 
@@ -224,8 +227,7 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
-              lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold, drop_row0,
-              drop_key0, drop_scale,
+              lo, hi, first_col, end_col, pairs, scale_log2, stream, dropout,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
               DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -266,9 +268,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
                 p = tl.exp2(s * scale_log2 - lse2[:, None])
             dp = dot(do, tl.trans(v), None, DOT_PRECISION)
             if DROPOUT:
-                keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold, drop_row0,
-                                    drop_key0)
-                dp = tl.where(keep, dp * drop_scale, 0.0)
+                keep = dropout_keep(rows[:, None], cols[None, :], stream, dropout)
+                dp = tl.where(keep, dp * dropout[5], 0.0)
             ds = p * (dp - delta[:, None])
             if MASKED and EXACT:
                 # as in _dkdv_tiles
@@ -280,20 +281,24 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
 
 @triton.jit
 def _dq_program(
-    head, m0, Q, K, V, DO, k_desc, v_desc, DQ, LSE2, DELTA, REDO,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
-    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
-    padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
-    drop_row0, drop_key0, drop_scale,
+    head, m0, Q, K, V, DO, k_desc, v_desc, DQ, LSE2, DELTA, REDO, strides,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, shape, band, masks, dropout, scales,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time."""
+    """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time.
+    ``strides`` are _gradients_kernel's, in its order."""
+    stride_qb, stride_qn, stride_qh = strides[0]
+    stride_kb, stride_kn, stride_kh = strides[1]
+    stride_vb, stride_vn, stride_vh = strides[2]
+    stride_db, stride_dn, stride_dh = strides[3]
+    stride_dqb, stride_dqn, stride_dqh = strides[4]
+    stride_lb, stride_lh = strides[7]
+    padded_q, padded_k, heads_q, group = shape
+    softmax_scale, scale_log2 = scales
     b = head // heads_q
     h = head % heads_q
     q_start, q_len = sequence_bounds(b, CU_Q, SEQLENS_Q, padded_q, IS_VARLEN, HAS_SEQLENS_Q)
@@ -322,22 +327,19 @@ def _dq_program(
         seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
         k_tiles, v_tiles = head_descriptors(k_desc, v_desc, k_base, v_base, k_len, stride_kn, stride_vn, HEAD_DIM,
                                             HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
-        pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS,
-                          stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK, HAS_BLOCK_MASK)
+        pairs = pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
         stream = b * heads_q + h
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+        first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, band[0], band[1], BLOCK_M, BLOCK_N,
                                                   HAS_MASK or HAS_BLOCK_MASK)
         for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
             if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                 lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                 dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
-                               stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, seed,
-                               rng_offset, drop_threshold, drop_row0, drop_key0, drop_scale, HEAD_DIM, HEAD_DIM_V,
-                               BLOCK_D, BLOCK_DV, BLOCK_N,
-                               part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS,
-                               EXACT)
+                               stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, dropout,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK,
+                               DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dq))
 
@@ -349,13 +351,10 @@ def _dq_program(
 
 @triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _gradients_kernel(
-    Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA, REDO,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_db, stride_dn, stride_dh, stride_dqb, stride_dqn, stride_dqh, stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
-    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
-    padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed, rng_offset, drop_threshold,
-    drop_row0, drop_key0, drop_scale, programs,
+    Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA, REDO,  # REDO: Passes's flags
+    strides,  # (batch, row, head) of q, k, v, do, dq, dk, dv, then (batch, head) of LSE2 and DELTA
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,  # optional tensors (problem_args)
+    shape, band, masks, dropout, scales, programs,  # groups of scalars (problem_args); scales: (scale, its log2 form)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -367,6 +366,7 @@ def _gradients_kernel(
     query tiles of its query heads (dQ; if QUERY_PROGRAMS). Each program keeps TILE rows resident
     and streams the other axis STREAM rows at a time; the first key tiles and the last query tiles,
     which a causal band gives the most work, start first. Either part alone is the same kernel."""
+    padded_q, padded_k, heads_q, group = shape
     key_tiles = tl.cdiv(padded_k, TILE) if KEY_PROGRAMS else 0
     query_tiles = tl.cdiv(padded_q, TILE)
     per_head = key_tiles + (group * query_tiles if QUERY_PROGRAMS else 0)
@@ -380,27 +380,17 @@ def _gradients_kernel(
         else:
             keys: tl.constexpr = KEY_PROGRAMS  # known when compiling: the other part is left out
         if keys:
-            _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA, REDO, stride_qb,
-                          stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                          stride_db, stride_dn, stride_dh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-                          stride_dvh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, stride_mb,
-                          stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q,
-                          block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale, scale_log2, seed,
-                          rng_offset, drop_threshold, drop_row0, drop_key0, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                          BLOCK_DV, STREAM,
-                          TILE, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                          DOT_PRECISION, USE_TMA, KEY_PARTS, HOST_DESCRIPTORS, EXACT)
+            _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA, REDO, strides,
+                          CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, shape, band, masks, dropout, scales,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM, TILE, IS_VARLEN, HAS_SEQLENS_Q,
+                          HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, KEY_PARTS,
+                          HOST_DESCRIPTORS, EXACT)
         else:
             local -= key_tiles
             _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE, Q, K, V,
-                        DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO, stride_qb, stride_qn, stride_qh, stride_kb,
-                        stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_db, stride_dn, stride_dh,
-                        stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K,
-                        MASK, BLOCKS, stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi,
-                        stride_bj, block_q, block_k, padded_q, padded_k, heads_q, group, left, right, softmax_scale,
-                        scale_log2, seed, rng_offset, drop_threshold, drop_row0, drop_key0, drop_scale, HEAD_DIM,
-                        HEAD_DIM_V, BLOCK_D,
-                        BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
+                        DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO, strides, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK,
+                        BLOCKS, shape, band, masks, dropout, scales, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, TILE,
+                        STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
                         DROPOUT, DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT)
 
 
@@ -428,8 +418,9 @@ def _launches(problem, q, k, v, o, do, lse):
     varlen, args = problem.varlen, problem_args(problem)
     rows = 64 if not tuning.interpreting() else 16
     prepare = Launch(_prepare_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, rows),), {},
-                     **row_strides("o", o, varlen), **row_strides("d", do, varlen), **lse_strides(lse, varlen),
-                     CU_Q=args["CU_Q"], SEQLENS_Q=args["SEQLENS_Q"], padded_q=problem.seqlen_q,
+                     o_strides=row_strides(o, varlen), do_strides=row_strides(do, varlen),
+                     lse_strides=lse_strides(lse, varlen), CU_Q=args["CU_Q"], SEQLENS_Q=args["SEQLENS_Q"],
+                     padded_q=problem.seqlen_q,
                      heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
                      BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"])
     return prepare, tuning.Tuned("gradients", _gradients_plan), tma_ready(problem, q, k, v, do)
@@ -473,10 +464,9 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, par
     query_parts = band_parts(problem, False, stream) if queries else 0
     kernel = Passes(_gradients_kernel, problem.batch * problem.heads_k * per_head, config.options(),
                     bool((key_parts | query_parts) & MASKED_PARTS) or problem.dropout_p > 0,
-                    **{key: value for name, x in (("q", q), ("k", k), ("v", v), ("d", do), ("dq", dq), ("dk", dk),
-                                                  ("dv", dv)) for key, value in row_strides(name, x, varlen).items()},
-                    **lse_strides(lse2, varlen), **args, softmax_scale=problem.softmax_scale,
-                    scale_log2=problem.softmax_scale * LOG2E, TILE=tile, STREAM=stream, USE_TMA=use_tma,
+                    strides=(*(row_strides(x, varlen) for x in (q, k, v, do, dq, dk, dv)), lse_strides(lse2, varlen)),
+                    **args, scales=(problem.softmax_scale, problem.softmax_scale * LOG2E), TILE=tile, STREAM=stream,
+                    USE_TMA=use_tma,
                     HOST_DESCRIPTORS=host, KEY_PARTS=key_parts, QUERY_PARTS=query_parts,
                     KEY_PROGRAMS=keys, QUERY_PROGRAMS=queries)
 

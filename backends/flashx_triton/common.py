@@ -101,10 +101,12 @@ def band_part(part: tl.constexpr, first_tile, full_lo, full_hi, end):
 
 
 @triton.jit
-def pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj, BLOCKS, stride_bb,
-              stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
+def pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
     """What decides which pairs of sequence b, query head h are allowed, packed for allowed_pairs
-    (an absent mask is 0: Triton 3.6 takes no None into a tuple)."""
+    (an absent mask is 0: Triton 3.6 takes no None into a tuple). ``band`` is (left, right),
+    ``masks`` the strides of MASK and BLOCKS and the block mask's block sizes (``mask_layout``)."""
+    left, right = band
+    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k = masks
     mask_base = MASK + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh if HAS_MASK else 0
     blocks_base = BLOCKS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh if HAS_BLOCK_MASK else 0
     return (q_len, k_len, left, right, mask_base, stride_mi, stride_mj, blocks_base, stride_bi, stride_bj, block_q,
@@ -256,10 +258,12 @@ def any_nonfinite(x):
 
 
 @triton.jit
-def dropout_keep(i, j, stream, seed, rng_offset, threshold, row0, key0):
+def dropout_keep(i, j, stream, dropout):
     """Z[i, j] of the contract's Dropout section, row i and key j at positions row0 + i and key0 + j
     (the ``dropout_offsets`` option): with y = key0 + j, word y % 4 of
-    Philox4x32-10((y // 4, row0 + i, stream, offset), seed) >= threshold."""
+    Philox4x32-10((y // 4, row0 + i, stream, offset), seed) >= threshold. ``dropout`` is
+    (seed, rng_offset, threshold, row0, key0, scale) (``_dropout_args``)."""
+    seed, rng_offset, threshold, row0, key0, _ = dropout
     zero = i * 0 + j * 0
     j = j + key0
     c0 = (zero + j // 4).to(tl.uint32)
@@ -343,15 +347,14 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
-def row_strides(name: str, x: torch.Tensor, varlen: bool) -> dict:
-    """stride_{name}b, _n, _h: the (batch, row, head) strides of a (B, N, H, D) or varlen (T, H, D) tensor."""
-    strides = (0, *x.stride()[:2]) if varlen else x.stride()[:3]
-    return dict(zip((f"stride_{name}b", f"stride_{name}n", f"stride_{name}h"), strides))
+def row_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """The (batch, row, head) strides of a (B, N, H, D) or varlen (T, H, D) tensor."""
+    return (0, *x.stride()[:2]) if varlen else tuple(x.stride()[:3])
 
 
-def lse_strides(x: torch.Tensor, varlen: bool) -> dict:
-    """stride_lb, stride_lh: the (batch, head) strides of an lse-shaped (B, H, N) or (H, T) tensor, rows contiguous."""
-    return dict(stride_lb=0, stride_lh=x.stride(0)) if varlen else dict(stride_lb=x.stride(0), stride_lh=x.stride(1))
+def lse_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """The (batch, head) strides of an lse-shaped (B, H, N) or (H, T) tensor, rows contiguous."""
+    return (0, x.stride(0)) if varlen else (x.stride(0), x.stride(1))
 
 
 def layout(*tensors: torch.Tensor) -> tuple:
@@ -491,7 +494,10 @@ def next_program(ids, todo, REDO, EXACT: tl.constexpr):
 
 
 def problem_args(problem) -> dict:
-    """The kernel arguments that describe the problem rather than one tensor (do not modify)."""
+    """The kernel arguments that describe the problem rather than one tensor (do not modify):
+    the optional tensors (CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS), the groups ``shape``
+    (padded_q, padded_k, heads_q, group), ``band`` (left, right), ``masks`` (``mask_layout``) and
+    ``dropout`` (``_dropout_args``), and the constexprs."""
     return per_problem(problem, "args", lambda: _problem_args(problem))
 
 
@@ -503,12 +509,8 @@ def _problem_args(problem) -> dict:
         CU_K=problem.cu_seqlens_k,
         SEQLENS_Q=problem.seqlens_q,
         SEQLENS_K=problem.seqlens_k,
-        padded_q=problem.seqlen_q,
-        padded_k=problem.seqlen_k,
-        heads_q=problem.heads_q,
-        group=problem.group,
-        left=left,
-        right=right,
+        shape=(problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.group),
+        band=(left, right),
         IS_VARLEN=varlen,
         HAS_SEQLENS_Q=problem.seqlens_q is not None,
         HAS_SEQLENS_K=problem.seqlens_k is not None,
@@ -518,7 +520,7 @@ def _problem_args(problem) -> dict:
         DOT_PRECISION=_dot_precision(problem.dtype),
     )
     args.update(_mask_args(problem))
-    args.update(_dropout_args(problem))
+    args.update(dropout=_dropout_args(problem), DROPOUT=problem.dropout_p > 0)
     return args
 
 
@@ -545,35 +547,26 @@ def _dot_precision(dtype: str) -> str:
 
 
 def _mask_args(problem) -> dict:
+    """MASK and BLOCKS (None where absent), and ``masks``: the (batch, head, row, column) strides of
+    each, then the block mask's (block_q, block_k)."""
     shape = (problem.batch, problem.heads_q)
+    mask = blocks = None
+    block_size = (1, 1)
     if problem.mask is not None:
         mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
-        mask_args = dict(MASK=mask, stride_mb=mask.stride(0), stride_mh=mask.stride(1), stride_mi=mask.stride(2),
-                         stride_mj=mask.stride(3), HAS_MASK=True)
-    else:
-        mask_args = dict(MASK=None, stride_mb=0, stride_mh=0, stride_mi=0, stride_mj=0, HAS_MASK=False)
     if problem.block_mask is not None:
-        bq, bk = problem.block_mask.block_size
+        block_size = bq, bk = problem.block_mask.block_size
         blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
-        block_args = dict(BLOCKS=blocks, stride_bb=blocks.stride(0), stride_bh=blocks.stride(1),
-                          stride_bi=blocks.stride(2), stride_bj=blocks.stride(3), block_q=bq, block_k=bk,
-                          HAS_BLOCK_MASK=True)
-    else:
-        block_args = dict(BLOCKS=None, stride_bb=0, stride_bh=0, stride_bi=0, stride_bj=0, block_q=1, block_k=1,
-                          HAS_BLOCK_MASK=False)
-    return mask_args | block_args
+    strides = tuple(x.stride() if x is not None else (0, 0, 0, 0) for x in (mask, blocks))
+    return dict(MASK=mask, BLOCKS=blocks, masks=(*strides[0], *strides[1], *block_size),
+                HAS_MASK=mask is not None, HAS_BLOCK_MASK=blocks is not None)
 
 
-def _dropout_args(problem) -> dict:
+def _dropout_args(problem) -> tuple:
+    """(seed, rng_offset, threshold, row0, key0, scale): what ``dropout_keep`` draws from and the
+    kept values' scale."""
     p = problem.dropout_p
     seed = problem.seed & 0xFFFFFFFFFFFFFFFF
-    return dict(
-        # Passed as a signed 64-bit value with the same bits; tl.philox reads it as uint64.
-        seed=seed - (1 << 64) if seed >= 1 << 63 else seed,
-        rng_offset=problem.rng_offset & 0xFFFFFFFF,
-        drop_threshold=math.floor(p * 2**32),
-        drop_row0=problem.dropout_offsets[0],
-        drop_key0=problem.dropout_offsets[1],
-        drop_scale=1.0 / (1.0 - p),
-        DROPOUT=p > 0,
-    )
+    # The seed is passed as a signed 64-bit value with the same bits; tl.philox reads it as uint64.
+    return (seed - (1 << 64) if seed >= 1 << 63 else seed, problem.rng_offset & 0xFFFFFFFF, math.floor(p * 2**32),
+            *problem.dropout_offsets, 1.0 / (1.0 - p))

@@ -22,8 +22,7 @@ from flashx_triton.common import (LOG2E, MASKED_PARTS, Passes, allowed_pairs, ba
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
-                  lo, hi, first_col, end_col, pairs, scale_log2, stream, seed, rng_offset, drop_threshold, drop_row0,
-                  drop_key0,
+                  lo, hi, first_col, end_col, pairs, scale_log2, stream, dropout,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                   DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr):
@@ -63,8 +62,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                 alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             if DROPOUT:
-                keep = dropout_keep(rows[:, None], cols[None, :], stream, seed, rng_offset, drop_threshold, drop_row0,
-                                    drop_key0)
+                keep = dropout_keep(rows[:, None], cols[None, :], stream, dropout)
                 p = tl.where(keep, p, 0.0)
             if EXACT and (MASKED or DROPOUT):
                 # No product has seen V yet: masked_dot checks it itself. "Allowed" is read back
@@ -85,18 +83,22 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
 
 @triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _forward_kernel(
-    Q, K, V, K_DESC, V_DESC, O, LSE, REDO,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_on, stride_oh, stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,
-    stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k,
-    padded_q, padded_k, heads_q, group, left, right, scale_log2, seed, rng_offset, drop_threshold, drop_row0,
-    drop_key0, drop_scale,
-    programs,
+    Q, K, V, K_DESC, V_DESC, O, LSE, REDO,  # REDO: Passes's flags (None: one launch)
+    q_strides, k_strides, v_strides, o_strides, lse_strides,  # (batch, row, head); lse: (batch, head)
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,  # optional tensors (problem_args)
+    shape, band, masks, dropout, scale_log2, programs,  # groups of scalars (problem_args)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr, EXACT: tl.constexpr,
 ):
+    stride_qb, stride_qn, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_ob, stride_on, stride_oh = o_strides
+    stride_lb, stride_lh = lse_strides
+    padded_q, padded_k, heads_q, group = shape
+    left, right = band
     ids, todo, runs = program_share(REDO, programs, EXACT)
     for _ in range(runs):
         pid, todo = next_program(ids, todo, REDO, EXACT)
@@ -124,24 +126,21 @@ def _forward_kernel(
             first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_MASK or HAS_BLOCK_MASK)
             stream = b * heads_q + h
-            pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, stride_mb, stride_mh, stride_mi, stride_mj,
-                              BLOCKS, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k, HAS_MASK,
-                              HAS_BLOCK_MASK)
+            pairs = pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
                 if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
                                                   kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs,
-                                                  scale_log2, stream, seed, rng_offset, drop_threshold, drop_row0,
-                                                  drop_key0, HEAD_DIM,
-                                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
-                                                  HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, EXACT)
+                                                  scale_log2, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                                                  BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
+                                                  DOT_PRECISION, USE_TMA, EXACT)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
             # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
             empty = (l_i == 0.0) | (rows >= q_len)
-            scale_out = drop_scale / l_i if DROPOUT else 1.0 / l_i
+            scale_out = dropout[5] / l_i if DROPOUT else 1.0 / l_i  # the kept values' scale
             o = tl.where(empty[:, None], 0.0, acc * scale_out[:, None])
             lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: natural log
             dims_v = tl.arange(0, BLOCK_DV)
@@ -177,8 +176,9 @@ def _launch(problem, config, q, k, v, o, lse):
     parts = band_parts(problem, False, config.block_n)
     kernel = Passes(_forward_kernel, problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),
                     config.options(), bool(parts & MASKED_PARTS) or problem.dropout_p > 0, PARTS=parts,
-                    **row_strides("q", q, varlen), **row_strides("k", k, varlen), **row_strides("v", v, varlen),
-                    **row_strides("o", o, varlen), **lse_strides(lse, varlen), **args,
+                    q_strides=row_strides(q, varlen), k_strides=row_strides(k, varlen),
+                    v_strides=row_strides(v, varlen), o_strides=row_strides(o, varlen),
+                    lse_strides=lse_strides(lse, varlen), **args,
                     scale_log2=abs(problem.softmax_scale) * LOG2E, USE_TMA=use_tma, **config.tiles())
 
     def run(q, k, v, o, lse):
