@@ -8,6 +8,7 @@ Cases, in this order (each directory is fresh unless reused as named):
   flashx cold           new TRITON_CACHE_DIR and FLASHX_CACHE_DIR: the shipped choices, compiled
   flashx warm           the same two directories again: Triton's cache warm
   flashx tuned cold     FLASHX_TRITON_AUTOTUNE=1, new directories: every candidate compiled and timed
+                        (only with FIRST_CALL_TUNED=1)
   flex cold             new TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: torch.compile from scratch
   flex warm             the same two directories again
 The first call is timed from the inputs on the GPU (CUDA context made) to the gradients there;
@@ -89,8 +90,9 @@ def main() -> None:
     flashx_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx")}
     flex_dirs = {"TRITON_CACHE_DIR": new("triton"), "TORCHINDUCTOR_CACHE_DIR": new("inductor")}
     tuned_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx"), "FLASHX_TRITON_AUTOTUNE": "1"}
-    cases = [("flashx cold", "flashx", flashx_dirs), ("flashx warm", "flashx", flashx_dirs),
-             ("flashx tuned cold", "flashx", tuned_dirs)]
+    cases = [("flashx cold", "flashx", flashx_dirs), ("flashx warm", "flashx", flashx_dirs)]
+    if os.environ.get("FIRST_CALL_TUNED") == "1":
+        cases.append(("flashx tuned cold", "flashx", tuned_dirs))
     if not SMOKE:
         cases += [("flex cold", "flex", flex_dirs), ("flex warm", "flex", flex_dirs)]
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if SMOKE else {}))

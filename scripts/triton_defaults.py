@@ -75,7 +75,7 @@ def _compile_class(point) -> str:
     import torch
     import triton.testing
 
-    os.environ["FLASHX_CACHE_DIR"] = tempfile.mkdtemp()
+    os.environ.update(FLASHX_CACHE_DIR=tempfile.mkdtemp(), FLASHX_TRITON_AUTOTUNE="1")
     triton.testing.do_bench = lambda fn, **kwargs: (fn(), 1.0)[1]
     started = time.perf_counter()
     try:
@@ -86,18 +86,23 @@ def _compile_class(point) -> str:
     return f"{point}: compiled in {time.perf_counter() - started:.0f} s"
 
 
-def sweep(out: str) -> None:
-    os.environ["FLASHX_TRITON_AUTOTUNE"] = "1"
-    points = sweep_points()
+def _compile_candidates(points) -> None:
+    """Every candidate of every class of ``points`` compiled into the Triton cache, in parallel."""
     classes = {}
     for point in points:  # one shape per class: the sweep's lengths (powers of two) compile alike
         classes.setdefault((point[0], *point[5:]), (point[0], 16, 1024, *point[3:]) if point[0] == "sweep" else point)
     started = time.perf_counter()
-    workers = os.cpu_count() or 1
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn")) as pool:
         for line in pool.map(_compile_class, classes.values()):
             print(line, flush=True)
     print(f"compiled {len(classes)} classes in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def sweep(out: str) -> None:
+    os.environ["FLASHX_TRITON_AUTOTUNE"] = "1"
+    points = sweep_points()
+    started = time.perf_counter()
+    _compile_candidates(points)
 
     import torch
 
@@ -207,6 +212,8 @@ def compare(out: str) -> None:
     wanted = os.environ.get("COMPARE", "off-sweep").split(",")
     points = [p for p in sweep_points() if ("off-sweep" in wanted and p[0] != "sweep")
               or ("sweep-bf16" in wanted and p[0] == "sweep" and p[7] == "bfloat16")]
+    if len(points) > len(OFF_SWEEP):
+        _compile_candidates(points)
     rows = []
     for point in points:
         inputs = _inputs(point)
