@@ -11,11 +11,13 @@ Parts (each rank prints one JSON line per result; rank 0's lines are the part's 
   time N R     causal fwd+bwd, B=1, H=16, D=128, bf16, zigzag, N tokens in all: the median of R steps
                after one warm-up, the slowest rank's; TFLOP/s per GPU; peak memory per rank. With one
                rank it times flashx.attention itself, the single-GPU baseline.
-  trace N      one profiled fwd+bwd on rank 0: its Chrome trace, and the share of NCCL kernel time that
-               ran while a compute kernel ran (the overlap of communication with computation).
+  trace N F    one profiled fwd+bwd on rank 0: its Chrome trace, gzipped to F, and the share of the ring's
+               transfer time (NCCL SendRecv kernels) during which a compute kernel ran: the overlap of
+               communication with computation.
 
 The driver writes ring-<device>.json and .md under --out (default /tmp/flashx-out), keeping what it has
-after each part, so a run cut short still reports. RING_SMOKE=1 runs every part on tiny float32 shapes
+after each part, so a run cut short still reports, and appends the steps' rows to history.csv there:
+copy the record into benchmarks/results and append the rows to its history.csv. RING_SMOKE=1 runs every part on tiny float32 shapes
 on the CPU (gloo, the numpy backend), to check the script itself. FLOPs count as flash-attn's: a causal forward is
 2·B·H·N²·D, the backward 2.5 times that. The Triton backend runs its shipped tiles
 (FLASHX_TRITON_AUTOTUNE=0): the ring's calls and the single-GPU baseline run the same configurations.
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import importlib.metadata
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -200,7 +204,7 @@ def part_time(seqlen: int, repeats: int) -> None:
     dist.destroy_process_group()
 
 
-def part_trace(seqlen: int, out: str) -> None:
+def part_trace(seqlen: int, trace: str) -> None:
     torch, dist, rank, world = _start()
     step = _step(torch, seqlen, world, rank)
     step()  # compiled and warm
@@ -208,28 +212,34 @@ def part_trace(seqlen: int, out: str) -> None:
     with torch.profiler.profile(activities=activities) as profile:
         step()
     if rank == 0:
-        path = Path(out) / f"ring-trace-w{world}.json"
+        path = Path(trace).with_suffix("")  # the .json beside the .json.gz
         profile.export_chrome_trace(str(path))
-        _emit(rank, part="trace", world=world, seqlen=seqlen, trace=path.name, **_overlap(path))
+        overlap = _overlap(json.loads(path.read_text())["traceEvents"])
+        with open(path, "rb") as source, gzip.open(trace, "wb") as packed:
+            shutil.copyfileobj(source, packed)
+        path.unlink()
+        _emit(rank, part="trace", world=world, seqlen=seqlen, trace=Path(trace).name, **overlap)
     dist.destroy_process_group()
 
 
-def _overlap(path: Path) -> dict:
-    """NCCL kernel time, and the part of it during which a compute kernel ran, from a Chrome trace."""
-    events = json.loads(path.read_text())["traceEvents"]
-    kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
+def _overlap(events: list[dict]) -> dict:
+    """The ring's point-to-point kernel time (NCCL SendRecv), and the part of it during which a compute
+    kernel ran, from a Chrome trace. Collectives are left out: the step's barrier is an all-reduce
+    that waits for the slowest rank."""
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"].lower()) for e in events
                if e.get("cat") == "kernel" and e.get("ph") == "X"]
     compute = []  # the union of compute kernels' intervals
-    for start, end in sorted((start, end) for start, end, nccl in kernels if not nccl):
+    for start, end in sorted((start, end) for start, end, name in kernels if "nccl" not in name):
         if compute and start <= compute[-1][1]:
             compute[-1][1] = max(compute[-1][1], end)
         else:
             compute.append([start, end])
-    nccl_us = sum(end - start for start, end, nccl in kernels if nccl)
-    overlapped_us = sum(max(0.0, min(end, b) - max(start, a)) for start, end, nccl in kernels if nccl
-                        for a, b in compute)
-    return dict(nccl_ms=nccl_us / 1e3, overlapped_ms=overlapped_us / 1e3,
-                compute_ms=sum(b - a for a, b in compute) / 1e3, overlap=overlapped_us / nccl_us if nccl_us else None)
+    transfers = [(start, end) for start, end, name in kernels if "sendrecv" in name]
+    transfer_us = sum(end - start for start, end in transfers)
+    overlapped_us = sum(max(0.0, min(end, b) - max(start, a)) for start, end in transfers for a, b in compute)
+    return dict(transfers=len(transfers), transfer_ms=transfer_us / 1e3, overlapped_ms=overlapped_us / 1e3,
+                compute_ms=sum(b - a for a, b in compute) / 1e3,
+                overlap=overlapped_us / transfer_us if transfer_us else None)
 
 
 # ---------------------------------------------------------------- the driver
@@ -268,18 +278,32 @@ def _longest(times: list[dict], world: int) -> dict | None:
     return dict(world=world, mib_per_token_per_rank=per_token, longest_tokens=tokens, verified_tokens=verified)
 
 
-def _plan(worlds: list[int], out: Path) -> list[tuple[int, list[str]]]:
+def _plan(worlds: list[int], trace: Path) -> list[tuple[int, list[str]]]:
     """(ranks, part arguments) in the order run: correctness, the overlap trace, the scaling table with
     its single-GPU baselines, then one longer step per group size toward the longest context."""
     widest = worlds[-1]
     plan = [(w, ["check"]) for w in reversed(worlds)]
-    plan.append((widest, ["trace", str(SIZES[0]), str(out)]))
+    plan.append((widest, ["trace", str(SIZES[0]), str(trace)]))
     for seqlen in SIZES:
         plan += [(w, ["time", str(seqlen), "3"]) for w in reversed(worlds)]
     singles = sorted({seqlen // w for seqlen in SIZES for w in [1, *worlds]})
     plan += [(1, ["time", str(n), "3"]) for n in singles]
     plan.append((widest, ["time", str(SIZES[-1] * widest), "0"]))  # as many tokens per GPU as SIZES[-1] on one
     return plan
+
+
+def history_rows(results: dict) -> list[dict]:
+    """The scaling steps as rows of benchmarks/results/history.csv: the ring's as flashx-ring-zigzag-wW,
+    the single-GPU baseline's as flashx-triton; device "Wx <GPU>"."""
+    rows = []
+    for r in (r for r in results["rows"] if r["part"] == "time"):
+        common = dict(date=results["date"], device=f"{r['world']}x {results['device']}", mode="fwd+bwd",
+                      impl="flashx-triton" if r["world"] == 1 else f"flashx-ring-zigzag-w{r['world']}",
+                      dtype=DTYPE, batch=1, seqlen=r["seqlen"], heads=HEADS, head_dim=HEAD_DIM, causal=True,
+                      torch=results["torch"], triton=results["triton"], flashx=results["flashx"])
+        rows += [dict(common, metric=metric, value=f"{r[key]:.6g}")
+                 for metric, key in (("s", "seconds"), ("tflops_per_gpu", "tflops_per_gpu"), ("peak_mib", "peak_mib"))]
+    return rows
 
 
 def _version(distribution: str) -> str:
@@ -291,7 +315,7 @@ def _version(distribution: str) -> str:
 
 def driver(out: Path, budget: float) -> None:
     import torch
-    from flashx_bench.records import device_slug
+    from flashx_bench.records import append_rows, device_slug
 
     import flashx
 
@@ -306,7 +330,7 @@ def driver(out: Path, budget: float) -> None:
     slug = "ring-" + (device_slug(device) if DEVICE == "cuda" else "cpu")
     deadline = time.monotonic() + budget
     with open(out / f"{slug}.log", "w") as log:
-        for world, args in _plan(worlds, out):
+        for world, args in _plan(worlds, out / f"{slug}-trace.json.gz"):
             left = deadline - time.monotonic()
             if left < 30:
                 results["rows"].append({"part": "error", "world": world, "args": args + ["(not run: time box)"]})
@@ -316,6 +340,7 @@ def driver(out: Path, budget: float) -> None:
             results["longest"] = [x for x in (_longest(times, w) for w in [1, *worlds]) if x]
             (out / f"{slug}.json").write_text(json.dumps(results, indent=1))
             (out / f"{slug}.md").write_text(render(results))
+    append_rows(history_rows(results), out / "history.csv")
     print(render(results))
 
 
@@ -360,8 +385,9 @@ def render(results: dict) -> str:
     for r in (r for r in rows if r["part"] == "trace"):
         share = f" ({100 * r['overlap']:.0f}%)" if r["overlap"] is not None else ""
         lines += [f"## Overlap (W={r['world']}, N={r['seqlen']}, one fwd+bwd, rank 0's GPU)", "",
-                  f"NCCL kernels ran {r['nccl_ms']:.1f} ms, {r['overlapped_ms']:.1f} ms of it{share} while a compute "
-                  f"kernel ran; compute kernels {r['compute_ms']:.1f} ms. Trace: `{r['trace']}`.", ""]
+                  f"The ring's {r['transfers']} point-to-point transfers (NCCL SendRecv kernels) ran "
+                  f"{r['transfer_ms']:.1f} ms, {r['overlapped_ms']:.1f} ms of it{share} while a compute kernel ran; "
+                  f"compute kernels {r['compute_ms']:.1f} ms. Trace: `{r['trace']}`.", ""]
     if results["longest"]:
         lines += ["## Longest causal context (fwd+bwd)", "",
                   "Predicted from the peak memory per GPU, linear in its tokens (fitted through the shortest and "
