@@ -179,9 +179,11 @@ def test_mma_fragments_multiply_and_chain(dtype):
     b_t = torch.randn(8, 16, generator=gen).to(half)  # B column-major: its columns are b_t's rows
     a_words, b_words = _packed(a), _packed(b_t)
     lanes = range(32)
-    a_frag = np.array([[a_words[mma.a_position(l, i)[0], mma.a_position(l, i)[1] // 2] for i in range(4)] for l in lanes])
-    b_frag = np.array([[b_words[mma.b_position(l, i)[1], mma.b_position(l, i)[0] // 2] for i in range(2)] for l in lanes])
-    c_frag = np.array([[c[mma.c_position(l, i)] for i in range(4)] for l in lanes], np.float32)
+    a_frag = np.array([[a_words[mma.a_position(lane, i)[0], mma.a_position(lane, i)[1] // 2] for i in range(4)]
+                       for lane in lanes])
+    b_frag = np.array([[b_words[mma.b_position(lane, i)[1], mma.b_position(lane, i)[0] // 2] for i in range(2)]
+                       for lane in lanes])
+    c_frag = np.array([[c[mma.c_position(lane, i)] for i in range(4)] for lane in lanes], np.float32)
     d = mma.mma_lanes(a_frag, b_frag, c_frag, dtype)
     expected = (a.double() @ b_t.double().T + c.double()).numpy()
     got = np.zeros((16, 8))

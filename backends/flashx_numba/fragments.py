@@ -41,12 +41,14 @@ from typing import Callable, NamedTuple
 import numpy as np
 from numba import cuda
 
-from flashx_numba.primitives import (SIMULATOR, accumulate, bits_of_float, device_function, float_from_bits, load_tile,
-                                     scores, skipped, to_shared)
+from flashx_numba.primitives import (SIMULATOR, accumulate, bits_of_float, device_function, float_from_bits,
+                                     load_tile, scores, skipped, to_shared)
 
 #: Words a shared row is padded by in the fragment form (bank spread of B fragment reads).
 _PAD_WORDS = 4
-#: Global loads a thread has in flight at once while filling a tile (fragment form).
+#: Global loads a thread has in flight at once while filling a tile in the fragment form, whose
+#: tile widths are compile-time constants (batched so, the micro-tile form's loads, with a
+#: run-time width, would spend more on index division than they hide in latency).
 _BATCH = 8
 
 
@@ -119,12 +121,12 @@ def micro_tile_form(rows: int, cols: int, row_groups: int, lanes: int, width: in
 def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
     """Warps of 16 query rows on m16n8k16 tensor cores (float16 or bfloat16, a GPU only)."""
     assert not SIMULATOR and rows % 16 == 0 and cols % 16 == 0 and width % 16 == 0 and rows <= cols
-    # whole batches of loads a thread
-    assert cols * width // 2 % (2 * rows * _BATCH) == 0 and width // 16 * cols // 8 % (rows // 16 * _BATCH // 2) == 0
+    threads, words, steps = 2 * rows, width // 2, width // 16
+    # whole batches of loads a thread: K words, V row pairs
+    assert cols * words % (threads * _BATCH) == 0 and steps * cols // 8 % (threads // 32 * _BATCH // 2) == 0
     from flashx_numba.mma import intrinsics
 
     mma, pack, widen = intrinsics(dtype)
-    threads, words, steps = 2 * rows, width // 2, width // 16
     k_stride, v_stride = max(words, cols) + _PAD_WORDS, cols // 2 + _PAD_WORDS  # K's rows also hold P's
     PAIRS = _BATCH // 2  # row pairs a batch of V loads holds
     low_exponent = np.uint32(0x7F80 if dtype == "bfloat16" else 0x7C00)
