@@ -166,16 +166,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p
 
         if (exact) {
             __syncwarp();
+            // bit 0: the pair is allowed; bit 1: allowed and kept by dropout
+            auto pair_bit = [&](int bit) { return [=](int r, int j) { return (sAllowed[(wrow + r) * BLOCK_N + j] & bit) != 0; }; };
 #if DKDV_PARTS & 2
             const bool bad_do = tile_nonfinite<BLOCK_N, DIM_V, LD_V>(do_tile);
-            if (bad_do) poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, sAllowed + wrow * BLOCK_N, 2, do_tile);
+            if (bad_do) poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, pair_bit(2), do_tile);
 #else
             const bool bad_do = false;
 #endif
 #if DKDV_PARTS & 1
             // Dropped pairs still read Q (dS = -P delta): only masked tiles need the exact dK.
             const bool bad_q = masked && tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
-            if (bad_q) poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, sAllowed + wrow * BLOCK_N, 1, q_tile);
+            if (bad_q) poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, pair_bit(1), q_tile);
 #else
             const bool bad_q = false;
 #endif
@@ -313,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
         if (masked) {
             __syncwarp();
             if (tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile)) {
-                poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dq, sAllowed + wrow * BLOCK_N, 1, k_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dq, [&](int r, int j) { return sAllowed[(wrow + r) * BLOCK_N + j] != 0; }, k_tile);
                 __syncthreads();
                 clear_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile);
                 __syncthreads();

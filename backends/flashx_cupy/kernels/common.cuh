@@ -106,6 +106,16 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 }
 #endif
 
+// Two adjacent elements (an accumulator's columns 2t, 2t + 1), in one store where they are 16-bit.
+__device__ __forceinline__ void store_pair(elem_t* dst, float lo, float hi) {
+#if TENSOR_CORES
+    *(u32*)dst = pack2(lo, hi);
+#else
+    dst[0] = lo;
+    dst[1] = hi;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shared memory, cp.async, ldmatrix, mma.
 
@@ -298,12 +308,11 @@ __device__ __forceinline__ void clear_nonfinite(elem_t* s) {
     }
 }
 
-// C[r][c] = NaN where some j has bit ``bit`` of reads[r][j] set (this warp's rows, K columns) and
-// B[j][c] is not finite. Bit 1: the pair is allowed; bit 2: allowed and kept by dropout (a
-// dropped pair reads no V and no dO).
-template <int MT, int K, int N, int LDB>
-__device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], const unsigned char* reads, int bit,
-                                               const elem_t* b) {
+// C[r][c] = NaN where some j has reads(r, j) (r: this warp's rows, j < K) and B[j][c] is not
+// finite. ``reads`` tells whether the pair reads B: allowed, and for V and dO kept by dropout
+// (a dropped pair reads no V and no dO).
+template <int MT, int K, int N, int LDB, typename Reads>
+__device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], Reads reads, const elem_t* b) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -312,7 +321,7 @@ __device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], const u
             for (int e = 0; e < 4; ++e) {
                 const int r = frag_row(mt, e), col = frag_col(nt, e);
                 for (int j = 0; j < K; ++j)
-                    if ((reads[r * K + j] & bit) && !finite_bits(b[j * LDB + col])) {
+                    if (reads(r, j) && !finite_bits(b[j * LDB + col])) {
                         c[mt][nt][e] = QUIET_NAN;
                         break;
                     }
