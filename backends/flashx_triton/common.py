@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashx_triton import launcher, tuning
+from flashx_triton import tuning
 
 LOG2E = math.log2(math.e)
 
@@ -384,14 +384,14 @@ class Launch:
     """A kernel launch with every argument bound but the leading ones, which each call passes:
     one problem, tensor layout and configuration.
 
-    The first call goes through Triton's JIT, which specialises each of the ~60 arguments and
-    compiles. Later calls hand the same argument list straight to the kernel it returned, through
-    Triton's C launcher where it can (``launcher.direct``), skipping that specialisation and most
-    of Triton's Python around the launch: tens of microseconds of host time per launch, five
-    launches in a short causal forward and backward. That is sound because nothing Triton
-    specialises on can change between the calls of one Launch: the bound values are fixed, and
-    the per-call tensors have the problem's dtype and the layout (``layout``: strides, alignment)
-    the Launch is cached under. Under the interpreter every call goes through the JIT.
+    The first call goes through Triton's JIT, which specialises every argument and compiles.
+    Later calls hand the same argument list straight to the kernel it returned
+    (``CompiledKernel[grid]``), skipping that specialisation: tens of microseconds of host time
+    per launch, five launches in a short causal forward and backward. That is sound because
+    nothing Triton specialises on can change between the calls of one Launch: the bound values
+    are fixed, and the per-call tensors have the problem's dtype and the layout (``layout``:
+    strides, alignment) the Launch is cached under. Under the interpreter every call goes
+    through the JIT.
     """
 
     def __init__(self, kernel, grid: tuple[int], options: dict, **bound):
@@ -404,13 +404,13 @@ class Launch:
 
     def __call__(self, *tensors):
         if self.compiled is not None:
-            self.compiled(*tensors)
+            self.compiled(*tensors, *self.bound)
             return
         from triton.compiler import CompiledKernel
 
         kernel = self.kernel[self.grid](*tensors, *self.bound, **self.options)
         if isinstance(kernel, CompiledKernel):
-            self.compiled = launcher.direct(kernel, self.grid, len(tensors), self.bound)
+            self.compiled = kernel[self.grid]
 
 
 class Passes:
