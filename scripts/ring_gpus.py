@@ -19,8 +19,8 @@ The driver writes ring-<device>.json and .md under --out (default /tmp/flashx-ou
 after each part, so a run cut short still reports, and appends the steps' rows to history.csv there:
 copy the record into benchmarks/results and append the rows to its history.csv. RING_SMOKE=1 runs every part on tiny float32 shapes
 on the CPU (gloo, the numpy backend), to check the script itself. FLOPs count as flash-attn's: a causal forward is
-2·B·H·N²·D, the backward 2.5 times that. The Triton backend runs its shipped tiles
-(FLASHX_TRITON_AUTOTUNE=0): the ring's calls and the single-GPU baseline run the same configurations.
+2·B·H·N²·D, the backward 2.5 times that. The Triton backend runs its shipped choices, untimed (the
+default): the ring's calls and the single-GPU baseline run the same configurations.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def _overlap(events: list[dict]) -> dict:
 def _run_part(world: int, args: list[str], log, timeout: float) -> list[dict]:
     """One part on ``world`` processes; its results, and an "error" row if it failed or ran out of time."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               FLASHX_TRITON_AUTOTUNE="0", PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, *args]
     print(f"$ W={world} {' '.join(args)}", file=log, flush=True)
@@ -349,8 +349,8 @@ def render(results: dict) -> str:
     graded, compared = CHECK_SEQLENS
     lines = [f"# Ring attention on {results['gpus']}x {results['device']}", "",
              f"{results['date']}; flashx {results['flashx']}, torch {results['torch']}, Triton {results['triton']}, "
-             f"NCCL {results['nccl']}; {DTYPE}, B=1, H={HEADS}, D={HEAD_DIM}; Triton's shipped tiles "
-             f"(FLASHX_TRITON_AUTOTUNE=0); `python3 scripts/ring_gpus.py`.", ""]
+             f"NCCL {results['nccl']}; {DTYPE}, B=1, H={HEADS}, D={HEAD_DIM}; Triton's shipped choices, "
+             f"untimed; `python3 scripts/ring_gpus.py`.", ""]
     checks = [r for r in rows if r["part"] == "check"]
     if checks:
         lines += ["## Correctness", "",
