@@ -17,10 +17,11 @@ Parts (each rank prints one JSON line per result; rank 0's lines are the part's 
 
 The driver writes ring-<device>.json and .md under --out (default /tmp/flashx-out), keeping what it has
 after each part, so a run cut short still reports, and appends the steps' rows to history.csv there:
-copy the record into benchmarks/results and append the rows to its history.csv. RING_SMOKE=1 runs every part on tiny float32 shapes
-on the CPU (gloo, the numpy backend), to check the script itself. FLOPs count as flash-attn's: a causal forward is
-2·B·H·N²·D, the backward 2.5 times that. The Triton backend runs its shipped choices, untimed (the
-default): the ring's calls and the single-GPU baseline run the same configurations.
+copy the record into benchmarks/results and append the rows to its history.csv. RING_SMOKE=1 runs
+every part on tiny float32 shapes on the CPU (gloo, the numpy backend), to check the script itself.
+FLOPs count as flash-attn's: a causal forward is 2·B·H·N²·D, the backward 2.5 times that. The
+Triton backend runs its shipped choices, untimed (the default): the ring's calls and the single-GPU
+baseline run the same configurations.
 """
 
 from __future__ import annotations
@@ -372,7 +373,8 @@ def render(results: dict) -> str:
                   "Efficiency: the ring's TFLOP/s per GPU over single-GPU flashx's at the same tokens per GPU. "
                   "Speed-up: single-GPU time at the same N over the ring's. Steps: the median of 3 after a warm-up, "
                   "the slowest rank's (one step, no warm-up, where repeats is 0).", "",
-                  "| N | W | tokens/GPU | repeats | step (s) | TFLOP/s per GPU | efficiency | speed-up | peak MiB/GPU |",
+                  "| N | W | tokens/GPU | repeats | step (s) | TFLOP/s per GPU | efficiency | speed-up "
+                  "| peak MiB/GPU |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sorted(times, key=lambda r: (r["seqlen"], r["world"])):
             same_tokens, same_n, ring = single.get(r["seqlen"] // r["world"]), single.get(r["seqlen"]), r["world"] > 1
@@ -393,7 +395,8 @@ def render(results: dict) -> str:
                   "Predicted from the peak memory per GPU, linear in its tokens (fitted through the shortest and "
                   "longest steps run), with 2 GiB of each GPU left to the CUDA context; verified: the longest "
                   "step run.", "",
-                  "| W | peak memory per token per GPU | longest N (predicted) | verified N |", "| --- | --- | --- | --- |"]
+                  "| W | peak memory per token per GPU | longest N (predicted) | verified N |",
+                  "| --- | --- | --- | --- |"]
         lines += [f"| {r['world']} | {r['mib_per_token_per_rank'] * 1024:.1f} KiB | {r['longest_tokens']:,} | "
                   f"{r['verified_tokens']:,} |" for r in results["longest"]]
         lines.append("")
