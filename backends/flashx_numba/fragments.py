@@ -1,6 +1,8 @@
-"""The forward's two ways of holding a tile of scores: warp fragments on tensor cores (float16 and
+"""The kernels' two ways of holding a tile of scores: warp fragments on tensor cores (float16 and
 bfloat16 on a GPU), and a register micro-tile per thread (float32, and every dtype in the
-simulator). The forward kernel is written once against either ``Form``.
+simulator). Each kernel is written once against either ``Form``; the names below are the
+forward's (own rows Q, streamed K and V), and the backward kernels use the same products with
+other operands (``kernels``).
 
 A form says which score elements a thread holds: ``held_rows`` x ``held_cols`` registers, element
 (i, c) being tile row ``row_of(tid, i)`` and column ``col_of(tid, c)``; its output accumulators
