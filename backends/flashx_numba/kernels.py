@@ -176,6 +176,8 @@ def _pair_flags(form):
         for i in range(R):
             masked[i] = 0
             dropped[i] = 0
+            if plain and not dropout:
+                continue
             for c in range(C):
                 query = i0 + (col_of(tid, c) if keys_are_rows else row_of(tid, i))
                 key = j0 + (row_of(tid, i) if keys_are_rows else col_of(tid, c))
@@ -338,8 +340,9 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
 
 
 # The backward kernels are written against a ``fragments`` form, as the forward: each block
-# holds its own rows' operand (Q and dO in dQ, K and V in dK/dV) as the forward holds Q, and
-# streams the other axis's tiles through shared memory in the key layout (the B operand of the
+# holds its own rows' first operand (Q in dQ, K in dK/dV) as the forward holds Q, the second
+# (dO, V) in a shared tile of the key layout (``qk_shared``: on tensor cores, registers enough
+# for both would leave the accumulators too few), and streams the other axis's tiles through shared memory in the key layout (the B operand of the
 # score products). On tensor cores the tiles that the second products read as their B operand
 # (dO and Q in dK/dV, K in dQ) are also loaded in the value layout (pairs of rows packed along a
 # feature row, the forward's V); micro-tiles read the one float32 tile both ways. A streamed
@@ -358,10 +361,11 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
     OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
     VALUES_SHAPE = form.v_shape if tensor_cores else (1, 1)
-    row_of, col_of, stage_queries, load_keys, load_values, qk, share_weights, pv = (
-        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.share_weights,
-        form.pv)
+    row_of, col_of, stage_queries, load_keys, load_values, qk, qk_shared, share_weights, pv = (
+        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.qk_shared,
+        form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
+    assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
 
     @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), _tensor(dtype), *_COMMON))
     def kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q,
@@ -382,7 +386,7 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         batch = 0 if varlen else b
 
         k_own = cuda.shared.array(OWN_SHAPE, TILE)
-        v_own = cuda.shared.array(OWN_SHAPE, TILE)
+        v_own = cuda.shared.array(ROWS_SHAPE, TILE)
         q_rows = cuda.shared.array(ROWS_SHAPE, TILE)
         do_rows = cuda.shared.array(ROWS_SHAPE, TILE)
         q_values = cuda.shared.array(VALUES_SHAPE, TILE)
@@ -392,7 +396,6 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         p_tile = cuda.shared.array(P_SHAPE, np.float32)  # P^T with dropout applied: dO's weights in dV
         ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS^T: Q's weights in dK
         k_frag = cuda.local.array(FRAG, np.uint32)
-        v_frag = cuda.local.array(FRAG, np.uint32)
         s = cuda.local.array((R, C), np.float32)
         dp = cuda.local.array((R, C), np.float32)
         dk_acc = cuda.local.array((R, A), np.float32)
@@ -408,7 +411,7 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
 
         j1 = min(j0 + ROWS, lk)
         stage_queries(k_frag, k_own, q_rows, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
-        stage_queries(v_frag, v_own, do_rows, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
+        load_keys(v_own, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
         lo, hi = queries_seeing(j0, j1, lq, lk, left, right) if j0 < lk else (np.int64(0), np.int64(0))
         for h in range(kv_head * group, (kv_head + 1) * group):
             stream = b * heads_q + h
@@ -426,7 +429,7 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 plain = not (has_mask or has_blocks) and inside_band(i0, i0 + COLS, j0, j0 + ROWS, lq, lk, left, right)
                 exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
                 qk(s, k_frag, k_own, q_rows, dim, tid)  # S^T
-                qk(dp, v_frag, v_own, do_rows, dim_v, tid)  # dP^T before dropout
+                qk_shared(dp, v_own, do_rows, dim_v, tid)  # dP^T before dropout
                 pair_flags(masked, dropped, i0, j0, True, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
                            blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset,
                            seed_low, seed_high, threshold)
@@ -473,10 +476,11 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
     OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
     VALUES_SHAPE = form.v_shape if tensor_cores else (1, 1)
-    row_of, col_of, stage_queries, load_keys, load_values, qk, share_weights, pv = (
-        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.share_weights,
-        form.pv)
+    row_of, col_of, stage_queries, load_keys, load_values, qk, qk_shared, share_weights, pv = (
+        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.qk_shared,
+        form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
+    assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
 
     @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), *_COMMON))
     def kernel(q, k, v, do, lse, delta, dq, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group,
@@ -498,7 +502,7 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         stream = b * heads_q + h
 
         q_own = cuda.shared.array(OWN_SHAPE, TILE)
-        do_own = cuda.shared.array(OWN_SHAPE, TILE)
+        do_own = cuda.shared.array(ROWS_SHAPE, TILE)
         k_rows = cuda.shared.array(ROWS_SHAPE, TILE)
         v_rows = cuda.shared.array(ROWS_SHAPE, TILE)
         k_values = cuda.shared.array(VALUES_SHAPE, TILE)
@@ -506,7 +510,6 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             k_values = k_rows
         ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS: K's weights in dQ
         q_frag = cuda.local.array(FRAG, np.uint32)
-        do_frag = cuda.local.array(FRAG, np.uint32)
         s = cuda.local.array((R, C), np.float32)
         dp = cuda.local.array((R, C), np.float32)
         dq_acc = cuda.local.array((R, A), np.float32)
@@ -518,7 +521,7 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
 
         i1 = min(i0 + ROWS, lq)
         stage_queries(q_frag, q_own, k_rows, q, batch, q_start + i0, i1 - i0, h, dim, tid)
-        stage_queries(do_frag, do_own, v_rows, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
+        load_keys(do_own, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
         lo, hi = keys_seen(i0, i1, lq, lk, left, right) if i0 < lq else (np.int64(0), np.int64(0))
         for j0 in range(lo - lo % COLS, hi, COLS):
             j1 = min(j0 + COLS, lk)
@@ -533,7 +536,7 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
             exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
             qk(s, q_frag, q_own, k_rows, dim, tid)
-            qk(dp, do_frag, do_own, v_rows, dim_v, tid)  # dP before dropout
+            qk_shared(dp, do_own, v_rows, dim_v, tid)  # dP before dropout
             pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
                        has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
                        seed_high, threshold)
