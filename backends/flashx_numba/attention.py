@@ -26,7 +26,7 @@ from flashx_numba.primitives import SIMULATOR
 
 # Tile shapes on a GPU, by kernel and head-dim class (the widest of D and Dv, rounded up to 64,
 # 128 or 256): (rows, cols, row_groups, lanes), micro-tiles with float32 shared tiles, and
-# (rows, cols) of the forward on tensor cores (a warp per 16 rows; packed half tiles). All fit
+# (rows, cols) of the kernels on tensor cores (a warp per 16 rows; packed half tiles). All fit
 # the 48 KiB a block may hold statically.
 GPU_TILES = {
     "forward": {64: (64, 32, 16, 8), 128: (32, 16, 8, 8), 256: (16, 8, 8, 8)},
@@ -34,9 +34,9 @@ GPU_TILES = {
 }
 TENSOR_CORE_TILES = {
     "forward": {64: (64, 64), 128: (64, 64), 256: (32, 32)},
-    # Two warps: a backward block holds two operands of its own rows in registers and four
-    # streamed tiles (two tensors in both layouts) in shared memory. At d256 the dK and dV
-    # accumulators alone would take every register of a thread: micro-tiles there.
+    # Two warps: a backward block holds one operand of its own rows in registers, the other
+    # and four streamed tiles (two tensors in both layouts) in shared memory. At d256 the dK
+    # and dV accumulators alone would take every register of a thread: micro-tiles there.
     "backward": {64: (32, 32), 128: (32, 32)},
 }
 # In the simulator every CUDA thread is a Python thread and every syncthreads a round of
