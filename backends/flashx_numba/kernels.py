@@ -339,15 +339,15 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
     return SKIP, p * (np.float32(0) - delta)
 
 
-# The backward kernels are written against a ``fragments`` form, as the forward: each block
-# holds its own rows' first operand (Q in dQ, K in dK/dV) as the forward holds Q, the second
-# (dO, V) in a shared tile of the key layout (``qk_shared``: on tensor cores, registers enough
-# for both would leave the accumulators too few), and streams the other axis's tiles through shared memory in the key layout (the B operand of the
-# score products). On tensor cores the tiles that the second products read as their B operand
-# (dO and Q in dK/dV, K in dQ) are also loaded in the value layout (pairs of rows packed along a
-# feature row, the forward's V); micro-tiles read the one float32 tile both ways. A streamed
-# tile with a NaN or an infinity in a value-layout operand, in a tile with skipped pairs, is
-# multiplied term by term (``exact``), as in the forward.
+# The backward kernels are written against a ``fragments`` form, as the forward. A block holds
+# the first operand of its own rows (K in dK/dV, Q in dQ) as the forward holds Q, and the second
+# (V, dO) in a shared tile of the key layout (``qk_shared``: on tensor cores, registers for both
+# would leave the accumulators too few). It streams the other axis's tiles through shared
+# memory in the key layout (the B operand of the score products); on tensor cores the tiles
+# that the second products read as their B operand (Q and dO in dK/dV, K in dQ) are also
+# loaded in the value layout (pairs of rows packed along a feature row, the forward's V), and
+# micro-tiles read the one float32 tile both ways. A tile with skipped pairs whose value-layout
+# operand holds a NaN or an infinity is multiplied term by term (``exact``), as in the forward.
 
 
 @functools.cache
