@@ -39,6 +39,9 @@ conformance() {
         run_part properties "not slow" "test_properties" "${CONFORMANCE_SECONDS:-360}" "$two" &
         run_part cases "not slow" "not test_properties" "${CONFORMANCE_SECONDS:-360}" "$workers"
         wait
+        if [ "$backend" = cupy ]; then  # its own kind is torch: graded again as a CuPy caller's
+            run_part cupy-arrays "not slow" "not test_properties" "${CONFORMANCE_SECONDS:-360}" "$workers --flashx-arrays cupy"
+        fi
         run_part slow "slow" "" "${SLOW_SECONDS:-150}" ""
     done
     python3 -m flashx_conformance.summary "$OUT"/conformance-*.json --markdown "$OUT/conformance-$device.md" \

@@ -162,12 +162,12 @@ def make_varlen_case(
 
 
 class Target:
-    """The backend under test, on one device, with the array kind it declares."""
+    """The backend under test, on one device, called with the array kind it declares or ``arrays``."""
 
-    def __init__(self, name: str, device: str, tier: str):
+    def __init__(self, name: str, device: str, tier: str, arrays: str | None = None):
         self.name, self.device, self.tier = name, device, tier
         self.backend = flashx.registry.get(name)
-        self.kind = self.backend.array_kind
+        self.kind = arrays or self.backend.array_kind
 
     @property
     def full(self) -> bool:

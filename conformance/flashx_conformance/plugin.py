@@ -7,7 +7,7 @@ with one, a ``_Run`` plugin adds the report header, the tier skips, the skip sum
 the JSON report.
 
     pytest --pyargs flashx_conformance --flashx-backend numpy [--flashx-device cuda]
-           [--flashx-tier small|full] [--flashx-report results.json]
+           [--flashx-tier small|full] [--flashx-arrays numpy|torch|cupy] [--flashx-report results.json]
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ LIBRARIES = {
 }
 
 
+#: The devices each kind of array the suite can pass lives on.
+ARRAY_DEVICES = {"numpy": ("cpu",), "torch": ("cpu", "cuda"), "cupy": ("cuda",)}
+
 #: What the suite imports besides flashx (the oracle's naive baselines run in torch).
 REQUIREMENTS = ("numpy", "torch", "hypothesis")
 
@@ -60,6 +63,13 @@ def pytest_addoption(parser):
         default=None,
         help=f"case sizes (default: small when {' or '.join(SIMULATORS)} is set, else full)",
     )
+    group.addoption(
+        "--flashx-arrays",
+        choices=tuple(ARRAY_DEVICES),
+        default=None,
+        help="the kind of arrays the suite passes, which the core converts for the backend (default: the "
+        "backend's own array_kind; torch wherever the kind lacks the case's dtype, as bfloat16 in NumPy and CuPy)",
+    )
     group.addoption("--flashx-report", default=None, metavar="PATH", help="write every case's outcome as JSON to PATH")
 
 
@@ -73,6 +83,9 @@ def pytest_configure(config):
                 f"the flashx conformance suite needs {', '.join(missing)}: pip install 'flashx-attention[conformance]'"
             )
         run = _Run(config)
+        if run.arrays and run.device.partition(":")[0] not in ARRAY_DEVICES[run.arrays]:
+            raise pytest.UsageError(f"--flashx-arrays {run.arrays}: {run.arrays} arrays live on "
+                                    f"{' or '.join(ARRAY_DEVICES[run.arrays])}, not on {run.device}")
         config.stash[_RUN] = run
         config.pluginmanager.register(run, "flashx_conformance_run")
 
@@ -101,6 +114,7 @@ class _Run:
     def __init__(self, config):
         self.config = config
         self.name = config.getoption("flashx_backend")
+        self.arrays = config.getoption("flashx_arrays")
         simulated = [var for var in SIMULATORS if os.environ.get(var, "0") not in ("", "0")]
         self.tier = config.getoption("flashx_tier") or ("small" if simulated else "full")
         self.simulators = simulated
@@ -128,6 +142,14 @@ class _Run:
         except flashx.UnsupportedError:
             return False
 
+    def _declared_arrays(self) -> str:
+        import flashx
+
+        try:
+            return flashx.registry.get(self.name).array_kind
+        except flashx.UnsupportedError:
+            return "?"
+
     def target(self):
         if self._target is None and self._skip_reason is None:
             import flashx
@@ -139,7 +161,7 @@ class _Run:
             if unavailable:
                 self._skip_reason = f"backend {self.name!r} is not available here: {unavailable}"
             else:
-                self._target = Target(self.name, self.device, self.tier)
+                self._target = Target(self.name, self.device, self.tier, self.arrays)
         if self._skip_reason:
             pytest.skip(self._skip_reason)
         return self._target
@@ -155,11 +177,14 @@ class _Run:
                 versions[library] = found[0]
         return {
             "backend": self.name,
+            # the summary's column: one per backend and kind of arrays named
+            "label": f"{self.name} ({self.arrays} arrays)" if self.arrays else self.name,
             "version": info.version if info else "?",
             "available": info.reason is None if info else False,
             "reason": info.reason if info else "not registered",
             "device": self.device + (f" ({_device_name(self.device)})" if self.device.startswith("cuda") else ""),
             "tier": self.tier,
+            "arrays": self.arrays or self._declared_arrays(),
             "simulators": self.simulators,
             "versions": versions,
         }
@@ -170,7 +195,8 @@ class _Run:
         status = "available" if d["available"] else f"NOT available: {d['reason']}"
         simulated = f" under {', '.join(f'{v}=1' for v in d['simulators'])}" if d["simulators"] else ""
         return [
-            f"flashx conformance: backend {d['backend']} {d['version']} ({status}) on {d['device']}{simulated}, tier {d['tier']}",
+            f"flashx conformance: backend {d['backend']} {d['version']} ({status}) on {d['device']}{simulated}, "
+            f"tier {d['tier']}, {d['arrays']} arrays",
             "flashx conformance: " + ", ".join(f"{k} {v}" for k, v in d["versions"].items()),
         ]
 

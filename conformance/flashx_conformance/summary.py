@@ -16,17 +16,22 @@ from pathlib import Path
 CELL = {"passed": "pass", "failed": "FAIL", "skipped": "skip", "xfailed": "xfail"}
 
 
+def _label(report: dict) -> str:
+    """The report's column: its backend, and the kind of arrays where the run named one."""
+    return report.get("label", report["backend"])
+
+
 def load(paths: list[Path]) -> list[dict]:
-    """One report per backend: reports of one backend (parts of a run, say the slow tier run
-    apart) are joined."""
-    by_backend: dict[str, dict] = {}
+    """One report per column: reports of one backend and kind of arrays (parts of a run, say the
+    slow tier run apart) are joined."""
+    by_label: dict[str, dict] = {}
     for path in paths:
         report = json.loads(path.read_text())
-        if report["backend"] in by_backend:
-            by_backend[report["backend"]]["results"] += report["results"]
+        if _label(report) in by_label:
+            by_label[_label(report)]["results"] += report["results"]
         else:
-            by_backend[report["backend"]] = report
-    return sorted(by_backend.values(), key=lambda report: report["backend"])
+            by_label[_label(report)] = report
+    return sorted(by_label.values(), key=_label)
 
 
 def merge(reports: list[dict]) -> dict:
@@ -36,9 +41,9 @@ def merge(reports: list[dict]) -> dict:
         header = {key: value for key, value in report.items() if key != "results"}
         header["counts"] = dict(Counter(result["outcome"] for result in report["results"]))
         header["seconds"] = round(sum(result["duration"] for result in report["results"]), 1)
-        backends[report["backend"]] = header
+        backends[_label(report)] = header
         for result in report["results"]:
-            cases.setdefault(result["case"], {})[report["backend"]] = {"outcome": result["outcome"], "reason": result["reason"]}
+            cases.setdefault(result["case"], {})[_label(report)] = {"outcome": result["outcome"], "reason": result["reason"]}
     return {"backends": backends, "cases": dict(sorted(cases.items()))}
 
 
