@@ -135,17 +135,10 @@ def sweep(out: str) -> None:
                 keys.append(key)
         record["points"].append({"point": point, "seconds": time.perf_counter() - start, "keys": keys})
         print(f"{point}: {time.perf_counter() - start:.1f} s " + "; ".join(
-            f"{key} -> {_text(record['keys'][key]['choice'])}" for key in keys), flush=True)
+            f"{key} -> {tuning.text(record['keys'][key]['choice'])}" for key in keys), flush=True)
         with open(out, "w") as file:
             json.dump(record, file, indent=1)
         del inputs
-
-
-def _text(choice) -> str:
-    if isinstance(choice, str):
-        return choice
-    return "{block_m}x{block_n} w{num_warps} s{num_stages}".format(**choice) + (
-        "" if choice["host_descriptors"] else " in-kernel")
 
 
 TOLERANCE = 1.03  # a choice is kept for the next length class while within 3% of that class's fastest
@@ -157,6 +150,8 @@ def encode(sweep_json: str) -> None:
     TOLERANCE of their fastest candidate (so run-to-run ties do not flip the table)."""
     import re
     from pathlib import Path
+
+    from flashx_triton import tuning
 
     record = json.load(open(sweep_json))
     rows = 16384 * 2048 // 128  # the sweep's query rows at d <= 128 (d 256: half), one size class each
@@ -174,7 +169,7 @@ def encode(sweep_json: str) -> None:
             medians = {json.dumps(choice): ms for choice, ms in by_length[length]["medians"] if ms is not None}
             if kept is None or medians.get(json.dumps(kept), float("inf")) > TOLERANCE * min(medians.values()):
                 kept = by_length[length]["choice"]
-                entries[str(1 << (length - 1))] = _text(kept)
+                entries[str(1 << (length - 1))] = tuning.text(kept)
         table[group] = entries
     shipped = Path(__file__).parents[1] / "backends" / "flashx_triton" / "shipped.json"
     document = json.loads(shipped.read_text()) if shipped.exists() else {}

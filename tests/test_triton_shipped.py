@@ -73,6 +73,19 @@ def test_every_shipped_entry_is_a_candidate_and_every_16bit_class_has_one():
         assert tuning.shipped("forward", problem(d=d, dtype="float32"), "sm_90") is not None
 
 
+def test_shipped_text_is_written_as_it_is_read():
+    """``text`` (which scripts/triton_defaults.py encodes with) and ``parse`` (which calls read with)
+    are one format: every entry shipped, and every candidate in both of its forms, round-trips."""
+    for entries in tuning.shipped_table("sm_90").values():
+        for written in entries.values():
+            assert tuning.text(tuning.parse(written)) == written
+    for config in (Config(64, 128, 8, 3), Config(128, 64, 4, 2, host_descriptors=False)):
+        assert tuning.parse(tuning.text(config)) == config
+        assert tuning.text(tuning._encoded(config)) == tuning.text(config)
+    assert tuning.text(Config(128, 64, 4, 2, host_descriptors=False)) == "128x64 w4 s2 in-kernel"
+    assert tuning.parse(tuning.text("fused")) == "fused"
+
+
 def test_a_shipped_choice_holds_from_its_length_class_up():
     entries = {"512": "64x64 w4 s3", "8192": "128x128 w8 s3 in-kernel"}
     table = {"sm_90": {"choices": {"forward d128 bfloat16 full": entries}}}

@@ -208,6 +208,15 @@ def parse(text: str) -> Config | str:
     return Config(*map(int, numbers), host_descriptors=not in_kernel)
 
 
+def text(choice: Config | dict | str) -> str:
+    """``choice`` (or its JSON form, ``_encoded``) as shipped.json writes it: ``parse`` undone."""
+    if isinstance(choice, str):
+        return choice
+    choice = Config(**choice) if isinstance(choice, dict) else choice
+    return f"{choice.block_m}x{choice.block_n} w{choice.num_warps} s{choice.num_stages}" + (
+        "" if choice.host_descriptors else " in-kernel")
+
+
 def untimed_order(kernel: str, problem, options: list, capability: str, shared_memory: Callable[[], int]) -> list:
     """``options`` in the order an untimed choice tries them (the first that compiles and fits wins).
 
