@@ -69,6 +69,10 @@ def test_tiles_fit_shared_memory_on_a_gpu():
                 own, weights = rows * (width + 1), rows * (cols + 1)
             assert 4 * (own + streamed + weights) <= 48 * 1024, (kind, width)
             assert tiles.threads % 32 == 0
+    for width, (rows, cols) in attention.TENSOR_CORE_TILES["backward"].items():  # packed words (fragments)
+        key_layout, value_layout = cols * (max(width // 2, cols) + 4), width * (cols // 2 + 4)
+        # dK/dV: Q and dO in both layouts, V in the key layout
+        assert rows <= cols and 4 * (2 * (key_layout + value_layout) + key_layout) <= 48 * 1024, width
 
 
 # ---------------------------------------------------------------- Philox and bfloat16

@@ -128,7 +128,7 @@ class Variant:
         streamed = 2 * n * (ld_qk + ld_v) * size
         resident = m * ld_qk * size if self.kernel == "forward" else m * (ld_qk + ld_v) * size
         row_stats = 4 * n * 4 if self.kernel == "dkdv" else 0
-        pairs = 0 if self.kernel == "forward" else m * n  # the backward's record of which pairs read what
+        pairs = m * n if self.kernel == "dq" else 0  # the dQ kernel's record of the allowed pairs of a tile
         stage = 4 * m * n if self.dtype == "float32" else 0
         return resident + streamed + row_stats + pairs + stage
 

@@ -26,13 +26,19 @@ from flashx_numba.primitives import SIMULATOR
 
 # Tile shapes on a GPU, by kernel and head-dim class (the widest of D and Dv, rounded up to 64,
 # 128 or 256): (rows, cols, row_groups, lanes), micro-tiles with float32 shared tiles, and
-# (rows, cols) of the forward on tensor cores (a warp per 16 rows; packed half tiles). All fit
+# (rows, cols) of the kernels on tensor cores (a warp per 16 rows; packed half tiles). All fit
 # the 48 KiB a block may hold statically.
 GPU_TILES = {
     "forward": {64: (64, 32, 16, 8), 128: (32, 16, 8, 8), 256: (16, 8, 8, 8)},
     "backward": {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 4, 8)},
 }
-TENSOR_CORE_TILES = {64: (64, 64), 128: (64, 64), 256: (32, 32)}
+TENSOR_CORE_TILES = {
+    "forward": {64: (64, 64), 128: (64, 64), 256: (32, 32)},
+    # Two warps: a backward block holds one operand of its own rows in registers, the other
+    # and four streamed tiles (two tensors in both layouts) in shared memory. At d256 the dK
+    # and dV accumulators alone would take every register of a thread: micro-tiles there.
+    "backward": {64: (32, 32), 128: (32, 32)},
+}
 # In the simulator every CUDA thread is a Python thread and every syncthreads a round of
 # thread switches: one thread a block, large tiles, each tile operation one NumPy call. With
 # two threads a block the simulator once returned garbage in one dK element of 243 cases
@@ -45,16 +51,22 @@ SIMULATOR_SWITCH_INTERVAL = 1e-4
 DELTA_THREADS = 128
 
 
-def tensor_cores(problem) -> bool:
-    """Whether the forward runs on tensor cores: float16 and bfloat16 on a GPU."""
-    return not SIMULATOR and problem.dtype in ("float16", "bfloat16")
+def _width(problem) -> int:
+    widest = max(problem.head_dim, problem.head_dim_v)
+    return 64 if widest <= 64 else 128 if widest <= 128 else 256
+
+
+def tensor_cores(kernel: str, problem) -> bool:
+    """Whether ``kernel`` (forward or backward) runs on tensor cores: float16 and bfloat16 on a
+    GPU, at the head dims it has tensor-core tiles for."""
+    return (not SIMULATOR and problem.dtype in ("float16", "bfloat16")
+            and _width(problem) in TENSOR_CORE_TILES[kernel])
 
 
 def tiles(kernel: str, problem) -> Tiles:
-    widest = max(problem.head_dim, problem.head_dim_v)
-    width = 64 if widest <= 64 else 128 if widest <= 128 else 256
-    if kernel == "forward" and tensor_cores(problem):
-        rows, cols = TENSOR_CORE_TILES[width]
+    width = _width(problem)
+    if tensor_cores(kernel, problem):
+        rows, cols = TENSOR_CORE_TILES[kernel][width]
         return Tiles(rows, cols, rows // 16, 32, width)
     rows, cols, row_groups, lanes = SIMULATOR_TILES if SIMULATOR else GPU_TILES[kernel][width]
     return Tiles(rows, cols, row_groups, lanes, width)
@@ -68,7 +80,7 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     else:
         o = torch.empty(problem.o_shape, dtype=dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-    shape, fragments = tiles("forward", problem), tensor_cores(problem)
+    shape, fragments = tiles("forward", problem), tensor_cores("forward", problem)
     kernel = forward_kernel(shape, problem.dtype, fragments)
     blocks = -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q
     inputs = [_pairs(x) for x in (q, k, v)] if fragments else (q, k, v)
@@ -83,17 +95,21 @@ def backward(problem, q, k, v, o, lse, do):
     dq, dk, dv = (make(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     delta = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
     arguments = _arguments(problem)
-    q_, k_, v_, o_, do_, dq_, dk_, dv_ = _rows(problem, q, k, v, o, do, dq, dk, dv)
+    shape, fragments = tiles("backward", problem), tensor_cores("backward", problem)
+    inputs = [_pairs(x) for x in (q, k, v, do)] if fragments else (q, k, v, do)
+    q_, k_, v_, do_ = _rows(problem, *inputs)
+    o_, do_stored, dq_, dk_, dv_ = _rows(problem, o, do, dq, dk, dv)
     lse_, delta_ = _lse(problem, lse), _lse(problem, delta)
-    shape = tiles("backward", problem)
     with _launching(q) as stream:
         rows = o.shape[0] * o.shape[1] * o.shape[2]
-        _launch(delta_kernel(problem.dtype), -(-rows // DELTA_THREADS), DELTA_THREADS, stream, o_, do_, delta_,
+        _launch(delta_kernel(problem.dtype), -(-rows // DELTA_THREADS), DELTA_THREADS, stream, o_, do_stored, delta_,
                 problem.head_dim_v)
-        _launch(dkdv_kernel(shape, problem.dtype), -(-problem.seqlen_k // shape.rows) * problem.batch * problem.heads_k,
-                shape.threads, stream, q_, k_, v_, do_, lse_, delta_, dk_, dv_, *arguments)
-        _launch(dq_kernel(shape, problem.dtype), -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q,
-                shape.threads, stream, q_, k_, v_, do_, lse_, delta_, dq_, *arguments)
+        _launch(dkdv_kernel(shape, problem.dtype, fragments),
+                -(-problem.seqlen_k // shape.rows) * problem.batch * problem.heads_k, shape.threads, stream, q_, k_, v_,
+                do_, lse_, delta_, dk_, dv_, *arguments)
+        _launch(dq_kernel(shape, problem.dtype, fragments),
+                -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q, shape.threads, stream, q_, k_, v_,
+                do_, lse_, delta_, dq_, *arguments)
     return dq, dk, dv
 
 

@@ -1,6 +1,8 @@
-"""The forward's two ways of holding a tile of scores: warp fragments on tensor cores (float16 and
+"""The kernels' two ways of holding a tile of scores: warp fragments on tensor cores (float16 and
 bfloat16 on a GPU), and a register micro-tile per thread (float32, and every dtype in the
-simulator). The forward kernel is written once against either ``Form``.
+simulator). Each kernel is written once against either ``Form``; the names below are the
+forward's (own rows Q, streamed K and V), and the backward kernels use the same products with
+other operands (``kernels``).
 
 A form says which score elements a thread holds: ``held_rows`` x ``held_cols`` registers, element
 (i, c) being tile row ``row_of(tid, i)`` and column ``col_of(tid, c)``; its output accumulators
@@ -13,7 +15,10 @@ are staged and multiplied:
 - ``load_keys(k_tile, k, ...)`` and ``load_values(v_tile, v, ...)``: a key/value tile into shared
   memory, zero past ``rows`` and the head dim; ``load_values`` returns whether this thread saw a
   NaN or an infinity (the fragment form's products cannot skip a term, see below);
-- ``qk(s, q_frag, q_tile, k_tile, dim, tid)``: s = Q K^T of the thread's elements;
+- ``qk(s, q_frag, q_tile, k_tile, dim, tid)``: s = Q K^T of the thread's elements; and
+  ``qk_shared(s, a_tile, k_tile, dim, tid)``: the same product with the own rows' operand in a
+  shared tile of the key layout (the backward keeps one of its two own operands there: the
+  registers hold its accumulators);
 - ``share_weights(p_tile, s, tid)``, then a barrier, then ``pv(acc, s, k_tile, v_tile, p_tile,
   dim_v, tid, exact)``: acc += P V, the terms whose weight is SKIP left out where ``exact`` (a
   block-wide flag). (The forms' CUDA-only code may call ``cuda`` functions; what the simulator
@@ -70,6 +75,7 @@ class Form(NamedTuple):
     load_keys: Callable
     load_values: Callable
     qk: Callable
+    qk_shared: Callable
     share_weights: Callable
     pv: Callable
 
@@ -105,6 +111,10 @@ def micro_tile_form(rows: int, cols: int, row_groups: int, lanes: int, width: in
         scores(s, q_tile, k_tile, dim, tid // lanes, tid % lanes, row_groups, lanes)
 
     @device_function
+    def qk_shared(s, a_tile, k_tile, dim, tid):
+        scores(s, a_tile, k_tile, dim, tid // lanes, tid % lanes, row_groups, lanes)
+
+    @device_function
     def share_weights(p_tile, s, tid):
         to_shared(p_tile, s, tid // lanes, tid % lanes, row_groups, lanes)
 
@@ -114,7 +124,7 @@ def micro_tile_form(rows: int, cols: int, row_groups: int, lanes: int, width: in
 
     return Form(threads, rows // row_groups, cols // lanes, width // lanes, lanes, np.float32, (rows, padded),
                 (cols, padded), (cols, padded), (rows, cols + 1), 1, row_of, col_of, stage_queries, load_keys,
-                load_values, qk, share_weights, pv)
+                load_values, qk, qk_shared, share_weights, pv)
 
 
 @functools.cache
@@ -160,10 +170,15 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
         """Q's A fragments of this warp's 16 rows, for every 16 features, into registers."""
         load_keys(staging, q, b, row0, rows_in, h, dim, tid)
         cuda.syncthreads()
-        top = tid // 32 * 16 + tid % 32 // 4
         for step in range(steps):
             for i in range(4):
-                q_frag[step * 4 + i] = staging[top + 8 * (i % 2), step * 8 + tid % 4 + 4 * (i // 2)]
+                q_frag[step * 4 + i] = a_word(staging, step, i, tid)
+
+    @device_function
+    def a_word(tile, step, i, tid):
+        """Word i of this lane's A fragment of features step * 16 on, from a key-layout tile
+        (the rows of the eight lane groups start in distinct banks)."""
+        return tile[tid // 32 * 16 + tid % 32 // 4 + 8 * (i % 2), step * 8 + tid % 4 + 4 * (i // 2)]
 
     @device_function
     def load_values(v_tile, v, b, row0, rows_in, h, dim_v, tid):
@@ -211,6 +226,21 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
                     s[1, 2 * n + 1])
 
     @device_function
+    def qk_shared(s, a_tile, k_tile, dim, tid):
+        """As ``qk``, each step's A fragment read from ``a_tile`` when it is used."""
+        key, pair = tid % 32 // 4, tid % 4
+        for c in range(cols // 4):
+            s[0, c] = 0
+            s[1, c] = 0
+        for step in range(steps):
+            a0, a1, a2, a3 = a_word(a_tile, step, 0, tid), a_word(a_tile, step, 1, tid), a_word(
+                a_tile, step, 2, tid), a_word(a_tile, step, 3, tid)
+            for n in range(cols // 8):
+                s[0, 2 * n], s[0, 2 * n + 1], s[1, 2 * n], s[1, 2 * n + 1] = mma(
+                    a0, a1, a2, a3, k_tile[n * 8 + key, step * 8 + pair], k_tile[n * 8 + key, step * 8 + pair + 4],
+                    s[0, 2 * n], s[0, 2 * n + 1], s[1, 2 * n], s[1, 2 * n + 1])
+
+    @device_function
     def share_weights(p_tile, s, tid):
         """Nothing: P stays in registers."""
 
@@ -251,4 +281,4 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
                     acc[1, a] += w_bottom * value
 
     return Form(threads, 2, cols // 4, width // 4, 4, np.uint32, (1, 1), (cols, k_stride), (width, v_stride), (1, 1),
-                4 * steps, row_of, col_of, stage_queries, load_keys, load_values, qk, share_weights, pv)
+                4 * steps, row_of, col_of, stage_queries, load_keys, load_values, qk, qk_shared, share_weights, pv)

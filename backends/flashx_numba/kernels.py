@@ -17,6 +17,10 @@ offset can overflow.
   order, with no atomics (a deterministic backward).
 - dQ: one block per (query tile, query head, sequence), looping over the key tiles.
 
+The dK/dV and dQ kernels run their products on the forward's two forms too: tensor cores for
+float16 and bfloat16 (the scores and dP in registers, P and dS reused as A operands), float32
+micro-tiles otherwise.
+
 The backward recomputes P = exp(S - lse) from scores computed exactly as in the forward.
 A pair that adds nothing (disallowed, or dropped) gets the weight SKIP, whose terms the tile
 products leave out: NaN or inf that only such pairs read never reaches an output, while NaN
@@ -38,8 +42,7 @@ from numba import cuda, types
 
 from flashx_numba.fragments import micro_tile_form, tensor_core_form
 from flashx_numba.philox import dropout_keep
-from flashx_numba.primitives import (NEG_INF, SKIP, accumulate, device_function, lanes_max, lanes_sum, load, load_tile,
-                                     max_nan, scores, store, to_shared)
+from flashx_numba.primitives import NEG_INF, SKIP, device_function, lanes_max, lanes_sum, load, max_nan, store
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,19 @@ _COMMON = (_INDEX, _INDEX, _INDEX, _INDEX, _FLAGS, _FLAGS, _i, _i, _i, _i, _i, _
 
 def _tensor(dtype: str):
     return types.Array(STORAGE[dtype], 4, "A")
+
+
+def _form(tiles: Tiles, dtype: str, tensor_cores: bool):
+    """(the ``fragments`` form of a kernel, the type of its inputs): on tensor cores, q, k, v (and
+    dO) arrive as int32 words of feature pairs."""
+    if tensor_cores:
+        form = tensor_core_form(tiles.rows, tiles.cols, tiles.width, dtype)
+        inputs = types.Array(types.int32, 4, "A")
+    else:
+        form = micro_tile_form(tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width, dtype == "bfloat16")
+        inputs = _tensor(dtype)
+    assert form.threads == tiles.threads and form.held_cols <= 63  # a row's columns index bits of an int64
+    return form, inputs
 
 
 # -- what every kernel asks of a sequence ------------------------------------------------------
@@ -144,6 +160,37 @@ def any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
     return False
 
 
+@functools.cache
+def _pair_flags(form):
+    """``pair_flags`` for a form's held elements: element (i, c) pairs the block's own row
+    ``row_of(tid, i)`` with streamed row ``col_of(tid, c)``, queries or keys as ``keys_are_rows`` says."""
+    R, C, row_of, col_of = form.held_rows, form.held_cols, form.row_of, form.col_of
+
+    @device_function
+    def pair_flags(masked, dropped, i0, j0, keys_are_rows, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
+                   blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
+                   seed_high, threshold):
+        """Bit c of masked[i]: the pair of held element (i, c) (query tile i0, key tile j0) is
+        disallowed; of dropped[i]: it is dropped. The per-pair tests fill bit masks in loops of
+        their own, so that the kernels' loops indexing held scores unroll into registers."""
+        for i in range(R):
+            masked[i] = 0
+            dropped[i] = 0
+            if plain and not dropout:
+                continue
+            for c in range(C):
+                query = i0 + (col_of(tid, c) if keys_are_rows else row_of(tid, i))
+                key = j0 + (row_of(tid, i) if keys_are_rows else col_of(tid, c))
+                if not plain and not allowed(query, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
+                                             block_q, block_k):
+                    masked[i] |= np.int64(1) << c
+                if dropout and not dropout_keep(row_offset + query, key_offset + key, stream, rng_offset, seed_low,
+                                                seed_high, threshold):
+                    dropped[i] |= np.int64(1) << c
+
+    return pair_flags
+
+
 # -- the kernels ------------------------------------------------------------------------------
 #
 # Common arguments, in this order after the kernel's arrays:
@@ -161,19 +208,14 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     ``tensor_cores``: float16 or bfloat16 on m16n8k16 fragments, q, k, v arriving as int32 words
     of feature pairs; otherwise float32 micro-tiles (see ``fragments``)."""
     bf16 = dtype == "bfloat16"
-    ROWS, COLS, WIDTH = tiles.rows, tiles.cols, tiles.width
-    if tensor_cores:
-        form = tensor_core_form(ROWS, COLS, WIDTH, dtype)
-        inputs = types.Array(types.int32, 4, "A")
-    else:
-        form = micro_tile_form(ROWS, COLS, tiles.row_groups, tiles.lanes, WIDTH, bf16)
-        inputs = _tensor(dtype)
-    assert form.threads == tiles.threads and form.held_cols <= 63  # a row's columns index bits of an int64
+    ROWS, COLS = tiles.rows, tiles.cols
+    form, inputs = _form(tiles, dtype, tensor_cores)
     R, C, A, ROW_LANES, TILE = form.held_rows, form.held_cols, form.held_features, form.row_lanes, form.tile_dtype
     Q_SHAPE, K_SHAPE, V_SHAPE, P_SHAPE, FRAG = form.q_shape, form.k_shape, form.v_shape, form.p_shape, form.frag_words
     row_of, col_of, stage_queries, load_keys, load_values, qk, share_weights, pv = (
         form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.share_weights,
         form.pv)
+    pair_flags = _pair_flags(form)
 
     @cuda.jit(types.void(inputs, inputs, inputs, _tensor(dtype), _ROWS, *_COMMON))
     def kernel(q, k, v, o, lse, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group, dim,
@@ -226,22 +268,10 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
             qk(s, q_frag, q_tile, k_tile, dim, tid)
             # Each row of this thread: scaled and masked scores, then P (SKIP where disallowed or
-            # dropped; a -inf score reads as disallowed). The per-pair tests fill bit masks first,
-            # in loops of their own, so that the loops indexing s and acc unroll into registers.
-            for i in range(R):
-                row = i0 + row_of(tid, i)
-                masked[i] = 0  # bit c: the pair of column c is disallowed
-                if not plain:
-                    for c in range(C):
-                        if not allowed(row, j0 + col_of(tid, c), lq, lk, left, right, b, h, mask, has_mask, blocks,
-                                       has_blocks, block_q, block_k):
-                            masked[i] |= np.int64(1) << c
-                dropped[i] = 0
-                if dropout:
-                    for c in range(C):
-                        if not dropout_keep(row_offset + row, key_offset + j0 + col_of(tid, c), stream, rng_offset,
-                                            seed_low, seed_high, threshold):
-                            dropped[i] |= np.int64(1) << c
+            # dropped; a -inf score reads as disallowed).
+            pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
+                       has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
+                       seed_high, threshold)
             for i in range(R):
                 tile_max = NEG_INF
                 for c in range(C):
@@ -309,21 +339,39 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
     return SKIP, p * (np.float32(0) - delta)
 
 
-@functools.cache
-def dkdv_kernel(tiles: Tiles, dtype: str):
-    """dK and dV for a grid of ceil(nk / rows) * B * Hk blocks of ``tiles.threads``: its rows are
-    keys, its streamed tiles query rows of each head in the key/value head's group."""
-    x, bf16 = _tensor(dtype), dtype == "bfloat16"
-    ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
-    TM, TN, KW, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
-    PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1
+# The backward kernels are written against a ``fragments`` form, as the forward. A block holds
+# the first operand of its own rows (K in dK/dV, Q in dQ) as the forward holds Q, and the second
+# (V, dO) in a shared tile of the key layout (``qk_shared``: on tensor cores, registers for both
+# would leave the accumulators too few). It streams the other axis's tiles through shared
+# memory in the key layout (the B operand of the score products); on tensor cores the tiles
+# that the second products read as their B operand (Q and dO in dK/dV, K in dQ) are also
+# loaded in the value layout (pairs of rows packed along a feature row, the forward's V), and
+# micro-tiles read the one float32 tile both ways. A tile with skipped pairs whose value-layout
+# operand holds a NaN or an infinity is multiplied term by term (``exact``), as in the forward.
 
-    @cuda.jit(types.void(x, x, x, x, _ROWS, _ROWS, x, x, *_COMMON))
+
+@functools.cache
+def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
+    """dK and dV for a grid of ceil(nk / rows) * B * Hk blocks of ``tiles.threads``: its rows are
+    keys, its streamed tiles query rows of each head in the key/value head's group. Per tile,
+    S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q."""
+    bf16 = dtype == "bfloat16"
+    ROWS, COLS = tiles.rows, tiles.cols
+    form, inputs = _form(tiles, dtype, tensor_cores)
+    R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
+    OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
+    VALUES_SHAPE = form.v_shape if tensor_cores else (1, 1)
+    row_of, col_of, stage_queries, load_keys, load_values, qk, qk_shared, share_weights, pv = (
+        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.qk_shared,
+        form.share_weights, form.pv)
+    pair_flags = _pair_flags(form)
+    assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
+
+    @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), _tensor(dtype), *_COMMON))
     def kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q,
                group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left,
                right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
         tid = cuda.threadIdx.x
-        g, t = tid // LANES, tid % LANES
         key_tiles = (nk + ROWS - 1) // ROWS
         heads_k = heads_q // group
         pid = cuda.blockIdx.x
@@ -337,23 +385,33 @@ def dkdv_kernel(tiles: Tiles, dtype: str):
             return
         batch = 0 if varlen else b
 
-        k_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
-        v_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
-        q_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
-        do_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
-        p_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # P^T with dropout applied: dO's weights in dV
-        ds_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # dS^T: Q's weights in dK
-        s = cuda.local.array((TM, TN), np.float32)
-        dk_acc = cuda.local.array((TM, KW), np.float32)
-        dv_acc = cuda.local.array((TM, KW), np.float32)
-        for i in range(TM):
-            for kk in range(KW):
-                dk_acc[i, kk] = 0
-                dv_acc[i, kk] = 0
+        k_own = cuda.shared.array(OWN_SHAPE, TILE)
+        v_own = cuda.shared.array(ROWS_SHAPE, TILE)
+        q_rows = cuda.shared.array(ROWS_SHAPE, TILE)
+        do_rows = cuda.shared.array(ROWS_SHAPE, TILE)
+        q_values = cuda.shared.array(VALUES_SHAPE, TILE)
+        do_values = cuda.shared.array(VALUES_SHAPE, TILE)
+        if not tensor_cores:
+            q_values, do_values = q_rows, do_rows
+        p_tile = cuda.shared.array(P_SHAPE, np.float32)  # P^T with dropout applied: dO's weights in dV
+        ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS^T: Q's weights in dK
+        k_frag = cuda.local.array(FRAG, np.uint32)
+        s = cuda.local.array((R, C), np.float32)
+        dp = cuda.local.array((R, C), np.float32)
+        dk_acc = cuda.local.array((R, A), np.float32)
+        dv_acc = cuda.local.array((R, A), np.float32)
+        masked = cuda.local.array(R, np.int64)
+        dropped = cuda.local.array(R, np.int64)
+        for i in range(R):  # one array a loop, as every loop over the accumulators: loops that unroll
+            for a in range(A):
+                dk_acc[i, a] = 0
+        for i in range(R):
+            for a in range(A):
+                dv_acc[i, a] = 0
 
         j1 = min(j0 + ROWS, lk)
-        load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
-        load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
+        stage_queries(k_frag, k_own, q_rows, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
+        load_keys(v_own, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
         lo, hi = queries_seeing(j0, j1, lq, lk, left, right) if j0 < lk else (np.int64(0), np.int64(0))
         for h in range(kv_head * group, (kv_head + 1) * group):
             stream = b * heads_q + h
@@ -361,60 +419,74 @@ def dkdv_kernel(tiles: Tiles, dtype: str):
                 i1 = min(i0 + COLS, lq)
                 if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
                     continue
-                cuda.syncthreads()  # the last tile's readers are done with q_tile, do_tile, p_tile, ds_tile
-                load_tile(q_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid, THREADS, bf16)
-                load_tile(do_tile, do, batch, q_start + i0, i1 - i0, h, dim_v, tid, THREADS, bf16)
-                cuda.syncthreads()
-                scores(s, k_tile, q_tile, dim, g, t, GROUPS, LANES)  # S^T
-                to_shared(p_tile, s, g, t, GROUPS, LANES)
-                scores(s, v_tile, do_tile, dim_v, g, t, GROUPS, LANES)  # dP^T before dropout
-                to_shared(ds_tile, s, g, t, GROUPS, LANES)
+                cuda.syncthreads()  # the last tile's readers are done with the shared tiles
+                load_keys(q_rows, q, batch, q_start + i0, i1 - i0, h, dim, tid)
+                load_keys(do_rows, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
+                nonfinite = False
+                if tensor_cores:
+                    nonfinite = load_values(q_values, q, batch, q_start + i0, i1 - i0, h, dim, tid)
+                    nonfinite |= load_values(do_values, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
                 plain = not (has_mask or has_blocks) and inside_band(i0, i0 + COLS, j0, j0 + ROWS, lq, lk, left, right)
-                for i in range(TM):
-                    r, key = g + i * GROUPS, j0 + g + i * GROUPS
-                    for j in range(TN):
-                        c, query = t + j * LANES, i0 + t + j * LANES
+                exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
+                qk(s, k_frag, k_own, q_rows, dim, tid)  # S^T
+                qk_shared(dp, v_own, do_rows, dim_v, tid)  # dP^T before dropout
+                pair_flags(masked, dropped, i0, j0, True, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
+                           blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset,
+                           seed_low, seed_high, threshold)
+                for i in range(R):
+                    for c in range(C):
                         weight_v, weight_q = SKIP, SKIP
-                        if plain or allowed(query, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
-                                            block_q, block_k):
-                            keep = not dropout or dropout_keep(row_offset + query, key_offset + key, stream, rng_offset,
-                                                               seed_low, seed_high, threshold)
-                            p = math.exp(p_tile[r, c] * scale - lse[batch, h, q_start + query])
-                            weight_v, weight_q = gradient_pair(p, ds_tile[r, c], delta[batch, h, q_start + query], keep,
-                                                               drop_scale)
-                        p_tile[r, c] = weight_v
-                        ds_tile[r, c] = weight_q
+                        if not (masked[i] >> c) & 1:
+                            query = q_start + i0 + col_of(tid, c)
+                            p = math.exp(s[i, c] * scale - lse[batch, h, query])
+                            weight_v, weight_q = gradient_pair(p, dp[i, c], delta[batch, h, query],
+                                                               not (dropped[i] >> c) & 1, drop_scale)
+                        s[i, c] = weight_v
+                        dp[i, c] = weight_q
+                share_weights(p_tile, s, tid)
+                share_weights(ds_tile, dp, tid)
                 cuda.syncthreads()
-                accumulate(dv_acc, p_tile, do_tile, dim_v, g, t, GROUPS, LANES)
-                accumulate(dk_acc, ds_tile, q_tile, dim, g, t, GROUPS, LANES)
+                # the row tiles are free now: each product may pass its weights through one
+                pv(dv_acc, s, q_rows, do_values, p_tile, dim_v, tid, exact)
+                pv(dk_acc, dp, do_rows, q_values, ds_tile, dim, tid, exact)
 
-        for i in range(TM):
-            key = j0 + g + i * GROUPS
+        for i in range(R):
+            key = j0 + row_of(tid, i)
             if key < rows_out:
-                for kk in range(KW):
-                    d = t + kk * LANES
-                    if d < dim:
-                        store(dk, batch, k_start + key, kv_head, d, dk_acc[i, kk] * scale, bf16)
-                    if d < dim_v:
-                        store(dv, batch, k_start + key, kv_head, d, dv_acc[i, kk], bf16)
+                for a in range(A):
+                    if col_of(tid, a) < dim:
+                        store(dk, batch, k_start + key, kv_head, col_of(tid, a), dk_acc[i, a] * scale, bf16)
+        for i in range(R):
+            key = j0 + row_of(tid, i)
+            if key < rows_out:
+                for a in range(A):
+                    if col_of(tid, a) < dim_v:
+                        store(dv, batch, k_start + key, kv_head, col_of(tid, a), dv_acc[i, a], bf16)
 
     return kernel
 
 
 @functools.cache
-def dq_kernel(tiles: Tiles, dtype: str):
-    """dQ for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``."""
-    x, bf16 = _tensor(dtype), dtype == "bfloat16"
-    ROWS, COLS, GROUPS, LANES, WIDTH = tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width
-    TM, TN, KW, THREADS = ROWS // GROUPS, COLS // LANES, WIDTH // LANES, tiles.threads
-    PADDED_WIDTH, PADDED_COLS = WIDTH + 1, COLS + 1
+def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
+    """dQ for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``. Per key tile,
+    S = Q K^T and dP = dO V^T, then dQ += dS K."""
+    bf16 = dtype == "bfloat16"
+    ROWS, COLS = tiles.rows, tiles.cols
+    form, inputs = _form(tiles, dtype, tensor_cores)
+    R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
+    OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
+    VALUES_SHAPE = form.v_shape if tensor_cores else (1, 1)
+    row_of, col_of, stage_queries, load_keys, load_values, qk, qk_shared, share_weights, pv = (
+        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.qk_shared,
+        form.share_weights, form.pv)
+    pair_flags = _pair_flags(form)
+    assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
 
-    @cuda.jit(types.void(x, x, x, x, _ROWS, _ROWS, x, *_COMMON))
+    @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), *_COMMON))
     def kernel(q, k, v, do, lse, delta, dq, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group,
                dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
                scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
         tid = cuda.threadIdx.x
-        g, t = tid // LANES, tid % LANES
         query_tiles = (nq + ROWS - 1) // ROWS
         pid = cuda.blockIdx.x
         b = pid // query_tiles // heads_q
@@ -429,56 +501,64 @@ def dq_kernel(tiles: Tiles, dtype: str):
         kv_head = h // group
         stream = b * heads_q + h
 
-        q_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
-        do_tile = cuda.shared.array((ROWS, PADDED_WIDTH), np.float32)
-        k_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
-        v_tile = cuda.shared.array((COLS, PADDED_WIDTH), np.float32)
-        s_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # S of this tile
-        ds_tile = cuda.shared.array((ROWS, PADDED_COLS), np.float32)  # dP before dropout, then dS: K's weights in dQ
-        s = cuda.local.array((TM, TN), np.float32)
-        dq_acc = cuda.local.array((TM, KW), np.float32)
-        for i in range(TM):
-            for kk in range(KW):
-                dq_acc[i, kk] = 0
+        q_own = cuda.shared.array(OWN_SHAPE, TILE)
+        do_own = cuda.shared.array(ROWS_SHAPE, TILE)
+        k_rows = cuda.shared.array(ROWS_SHAPE, TILE)
+        v_rows = cuda.shared.array(ROWS_SHAPE, TILE)
+        k_values = cuda.shared.array(VALUES_SHAPE, TILE)
+        if not tensor_cores:
+            k_values = k_rows
+        ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS: K's weights in dQ
+        q_frag = cuda.local.array(FRAG, np.uint32)
+        s = cuda.local.array((R, C), np.float32)
+        dp = cuda.local.array((R, C), np.float32)
+        dq_acc = cuda.local.array((R, A), np.float32)
+        masked = cuda.local.array(R, np.int64)
+        dropped = cuda.local.array(R, np.int64)
+        for i in range(R):
+            for a in range(A):
+                dq_acc[i, a] = 0
 
         i1 = min(i0 + ROWS, lq)
-        load_tile(q_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid, THREADS, bf16)
-        load_tile(do_tile, do, batch, q_start + i0, i1 - i0, h, dim_v, tid, THREADS, bf16)
+        stage_queries(q_frag, q_own, k_rows, q, batch, q_start + i0, i1 - i0, h, dim, tid)
+        load_keys(do_own, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
         lo, hi = keys_seen(i0, i1, lq, lk, left, right) if i0 < lq else (np.int64(0), np.int64(0))
         for j0 in range(lo - lo % COLS, hi, COLS):
             j1 = min(j0 + COLS, lk)
             if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
                 continue
-            cuda.syncthreads()  # the last tile's readers are done with k_tile, v_tile, ds_tile
-            load_tile(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid, THREADS, bf16)
-            load_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid, THREADS, bf16)
-            cuda.syncthreads()
-            scores(s, q_tile, k_tile, dim, g, t, GROUPS, LANES)
-            to_shared(s_tile, s, g, t, GROUPS, LANES)
-            scores(s, do_tile, v_tile, dim_v, g, t, GROUPS, LANES)
-            to_shared(ds_tile, s, g, t, GROUPS, LANES)
+            cuda.syncthreads()  # the last tile's readers are done with the shared tiles
+            load_keys(k_rows, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
+            load_keys(v_rows, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
+            nonfinite = False
+            if tensor_cores:
+                nonfinite = load_values(k_values, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
-            for i in range(TM):
-                r, row = g + i * GROUPS, i0 + g + i * GROUPS
-                for j in range(TN):
-                    c, key = t + j * LANES, j0 + t + j * LANES
+            exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
+            qk(s, q_frag, q_own, k_rows, dim, tid)
+            qk_shared(dp, do_own, v_rows, dim_v, tid)  # dP before dropout
+            pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
+                       has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
+                       seed_high, threshold)
+            for i in range(R):
+                query = q_start + i0 + row_of(tid, i)
+                for c in range(C):
                     weight = SKIP
-                    if plain or allowed(row, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
-                                        block_q, block_k):
-                        keep = not dropout or dropout_keep(row_offset + row, key_offset + key, stream, rng_offset,
-                                                           seed_low, seed_high, threshold)
-                        p = math.exp(s_tile[r, c] * scale - lse[batch, h, q_start + row])
-                        weight = gradient_pair(p, ds_tile[r, c], delta[batch, h, q_start + row], keep, drop_scale)[1]
-                    ds_tile[r, c] = weight
+                    if not (masked[i] >> c) & 1:
+                        p = math.exp(s[i, c] * scale - lse[batch, h, query])
+                        weight = gradient_pair(p, dp[i, c], delta[batch, h, query], not (dropped[i] >> c) & 1,
+                                               drop_scale)[1]
+                    dp[i, c] = weight
+            share_weights(ds_tile, dp, tid)
             cuda.syncthreads()
-            accumulate(dq_acc, ds_tile, k_tile, dim, g, t, GROUPS, LANES)
+            pv(dq_acc, dp, v_rows, k_values, ds_tile, dim, tid, exact)  # V's row tile is free: dS may pass through it
 
-        for i in range(TM):
-            row = i0 + g + i * GROUPS
+        for i in range(R):
+            row = i0 + row_of(tid, i)
             if row < rows_out:
-                for kk in range(KW):
-                    d = t + kk * LANES
+                for a in range(A):
+                    d = col_of(tid, a)
                     if d < dim:
-                        store(dq, batch, q_start + row, h, d, dq_acc[i, kk] * scale, bf16)
+                        store(dq, batch, q_start + row, h, d, dq_acc[i, a] * scale, bf16)
 
     return kernel

@@ -11,6 +11,16 @@
 // a dropped pair reads no dO (its dP is 0), but its dS = -P D still reaches dQ and dK.
 // DKDV_PARTS (bit 0: dK, bit 1: dV) lets the widest head dims compute dK and dV in two launches,
 // each holding one accumulator in registers.
+//
+// In flashx_dkdv, as in the forward, each query tile runs one of two compiled bodies, picked by
+// one uniform branch: masked tiles (the band's edges, a sequence's end, any mask) test every
+// pair, the others test none, so that the steady state carries no pair-test registers (one
+// body with run-time tests spilled at d128). A tile's Q and dO arrive as one cp.async group,
+// requested when the previous tile starts: one wait and one barrier a tile. Splitting them into
+// a group per product, as the forward does for K and V, costs the registers that d128 lacks.
+// Masked tiles work out which pairs read what only in the rare tile with non-finite operands,
+// rather than record every pair. flashx_dq keeps one body, which fits without spills, and its
+// record of allowed pairs (a byte a pair of shared memory); it too waits and syncs once a tile.
 
 #include "common.cuh"
 
@@ -49,88 +59,77 @@ __device__ __forceinline__ void row_stats(const Params& p, const Sequence& s, in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    elem_t* sK = (elem_t*)smem;                                            // BLOCK_M x LD_QK
-    elem_t* sV = sK + BLOCK_M * LD_QK;                                     // BLOCK_M x LD_V
-    elem_t* sQ = sV + BLOCK_M * LD_V;                                      // 2 x BLOCK_N x LD_QK
-    elem_t* sDO = sQ + 2 * BLOCK_N * LD_QK;                                // 2 x BLOCK_N x LD_V
-    float* sLse2 = (float*)(sDO + 2 * BLOCK_N * LD_V);                     // 2 x BLOCK_N
-    float* sDelta = sLse2 + 2 * BLOCK_N;                                   // 2 x BLOCK_N
-    unsigned char* sAllowed = (unsigned char*)(sDelta + 2 * BLOCK_N);      // BLOCK_M x BLOCK_N
-    float* sStage = (float*)(sAllowed + BLOCK_M * BLOCK_N);                // float32: BLOCK_M x BLOCK_N
+// ---------------------------------------------------------------------------------------------
+// dK and dV.
 
-    int tile, hk, b;
-    grid_tile(p.tiles_m, p.heads_k, tile, hk, b);
-    const Sequence s = sequence(p, b);
-    const int n0 = tile * BLOCK_M;
-    const int keys_out = VARLEN ? s.len_k : p.seqlen_k;  // padded keys past len_k still get dk = dv = 0
-    if (n0 >= keys_out) return;
-    const int warp = threadIdx.x / 32;
-    const int wrow = warp * ATOMS * 16;
-
-    const elem_t* k = (const elem_t*)p.k + row_offset(b, s.start_k, 0, hk, p.k_b, p.k_n, p.k_h);
-    const elem_t* v = (const elem_t*)p.v + row_offset(b, s.start_k, 0, hk, p.v_b, p.v_n, p.v_h);
-
-    // Query rows [first, end) use some key of this tile.
-    const int diag = s.len_k - s.len_q;
-    const int keys_end = min(n0 + BLOCK_M, s.len_k);
-    int first = max(n0 - diag - p.right, 0);
-    int end = min(keys_end - 1 - diag + p.left + 1, s.len_q);
-    if (keys_end <= n0 || end <= first) first = end = 0;
-    const int tile_lo = first / BLOCK_N * BLOCK_N;
-    const int tiles = (end - tile_lo + BLOCK_N - 1) / BLOCK_N;
-    const int steps = tiles * p.group;  // (query head of the group, query tile) pairs, head-major
-    auto head_of = [&](int step) { return hk * p.group + step / tiles; };
-    auto row_of = [&](int step) { return tile_lo + step % tiles * BLOCK_N; };
-    auto allowed_step = [&](int step) {  // the first step from ``step`` on that the block mask allows
-        while (step < steps && !blocks_allow(p, s, head_of(step), row_of(step), min(row_of(step) + BLOCK_N, end), n0,
-                                             keys_end))
-            ++step;
-        return step;
-    };
-    auto load_rows = [&](int step, int buf) {
-        const int h = head_of(step), m = row_of(step);
-        const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
-        const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
-        load_tile<BLOCK_N, DIM_QK, LD_QK>(sQ + buf * BLOCK_N * LD_QK, q, p.q_n, p.q_d, m, s.len_q, p.head_dim);
-        load_tile<BLOCK_N, DIM_V, LD_V>(sDO + buf * BLOCK_N * LD_V, dout, p.do_n, p.do_d, m, s.len_q, p.head_dim_v);
-        for (int r = threadIdx.x; r < BLOCK_N; r += THREADS)
-            row_stats(p, s, h, m + r, sLse2[buf * BLOCK_N + r], sDelta[buf * BLOCK_N + r]);
-    };
-
-    load_tile<BLOCK_M, DIM_QK, LD_QK>(sK, k, p.k_n, p.k_d, n0, s.len_k, p.head_dim);
-    load_tile<BLOCK_M, DIM_V, LD_V>(sV, v, p.v_n, p.v_d, n0, s.len_k, p.head_dim_v);
-    int step = allowed_step(0);
-    if (step < steps) load_rows(step, 0);
-    cp_async_commit();
-
+// One CTA's keys (K and V resident), its stream of query tiles and its dK and dV sums. Step
+// ``step`` is query tile step % tiles of query head hk * group + step / tiles.
+struct KeyCta {
+    const Params& p;
+    Sequence s;
+    int b, hk, n0, wrow;
+    int tile_lo, tiles;  // the query tiles from row tile_lo on that some key of the CTA reads
+    elem_t *sK, *sV, *sQ, *sDO;
+    float *sLse2, *sDelta, *sStage;
+    int buf;  // the Q/dO buffers of the step being computed; the other pair is loading
 #if DKDV_PARTS & 1
     float dk[ATOMS][DIM_QK / 8][4];
-    zero<ATOMS, DIM_QK>(dk);
 #endif
 #if DKDV_PARTS & 2
     float dv[ATOMS][DIM_V / 8][4];
-    zero<ATOMS, DIM_V>(dv);
 #endif
 
-    for (int buf = 0; step < steps; buf ^= 1) {
-        const int next = allowed_step(step + 1);
-        if (next < steps) load_rows(next, buf ^ 1);
+    __device__ __forceinline__ int steps() const { return tiles * p.group; }
+    __device__ __forceinline__ int head_of(int step) const { return hk * p.group + step / tiles; }
+    __device__ __forceinline__ int row_of(int step) const { return tile_lo + step % tiles * BLOCK_N; }
+
+    // Requests the rows of ``step`` (none past the last step) into the other buffers: Q, dO and
+    // the rows' LSE and D, one group.
+    __device__ __forceinline__ void load_rows(int step) {
+        if (step < steps()) {
+            const int h = head_of(step), m = row_of(step), other = buf ^ 1;
+            const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
+            load_tile<BLOCK_N, DIM_QK, LD_QK>(sQ + other * BLOCK_N * LD_QK, q, p.q_n, p.q_d, m, s.len_q, p.head_dim);
+            for (int r = threadIdx.x; r < BLOCK_N; r += THREADS)
+                row_stats(p, s, h, m + r, sLse2[other * BLOCK_N + r], sDelta[other * BLOCK_N + r]);
+            const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
+            load_tile<BLOCK_N, DIM_V, LD_V>(sDO + other * BLOCK_N * LD_V, dout, p.do_n, p.do_d, m, s.len_q, p.head_dim_v);
+        }
         cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+    }
+
+    // Whether query j of the tile at row m, head h, and key r of this warp make an allowed pair
+    // (masked tiles test it), and whether that pair also reads dO (kept by dropout).
+    template <bool MASKED>
+    __device__ __forceinline__ bool allowed(int h, int m, int r, int j) const {
+        return !MASKED || allowed_pair(p, s, h, m + j, n0 + wrow + r);
+    }
+    template <bool MASKED>
+    __device__ __forceinline__ bool reads_do(int h, int m, int r, int j) const {
+#if DROPOUT
+        return allowed<MASKED>(h, m, r, j) && dropout_keep(p, b, h, m + j, n0 + wrow + r);
+#else
+        return allowed<MASKED>(h, m, r, j);
+#endif
+    }
+
+    // Step ``step``, and the requests for step ``next``.
+    template <bool MASKED>
+    __device__ __forceinline__ void accumulate(int step, int next) {
+        constexpr bool EXACT = MASKED || DROPOUT;  // some pair of the tile reads no dO (and, if masked, no Q)
+        cp_async_wait<0>();  // Q and dO of this step
+        __syncthreads();     // ... for every thread; and every warp is done with the other buffers
+        load_rows(next);
         const int h = head_of(step), m = row_of(step);
         elem_t* q_tile = sQ + buf * BLOCK_N * LD_QK;
         elem_t* do_tile = sDO + buf * BLOCK_N * LD_V;
         const float* lse2 = sLse2 + buf * BLOCK_N;
         const float* delta = sDelta + buf * BLOCK_N;
-        const bool masked = !tile_unmasked(p, s, m, m + BLOCK_N, n0, n0 + BLOCK_M);
-        const bool exact = masked || DROPOUT;  // some pair of the tile reads no dO (and, if masked, no Q)
 
         float pt[ATOMS][BLOCK_N / 8][4];  // P^T, then P^T Z / (1 - p)
         zero<ATOMS, BLOCK_N>(pt);
         gemm_abt<ATOMS, BLOCK_N, DIM_QK, LD_QK, LD_QK>(pt, sK + wrow * LD_QK, q_tile);
+
 #if DKDV_PARTS & 1
         float dst[ATOMS][BLOCK_N / 8][4];  // dP^T, then dS^T
         zero<ATOMS, BLOCK_N>(dst);
@@ -142,42 +141,39 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p
             for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
-                    const bool ok = !masked || allowed_pair(p, s, h, m + c, n0 + r);
+                    const int r = frag_row(mt, e), c = frag_col(nt, e);
+                    const bool ok = allowed<MASKED>(h, m, r, c);
                     const float pr = ok ? exp2f(pt[mt][nt][e] * p.scale_log2 - lse2[c]) : 0.f;
 #if DROPOUT
-                    const bool keep = dropout_keep(p, b, h, m + c, n0 + r);
+                    const bool keep = dropout_keep(p, b, h, m + c, n0 + wrow + r);
                     pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
 #if DKDV_PARTS & 1
                     const float dpr = keep ? dst[mt][nt][e] * p.drop_scale : 0.f;
 #endif
 #else
-                    const bool keep = true;
                     pt[mt][nt][e] = pr;
 #if DKDV_PARTS & 1
                     const float dpr = dst[mt][nt][e];
 #endif
 #endif
-                    if (exact) sAllowed[r * BLOCK_N + c] = ok | (ok && keep) << 1;
 #if DKDV_PARTS & 1
                     dst[mt][nt][e] = ok ? pr * (dpr - delta[c]) : 0.f;
 #endif
                 }
 
-        if (exact) {
-            __syncwarp();
-            // bit 0: the pair is allowed; bit 1: allowed and kept by dropout
-            auto pair_bit = [&](int bit) { return [=](int r, int j) { return (sAllowed[(wrow + r) * BLOCK_N + j] & bit) != 0; }; };
+        if constexpr (EXACT) {
 #if DKDV_PARTS & 2
             const bool bad_do = tile_nonfinite<BLOCK_N, DIM_V, LD_V>(do_tile);
-            if (bad_do) poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, pair_bit(2), do_tile);
+            if (bad_do)
+                poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, [this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, do_tile);
 #else
             const bool bad_do = false;
 #endif
 #if DKDV_PARTS & 1
-            // Dropped pairs still read Q (dS = -P delta): only masked tiles need the exact dK.
-            const bool bad_q = masked && tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
-            if (bad_q) poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, pair_bit(1), q_tile);
+            // Dropped pairs still read Q (dS = -P D): only masked tiles need the exact dK.
+            const bool bad_q = MASKED && tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
+            if (bad_q)
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, [this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q_tile);
 #else
             const bool bad_q = false;
 #endif
@@ -194,7 +190,71 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p
 #if DKDV_PARTS & 1
         gemm_areg<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, dst, q_tile, sStage + wrow * BLOCK_N);
 #endif
-        __syncthreads();  // every warp is done with this buffer before it is refilled
+        buf ^= 1;
+    }
+};
+
+// One CTA an SM is asked for: left free, ptxas holds the float32 d64 variant to 168 registers
+// (three CTAs an SM) and spills.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Params p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    elem_t* sK = (elem_t*)smem;                                            // BLOCK_M x LD_QK
+    elem_t* sV = sK + BLOCK_M * LD_QK;                                     // BLOCK_M x LD_V
+    elem_t* sQ = sV + BLOCK_M * LD_V;                                      // 2 x BLOCK_N x LD_QK
+    elem_t* sDO = sQ + 2 * BLOCK_N * LD_QK;                                // 2 x BLOCK_N x LD_V
+    float* sLse2 = (float*)(sDO + 2 * BLOCK_N * LD_V);                     // 2 x BLOCK_N
+    float* sDelta = sLse2 + 2 * BLOCK_N;                                   // 2 x BLOCK_N
+    float* sStage = sDelta + 2 * BLOCK_N;                                  // float32: BLOCK_M x BLOCK_N
+
+    int tile, hk, b;
+    grid_tile(p.tiles_m, p.heads_k, tile, hk, b);
+    const Sequence s = sequence(p, b);
+    const int n0 = tile * BLOCK_M;
+    const int keys_out = VARLEN ? s.len_k : p.seqlen_k;  // padded keys past len_k still get dk = dv = 0
+    if (n0 >= keys_out) return;
+    const int warp = threadIdx.x / 32;
+    const int wrow = warp * ATOMS * 16;
+
+    // Query rows [first, end) use some key of this tile.
+    const int diag = s.len_k - s.len_q;
+    const int keys_end = min(n0 + BLOCK_M, s.len_k);
+    int first = max(n0 - diag - p.right, 0);
+    int end = min(keys_end - 1 - diag + p.left + 1, s.len_q);
+    if (keys_end <= n0 || end <= first) first = end = 0;
+    const int tile_lo = first / BLOCK_N * BLOCK_N;
+
+    KeyCta cta{p, s, b, hk, n0, wrow, tile_lo, (end - tile_lo + BLOCK_N - 1) / BLOCK_N, sK, sV, sQ, sDO, sLse2,
+               sDelta, sStage, 1};
+#if DKDV_PARTS & 1
+    zero<ATOMS, DIM_QK>(cta.dk);
+#endif
+#if DKDV_PARTS & 2
+    zero<ATOMS, DIM_V>(cta.dv);
+#endif
+    const int steps = cta.steps();
+    auto allowed_step = [&](int step) {  // the first step from ``step`` on that the block mask allows
+        while (step < steps && !blocks_allow(p, s, cta.head_of(step), cta.row_of(step),
+                                             min(cta.row_of(step) + BLOCK_N, end), n0, keys_end))
+            ++step;
+        return step;
+    };
+
+    const elem_t* k = (const elem_t*)p.k + row_offset(b, s.start_k, 0, hk, p.k_b, p.k_n, p.k_h);
+    const elem_t* v = (const elem_t*)p.v + row_offset(b, s.start_k, 0, hk, p.v_b, p.v_n, p.v_h);
+    load_tile<BLOCK_M, DIM_QK, LD_QK>(sK, k, p.k_n, p.k_d, n0, s.len_k, p.head_dim);
+    load_tile<BLOCK_M, DIM_V, LD_V>(sV, v, p.v_n, p.v_d, n0, s.len_k, p.head_dim_v);
+    int step = allowed_step(0);
+    cta.load_rows(step);  // into buffers 0, in K and V's group
+    cta.buf = 0;
+
+    // One uniform branch a step picks the body.
+    while (step < steps) {
+        const int next = allowed_step(step + 1);
+        const int m = cta.row_of(step);
+        if (tile_unmasked(p, s, m, m + BLOCK_N, n0, n0 + BLOCK_M))
+            cta.accumulate<false>(step, next);
+        else
+            cta.accumulate<true>(step, next);
         step = next;
     }
     cp_async_wait<0>();
@@ -211,18 +271,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dkdv(const Params p
 #pragma unroll
             for (int nt = 0; nt < DIM_QK / 8; ++nt) {
                 const int c = frag_col(nt, e);
-                if (c < p.head_dim) dk_out[(i64)j * p.dk_n + c] = from_float(dk[mt][nt][e] * p.scale);
+                if (c < p.head_dim) dk_out[(i64)j * p.dk_n + c] = from_float(cta.dk[mt][nt][e] * p.scale);
             }
 #endif
 #if DKDV_PARTS & 2
 #pragma unroll
             for (int nt = 0; nt < DIM_V / 8; ++nt) {
                 const int c = frag_col(nt, e);
-                if (c < p.head_dim_v) dv_out[(i64)j * p.dv_n + c] = from_float(dv[mt][nt][e]);
+                if (c < p.head_dim_v) dv_out[(i64)j * p.dv_n + c] = from_float(cta.dv[mt][nt][e]);
             }
 #endif
         }
 }
+
+// ---------------------------------------------------------------------------------------------
+// dQ.
 
 extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -280,10 +343,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
 
     for (int buf = 0; n < end; buf ^= 1) {
         const int next = allowed_tile(n + BLOCK_N);
+        cp_async_wait<0>();  // K and V of this tile
+        __syncthreads();     // ... for every thread; and every warp is done with the other buffers
         if (next < end) load_kv(next, buf ^ 1);
         cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
         elem_t* k_tile = sK + buf * BLOCK_N * LD_QK;
         elem_t* v_tile = sV + buf * BLOCK_N * LD_V;
         const bool masked = !tile_unmasked(p, s, m0, m0 + BLOCK_M, n, n + BLOCK_N);
@@ -322,7 +385,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
             }
         }
         gemm_areg<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dq, sc, k_tile, sStage + wrow * BLOCK_N);
-        __syncthreads();
         n = next;
     }
     cp_async_wait<0>();

@@ -310,22 +310,31 @@ __device__ __forceinline__ void clear_nonfinite(elem_t* s) {
 
 // C[r][c] = NaN where some j has reads(r, j) (r: this warp's rows, j < K) and B[j][c] is not
 // finite. ``reads`` tells whether the pair reads B: allowed, and for V and dO kept by dropout
-// (a dropped pair reads no V and no dO).
+// (a dropped pair reads no V and no dO). Each lane takes its rows one at a time, as the set of
+// j it reads (bit j), and meets it with the set of j where B is not finite in each of its
+// columns: a few registers, so that this rare path leaves the accumulators where they are.
 template <int MT, int K, int N, int LDB, typename Reads>
 __device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], Reads reads, const elem_t* b) {
+    static_assert(K <= 64, "one bit per row of B");
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < N / 8; ++nt)
+        for (int half = 0; half < 2; ++half) {  // rows g and g + 8 of the atom
+            u64 row_reads = 0;
+#pragma unroll 1
+            for (int j = 0; j < K; ++j) row_reads |= (u64)reads(frag_row(mt, 2 * half), j) << j;
+            if (row_reads == 0) continue;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = frag_row(mt, e), col = frag_col(nt, e);
-                for (int j = 0; j < K; ++j)
-                    if (reads(r, j) && !finite_bits(b[j * LDB + col])) {
-                        c[mt][nt][e] = QUIET_NAN;
-                        break;
-                    }
-            }
+            for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = frag_col(nt, e);
+                    u64 bad = 0;
+#pragma unroll 1
+                    for (int j = 0; j < K; ++j) bad |= (u64)!finite_bits(b[j * LDB + col]) << j;
+                    if (row_reads & bad) c[mt][nt][2 * half + e] = QUIET_NAN;
+                }
+        }
 }
 
 // ---------------------------------------------------------------------------------------------
