@@ -125,23 +125,25 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return a;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+// Shared memory is addressed by 32-bit offsets in the shared window, each taken once per tile:
+// the products' constant offsets then fold into the instructions, where 64-bit generic pointers
+// would cost several integer instructions per access.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     // src-size 0 fills the 16 bytes with zeros without reading src.
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 #if TENSOR_CORES
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const elem_t* p) {
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const elem_t* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if DTYPE == 0
@@ -163,15 +165,17 @@ template <int MT, int N, int K, int LDA, int LDB>
 __device__ __forceinline__ void gemm_abt(float (&c)[MT][N / 8][4], const elem_t* a, const elem_t* b) {
     const int lane = threadIdx.x % 32;
 #if TENSOR_CORES
+    const u32 a_lane = smem_addr(a + (lane % 16) * LDA + (lane / 16) * 8);
+    const u32 b_lane = smem_addr(b + (lane % 8 + (lane / 16) * 8) * LDB + ((lane / 8) % 2) * 8);
 #pragma unroll
     for (int kk = 0; kk < K; kk += 16) {
         u32 af[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a + (mt * 16 + lane % 16) * LDA + kk + (lane / 16) * 8);
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a_lane + 2 * (mt * 16 * LDA + kk));
 #pragma unroll
         for (int nt = 0; nt < N / 8; nt += 2) {
             u32 bf[4];
-            ldmatrix_x4(bf, b + (nt * 8 + lane % 8 + (lane / 16) * 8) * LDB + kk + ((lane / 8) % 2) * 8);
+            ldmatrix_x4(bf, b_lane + 2 * (nt * 8 * LDB + kk));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 mma16816(c[mt][nt], af[mt], bf[0], bf[1]);
@@ -212,6 +216,7 @@ __device__ __forceinline__ void gemm_areg(float (&c)[MT][N / 8][4], const float 
                                           float* stage) {
     const int lane = threadIdx.x % 32;
 #if TENSOR_CORES
+    const u32 b_lane = smem_addr(b + (lane % 8 + ((lane / 8) % 2) * 8) * LDB + (lane / 16) * 8);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         u32 af[MT][4];
@@ -225,7 +230,7 @@ __device__ __forceinline__ void gemm_areg(float (&c)[MT][N / 8][4], const float 
 #pragma unroll
         for (int nt = 0; nt < N / 8; nt += 2) {
             u32 bf[4];
-            ldmatrix_x4_trans(bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LDB + nt * 8 + (lane / 16) * 8);
+            ldmatrix_x4_trans(bf, b_lane + 2 * (kk * 16 * LDB + nt * 8));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 mma16816(c[mt][nt], af[mt], bf[0], bf[1]);
@@ -346,11 +351,19 @@ template <int ROWS, int COLS, int LD>
 __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* base, i64 row_stride, i64 col_stride, int row0,
                                           int rows_valid, int width) {
 #if ALIGNED
-    for (int idx = threadIdx.x; idx < ROWS * COLS / CHUNK; idx += THREADS) {
-        const int r = idx / (COLS / CHUNK), c = (idx % (COLS / CHUNK)) * CHUNK;
-        const bool valid = row0 + r < rows_valid && c < width;
-        const elem_t* src = valid ? base + (i64)(row0 + r) * row_stride + c : base;
-        cp_async16(s + r * LD + c, src, valid);
+    // Each thread copies one 16-byte column chunk of every STEP-th row.
+    constexpr int PER_ROW = COLS / CHUNK, STEP = THREADS / PER_ROW;
+    static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
+    const int c = threadIdx.x % PER_ROW * CHUNK, r0 = threadIdx.x / PER_ROW;
+    const elem_t* src = base + (i64)(row0 + r0) * row_stride + c;
+    const i64 src_step = STEP * row_stride;
+    const u32 dst = smem_addr(s + r0 * LD + c);
+    const int rows_left = c < width ? rows_valid - row0 - r0 : 0;  // rows of this thread's column to read
+#pragma unroll
+    for (int i = 0; i < (ROWS + STEP - 1) / STEP; ++i, src += src_step) {
+        if (ROWS % STEP != 0 && r0 + i * STEP >= ROWS) break;
+        const bool valid = i * STEP < rows_left;
+        cp_async16(dst + i * STEP * LD * (int)sizeof(elem_t), valid ? src : base, valid);
     }
 #else
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
