@@ -69,10 +69,11 @@ def test_tiles_fit_shared_memory_on_a_gpu():
                 own, weights = rows * (width + 1), rows * (cols + 1)
             assert 4 * (own + streamed + weights) <= 48 * 1024, (kind, width)
             assert tiles.threads % 32 == 0
-    for width, (rows, cols) in attention.TENSOR_CORE_TILES["backward"].items():  # packed words (fragments)
-        key_layout, value_layout = cols * (max(width // 2, cols) + 4), width * (cols // 2 + 4)
-        # dK/dV: Q and dO in both layouts, V in the key layout
-        assert rows <= cols and 4 * (2 * (key_layout + value_layout) + key_layout) <= 48 * 1024, width
+    for width, (rows, cols) in attention.TENSOR_CORE_TILES["forward"].items():  # packed words (fragments)
+        assert 4 * cols * (max(width // 2, cols) + 4 + width // 2 + 4) <= 48 * 1024, width  # K, V
+    for width, (rows, cols) in attention.TENSOR_CORE_TILES["backward"].items():
+        # dK/dV: V, Q, dO and the exact products' scratch, rows of pairs
+        assert rows <= cols and 4 * 4 * cols * (max(width // 2, cols) + 4) <= 48 * 1024, width
 
 
 # ---------------------------------------------------------------- Philox and bfloat16
@@ -207,9 +208,40 @@ def test_mma_fragments_multiply_and_chain(dtype):
             assert pair == union[mma.a_position(lane, i)[0], mma.a_position(lane, i)[1] // 2]
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_ldmatrix_rows_give_the_mma_fragments(transposed):
+    """The rows each lane names to ldmatrix (mma.a_rows, b_rows, b_rows_transposed) give the
+    fragments of mma's layout: A of a row-major tile, B of two n tiles stored n-major (K) or
+    k-major (V, read transposed), from a tile of words at any origin."""
+    rng = np.random.default_rng(3)
+    words = rng.integers(0, 2**32, size=(40, 24), dtype=np.uint64).astype(np.uint32)
+    halves = words.view(np.uint16)  # half c of row r: halves[r, c]
+    row0, word0 = 5, 8
+
+    def pair(r, c):  # the word of halves c, c + 1 of tile row r (relative to the origin)
+        return int(halves[row0 + r, 2 * word0 + c]) | int(halves[row0 + r, 2 * word0 + c + 1]) << 16
+
+    def fragments(rows, transposed):
+        return mma.ldmatrix_lanes(words, [(row0 + rows(lane)[0], word0 + rows(lane)[1]) for lane in range(32)],
+                                  transposed)
+
+    a = fragments(mma.a_rows, False)
+    b = fragments(mma.b_rows_transposed if transposed else mma.b_rows, transposed)
+    for lane in range(32):
+        for i in range(4):
+            assert a[lane, i] == pair(*mma.a_position(lane, i))
+            k, n = mma.b_position(lane, i % 2)
+            n += 8 * (i // 2)  # registers 2, 3: the second n tile
+            if transposed:  # B[k, n] = tile[k, n]
+                expected = int(halves[row0 + k, 2 * word0 + n]) | int(halves[row0 + k + 1, 2 * word0 + n]) << 16
+            else:  # B[k, n] = tile[n, k]
+                expected = pair(n, k)
+            assert b[lane, i] == expected
+
+
 _PTX_SCRIPT = """
 from numba import cuda, types
-from flashx_numba.mma import intrinsics
+from flashx_numba.mma import intrinsics, shared_memory_intrinsics
 for dtype in ("float16", "bfloat16"):
     mma, pack, widen = intrinsics(dtype)
     def kernel(a, c):
@@ -220,11 +252,23 @@ for dtype in ("float16", "bfloat16"):
         c[lane, 0] = widen(a[lane, 1])
     ptx, _ = cuda.compile_ptx(kernel, (types.uint32[:, ::1], types.float32[:, ::1]), cc=(8, 0))
     print(ptx)
+ldmatrix, ldmatrix_transposed, copy_async, wait_copies = shared_memory_intrinsics()
+def kernel(x, out):
+    lane = cuda.threadIdx.x
+    tile = cuda.shared.array((16, 8), types.uint32, alignment=16)
+    copy_async(tile, lane // 2, lane % 2 * 4, x, 0, lane // 2, 0, lane % 2 * 4, lane < 30)
+    wait_copies()
+    cuda.syncthreads()
+    a = ldmatrix(tile, lane % 16, lane // 16 * 4)
+    b = ldmatrix_transposed(tile, lane % 16, lane // 16 * 4)
+    out[lane, 0], out[lane, 1] = a[0], b[3]
+ptx, _ = cuda.compile_ptx(kernel, (types.int32[:, :, :, ::1], types.uint32[:, ::1]), cc=(8, 0))
+print(ptx)
 """
 
 
 def test_mma_compiles_to_tensor_core_ptx():
-    """The intrinsics lower to mma.sync and cvt (numba-cuda's compiler, outside the simulator:
+    """The intrinsics lower to mma.sync, cvt, cp.async and ldmatrix (numba-cuda's compiler, outside the simulator:
     it needs NVVM and NVRTC, not a GPU; skipped where they are missing)."""
     environment = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
     done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=environment,
@@ -236,3 +280,6 @@ def test_mma_compiles_to_tensor_core_ptx():
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{half}.{half}.f32" in done.stdout
         assert f"cvt.rn.{half}x2.f32" in done.stdout
     assert "cvt.f32.f16" in done.stdout
+    assert "cp.async.cg.shared.global" in done.stdout and "cp.async.wait_all" in done.stdout
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in done.stdout
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in done.stdout

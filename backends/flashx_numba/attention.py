@@ -133,14 +133,20 @@ def _launching(x: torch.Tensor):
         yield cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
 
+#: Features of one 16-byte copy into shared memory (the tensor-core kernels' loads).
+COPY_FEATURES = 8
+
+
 def _pairs(x: torch.Tensor) -> torch.Tensor:
     """A float16 or bfloat16 tensor as int32 words, each two adjacent features (the tensor-core
-    kernels' operands): a view where the last axis is contiguous and every other stride and the
-    address allow it, else a copy, an odd head dim padded with a zero feature."""
+    kernels' operands), whose rows start on 16 bytes and hold whole 16-byte copies: a view where
+    the last axis is contiguous and the head dim, every other stride and the address allow it,
+    else a copy, the head dim padded with zero features."""
     dim = x.shape[-1]
-    viewable = x.stride(-1) == 1 and dim % 2 == 0 and all(st % 2 == 0 for st in x.stride()[:-1])
-    if not (viewable and x.data_ptr() % 4 == 0):
-        padded = torch.zeros((*x.shape[:-1], dim + dim % 2), dtype=x.dtype, device=x.device)
+    viewable = x.stride(-1) == 1 and all(st % COPY_FEATURES == 0 for st in (dim, *x.stride()[:-1]))
+    if not (viewable and x.data_ptr() % 16 == 0):
+        padded = torch.zeros((*x.shape[:-1], -(-dim // COPY_FEATURES) * COPY_FEATURES), dtype=x.dtype,
+                             device=x.device)
         padded[..., :dim] = x
         x = padded
     return x.view(torch.int32)

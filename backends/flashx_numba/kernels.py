@@ -42,7 +42,7 @@ from numba import cuda, types
 
 from flashx_numba.fragments import micro_tile_form, tensor_core_form
 from flashx_numba.philox import dropout_keep
-from flashx_numba.primitives import NEG_INF, SKIP, device_function, lanes_max, lanes_sum, load, max_nan, store
+from flashx_numba.primitives import NEG_INF, SIMULATOR, SKIP, device_function, lanes_max, lanes_sum, load, max_nan, store
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,9 @@ class Tiles:
 # Arrays are typed with any layout ("A"), so transposed, sliced or broadcast inputs reuse the
 # kernel compiled for contiguous ones; bfloat16 is stored as int16 bit patterns.
 
+#: The alignment of the shared row tiles, in bytes: whole 16-byte copies and ``ldmatrix`` rows
+#: (the simulator takes none).
+ALIGNED = None if SIMULATOR else 16
 STORAGE = {"float16": types.float16, "bfloat16": types.int16, "float32": types.float32}
 _ROWS = types.Array(types.float32, 3, "A")  # lse, delta
 _INDEX = types.Array(types.int32, 1, "A")  # cu_seqlens, seqlens
@@ -160,6 +163,15 @@ def any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
     return False
 
 
+@device_function
+def key_tile_from(j0, hi, cols, lk, i0, i1, b, h, blocks, has_blocks, block_q, block_k):
+    """The first tile of ``cols`` keys from key j0 on (below hi) that the block mask lets any of
+    the queries i0:i1 see; hi if none."""
+    while j0 < hi and has_blocks and not any_block(blocks, b, h, i0, i1, j0, min(j0 + cols, lk), block_q, block_k):
+        j0 += cols
+    return j0
+
+
 @functools.cache
 def _pair_flags(form):
     """``pair_flags`` for a form's held elements: element (i, c) pairs the block's own row
@@ -212,9 +224,9 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     form, inputs = _form(tiles, dtype, tensor_cores)
     R, C, A, ROW_LANES, TILE = form.held_rows, form.held_cols, form.held_features, form.row_lanes, form.tile_dtype
     Q_SHAPE, K_SHAPE, V_SHAPE, P_SHAPE, FRAG = form.q_shape, form.k_shape, form.v_shape, form.p_shape, form.frag_words
-    row_of, col_of, stage_queries, load_keys, load_values, qk, share_weights, pv = (
-        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.share_weights,
-        form.pv)
+    row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, share_weights, pv = (
+        form.row_of, form.col_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
+        form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
 
     @cuda.jit(types.void(inputs, inputs, inputs, _tensor(dtype), _ROWS, *_COMMON))
@@ -237,8 +249,8 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         stream = b * heads_q + h
 
         q_tile = cuda.shared.array(Q_SHAPE, TILE)
-        k_tile = cuda.shared.array(K_SHAPE, TILE)
-        v_tile = cuda.shared.array(V_SHAPE, TILE)
+        k_tile = cuda.shared.array(K_SHAPE, TILE, alignment=ALIGNED)
+        v_tile = cuda.shared.array(V_SHAPE, TILE, alignment=ALIGNED)
         p_tile = cuda.shared.array(P_SHAPE, np.float32)
         q_frag = cuda.local.array(FRAG, np.uint32)
         s = cuda.local.array((R, C), np.float32)
@@ -256,16 +268,17 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         i1 = min(i0 + ROWS, lq)
         stage_queries(q_frag, q_tile, k_tile, q, batch, q_start + i0, i1 - i0, h, dim, tid)
         lo, hi = keys_seen(i0, i1, lq, lk, left, right) if i0 < lq else (np.int64(0), np.int64(0))
-        for j0 in range(lo - lo % COLS, hi, COLS):
+        # K of a tile loads while the last tile's P V runs, V while this tile's scores are computed
+        j0 = key_tile_from(lo - lo % COLS, hi, COLS, lk, i0, i1, b, h, blocks, has_blocks, block_q, block_k)
+        if j0 < hi:
+            start_tile(k_tile, k, batch, k_start + j0, min(j0 + COLS, lk) - j0, kv_head, dim, tid)
+        while j0 < hi:
             j1 = min(j0 + COLS, lk)
-            if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
-                continue
-            cuda.syncthreads()  # the last tile's readers are done with the shared tiles
-            load_keys(k_tile, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
-            nonfinite = load_values(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
+            wait_tiles()
+            cuda.syncthreads()  # K is in; the last tile's readers are done with V
+            start_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
             # plain: every pair of the tile is allowed; otherwise P holds SKIP weights
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
-            exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
             qk(s, q_frag, q_tile, k_tile, dim, tid)
             # Each row of this thread: scaled and masked scores, then P (SKIP where disallowed or
             # dropped; a -inf score reads as disallowed).
@@ -291,8 +304,17 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 for a in range(A):
                     acc[i, a] *= rescale
             share_weights(p_tile, s, tid)
-            cuda.syncthreads()
+            wait_tiles()
+            # V is in, and every reader is done with K
+            exact = cuda.syncthreads_or(np.int32((dropout or not plain) and has_nonfinite(v_tile, tid))) != 0
+            next_j0 = key_tile_from(j0 + COLS, hi, COLS, lk, i0, i1, b, h, blocks, has_blocks, block_q, block_k)
+            if next_j0 < hi and not exact:  # the exact product passes P through the key tile
+                start_tile(k_tile, k, batch, k_start + next_j0, min(next_j0 + COLS, lk) - next_j0, kv_head, dim, tid)
             pv(acc, s, k_tile, v_tile, p_tile, dim_v, tid, exact)
+            if next_j0 < hi and exact:
+                cuda.syncthreads()
+                start_tile(k_tile, k, batch, k_start + next_j0, min(next_j0 + COLS, lk) - next_j0, kv_head, dim, tid)
+            j0 = next_j0
 
         for i in range(R):
             row = i0 + row_of(tid, i)
@@ -341,13 +363,12 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
 
 # The backward kernels are written against a ``fragments`` form, as the forward. A block holds
 # the first operand of its own rows (K in dK/dV, Q in dQ) as the forward holds Q, and the second
-# (V, dO) in a shared tile of the key layout (``qk_shared``: on tensor cores, registers for both
-# would leave the accumulators too few). It streams the other axis's tiles through shared
-# memory in the key layout (the B operand of the score products); on tensor cores the tiles
-# that the second products read as their B operand (Q and dO in dK/dV, K in dQ) are also
-# loaded in the value layout (pairs of rows packed along a feature row, the forward's V), and
-# micro-tiles read the one float32 tile both ways. A tile with skipped pairs whose value-layout
-# operand holds a NaN or an infinity is multiplied term by term (``exact``), as in the forward.
+# (V, dO) in a shared row tile (``qk_shared``: on tensor cores, registers for both would leave
+# the accumulators too few). It streams the other axis's tiles through shared memory as rows,
+# which the score products read as their B operand and the second products (Q and dO in
+# dK/dV, K in dQ) as the forward's P V reads V. A tile with skipped pairs whose second
+# products' operand holds a NaN or an infinity is multiplied term by term (``exact``), as in
+# the forward.
 
 
 @functools.cache
@@ -360,10 +381,10 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     form, inputs = _form(tiles, dtype, tensor_cores)
     R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
     OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
-    VALUES_SHAPE = form.v_shape if tensor_cores else (1, 1)
-    row_of, col_of, stage_queries, load_keys, load_values, qk, qk_shared, share_weights, pv = (
-        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.qk_shared,
-        form.share_weights, form.pv)
+    SCRATCH_SHAPE = ROWS_SHAPE if tensor_cores else (1, 1)
+    row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv = (
+        form.row_of, form.col_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
+        form.qk_shared, form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
     assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
 
@@ -386,13 +407,10 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         batch = 0 if varlen else b
 
         k_own = cuda.shared.array(OWN_SHAPE, TILE)
-        v_own = cuda.shared.array(ROWS_SHAPE, TILE)
-        q_rows = cuda.shared.array(ROWS_SHAPE, TILE)
-        do_rows = cuda.shared.array(ROWS_SHAPE, TILE)
-        q_values = cuda.shared.array(VALUES_SHAPE, TILE)
-        do_values = cuda.shared.array(VALUES_SHAPE, TILE)
-        if not tensor_cores:
-            q_values, do_values = q_rows, do_rows
+        v_own = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
+        q_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
+        do_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
+        scratch = cuda.shared.array(SCRATCH_SHAPE, TILE)  # the exact products' P (both row tiles are operands)
         p_tile = cuda.shared.array(P_SHAPE, np.float32)  # P^T with dropout applied: dO's weights in dV
         ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS^T: Q's weights in dK
         k_frag = cuda.local.array(FRAG, np.uint32)
@@ -411,7 +429,8 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
 
         j1 = min(j0 + ROWS, lk)
         stage_queries(k_frag, k_own, q_rows, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
-        load_keys(v_own, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
+        start_tile(v_own, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
+        wait_tiles()  # no copy outlives the block, even one without a query tile
         lo, hi = queries_seeing(j0, j1, lq, lk, left, right) if j0 < lk else (np.int64(0), np.int64(0))
         for h in range(kv_head * group, (kv_head + 1) * group):
             stream = b * heads_q + h
@@ -420,14 +439,12 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
                     continue
                 cuda.syncthreads()  # the last tile's readers are done with the shared tiles
-                load_keys(q_rows, q, batch, q_start + i0, i1 - i0, h, dim, tid)
-                load_keys(do_rows, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
-                nonfinite = False
-                if tensor_cores:
-                    nonfinite = load_values(q_values, q, batch, q_start + i0, i1 - i0, h, dim, tid)
-                    nonfinite |= load_values(do_values, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
+                start_tile(q_rows, q, batch, q_start + i0, i1 - i0, h, dim, tid)
+                start_tile(do_rows, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
                 plain = not (has_mask or has_blocks) and inside_band(i0, i0 + COLS, j0, j0 + ROWS, lq, lk, left, right)
-                exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
+                wait_tiles()
+                exact = cuda.syncthreads_or(np.int32((dropout or not plain) and (
+                    has_nonfinite(q_rows, tid) or has_nonfinite(do_rows, tid)))) != 0
                 qk(s, k_frag, k_own, q_rows, dim, tid)  # S^T
                 qk_shared(dp, v_own, do_rows, dim_v, tid)  # dP^T before dropout
                 pair_flags(masked, dropped, i0, j0, True, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
@@ -446,9 +463,8 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 share_weights(p_tile, s, tid)
                 share_weights(ds_tile, dp, tid)
                 cuda.syncthreads()
-                # the row tiles are free now: each product may pass its weights through one
-                pv(dv_acc, s, q_rows, do_values, p_tile, dim_v, tid, exact)
-                pv(dk_acc, dp, do_rows, q_values, ds_tile, dim, tid, exact)
+                pv(dv_acc, s, scratch, do_rows, p_tile, dim_v, tid, exact)
+                pv(dk_acc, dp, scratch, q_rows, ds_tile, dim, tid, exact)
 
         for i in range(R):
             key = j0 + row_of(tid, i)
@@ -475,10 +491,9 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     form, inputs = _form(tiles, dtype, tensor_cores)
     R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
     OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
-    VALUES_SHAPE = form.v_shape if tensor_cores else (1, 1)
-    row_of, col_of, stage_queries, load_keys, load_values, qk, qk_shared, share_weights, pv = (
-        form.row_of, form.col_of, form.stage_queries, form.load_keys, form.load_values, form.qk, form.qk_shared,
-        form.share_weights, form.pv)
+    row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv = (
+        form.row_of, form.col_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
+        form.qk_shared, form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
     assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
 
@@ -503,11 +518,8 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
 
         q_own = cuda.shared.array(OWN_SHAPE, TILE)
         do_own = cuda.shared.array(ROWS_SHAPE, TILE)
-        k_rows = cuda.shared.array(ROWS_SHAPE, TILE)
-        v_rows = cuda.shared.array(ROWS_SHAPE, TILE)
-        k_values = cuda.shared.array(VALUES_SHAPE, TILE)
-        if not tensor_cores:
-            k_values = k_rows
+        k_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
+        v_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS: K's weights in dQ
         q_frag = cuda.local.array(FRAG, np.uint32)
         s = cuda.local.array((R, C), np.float32)
@@ -521,20 +533,19 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
 
         i1 = min(i0 + ROWS, lq)
         stage_queries(q_frag, q_own, k_rows, q, batch, q_start + i0, i1 - i0, h, dim, tid)
-        load_keys(do_own, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
+        start_tile(do_own, do, batch, q_start + i0, i1 - i0, h, dim_v, tid)
+        wait_tiles()  # no copy outlives the block, even one without a key tile
         lo, hi = keys_seen(i0, i1, lq, lk, left, right) if i0 < lq else (np.int64(0), np.int64(0))
         for j0 in range(lo - lo % COLS, hi, COLS):
             j1 = min(j0 + COLS, lk)
             if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
                 continue
             cuda.syncthreads()  # the last tile's readers are done with the shared tiles
-            load_keys(k_rows, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
-            load_keys(v_rows, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
-            nonfinite = False
-            if tensor_cores:
-                nonfinite = load_values(k_values, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
+            start_tile(k_rows, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
+            start_tile(v_rows, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
-            exact = cuda.syncthreads_or(np.int32((dropout or not plain) and nonfinite)) != 0
+            wait_tiles()
+            exact = cuda.syncthreads_or(np.int32((dropout or not plain) and has_nonfinite(k_rows, tid))) != 0
             qk(s, q_frag, q_own, k_rows, dim, tid)
             qk_shared(dp, do_own, v_rows, dim_v, tid)  # dP before dropout
             pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
@@ -551,7 +562,7 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                     dp[i, c] = weight
             share_weights(ds_tile, dp, tid)
             cuda.syncthreads()
-            pv(dq_acc, dp, v_rows, k_values, ds_tile, dim, tid, exact)  # V's row tile is free: dS may pass through it
+            pv(dq_acc, dp, v_rows, k_rows, ds_tile, dim, tid, exact)  # V's row tile is free: dS may pass through it
 
         for i in range(R):
             row = i0 + row_of(tid, i)

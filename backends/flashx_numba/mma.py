@@ -18,9 +18,22 @@ Lane ``l`` of the warp, with ``group = l // 4`` and ``pair = l % 4``, holds (PTX
 So the C fragments of two adjacent 16x8 tiles are, packed pairwise, the A fragment of their
 16x16 union: FlashAttention's P goes from one product into the next without leaving registers.
 
-The plain-Python form below (``mma_lanes``) computes what the instruction does for a whole
-warp's registers at once; the tests check the layout against them, and the CUDA
-simulator, which has no warps, runs the kernels' NumPy tile forms instead (``fragments``).
+Fragments come from shared memory by ``ldmatrix``: each lane names one 16-byte row of one of
+four 8x8 matrices (lane ``l`` the row ``l % 8`` of matrix ``l // 8``), and each lane gets,
+in register ``j``, the two elements of matrix ``j`` it holds in the layout above (row
+``l // 4``, columns ``2 * (l % 4)`` on; with ``.trans``, of the transposed matrix). So A of
+a row-major 16x16 tile, B of a tile stored n-major (K: keys along rows, features along
+columns) and B of a tile stored k-major (V, read transposed) each take one ``ldmatrix.x4``
+per two fragments' worth of registers; ``*_rows`` below say where each lane points.
+
+Tiles reach shared memory by ``cp.async``: 16-byte copies from global memory that bypass the
+registers and run while the warp goes on, finished by ``wait_copies`` (then a barrier
+publishes them to the block).
+
+The plain-Python forms below (``mma_lanes``, ``ldmatrix_lanes``) compute what the
+instructions do for a whole warp's registers at once; the tests check the layout against
+them, and the CUDA simulator, which has no warps, runs the kernels' NumPy tile forms instead
+(``fragments``).
 """
 
 from __future__ import annotations
@@ -46,6 +59,25 @@ def b_position(lane: int, i: int) -> tuple[int, int]:
 def c_position(lane: int, i: int) -> tuple[int, int]:
     """(row, column) of C or D element ``i`` of ``lane``."""
     return lane // 4 + 8 * (i // 2), 2 * (lane % 4) + i % 2
+
+
+def a_rows(lane: int) -> tuple[int, int]:
+    """(row, word) of the row this lane names to ``ldmatrix`` for an A fragment of a row-major
+    tile of 32-bit words (two halves each), relative to the fragment's first row and word."""
+    return lane % 16, 4 * (lane // 16)
+
+
+def b_rows(lane: int) -> tuple[int, int]:
+    """(row, word) this lane names to ``ldmatrix`` for the B fragments of two adjacent n tiles
+    of a tile stored n-major (rows n, words along k), relative to its first row and word:
+    registers 0, 1 the first tile's, 2, 3 the second's."""
+    return 8 * (lane // 16) + lane % 8, 4 * (lane // 8 % 2)
+
+
+def b_rows_transposed(lane: int) -> tuple[int, int]:
+    """As ``b_rows``, for a tile stored k-major (rows k, words along n), read by
+    ``ldmatrix.trans``."""
+    return lane % 16, 4 * (lane // 16)
 
 
 # -- plain Python ---------------------------------------------------------------------------
@@ -79,6 +111,20 @@ def mma_lanes(a: np.ndarray, b: np.ndarray, c: np.ndarray, dtype: str) -> np.nda
             row, col = c_position(lane, i)
             d[lane, i] = np.float32(product[row, col] + np.float64(c[lane, i]))
     return d
+
+
+def ldmatrix_lanes(tile: np.ndarray, rows: list, transposed: bool) -> np.ndarray:
+    """What ``ldmatrix.x4`` gives a warp: ``tile`` of 32-bit words, ``rows[l]`` the (row, word)
+    lane ``l`` names -> (32, 4) words."""
+    halves = tile.astype(np.uint32).view(np.uint16)  # half c of word w is half 2 * w + c
+    matrices = [np.array([halves[r, 2 * w : 2 * w + 8] for r, w in rows[8 * j : 8 * j + 8]]) for j in range(4)]
+    out = np.empty((32, 4), np.uint32)
+    for lane in range(32):
+        for j, m in enumerate(matrices):
+            m = m.T if transposed else m
+            low, high = m[lane // 4, 2 * (lane % 4) : 2 * (lane % 4) + 2]
+            out[lane, j] = int(low) | int(high) << 16
+    return out
 
 
 # -- CUDA -----------------------------------------------------------------------------------
@@ -154,6 +200,94 @@ def _widen_intrinsic(ptx_type: str):
         return types.float32(bits), codegen
 
     return widen
+
+
+def _item_pointer(context, builder, array_type, array, indices, index_types, address_space):
+    """The address of ``array[indices]`` in ``address_space`` (1 global, 3 shared), as an integer
+    (64 and 32 bits)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+
+    wanted = [context.cast(builder, i, t, types.intp) for i, t in zip(indices, index_types)]
+    pointer = cgutils.get_item_pointer(context, builder, array_type, context.make_array(array_type)(
+        context, builder, array), wanted)
+    pointer = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, address_space))
+    return builder.ptrtoint(pointer, ir.IntType(64 if address_space == 1 else 32))
+
+
+def _ldmatrix_intrinsic(transposed: bool):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    instruction = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if transposed else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+    result = types.UniTuple(types.uint32, 4)
+
+    @intrinsic
+    def ldmatrix(typingctx, tile, row, word):
+        """Four fragment registers of this lane, its own row being ``tile[row, word:word + 4]``
+        (a 2D shared array of 32-bit words, rows 16-byte aligned)."""
+
+        def codegen(context, builder, signature, arguments):
+            i32 = ir.IntType(32)
+            address = _item_pointer(context, builder, signature.args[0], arguments[0], arguments[1:],
+                                    signature.args[1:], 3)
+            # side effect: a read of memory that barriers and copies change, never hoisted past them
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32]), instruction,
+                               "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+            words = builder.call(asm, [address])
+            return context.make_tuple(builder, result, [builder.extract_value(words, i) for i in range(4)])
+
+        return result(tile, row, word), codegen
+
+    return ldmatrix
+
+
+def _copy_intrinsic():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def copy_async(typingctx, tile, row, word, source, b, n, h, w, inside):
+        """Start copying 16 bytes from ``source[b, n, h, w:]`` to ``tile[row, word:]``; zeros
+        instead where not ``inside`` (the source is then not read, but must be an address of it)."""
+
+        def codegen(context, builder, signature, arguments):
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            target = _item_pointer(context, builder, signature.args[0], arguments[0], arguments[1:3],
+                                   signature.args[1:3], 3)
+            origin = _item_pointer(context, builder, signature.args[3], arguments[3], arguments[4:8],
+                                   signature.args[4:8], 1)
+            flag = context.cast(builder, arguments[8], signature.args[8], types.boolean)
+            size = builder.select(flag, ir.Constant(i32, 16), ir.Constant(i32, 0))
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64, i32]),
+                               "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
+            builder.call(asm, [target, origin, size])
+            return context.get_dummy_value()
+
+        return types.void(tile, row, word, source, b, n, h, w, inside), codegen
+
+    @intrinsic
+    def wait_copies(typingctx):
+        """Wait until this thread's copies have landed (a barrier then shows them to the block)."""
+
+        def codegen(context, builder, signature, arguments):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;", "~{memory}",
+                               side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return copy_async, wait_copies
+
+
+@functools.cache
+def shared_memory_intrinsics():
+    """(ldmatrix, ldmatrix_transposed, copy_async, wait_copies): device-callable on a GPU only."""
+    return (_ldmatrix_intrinsic(False), _ldmatrix_intrinsic(True), *_copy_intrinsic())
 
 
 @functools.cache
