@@ -207,16 +207,21 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
         return seen != 0
 
     @device_function
+    def mma_two(c, n, a0, a1, a2, a3, b0, b1, b2, b3):
+        """c += A B for the 8-column tiles n (B fragment b0, b1) and n + 1 (b2, b3) of c."""
+        c[0, 2 * n], c[0, 2 * n + 1], c[1, 2 * n], c[1, 2 * n + 1] = mma(
+            a0, a1, a2, a3, b0, b1, c[0, 2 * n], c[0, 2 * n + 1], c[1, 2 * n], c[1, 2 * n + 1])
+        m = n + 1
+        c[0, 2 * m], c[0, 2 * m + 1], c[1, 2 * m], c[1, 2 * m + 1] = mma(
+            a0, a1, a2, a3, b2, b3, c[0, 2 * m], c[0, 2 * m + 1], c[1, 2 * m], c[1, 2 * m + 1])
+
+    @device_function
     def products(s, a0, a1, a2, a3, k_tile, step, tid):
         """s += the products of one A fragment with the keys' B fragments, two key tiles an ldmatrix."""
         row, word = b_rows(tid % 32)
         for n in range(0, cols // 8, 2):
             b0, b1, b2, b3 = ldmatrix(k_tile, n * 8 + row, step * 8 + word)
-            s[0, 2 * n], s[0, 2 * n + 1], s[1, 2 * n], s[1, 2 * n + 1] = mma(
-                a0, a1, a2, a3, b0, b1, s[0, 2 * n], s[0, 2 * n + 1], s[1, 2 * n], s[1, 2 * n + 1])
-            m = n + 1
-            s[0, 2 * m], s[0, 2 * m + 1], s[1, 2 * m], s[1, 2 * m + 1] = mma(
-                a0, a1, a2, a3, b2, b3, s[0, 2 * m], s[0, 2 * m + 1], s[1, 2 * m], s[1, 2 * m + 1])
+            mma_two(s, n, a0, a1, a2, a3, b0, b1, b2, b3)
 
     @device_function
     def qk(s, q_frag, q_tile, k_tile, dim, tid):
@@ -255,11 +260,7 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
             a2, a3 = pack(s[0, c + 2], s[0, c + 3]), pack(s[1, c + 2], s[1, c + 3])
             for n in range(0, width // 8, 2):
                 b0, b1, b2, b3 = ldmatrix_transposed(v_tile, step * 16 + row, n * 4 + word)
-                acc[0, 2 * n], acc[0, 2 * n + 1], acc[1, 2 * n], acc[1, 2 * n + 1] = mma(
-                    a0, a1, a2, a3, b0, b1, acc[0, 2 * n], acc[0, 2 * n + 1], acc[1, 2 * n], acc[1, 2 * n + 1])
-                m = n + 1
-                acc[0, 2 * m], acc[0, 2 * m + 1], acc[1, 2 * m], acc[1, 2 * m + 1] = mma(
-                    a0, a1, a2, a3, b2, b3, acc[0, 2 * m], acc[0, 2 * m + 1], acc[1, 2 * m], acc[1, 2 * m + 1])
+                mma_two(acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
 
     @device_function
     def pv_by_terms(acc, s, scratch, v_tile, tid):

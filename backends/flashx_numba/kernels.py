@@ -7,7 +7,8 @@ offset can overflow.
 
 - forward: one block per (query tile, query head, sequence), on one grid axis (no 65535 limit
   on B * H). K and V stream through shared memory a tile at a time, skipping tiles the band
-  (causal, window) or the block mask leaves empty. The scores of a tile stay in registers,
+  (causal, window) or the block mask leaves empty; on tensor cores the copies run beside the
+  products (a tile's V lands while its scores are computed, the next tile's K during P V). The scores of a tile stay in registers,
   where the online softmax works on them in float32, the row maximum reduced across lanes by
   shuffles: on tensor cores for float16 and bfloat16, in float32 micro-tiles otherwise (the
   two ``fragments`` forms, behind one kernel).
