@@ -1,18 +1,21 @@
 """Time to the first result of a new shape, fwd+bwd (B=2, N=6000, H=16, d=128, bf16, causal):
-flashx and FlexAttention, each case in a fresh process, side by side in one run.
+flashx's backends and FlexAttention, each case in a fresh process, side by side in one run.
 
     python3 scripts/first_call.py [OUT.json]   # the driver: every case below, then a table
     python3 scripts/first_call.py --case CASE  # one case, printed as one JSON line (the driver's child)
 
 Cases, in this order (each directory is fresh unless reused as named):
-  flashx cold           new TRITON_CACHE_DIR and FLASHX_CACHE_DIR: the shipped choices, compiled
-  flashx warm           the same two directories again: Triton's cache warm
-  flashx tuned cold     FLASHX_TRITON_AUTOTUNE=1, new directories: every candidate compiled and timed
+  triton cold           new TRITON_CACHE_DIR and FLASHX_CACHE_DIR: the shipped choices, compiled
+  triton warm           the same two directories again: Triton's cache warm
+  triton tuned cold     FLASHX_TRITON_AUTOTUNE=1, new directories: every candidate compiled and timed
                         (only with FIRST_CALL_TUNED=1)
+  cupy cold, warm       new CUPY_CACHE_DIR (NVRTC's builds), then the same one again
+  numba cold, warm      new NUMBA_CACHE_DIR, then the same one again (numba-cuda compiles in-process)
   flex cold             new TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: torch.compile from scratch
   flex warm             the same two directories again
+FIRST_CALL_BACKENDS (default "triton") names the flashx backends to run, comma-separated.
 The first call is timed from the inputs on the GPU (CUDA context made) to the gradients there;
-"kernels" counts the kernels a flashx case found compiled in its Triton cache afterwards.
+"kernels" counts the kernels a triton case found compiled in its Triton cache afterwards.
 FIRST_CALL_SMOKE=1 runs the flashx cases on a tiny float32 shape under TRITON_INTERPRET=1 (CPU).
 """
 
@@ -35,11 +38,11 @@ def child(case: str) -> None:
     q, k, v, do = (torch.randn(B, N, H, D, generator=generator, device=device, dtype=dtype) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
-    if case == "flashx":
+    if case != "flex":
         import flashx
 
         def step():
-            return flashx.attention(q, k, v, causal=True, backend="triton")
+            return flashx.attention(q, k, v, causal=True, backend=case)
     else:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -69,7 +72,7 @@ def child(case: str) -> None:
     errors = [(o.detach() - want.detach().transpose(1, 2)).abs().max().item()]
     errors += [(x.grad - y.grad.transpose(1, 2)).abs().max().item() for x, y in ((q, qt), (k, kt), (v, vt))]
     row = {"first_s": seconds[0], "later_ms": min(seconds[1:]) * 1e3, "max_err_vs_sdpa": max(errors)}
-    if case == "flashx":
+    if case == "triton":
         from pathlib import Path
 
         from flashx_triton import tuning
@@ -87,12 +90,16 @@ def main() -> None:
     def new(name):
         return os.path.join(root, f"{name}-{next(fresh)}")
 
-    flashx_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx")}
+    caches = {"triton": ("TRITON_CACHE_DIR", "FLASHX_CACHE_DIR"), "cupy": ("CUPY_CACHE_DIR",),
+              "numba": ("NUMBA_CACHE_DIR",)}
     flex_dirs = {"TRITON_CACHE_DIR": new("triton"), "TORCHINDUCTOR_CACHE_DIR": new("inductor")}
     tuned_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx"), "FLASHX_TRITON_AUTOTUNE": "1"}
-    cases = [("flashx cold", "flashx", flashx_dirs), ("flashx warm", "flashx", flashx_dirs)]
+    cases = []
+    for backend in os.environ.get("FIRST_CALL_BACKENDS", "triton").split(","):
+        dirs = {name: new(name.lower()) for name in caches[backend]}
+        cases += [(f"{backend} cold", backend, dirs), (f"{backend} warm", backend, dirs)]
     if os.environ.get("FIRST_CALL_TUNED") == "1":
-        cases.append(("flashx tuned cold", "flashx", tuned_dirs))
+        cases.append(("triton tuned cold", "triton", tuned_dirs))
     if not SMOKE:
         cases += [("flex cold", "flex", flex_dirs), ("flex warm", "flex", flex_dirs)]
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if SMOKE else {}))
