@@ -70,7 +70,7 @@ struct KeyCta {
     int b, hk, n0, wrow;
     int tile_lo, tiles;  // the query tiles from row tile_lo on that some key of the CTA reads
     elem_t *sK, *sV, *sQ, *sDO;
-    float *sLse2, *sDelta, *sStage;
+    float *sLse, *sDelta, *sStage;
     int buf;  // the Q/dO buffers of the step being computed; the other pair is loading
 #if DKDV_PARTS & 1
     float dk[ATOMS][DIM_QK / 8][4];
@@ -90,8 +90,15 @@ struct KeyCta {
             const int h = head_of(step), m = row_of(step), other = buf ^ 1;
             const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
             load_tile<BLOCK_N, DIM_QK, LD_QK>(sQ + other * BLOCK_N * LD_QK, q, p.q_n, p.q_d, m, s.len_q, p.head_dim);
-            for (int r = threadIdx.x; r < BLOCK_N; r += THREADS)
-                row_stats(p, s, h, m + r, sLse2[other * BLOCK_N + r], sDelta[other * BLOCK_N + r]);
+            // The LSE (natural log) and D of each row, 0 past the sequence, copied like the tiles
+            // so that no thread waits on them before its products.
+            const float* lse = (const float*)p.lse + (i64)b * p.lse_b + (i64)h * p.lse_h + s.start_q + m;
+            const float* delta = (const float*)p.delta + (i64)b * p.delta_b + (i64)h * p.delta_h + s.start_q + m;
+            for (int r = threadIdx.x; r < BLOCK_N; r += THREADS) {
+                const bool valid = m + r < s.len_q;
+                cp_async4(smem_addr(sLse + other * BLOCK_N + r), valid ? lse + r : lse, valid);
+                cp_async4(smem_addr(sDelta + other * BLOCK_N + r), valid ? delta + r : delta, valid);
+            }
             const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
             load_tile<BLOCK_N, DIM_V, LD_V>(sDO + other * BLOCK_N * LD_V, dout, p.do_n, p.do_d, m, s.len_q, p.head_dim_v);
         }
@@ -123,7 +130,7 @@ struct KeyCta {
         const int h = head_of(step), m = row_of(step);
         elem_t* q_tile = sQ + buf * BLOCK_N * LD_QK;
         elem_t* do_tile = sDO + buf * BLOCK_N * LD_V;
-        const float* lse2 = sLse2 + buf * BLOCK_N;
+        const float* lse = sLse + buf * BLOCK_N;
         const float* delta = sDelta + buf * BLOCK_N;
 
         float pt[ATOMS][BLOCK_N / 8][4];  // P^T, then P^T Z / (1 - p)
@@ -143,7 +150,7 @@ struct KeyCta {
                 for (int e = 0; e < 4; ++e) {
                     const int r = frag_row(mt, e), c = frag_col(nt, e);
                     const bool ok = allowed<MASKED>(h, m, r, c);
-                    const float pr = ok ? exp2f(pt[mt][nt][e] * p.scale_log2 - lse2[c]) : 0.f;
+                    const float pr = ok ? exp2f(fmaf(pt[mt][nt][e], p.scale_log2, -(lse[c] * LOG2E))) : 0.f;
 #if DROPOUT
                     const bool keep = dropout_keep(p, b, h, m + c, n0 + wrow + r);
                     pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
@@ -202,8 +209,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
     elem_t* sV = sK + BLOCK_M * LD_QK;                                     // BLOCK_M x LD_V
     elem_t* sQ = sV + BLOCK_M * LD_V;                                      // 2 x BLOCK_N x LD_QK
     elem_t* sDO = sQ + 2 * BLOCK_N * LD_QK;                                // 2 x BLOCK_N x LD_V
-    float* sLse2 = (float*)(sDO + 2 * BLOCK_N * LD_V);                     // 2 x BLOCK_N
-    float* sDelta = sLse2 + 2 * BLOCK_N;                                   // 2 x BLOCK_N
+    float* sLse = (float*)(sDO + 2 * BLOCK_N * LD_V);                      // 2 x BLOCK_N
+    float* sDelta = sLse + 2 * BLOCK_N;                                    // 2 x BLOCK_N
     float* sStage = sDelta + 2 * BLOCK_N;                                  // float32: BLOCK_M x BLOCK_N
 
     int tile, hk, b;
@@ -223,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
     if (keys_end <= n0 || end <= first) first = end = 0;
     const int tile_lo = first / BLOCK_N * BLOCK_N;
 
-    KeyCta cta{p, s, b, hk, n0, wrow, tile_lo, (end - tile_lo + BLOCK_N - 1) / BLOCK_N, sK, sV, sQ, sDO, sLse2,
+    KeyCta cta{p, s, b, hk, n0, wrow, tile_lo, (end - tile_lo + BLOCK_N - 1) / BLOCK_N, sK, sV, sQ, sDO, sLse,
                sDelta, sStage, 1};
 #if DKDV_PARTS & 1
     zero<ATOMS, DIM_QK>(cta.dk);
