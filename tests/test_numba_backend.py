@@ -70,10 +70,10 @@ def test_tiles_fit_shared_memory_on_a_gpu():
             assert 4 * (own + streamed + weights) <= 48 * 1024, (kind, width)
             assert tiles.threads % 32 == 0
     for width, (rows, cols) in attention.TENSOR_CORE_TILES["forward"].items():  # packed words (fragments)
-        assert 4 * cols * (max(width // 2, cols) + 4 + width // 2 + 4) <= 48 * 1024, width  # K, V
+        assert 4 * 2 * cols * (max(width // 2, cols) + 4) <= 48 * 1024, width  # K, V
     for width, (rows, cols) in attention.TENSOR_CORE_TILES["backward"].items():
-        # dK/dV: V, Q, dO and the exact products' scratch, rows of pairs
-        assert rows <= cols and 4 * 4 * cols * (max(width // 2, cols) + 4) <= 48 * 1024, width
+        # dK/dV: K, V, Q, dO and the exact products' scratch, rows of pairs
+        assert rows <= cols and 4 * 5 * cols * (max(width // 2, cols) + 4) <= 48 * 1024, width
 
 
 # ---------------------------------------------------------------- Philox and bfloat16
@@ -252,16 +252,18 @@ for dtype in ("float16", "bfloat16"):
         c[lane, 0] = widen(a[lane, 1])
     ptx, _ = cuda.compile_ptx(kernel, (types.uint32[:, ::1], types.float32[:, ::1]), cc=(8, 0))
     print(ptx)
-ldmatrix, ldmatrix_transposed, copy_async, wait_copies = shared_memory_intrinsics()
+(shared_address, global_address, shared_word, store_shared_pair, ldmatrix, ldmatrix_transposed, copy_async,
+ wait_copies) = shared_memory_intrinsics()
 def kernel(x, out):
     lane = cuda.threadIdx.x
     tile = cuda.shared.array((16, 8), types.uint32, alignment=16)
-    copy_async(tile, lane // 2, lane % 2 * 4, x, 0, lane // 2, 0, lane % 2 * 4, lane < 30)
+    copy_async(shared_address(tile, lane // 2, 0), 16, global_address(x, 0, lane // 2, 0, lane % 2 * 4), lane < 30)
     wait_copies()
     cuda.syncthreads()
-    a = ldmatrix(tile, lane % 16, lane // 16 * 4)
-    b = ldmatrix_transposed(tile, lane % 16, lane // 16 * 4)
-    out[lane, 0], out[lane, 1] = a[0], b[3]
+    a = ldmatrix(shared_address(tile, lane % 16, lane // 16 * 4), 0)
+    b = ldmatrix_transposed(shared_address(tile, lane % 16, 0), 16)
+    store_shared_pair(shared_address(tile, lane // 2, 0), 8, a[1], b[2])
+    out[lane, 0], out[lane, 1], out[lane, 2] = a[0], b[3], shared_word(shared_address(tile, lane // 2, 0), 12)
 ptx, _ = cuda.compile_ptx(kernel, (types.int32[:, :, :, ::1], types.uint32[:, ::1]), cc=(8, 0))
 print(ptx)
 """
@@ -283,3 +285,5 @@ def test_mma_compiles_to_tensor_core_ptx():
     assert "cp.async.cg.shared.global" in done.stdout and "cp.async.wait_all" in done.stdout
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in done.stdout
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in done.stdout
+    assert "st.shared.v2.b32" in done.stdout and "ld.shared.b32" in done.stdout
+    assert "+16]" in done.stdout  # immediate offsets stay in the instructions

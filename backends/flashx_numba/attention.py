@@ -172,8 +172,8 @@ def _rows(problem, *xs):
 
 
 def _lse(problem, x):
-    """lse or delta as (B, H, N): varlen (H, T) as (1, H, T)."""
-    return _device_array(x.unsqueeze(0) if problem.varlen else x)
+    """lse or delta as a contiguous (B, H, N) array: varlen (H, T) as (1, H, T)."""
+    return _device_array((x.unsqueeze(0) if problem.varlen else x).contiguous())
 
 
 def _arguments(problem) -> tuple:

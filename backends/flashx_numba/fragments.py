@@ -20,11 +20,12 @@ are staged and multiplied:
   tile holds a NaN or an infinity (the fragment form's products cannot skip a term, see below);
 - ``qk(s, q_frag, q_tile, k_tile, dim, tid)``: s = Q K^T of the thread's elements; and
   ``qk_shared(s, a_tile, k_tile, dim, tid)``: the same product with the own rows' operand in a
-  shared tile of the key layout (the backward keeps one of its two own operands there: the
-  registers hold its accumulators);
+  shared tile of the key layout (the backward keeps its own operands there: the registers
+  hold its accumulators);
 - ``share_weights(p_tile, s, tid)``, then a barrier, then ``pv(acc, s, scratch, v_tile, p_tile,
   dim_v, tid, exact)``: acc += P V, the terms whose weight is SKIP left out where ``exact`` (a
-  block-wide flag); ``scratch`` is a key-layout tile free for the product's use. (The forms'
+  block-wide flag); ``scratch`` is a key-layout tile whose rows of this warp are free for the
+  product's use. (The forms'
   CUDA-only code may call ``cuda`` functions; what the simulator runs may not: it swaps
   ``cuda`` in the kernels' module only.)
 
@@ -38,6 +39,11 @@ transposed. Shared rows are four words longer than the widest row: the eight 16-
 so a tile with a skipped pair whose V holds a NaN or an infinity (rare: ``exact``) is
 multiplied term by term instead, P passing through the scratch tile. The kernels receive q, k,
 v as int32 words, each a pair of adjacent features.
+
+Shared memory is addressed by 32-bit window addresses and immediate byte offsets (``mma``): a
+lane takes one address per tile (its ``ldmatrix`` row, its column of 16-byte copies) and every
+fragment, copy and word it touches lies a compile-time offset from it. Held across the loops as
+separate registers, those addresses would leave the accumulators too few.
 
 Micro-tiles (``micro_tile_form``): thread (g, t) of ``row_groups`` x ``lanes`` holds rows
 g + i * row_groups and columns t + j * lanes (``primitives``); P goes through shared memory
@@ -141,13 +147,16 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
     assert not SIMULATOR and rows % 16 == 0 and cols % 16 == 0 and width % 16 == 0 and rows <= cols
     threads, words, steps = 2 * rows, width // 2, width // 16
     chunks = words // _CHUNK_WORDS  # a row's 16-byte copies
-    assert cols * chunks % threads == 0  # whole copies a thread
+    rows_apart = threads // chunks  # rows between one thread's copies
+    assert threads % chunks == 0 and cols % rows_apart == 0  # whole copies a thread
     from flashx_numba.mma import a_rows, b_rows, b_rows_transposed, intrinsics, shared_memory_intrinsics
 
     mma, pack, widen = intrinsics(dtype)
-    ldmatrix, ldmatrix_transposed, copy_async, wait_copies = shared_memory_intrinsics()
+    (shared_address, global_address, shared_word, store_shared_pair, ldmatrix, ldmatrix_transposed, copy_async,
+     wait_copies) = shared_memory_intrinsics()
     a_rows, b_rows, b_rows_transposed = (device_function(f) for f in (a_rows, b_rows, b_rows_transposed))
-    k_stride, v_stride = max(words, cols) + _PAD_WORDS, words + _PAD_WORDS  # K's rows also hold P's
+    row_words = max(words, cols) + _PAD_WORDS  # every tile's rows (the forward's K rows also hold P's)
+    row_bytes = 4 * row_words
     low_exponent = np.uint32(0x7F80 if dtype == "bfloat16" else 0x7C00)
     high_exponent = np.uint32(int(low_exponent) << 16)
 
@@ -162,14 +171,19 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
     @device_function
     def start_tile(tile, x, b, row0, rows_in, h, dim, tid):
         """Start copying tile[r, w] = word w of row row0 + r (features 2w, 2w + 1), zero past
-        ``rows_in`` and the head dim, in 16-byte copies, a warp's along rows (the host pads the
-        words of a row to whole copies, see ``attention``)."""
-        used = (dim + 1) // 2
-        for first in range(0, cols * chunks, threads):
-            index = tid + first
-            r, w = index // chunks, index % chunks * _CHUNK_WORDS
-            inside = r < rows_in and w < used
-            copy_async(tile, r, w, x, b, row0 + (r if inside else 0), h, w if inside else 0, inside)
+        ``rows_in`` and the head dim, in 16-byte copies (the host pads the words of a row to whole
+        copies, see ``attention``). A thread copies one 16-byte column, every ``rows_apart`` rows
+        (a warp's copies along rows): its addresses step by constants in shared memory and by a
+        row stride in global memory."""
+        row, word = tid // chunks, tid % chunks * _CHUNK_WORDS
+        target = shared_address(tile, row, word)
+        origin = global_address(x, b, row0, h, 0)  # the address of a zero-filled copy
+        source = origin + row * x.strides[1] + word * x.strides[3]
+        in_row = word < (dim + 1) // 2
+        for k in range(cols // rows_apart):
+            inside = in_row and row + k * rows_apart < rows_in
+            copy_async(target, k * rows_apart * row_bytes, source + k * rows_apart * x.strides[1] if inside else origin,
+                       inside)
 
     @device_function
     def wait_tiles():
@@ -182,16 +196,18 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
         start_tile(staging, q, b, row0, rows_in, h, dim, tid)
         wait_copies()
         cuda.syncthreads()
+        address = a_lane_address(staging, tid)
         for step in range(steps):
-            q_frag[4 * step], q_frag[4 * step + 1], q_frag[4 * step + 2], q_frag[4 * step + 3] = a_fragment(
-                staging, step, tid)
+            q_frag[4 * step], q_frag[4 * step + 1], q_frag[4 * step + 2], q_frag[4 * step + 3] = ldmatrix(
+                address, 32 * step)
         cuda.syncthreads()
 
     @device_function
-    def a_fragment(tile, step, tid):
-        """This lane's A fragment of features step * 16 on, from a key-layout tile."""
+    def a_lane_address(tile, tid):
+        """The address this lane names to ``ldmatrix`` for its warp's A fragment of features 0:16
+        of a key-layout tile (16 bytes further a step of 16 features)."""
         row, word = a_rows(tid % 32)
-        return ldmatrix(tile, tid // 32 * 16 + row, step * 8 + word)
+        return shared_address(tile, tid // 32 * 16 + row, word)
 
     @device_function
     def nonfinite(word):
@@ -216,12 +232,17 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
             a0, a1, a2, a3, b2, b3, c[0, 2 * m], c[0, 2 * m + 1], c[1, 2 * m], c[1, 2 * m + 1])
 
     @device_function
-    def products(s, a0, a1, a2, a3, k_tile, step, tid):
-        """s += the products of one A fragment with the keys' B fragments, two key tiles an ldmatrix."""
-        row, word = b_rows(tid % 32)
+    def products(s, a0, a1, a2, a3, k_address, step):
+        """s += the products of one A fragment with the keys' B fragments, two key tiles an
+        ldmatrix (``k_address``: this lane's row of the first two, see ``b_lane_address``)."""
         for n in range(0, cols // 8, 2):
-            b0, b1, b2, b3 = ldmatrix(k_tile, n * 8 + row, step * 8 + word)
+            b0, b1, b2, b3 = ldmatrix(k_address, (n * 8 * row_words + step * 8) * 4)
             mma_two(s, n, a0, a1, a2, a3, b0, b1, b2, b3)
+
+    @device_function
+    def b_lane_address(k_tile, tid):
+        row, word = b_rows(tid % 32)
+        return shared_address(k_tile, row, word)
 
     @device_function
     def qk(s, q_frag, q_tile, k_tile, dim, tid):
@@ -229,9 +250,10 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
         for c in range(cols // 4):
             s[0, c] = 0
             s[1, c] = 0
+        k_address = b_lane_address(k_tile, tid)
         for step in range(steps):
             f = step * 4
-            products(s, q_frag[f], q_frag[f + 1], q_frag[f + 2], q_frag[f + 3], k_tile, step, tid)
+            products(s, q_frag[f], q_frag[f + 1], q_frag[f + 2], q_frag[f + 3], k_address, step)
 
     @device_function
     def qk_shared(s, a_tile, k_tile, dim, tid):
@@ -239,9 +261,10 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
         for c in range(cols // 4):
             s[0, c] = 0
             s[1, c] = 0
+        a_address, k_address = a_lane_address(a_tile, tid), b_lane_address(k_tile, tid)
         for step in range(steps):
-            a0, a1, a2, a3 = a_fragment(a_tile, step, tid)
-            products(s, a0, a1, a2, a3, k_tile, step, tid)
+            a0, a1, a2, a3 = ldmatrix(a_address, 32 * step)
+            products(s, a0, a1, a2, a3, k_address, step)
 
     @device_function
     def share_weights(p_tile, s, tid):
@@ -254,34 +277,38 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
             pv_by_terms(acc, s, scratch, v_tile, tid)
             return
         row, word = b_rows_transposed(tid % 32)
+        v_address = shared_address(v_tile, row, word)
         for step in range(cols // 16):
             c = 4 * step
             a0, a1 = pack(s[0, c], s[0, c + 1]), pack(s[1, c], s[1, c + 1])
             a2, a3 = pack(s[0, c + 2], s[0, c + 3]), pack(s[1, c + 2], s[1, c + 3])
             for n in range(0, width // 8, 2):
-                b0, b1, b2, b3 = ldmatrix_transposed(v_tile, step * 16 + row, n * 4 + word)
+                b0, b1, b2, b3 = ldmatrix_transposed(v_address, (step * 16 * row_words + n * 4) * 4)
                 mma_two(acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
 
     @device_function
     def pv_by_terms(acc, s, scratch, v_tile, tid):
-        """acc += P V one term at a time, SKIP terms left out; P passes through ``scratch``, whose
-        last readers are done at the first barrier."""
-        cuda.syncthreads()
-        for i in range(2):
-            for c in range(cols // 4):
-                scratch[row_of(tid, i), col_of(tid, c)] = bits_of_float(s[i, c])
-        cuda.syncthreads()
-        top, bottom = row_of(tid, 0), row_of(tid, 1)
+        """acc += P V one term at a time, SKIP terms left out; P's rows pass through this warp's
+        rows of ``scratch`` (a row's weights are its quad's: the warp's own barriers order them)."""
+        top = shared_address(scratch, row_of(tid, 0), 0)  # the bottom row 8 rows further
+        cuda.syncwarp()  # the warp's last product through these rows is read
+        for c in range(0, cols // 4, 2):  # col_of(tid, c + 1) == col_of(tid, c) + 1 == c // 2 * 8 + 2 * (tid % 4) + 1
+            own = top + 8 * (tid % 4)
+            for i in range(2):
+                store_shared_pair(own, (i * 8 * row_words + c // 2 * 8) * 4, bits_of_float(s[i, c]),
+                                  bits_of_float(s[i, c + 1]))
+        cuda.syncwarp()  # a row's weights are its quad's
         for key in range(cols):  # both rows at once: acc is indexed by constants only, and stays in registers
-            w_top = float_from_bits(np.int32(scratch[top, key]))
-            w_bottom = float_from_bits(np.int32(scratch[bottom, key]))
-            for a in range(width // 4):
-                value = widen(v_tile[key, col_of(tid, a) // 2] >> np.uint32(16 * (a % 2)))
+            w_top = float_from_bits(np.int32(shared_word(top + 4 * key, 0)))
+            w_bottom = float_from_bits(np.int32(shared_word(top + 4 * key, 8 * row_bytes)))
+            v_address = shared_address(v_tile, key, col_of(tid, 0) // 2)
+            for a in range(width // 4):  # col_of(tid, a) // 2 == col_of(tid, 0) // 2 + a // 2 * 4
+                value = widen(shared_word(v_address + a // 2 * 16, 0) >> np.uint32(16 * (a % 2)))
                 if not skipped(w_top):
                     acc[0, a] += w_top * value
                 if not skipped(w_bottom):
                     acc[1, a] += w_bottom * value
 
-    return Form(threads, 2, cols // 4, width // 4, 4, np.uint32, (1, 1), (cols, k_stride), (cols, v_stride), (1, 1),
+    return Form(threads, 2, cols // 4, width // 4, 4, np.uint32, (1, 1), (cols, row_words), (cols, row_words), (1, 1),
                 4 * steps, row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared,
                 share_weights, pv)

@@ -70,13 +70,13 @@ class Tiles:
 # -- signatures: one compile per kernel, tile shape and storage dtype -----------------------------
 #
 # Arrays are typed with any layout ("A"), so transposed, sliced or broadcast inputs reuse the
-# kernel compiled for contiguous ones; bfloat16 is stored as int16 bit patterns.
+# kernel compiled for contiguous ones, lse and delta excepted; bfloat16 is stored as int16 bit patterns.
 
 #: The alignment of the shared row tiles, in bytes: whole 16-byte copies and ``ldmatrix`` rows
 #: (the simulator takes none).
 ALIGNED = None if SIMULATOR else 16
 STORAGE = {"float16": types.float16, "bfloat16": types.int16, "float32": types.float32}
-_ROWS = types.Array(types.float32, 3, "A")  # lse, delta
+_ROWS = types.Array(types.float32, 3, "C")  # lse, delta: contiguous, so a thread's rows lie at constant offsets
 _INDEX = types.Array(types.int32, 1, "A")  # cu_seqlens, seqlens
 _FLAGS = types.Array(types.boolean, 4, "A")  # mask, block mask
 _i, _b, _f = types.int64, types.boolean, types.float32
@@ -280,12 +280,12 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             start_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
             # plain: every pair of the tile is allowed; otherwise P holds SKIP weights
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
+            pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
+                       has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
+                       seed_high, threshold)  # before the scores: its registers are free there
             qk(s, q_frag, q_tile, k_tile, dim, tid)
             # Each row of this thread: scaled and masked scores, then P (SKIP where disallowed or
             # dropped; a -inf score reads as disallowed).
-            pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
-                       has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
-                       seed_high, threshold)
             for i in range(R):
                 tile_max = NEG_INF
                 for c in range(C):
@@ -362,10 +362,10 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
     return SKIP, p * (np.float32(0) - delta)
 
 
-# The backward kernels are written against a ``fragments`` form, as the forward. A block holds
-# the first operand of its own rows (K in dK/dV, Q in dQ) as the forward holds Q, and the second
-# (V, dO) in a shared row tile (``qk_shared``: on tensor cores, registers for both would leave
-# the accumulators too few). It streams the other axis's tiles through shared memory as rows,
+# The backward kernels are written against a ``fragments`` form, as the forward. The dQ kernel
+# holds Q as the forward does, and dO in a shared row tile (``qk_shared``: on tensor cores,
+# registers for both would leave the accumulators too few); the dK/dV kernel, whose two
+# accumulators take most registers, holds both K and V in shared row tiles. A block streams the other axis's tiles through shared memory as rows,
 # which the score products read as their B operand and the second products (Q and dO in
 # dK/dV, K in dQ) as the forward's P V reads V. A tile with skipped pairs whose second
 # products' operand holds a NaN or an infinity is multiplied term by term (``exact``), as in
@@ -380,14 +380,14 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     bf16 = dtype == "bfloat16"
     ROWS, COLS = tiles.rows, tiles.cols
     form, inputs = _form(tiles, dtype, tensor_cores)
-    R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
-    OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
+    R, C, A, TILE = form.held_rows, form.held_cols, form.held_features, form.tile_dtype
+    ROWS_SHAPE, P_SHAPE = form.k_shape, form.p_shape
     SCRATCH_SHAPE = ROWS_SHAPE if tensor_cores else (1, 1)
-    row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv = (
-        form.row_of, form.col_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
-        form.qk_shared, form.share_weights, form.pv)
+    row_of, col_of, start_tile, wait_tiles, has_nonfinite, qk_shared, share_weights, pv = (
+        form.row_of, form.col_of, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk_shared,
+        form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
-    assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
+    assert ROWS <= COLS  # the own operands in shared memory take a streamed tile's shape
 
     @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), _tensor(dtype), *_COMMON))
     def kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q,
@@ -407,14 +407,13 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             return
         batch = 0 if varlen else b
 
-        k_own = cuda.shared.array(OWN_SHAPE, TILE)
+        k_own = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         v_own = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         q_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         do_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         scratch = cuda.shared.array(SCRATCH_SHAPE, TILE)  # the exact products' P (both row tiles are operands)
         p_tile = cuda.shared.array(P_SHAPE, np.float32)  # P^T with dropout applied: dO's weights in dV
         ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS^T: Q's weights in dK
-        k_frag = cuda.local.array(FRAG, np.uint32)
         s = cuda.local.array((R, C), np.float32)
         dp = cuda.local.array((R, C), np.float32)
         dk_acc = cuda.local.array((R, A), np.float32)
@@ -429,7 +428,7 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 dv_acc[i, a] = 0
 
         j1 = min(j0 + ROWS, lk)
-        stage_queries(k_frag, k_own, q_rows, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
+        start_tile(k_own, k, batch, k_start + j0, j1 - j0, kv_head, dim, tid)
         start_tile(v_own, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
         wait_tiles()  # no copy outlives the block, even one without a query tile
         lo, hi = queries_seeing(j0, j1, lq, lk, left, right) if j0 < lk else (np.int64(0), np.int64(0))
@@ -446,11 +445,11 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 wait_tiles()
                 exact = cuda.syncthreads_or(np.int32((dropout or not plain) and (
                     has_nonfinite(q_rows, tid) or has_nonfinite(do_rows, tid)))) != 0
-                qk(s, k_frag, k_own, q_rows, dim, tid)  # S^T
-                qk_shared(dp, v_own, do_rows, dim_v, tid)  # dP^T before dropout
                 pair_flags(masked, dropped, i0, j0, True, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
                            blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset,
                            seed_low, seed_high, threshold)
+                qk_shared(s, k_own, q_rows, dim, tid)  # S^T
+                qk_shared(dp, v_own, do_rows, dim_v, tid)  # dP^T before dropout
                 for i in range(R):
                     for c in range(C):
                         weight_v, weight_q = SKIP, SKIP
@@ -547,11 +546,11 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
             wait_tiles()
             exact = cuda.syncthreads_or(np.int32((dropout or not plain) and has_nonfinite(k_rows, tid))) != 0
-            qk(s, q_frag, q_own, k_rows, dim, tid)
-            qk_shared(dp, do_own, v_rows, dim_v, tid)  # dP before dropout
             pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
                        has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
                        seed_high, threshold)
+            qk(s, q_frag, q_own, k_rows, dim, tid)
+            qk_shared(dp, do_own, v_rows, dim_v, tid)  # dP before dropout
             for i in range(R):
                 query = q_start + i0 + row_of(tid, i)
                 for c in range(C):

@@ -216,32 +216,105 @@ def _item_pointer(context, builder, array_type, array, indices, index_types, add
     return builder.ptrtoint(pointer, ir.IntType(64 if address_space == 1 else 32))
 
 
+def _address_intrinsics():
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def shared_address(typingctx, tile, row, word):
+        """The address of ``tile[row, word]`` (a 2D shared array) in the shared window, as uint32."""
+
+        def codegen(context, builder, signature, arguments):
+            return _item_pointer(context, builder, signature.args[0], arguments[0], arguments[1:], signature.args[1:],
+                                 3)
+
+        return types.uint32(tile, row, word), codegen
+
+    @intrinsic
+    def global_address(typingctx, x, b, n, h, w):
+        """The global address of ``x[b, n, h, w]``, as int64 (numba's mixed unsigned and signed
+        arithmetic would leave integers)."""
+
+        def codegen(context, builder, signature, arguments):
+            return _item_pointer(context, builder, signature.args[0], arguments[0], arguments[1:], signature.args[1:],
+                                 1)
+
+        return types.int64(x, b, n, h, w), codegen
+
+    return shared_address, global_address
+
+
+# The instructions below take a shared address as a register and a byte offset as an immediate
+# (``[address+offset]``, constraint "n"): the offset must fold to a constant (unrolled loops over
+# compile-time shapes), and a thread then keeps one address register per tile, not one per
+# fragment or copy that the compiler would hoist out of the kernels' loops.
+
+
 def _ldmatrix_intrinsic(transposed: bool):
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    instruction = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if transposed else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+    instruction = (f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if transposed else ''}.shared.b16 "
+                   "{$0, $1, $2, $3}, [$4+$5];")
     result = types.UniTuple(types.uint32, 4)
 
     @intrinsic
-    def ldmatrix(typingctx, tile, row, word):
-        """Four fragment registers of this lane, its own row being ``tile[row, word:word + 4]``
-        (a 2D shared array of 32-bit words, rows 16-byte aligned)."""
+    def ldmatrix(typingctx, address, offset):
+        """Four fragment registers of this lane, its own row being the 16 bytes at shared address
+        ``address + offset`` (16-byte aligned; ``offset`` a compile-time constant)."""
 
         def codegen(context, builder, signature, arguments):
             i32 = ir.IntType(32)
-            address = _item_pointer(context, builder, signature.args[0], arguments[0], arguments[1:],
-                                    signature.args[1:], 3)
+            values = [context.cast(builder, value, given, types.uint32)
+                      for value, given in zip(arguments, signature.args)]
             # side effect: a read of memory that barriers and copies change, never hoisted past them
-            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32]), instruction,
-                               "=r,=r,=r,=r,r,~{memory}", side_effect=True)
-            words = builder.call(asm, [address])
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32, i32]), instruction,
+                               "=r,=r,=r,=r,r,n,~{memory}", side_effect=True)
+            words = builder.call(asm, values)
             return context.make_tuple(builder, result, [builder.extract_value(words, i) for i in range(4)])
 
-        return result(tile, row, word), codegen
+        return result(address, offset), codegen
 
     return ldmatrix
+
+
+def _shared_word_intrinsics():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def shared_word(typingctx, address, offset):
+        """The 32-bit word at shared address ``address + offset`` (``offset`` a compile-time constant)."""
+
+        def codegen(context, builder, signature, arguments):
+            i32 = ir.IntType(32)
+            values = [context.cast(builder, value, given, types.uint32)
+                      for value, given in zip(arguments, signature.args)]
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "ld.shared.b32 $0, [$1+$2];", "=r,r,n,~{memory}",
+                               side_effect=True)
+            return builder.call(asm, values)
+
+        return types.uint32(address, offset), codegen
+
+    @intrinsic
+    def store_shared_pair(typingctx, address, offset, low, high):
+        """Store the words ``low``, ``high`` at shared address ``address + offset`` (8-byte aligned;
+        ``offset`` a compile-time constant)."""
+
+        def codegen(context, builder, signature, arguments):
+            i32 = ir.IntType(32)
+            values = [context.cast(builder, value, given, types.uint32)
+                      for value, given in zip(arguments, signature.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32] * 4), "st.shared.v2.b32 [$0+$1], {$2, $3};",
+                               "r,n,r,r,~{memory}", side_effect=True)
+            builder.call(asm, values)
+            return context.get_dummy_value()
+
+        return types.void(address, offset, low, high), codegen
+
+    return shared_word, store_shared_pair
 
 
 def _copy_intrinsic():
@@ -250,24 +323,24 @@ def _copy_intrinsic():
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def copy_async(typingctx, tile, row, word, source, b, n, h, w, inside):
-        """Start copying 16 bytes from ``source[b, n, h, w:]`` to ``tile[row, word:]``; zeros
-        instead where not ``inside`` (the source is then not read, but must be an address of it)."""
+    def copy_async(typingctx, target, offset, source, inside):
+        """Start copying the 16 bytes at global address ``source`` to shared address ``target +
+        offset`` (``offset`` a compile-time constant); zeros instead where not ``inside`` (the
+        source is then not read, but must be an address of the tensor)."""
 
         def codegen(context, builder, signature, arguments):
             i32, i64 = ir.IntType(32), ir.IntType(64)
-            target = _item_pointer(context, builder, signature.args[0], arguments[0], arguments[1:3],
-                                   signature.args[1:3], 3)
-            origin = _item_pointer(context, builder, signature.args[3], arguments[3], arguments[4:8],
-                                   signature.args[4:8], 1)
-            flag = context.cast(builder, arguments[8], signature.args[8], types.boolean)
+            wanted = (types.uint32, types.uint32, types.int64, types.boolean)
+            target, offset, source, flag = [context.cast(builder, value, given, cast)
+                                            for value, given, cast in zip(arguments, signature.args, wanted)]
             size = builder.select(flag, ir.Constant(i32, 16), ir.Constant(i32, 0))
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64, i32]),
-                               "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
-            builder.call(asm, [target, origin, size])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i32, i64, i32]),
+                               "cp.async.cg.shared.global [$0+$1], [$2], 16, $3;", "r,n,l,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [target, offset, source, size])
             return context.get_dummy_value()
 
-        return types.void(tile, row, word, source, b, n, h, w, inside), codegen
+        return types.void(target, offset, source, inside), codegen
 
     @intrinsic
     def wait_copies(typingctx):
@@ -286,8 +359,10 @@ def _copy_intrinsic():
 
 @functools.cache
 def shared_memory_intrinsics():
-    """(ldmatrix, ldmatrix_transposed, copy_async, wait_copies): device-callable on a GPU only."""
-    return (_ldmatrix_intrinsic(False), _ldmatrix_intrinsic(True), *_copy_intrinsic())
+    """(shared_address, global_address, shared_word, store_shared_pair, ldmatrix, ldmatrix_transposed,
+    copy_async, wait_copies): device-callable on a GPU only."""
+    return (*_address_intrinsics(), *_shared_word_intrinsics(), _ldmatrix_intrinsic(False), _ldmatrix_intrinsic(True),
+            *_copy_intrinsic())
 
 
 @functools.cache
