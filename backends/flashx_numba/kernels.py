@@ -365,11 +365,11 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
 # The backward kernels are written against a ``fragments`` form, as the forward. The dQ kernel
 # holds Q as the forward does, and dO in a shared row tile (``qk_shared``: on tensor cores,
 # registers for both would leave the accumulators too few); the dK/dV kernel, whose two
-# accumulators take most registers, holds both K and V in shared row tiles. A block streams the other axis's tiles through shared memory as rows,
-# which the score products read as their B operand and the second products (Q and dO in
-# dK/dV, K in dQ) as the forward's P V reads V. A tile with skipped pairs whose second
-# products' operand holds a NaN or an infinity is multiplied term by term (``exact``), as in
-# the forward.
+# accumulators take most registers, holds both K and V in shared row tiles. A block streams the
+# other axis's tiles through shared memory as rows, which the score products read as their B
+# operand and the second products (Q and dO in dK/dV, K in dQ) as the forward's P V reads V. A
+# tile with skipped pairs whose second products' operand holds a NaN or an infinity is
+# multiplied term by term (``exact``), as in the forward.
 
 
 @functools.cache
