@@ -1,0 +1,116 @@
+"""Registers, spills, shared memory and instruction counts of the CuPy backend's kernels, built
+on a machine without a GPU: NVRTC compiles each variant's source with its options (and CuPy's
+``-ftz=true``) to PTX, ptxas to sm_90 code, and nvdisasm lists the SASS, of which the basic blocks
+holding tensor-core products (the tile loops) are counted by opcode.
+
+    pip install "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-nvcc==13.0.*" nvidia-cuda-nvdisasm
+    python scripts/cupy_resources.py                    # shipped tiles, bf16, every kernel and head dim
+    python scripts/cupy_resources.py --kernel dkdv --dim 128 --tile 64x64x4 --blocks
+    python scripts/cupy_resources.py --kernel forward --features mask=1,dropout=1
+
+NVRTC 13.0 is the one CuPy 14.2 uses on the lent GPUs; cuda-bindings (numba-cuda's dependency)
+finds the wheel's library. A spill or a register count here is what the GPU will run; a block's
+opcode counts are the static instructions of one tile, a proxy for its issue cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+
+from flashx_cupy import variants  # noqa: E402
+
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.MULTILINE)
+
+
+def tool(name: str) -> str:
+    """A CUDA binary on PATH, else from the nvidia-cuda-* wheels."""
+    found = shutil.which(name)
+    if found:
+        return found
+    import nvidia
+
+    for root in nvidia.__path__:
+        for candidate in Path(root).glob(f"cu*/bin/{name}"):
+            return str(candidate)
+    raise SystemExit(f"{name} not found: pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm")
+
+
+def ptx(variant: variants.Variant, arch: str) -> str:
+    from cuda.bindings import nvrtc
+
+    def check(result):
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise SystemExit(f"NVRTC: {result[0]}")
+        return result[1:]
+
+    text = variants.source(variants.FILES[variant.kernel]).encode()
+    (program,) = check(nvrtc.nvrtcCreateProgram(text, b"kernel.cu", 0, [], []))
+    options = [option.encode() for option in (*variant.options, "-ftz=true", f"--gpu-architecture=compute_{arch}")]
+    compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    if compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        (size,) = check(nvrtc.nvrtcGetProgramLogSize(program))
+        log = b" " * size
+        check(nvrtc.nvrtcGetProgramLog(program, log))
+        raise SystemExit(f"NVRTC failed for {variant}:\n{log.decode(errors='replace')}")
+    (size,) = check(nvrtc.nvrtcGetPTXSize(program))
+    text = b" " * size
+    check(nvrtc.nvrtcGetPTX(program, text))
+    return text.rstrip(b"\0 ").decode()
+
+
+def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        source, binary = Path(folder, "kernel.ptx"), Path(folder, "kernel.cubin")
+        source.write_text(ptx(variant, arch))
+        built = subprocess.run([tool("ptxas"), "-v", f"-arch=sm_{arch}", str(source), "-o", str(binary)],
+                               capture_output=True, text=True, check=True).stderr
+        # ptxas reports every entry of the module (backward.cu holds three): keep this variant's
+        entry = built.split(f"Compiling entry function '{variant.entry_point}'")[1].split("Compiling entry")[0]
+        registers = re.search(r"Used (\d+) registers", entry).group(1)
+        stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", entry).groups()
+        print(f"{variant.kernel:8} {variant.dtype:9} d{variant.dim_qk}/{variant.dim_v} "
+              f"{variant.block_m}x{variant.block_n}x{variant.warps}: {registers} registers, spills {stores}/{loads} B "
+              f"(stores/loads), shared {variant.shared_memory} B")
+        if blocks:
+            sass = subprocess.run([tool("nvdisasm"), "-c", str(binary)], capture_output=True, text=True,
+                                  check=True).stdout
+            code = sass.split(f".text.{variant.entry_point}:")[1].split(".section")[0]
+            for block in re.split(r"^\.L_x_\d+:", code, flags=re.MULTILINE):
+                counts = collections.Counter(_SASS_LINE.findall(block))
+                if counts["HMMA"] >= 16:
+                    top = " ".join(f"{op}={n}" for op, n in counts.most_common(12))
+                    print(f"    block of {sum(counts.values())}: {top}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", nargs="+", default=["forward", "dq", "dkdv"], choices=["forward", "dq", "dkdv"])
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=list(variants.DTYPE_CODES))
+    parser.add_argument("--dim", nargs="+", type=int, default=list(variants.HEAD_DIM_CLASSES))
+    parser.add_argument("--tile", help="BLOCK_MxBLOCK_NxWARPS instead of the shipped tiles")
+    parser.add_argument("--features", default="", help="Variant fields, e.g. mask=1,dropout=1,aligned=0")
+    parser.add_argument("--arch", default="90")
+    parser.add_argument("--blocks", action="store_true", help="opcode counts of the tile loops' basic blocks")
+    args = parser.parse_args()
+    features = {name: bool(int(value)) for name, value in (part.split("=") for part in args.features.split(",") if part)}
+    for kernel in args.kernel:
+        for dtype in args.dtype:
+            for dim in args.dim:
+                width = "32" if dtype == "float32" else "16"
+                tile = tuple(map(int, args.tile.split("x"))) if args.tile else variants.TILES[kernel, width, dim]
+                for parts in variants.dkdv_parts(dim, dim) if kernel == "dkdv" else (3,):
+                    variant = variants.Variant(kernel, dtype, dim, dim, *tile, dkdv_parts=parts, **features)
+                    report(variant, args.arch, args.blocks)
+
+
+if __name__ == "__main__":
+    main()
