@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,6 +28,24 @@ def test_numpy_backend_graded_through_torch_tensors(tmp_path):
     results = json.loads(report.read_text())
     assert results["arrays"] == "torch"
     assert results["results"] and {r["outcome"] for r in results["results"]} == {"passed"}
+
+
+def test_report_is_written_by_the_xdist_controller_alone(tmp_path):
+    """A worker's unconfigure ran after the controller's on an interrupted run and left the
+    report with that worker's 86 of 497 cases."""
+    from flashx_conformance import plugin
+
+    path = tmp_path / "report.json"
+    options = {"flashx_backend": "numpy", "flashx_arrays": None, "flashx_tier": "full", "flashx_device": "cpu",
+               "flashx_report": str(path)}
+    worker = SimpleNamespace(getoption=options.get, workerinput={"workerid": "gw0"})
+    run = plugin._Run(worker)
+    run.results.append({"nodeid": "x", "case": "x", "outcome": "passed", "reason": None, "duration": 0.0})
+    run.pytest_unconfigure()
+    assert not path.exists()
+    run.config = SimpleNamespace(getoption=options.get)  # the controller, or a run without xdist
+    run.pytest_unconfigure()
+    assert len(json.loads(path.read_text())["results"]) == 1
 
 
 def test_arrays_on_a_device_they_cannot_live_on_are_refused(tmp_path):

@@ -233,7 +233,9 @@ class _Run:
 
     def pytest_unconfigure(self):
         path = self.config.getoption("flashx_report")
-        if not path:
+        # A pytest-xdist worker holds only its share of the cases; every outcome also reaches the
+        # controller (its logreport hook), which writes the whole report.
+        if not path or hasattr(self.config, "workerinput"):
             return
         report = {**self.describe(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": self.results}
         directory = os.path.dirname(os.path.abspath(path))
