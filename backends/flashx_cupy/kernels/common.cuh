@@ -174,11 +174,11 @@ __device__ __forceinline__ void gemm_abt(float (&c)[MT][N / 8][4], const elem_t*
     for (int kk = 0; kk < K; kk += 16) {
         u32 af[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a_lane + 2 * (mt * 16 * LDA + kk));
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a_lane + sizeof(elem_t) * (mt * 16 * LDA + kk));
 #pragma unroll
         for (int nt = 0; nt < N / 8; nt += 2) {
             u32 bf[4];
-            ldmatrix_x4(bf, b_lane + 2 * (nt * 8 * LDB + kk));
+            ldmatrix_x4(bf, b_lane + sizeof(elem_t) * (nt * 8 * LDB + kk));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 mma16816(c[mt][nt], af[mt], bf[0], bf[1]);
@@ -233,7 +233,7 @@ __device__ __forceinline__ void gemm_areg(float (&c)[MT][N / 8][4], const float 
 #pragma unroll
         for (int nt = 0; nt < N / 8; nt += 2) {
             u32 bf[4];
-            ldmatrix_x4_trans(bf, b_lane + 2 * (kk * 16 * LDB + nt * 8));
+            ldmatrix_x4_trans(bf, b_lane + sizeof(elem_t) * (kk * 16 * LDB + nt * 8));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 mma16816(c[mt][nt], af[mt], bf[0], bf[1]);
