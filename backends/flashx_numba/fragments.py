@@ -180,9 +180,17 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
         origin = global_address(x, b, row0, h, 0)  # the address of a zero-filled copy
         source = origin + row * x.strides[1] + word * x.strides[3]
         in_row = word < (dim + 1) // 2
+        if in_row and row + cols - rows_apart < rows_in:  # every copy inside: the tests fold away
+            copy_rows(target, source, origin, x.strides[1], cols, True)
+        else:
+            copy_rows(target, source, origin, x.strides[1], rows_in - row, in_row)
+
+    @device_function
+    def copy_rows(target, source, origin, stride, rows_left, in_row):
+        """``start_tile``'s copies of one thread, ``rows_left`` rows from its first on in the tile."""
         for k in range(cols // rows_apart):
-            inside = in_row and row + k * rows_apart < rows_in
-            copy_async(target, k * rows_apart * row_bytes, source + k * rows_apart * x.strides[1] if inside else origin,
+            inside = in_row and k * rows_apart < rows_left
+            copy_async(target, k * rows_apart * row_bytes, source + k * rows_apart * stride if inside else origin,
                        inside)
 
     @device_function

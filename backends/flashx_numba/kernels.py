@@ -43,7 +43,8 @@ from numba import cuda, types
 
 from flashx_numba.fragments import micro_tile_form, tensor_core_form
 from flashx_numba.philox import dropout_keep
-from flashx_numba.primitives import NEG_INF, SIMULATOR, SKIP, device_function, lanes_max, lanes_sum, load, max_nan, store
+from flashx_numba.primitives import (NEG_INF, SIMULATOR, SKIP, device_function, exp2, lanes_max, lanes_sum, load,
+                                     max_nan, store)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def _form(tiles: Tiles, dtype: str, tensor_cores: bool):
     else:
         form = micro_tile_form(tiles.rows, tiles.cols, tiles.row_groups, tiles.lanes, tiles.width, dtype == "bfloat16")
         inputs = _tensor(dtype)
-    assert form.threads == tiles.threads and form.held_cols <= 63  # a row's columns index bits of an int64
+    assert form.threads == tiles.threads and (SIMULATOR or form.held_rows * form.held_cols <= 64)  # pair flags
     return form, inputs
 
 
@@ -173,6 +174,13 @@ def key_tile_from(j0, hi, cols, lk, i0, i1, b, h, blocks, has_blocks, block_q, b
     return j0
 
 
+#: Pair flags (``pair_flags``): bit i * held_cols + c for a thread's held element (i, c), an
+#: int64 on a GPU; the simulator's one thread a block holds a whole tile, its flags Python integers.
+ONE_PAIR = 1 if SIMULATOR else np.int64(1)
+NO_PAIRS = 0 if SIMULATOR else np.int64(0)
+LOG2E = np.float32(math.log2(math.e))
+
+
 @functools.cache
 def _pair_flags(form):
     """``pair_flags`` for a form's held elements: element (i, c) pairs the block's own row
@@ -180,26 +188,26 @@ def _pair_flags(form):
     R, C, row_of, col_of = form.held_rows, form.held_cols, form.row_of, form.col_of
 
     @device_function
-    def pair_flags(masked, dropped, i0, j0, keys_are_rows, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
-                   blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
-                   seed_high, threshold):
-        """Bit c of masked[i]: the pair of held element (i, c) (query tile i0, key tile j0) is
-        disallowed; of dropped[i]: it is dropped. The per-pair tests fill bit masks in loops of
-        their own, so that the kernels' loops indexing held scores unroll into registers."""
+    def pair_flags(i0, j0, keys_are_rows, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
+                   block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low, seed_high,
+                   threshold):
+        """(masked, dropped): bit i * held_cols + c of masked says that the pair of held element
+        (i, c) (query tile i0, key tile j0) is disallowed, of dropped that it is dropped. Two
+        words, not arrays: the tests' loops need not unroll for the flags to stay in registers."""
+        masked = dropped = NO_PAIRS
+        if plain and not dropout:
+            return masked, dropped
         for i in range(R):
-            masked[i] = 0
-            dropped[i] = 0
-            if plain and not dropout:
-                continue
             for c in range(C):
                 query = i0 + (col_of(tid, c) if keys_are_rows else row_of(tid, i))
                 key = j0 + (row_of(tid, i) if keys_are_rows else col_of(tid, c))
                 if not plain and not allowed(query, key, lq, lk, left, right, b, h, mask, has_mask, blocks, has_blocks,
                                              block_q, block_k):
-                    masked[i] |= np.int64(1) << c
+                    masked |= ONE_PAIR << (i * C + c)
                 if dropout and not dropout_keep(row_offset + query, key_offset + key, stream, rng_offset, seed_low,
                                                 seed_high, threshold):
-                    dropped[i] |= np.int64(1) << c
+                    dropped |= ONE_PAIR << (i * C + c)
+        return masked, dropped
 
     return pair_flags
 
@@ -258,8 +266,6 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         acc = cuda.local.array((R, A), np.float32)
         row_max = cuda.local.array(R, np.float32)
         row_sum = cuda.local.array(R, np.float32)  # this thread's columns only, summed across lanes at the end
-        masked = cuda.local.array(R, np.int64)
-        dropped = cuda.local.array(R, np.int64)
         for i in range(R):
             row_max[i] = NEG_INF
             row_sum[i] = 0
@@ -280,16 +286,17 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             start_tile(v_tile, v, batch, k_start + j0, j1 - j0, kv_head, dim_v, tid)
             # plain: every pair of the tile is allowed; otherwise P holds SKIP weights
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
-            pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
-                       has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
-                       seed_high, threshold)  # before the scores: its registers are free there
+            # the flags before the scores: their registers are free there
+            masked, dropped = pair_flags(i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
+                                         blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream,
+                                         rng_offset, seed_low, seed_high, threshold)
             qk(s, q_frag, q_tile, k_tile, dim, tid)
             # Each row of this thread: scaled and masked scores, then P (SKIP where disallowed or
             # dropped; a -inf score reads as disallowed).
             for i in range(R):
                 tile_max = NEG_INF
                 for c in range(C):
-                    s[i, c] = NEG_INF if (masked[i] >> c) & 1 else s[i, c] * scale
+                    s[i, c] = NEG_INF if (masked >> (i * C + c)) & 1 else s[i, c] * scale
                     tile_max = max_nan(tile_max, s[i, c])
                 new_max = max_nan(row_max[i], lanes_max(tile_max, ROW_LANES))
                 reference = np.float32(0) if new_max == NEG_INF else new_max  # no key yet: exp(-inf - 0) = 0
@@ -299,7 +306,7 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                     score = s[i, c]
                     p = math.exp(score - reference)
                     tile_sum += p  # dropped pairs count here too
-                    s[i, c] = SKIP if score == NEG_INF or (dropped[i] >> c) & 1 else p
+                    s[i, c] = SKIP if score == NEG_INF or (dropped >> (i * C + c)) & 1 else p
                 row_sum[i] = row_sum[i] * rescale + tile_sum
                 row_max[i] = new_max
                 for a in range(A):
@@ -362,6 +369,44 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
     return SKIP, p * (np.float32(0) - delta)
 
 
+@functools.cache
+def _gradient_weights(form, keys_are_rows: bool):
+    """``gradient_weights`` for a form's held elements, the tile's queries along its columns
+    (dK/dV: ``keys_are_rows``) or its rows (dQ)."""
+    R, C, row_of, col_of = form.held_rows, form.held_cols, form.row_of, form.col_of
+
+    @device_function
+    def gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, first_query, tid, scale_log2,
+                         drop_scale):
+        """s <- the weights of dO in dV, dp <- dS (``gradient_pair``), from the scores s and dP
+        dp, of the held pairs (flags as ``pair_flags`` gives them; a query is ``first_query`` +
+        its place in the tile). A tile without disallowed pairs or dropout takes a copy of the
+        loop given literal zeros as the flags and 1 as ``drop_scale``: its tests and scalings
+        fold away, and with them the branches that kept each query's lse and delta from being
+        loaded once."""
+        if masked or dropout:
+            weights_of_pairs(s, dp, masked, dropped, lse, delta, batch, h, first_query, tid, scale_log2, drop_scale)
+        else:
+            weights_of_pairs(s, dp, 0, 0, lse, delta, batch, h, first_query, tid, scale_log2, np.float32(1))
+
+    @device_function
+    def weights_of_pairs(s, dp, masked, dropped, lse, delta, batch, h, first_query, tid, scale_log2, drop_scale):
+        """``gradient_weights``' loop. P = 2^(S scale log2(e) - lse log2(e)): an FMA and an ex2 a pair."""
+        for i in range(R):
+            for c in range(C):
+                # unsigned: no wraparound test, and the thread's queries lie at constant offsets
+                query = np.uint64(first_query + (col_of(tid, c) if keys_are_rows else row_of(tid, i)))
+                weight_v, weight_q = SKIP, SKIP
+                if not (masked >> (i * C + c)) & 1:  # a masked pair's query may lie past the sequence: no lse read
+                    p = exp2(s[i, c] * scale_log2 - lse[batch, h, query] * LOG2E)
+                    weight_v, weight_q = gradient_pair(p, dp[i, c], delta[batch, h, query],
+                                                       not (dropped >> (i * C + c)) & 1, drop_scale)
+                s[i, c] = weight_v
+                dp[i, c] = weight_q
+
+    return gradient_weights
+
+
 # The backward kernels are written against a ``fragments`` form, as the forward. The dQ kernel
 # holds Q as the forward does, and dO in a shared row tile (``qk_shared``: on tensor cores,
 # registers for both would leave the accumulators too few); the dK/dV kernel, whose two
@@ -386,7 +431,7 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     row_of, col_of, start_tile, wait_tiles, has_nonfinite, qk_shared, share_weights, pv = (
         form.row_of, form.col_of, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk_shared,
         form.share_weights, form.pv)
-    pair_flags = _pair_flags(form)
+    pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, True)
     assert ROWS <= COLS  # the own operands in shared memory take a streamed tile's shape
 
     @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), _tensor(dtype), *_COMMON))
@@ -406,6 +451,7 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         if j0 >= rows_out:
             return
         batch = 0 if varlen else b
+        scale_log2 = scale * LOG2E
 
         k_own = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         v_own = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
@@ -418,8 +464,6 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         dp = cuda.local.array((R, C), np.float32)
         dk_acc = cuda.local.array((R, A), np.float32)
         dv_acc = cuda.local.array((R, A), np.float32)
-        masked = cuda.local.array(R, np.int64)
-        dropped = cuda.local.array(R, np.int64)
         for i in range(R):  # one array a loop, as every loop over the accumulators: loops that unroll
             for a in range(A):
                 dk_acc[i, a] = 0
@@ -445,21 +489,13 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 wait_tiles()
                 exact = cuda.syncthreads_or(np.int32((dropout or not plain) and (
                     has_nonfinite(q_rows, tid) or has_nonfinite(do_rows, tid)))) != 0
-                pair_flags(masked, dropped, i0, j0, True, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
-                           blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset,
-                           seed_low, seed_high, threshold)
+                masked, dropped = pair_flags(i0, j0, True, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
+                                             blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset,
+                                             stream, rng_offset, seed_low, seed_high, threshold)
                 qk_shared(s, k_own, q_rows, dim, tid)  # S^T
                 qk_shared(dp, v_own, do_rows, dim_v, tid)  # dP^T before dropout
-                for i in range(R):
-                    for c in range(C):
-                        weight_v, weight_q = SKIP, SKIP
-                        if not (masked[i] >> c) & 1:
-                            query = q_start + i0 + col_of(tid, c)
-                            p = math.exp(s[i, c] * scale - lse[batch, h, query])
-                            weight_v, weight_q = gradient_pair(p, dp[i, c], delta[batch, h, query],
-                                                               not (dropped[i] >> c) & 1, drop_scale)
-                        s[i, c] = weight_v
-                        dp[i, c] = weight_q
+                gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, q_start + i0, tid, scale_log2,
+                                 drop_scale)
                 share_weights(p_tile, s, tid)
                 share_weights(ds_tile, dp, tid)
                 cuda.syncthreads()
@@ -494,7 +530,7 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv = (
         form.row_of, form.col_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
         form.qk_shared, form.share_weights, form.pv)
-    pair_flags = _pair_flags(form)
+    pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, False)
     assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
 
     @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), *_COMMON))
@@ -515,6 +551,7 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         batch = 0 if varlen else b
         kv_head = h // group
         stream = b * heads_q + h
+        scale_log2 = scale * LOG2E
 
         q_own = cuda.shared.array(OWN_SHAPE, TILE)
         do_own = cuda.shared.array(ROWS_SHAPE, TILE)
@@ -525,8 +562,6 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         s = cuda.local.array((R, C), np.float32)
         dp = cuda.local.array((R, C), np.float32)
         dq_acc = cuda.local.array((R, A), np.float32)
-        masked = cuda.local.array(R, np.int64)
-        dropped = cuda.local.array(R, np.int64)
         for i in range(R):
             for a in range(A):
                 dq_acc[i, a] = 0
@@ -546,20 +581,13 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             plain = not (has_mask or has_blocks) and inside_band(i0, i0 + ROWS, j0, j0 + COLS, lq, lk, left, right)
             wait_tiles()
             exact = cuda.syncthreads_or(np.int32((dropout or not plain) and has_nonfinite(k_rows, tid))) != 0
-            pair_flags(masked, dropped, i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask, blocks,
-                       has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream, rng_offset, seed_low,
-                       seed_high, threshold)
+            masked, dropped = pair_flags(i0, j0, False, tid, plain, lq, lk, left, right, b, h, mask, has_mask,
+                                         blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream,
+                                         rng_offset, seed_low, seed_high, threshold)
             qk(s, q_frag, q_own, k_rows, dim, tid)
             qk_shared(dp, do_own, v_rows, dim_v, tid)  # dP before dropout
-            for i in range(R):
-                query = q_start + i0 + row_of(tid, i)
-                for c in range(C):
-                    weight = SKIP
-                    if not (masked[i] >> c) & 1:
-                        p = math.exp(s[i, c] * scale - lse[batch, h, query])
-                        weight = gradient_pair(p, dp[i, c], delta[batch, h, query], not (dropped[i] >> c) & 1,
-                                               drop_scale)[1]
-                    dp[i, c] = weight
+            gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, q_start + i0, tid, scale_log2,
+                             drop_scale)
             share_weights(ds_tile, dp, tid)
             cuda.syncthreads()
             pv(dq_acc, dp, v_rows, k_rows, ds_tile, dim, tid, exact)  # V's row tile is free: dS may pass through it
