@@ -106,7 +106,8 @@ def main() -> None:
         for dtype in args.dtype:
             for dim in args.dim:
                 width = "32" if dtype == "float32" else "16"
-                tile = tuple(map(int, args.tile.split("x"))) if args.tile else variants.TILES[kernel, width, dim]
+                table = "dkdv_dq" if features.get("dq_atomic") else kernel
+                tile = tuple(map(int, args.tile.split("x"))) if args.tile else variants.TILES[table, width, dim]
                 for parts in variants.dkdv_parts(dim, dim) if kernel == "dkdv" else (3,):
                     variant = variants.Variant(kernel, dtype, dim, dim, *tile, dkdv_parts=parts, **features)
                     report(variant, args.arch, args.blocks)

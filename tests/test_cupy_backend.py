@@ -19,7 +19,7 @@ from flashx_cupy import CupyBackend, launch, unavailable_reason, variants
 
 def _problem(**changes):
     fields = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, varlen=False, seqlens_q=None, seqlens_k=None,
-                  mask=None, block_mask=None, dropout_p=0.0)
+                  mask=None, block_mask=None, dropout_p=0.0, deterministic=False, band=None)
     return SimpleNamespace(**(fields | changes))
 
 
@@ -79,14 +79,52 @@ def test_tiles_fit(key, split):
     block_m, block_n, warps = variants.TILES[key]
     assert block_m % (16 * warps) == 0 and block_n % 16 == 0
     dtype = "float32" if width == "32" else "bfloat16"
-    variant = variants.choose(kernel, _problem(dtype=dtype, head_dim=dim, head_dim_v=dim if not split else 64),
-                              aligned=True)
+    fused = kernel == "dkdv_dq"
+    variant = variants.choose("dkdv" if fused else kernel,
+                              _problem(dtype=dtype, head_dim=dim, head_dim_v=dim if not split else 64),
+                              aligned=True, dq_atomic=fused)
+    assert (variant.block_m, variant.block_n, variant.warps) == (block_m, block_n, warps)
     assert variant.shared_memory <= 227 * 1024
 
 
 def test_dkdv_split_only_for_the_widest():
     assert variants.dkdv_parts(128, 128) == (3,)
     assert variants.dkdv_parts(64, 256) == (1, 2)
+
+
+@pytest.mark.parametrize("changes, fused", [
+    ({}, True),
+    ({"dtype": "float16", "head_dim": 40, "head_dim_v": 96}, True),
+    ({"deterministic": True}, False),  # the reductions' order varies from run to run
+    ({"band": (-1, 0)}, False),  # causal: the split kernels skip more empty tiles
+    ({"dtype": "float32"}, False),  # no tensor cores: the float32 products stage in shared memory
+    ({"head_dim_v": 256}, False),  # dK and dV in two launches: no one launch holds dS and both sums
+])
+def test_fused_dq_unless_determinism_is_asked(changes, fused):
+    problem = _problem(**changes)
+    assert variants.fused_dq(problem) is fused
+    if fused:  # and its shared memory fits
+        variant = variants.choose("dkdv", problem, aligned=True, dq_atomic=True)
+        assert variant.macros["DQ_ATOMIC"] == 1 and variant.shared_memory <= 227 * 1024
+        atoms = variant.block_n // 16  # each warp sums whole 16-query atoms of dQ, or a share of one's columns
+        assert atoms % variant.warps == 0 or variant.warps % atoms == 0
+
+
+@pytest.mark.parametrize("batch, seqlen, heads_k, group, varlen", [
+    (2, 8192, 16, 1, False), (1, 65536, 16, 1, False), (1, 200000, 2, 4, False), (4, 128, 8, 2, False),
+    (3, 0, 5, 3, True),
+])
+def test_dq_sums_in_chunks_of_kv_heads(batch, seqlen, heads_k, group, varlen):
+    """Every kv head in exactly one launch, and a launch's float32 sums within the bound unless one
+    head alone exceeds it."""
+    problem = SimpleNamespace(varlen=varlen, total_q=5000 if varlen else None, batch=batch, seqlen_q=seqlen,
+                              heads_k=heads_k, group=group, head_dim=100)
+    chunks = launch.kv_head_chunks(problem)
+    assert [h for first, heads in chunks for h in range(first, first + heads)] == list(range(heads_k))
+    rows = 5000 if varlen else batch * seqlen
+    per_head = rows * group * 128 * 4
+    assert all(heads * per_head <= max(launch.DQ_SUMS_BYTES, per_head) for _, heads in chunks)
+    assert len(chunks) == -(-heads_k // max(1, min(heads_k, launch.DQ_SUMS_BYTES // per_head)))
 
 
 # -- sources and cache keys ----------------------------------------------------------------
@@ -157,6 +195,9 @@ CASES = {
     "fp16-dropout-offsets": dict(dtype="float16", shape=(1, 90, 2, 2, 64, 64), dropout_p=0.2, seed=5,
                                  dropout_offsets=(3, 130), causal=True),
     "bf16-d256-causal": dict(dtype="bfloat16", shape=(1, 150, 2, 2, 256, 256), causal=True),
+    "bf16-deterministic-gqa": dict(dtype="bfloat16", shape=(2, 300, 8, 2, 128, 128), causal=True, deterministic=True),
+    "bf16-gqa-fused-dq": dict(dtype="bfloat16", shape=(2, 300, 8, 2, 128, 128)),
+    "fp16-dropout-fused-dq": dict(dtype="float16", shape=(1, 200, 2, 1, 64, 64), dropout_p=0.2, seed=4),
 }
 
 

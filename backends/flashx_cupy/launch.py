@@ -24,7 +24,8 @@ _STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n"
             "lse_b", "lse_h", "delta_b", "delta_h", "mask_b", "mask_h", "mask_i", "mask_j",
             "blocks_b", "blocks_h", "blocks_i", "blocks_j")
 _INTS = ("batch", "heads_q", "heads_k", "group", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0")
+         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0",
+         "kv_head0", "kv_heads")
 _FLOATS = ("scale", "scale_log2", "drop_scale")
 
 #: The layout of ``struct Params``.
@@ -61,6 +62,8 @@ def pack(problem, **fields) -> np.ndarray:
         seed=problem.seed & 0xFFFFFFFFFFFFFFFF,
         drop_row0=problem.dropout_offsets[0],
         drop_col0=problem.dropout_offsets[1],
+        kv_head0=0,
+        kv_heads=problem.heads_k,
         scale=problem.softmax_scale,
         scale_log2=problem.softmax_scale * math.log2(math.e),
         drop_scale=1.0 / (1.0 - problem.dropout_p),
@@ -162,6 +165,20 @@ def tiles(rows: int, block: int) -> int:
     return -(-rows // block)
 
 
+#: The fused backward's float32 dQ sums take at most this much memory at a time: a larger problem
+#: runs its kv heads in several launches, so that its peak stays near the deterministic path's
+#: (and the sums stay in the L2 cache that their reductions hit).
+DQ_SUMS_BYTES = 32 * 2**20
+
+
+def kv_head_chunks(problem) -> list[tuple[int, int]]:
+    """(first kv head, kv heads) of each fused dK/dV launch."""
+    rows = problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
+    per_kv_head = rows * problem.group * variants.head_dim_class(problem.head_dim) * 4
+    heads = max(1, min(problem.heads_k, DQ_SUMS_BYTES // per_kv_head))
+    return [(first, min(heads, problem.heads_k - first)) for first in range(0, problem.heads_k, heads)]
+
+
 def forward(problem, q, k, v):
     import torch
 
@@ -206,14 +223,33 @@ def backward(problem, q, k, v, o, lse, do):
         rows = problem.total_q if varlen else problem.batch * problem.seqlen_q
         launch(variant, device, tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, **fields), np.int32(rows))
 
-        variant = variants.choose("dq", problem, is_aligned)
-        tiles_m = tiles(problem.seqlen_q, variant.block_m)
-        launch(variant, device, tiles_m * problem.heads_q * problem.batch, pack(problem, tiles_m=tiles_m, **fields))
-
-        for parts in variants.dkdv_parts(variants.head_dim_class(problem.head_dim),
-                                         variants.head_dim_class(problem.head_dim_v)):
-            variant = variants.choose("dkdv", problem, is_aligned, parts)
-            tiles_m = tiles(problem.seqlen_k, variant.block_m)
-            launch(variant, device, tiles_m * problem.heads_k * problem.batch, pack(problem, tiles_m=tiles_m, **fields))
+        if variants.fused_dq(problem):
+            _dkdv_adding_dq(problem, device, variants.choose("dkdv", problem, is_aligned, dq_atomic=True), fields, dq)
+        else:
+            variant = variants.choose("dq", problem, is_aligned)
+            tiles_m = tiles(problem.seqlen_q, variant.block_m)
+            launch(variant, device, tiles_m * problem.heads_q * problem.batch, pack(problem, tiles_m=tiles_m, **fields))
+            for parts in variants.dkdv_parts(variants.head_dim_class(problem.head_dim),
+                                             variants.head_dim_class(problem.head_dim_v)):
+                variant = variants.choose("dkdv", problem, is_aligned, parts)
+                tiles_m = tiles(problem.seqlen_k, variant.block_m)
+                launch(variant, device, tiles_m * problem.heads_k * problem.batch,
+                       pack(problem, tiles_m=tiles_m, **fields))
         del keep
     return dq, dk, dv
+
+
+def _dkdv_adding_dq(problem, device, variant, fields: dict, dq) -> None:
+    """The fused dK/dV launches, a chunk of kv heads each: dQ of the chunk's query heads is summed
+    in float32 (scaled, the head dim padded to its class) and then rounded into ``dq``."""
+    import torch
+
+    tiles_m = tiles(problem.seqlen_k, variant.block_m)
+    group, chunks = problem.group, kv_head_chunks(problem)
+    buffer = torch.empty((*dq.shape[:-2], chunks[0][1] * group, variant.dim_qk), dtype=torch.float32, device=dq.device)
+    for first, heads in chunks:
+        sums = buffer[..., :heads * group, :].zero_()
+        params = pack(problem, tiles_m=tiles_m, kv_head0=first, kv_heads=heads,
+                      **(fields | tensor_fields("dq", sums, problem.varlen, 3)))
+        launch(variant, device, tiles_m * heads * problem.batch, params)
+        dq[..., first * group:(first + heads) * group, :].copy_(sums[..., :problem.head_dim])

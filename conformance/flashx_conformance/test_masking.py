@@ -6,6 +6,8 @@ rows left with no key must give o = 0, lse = -inf and dq = 0 exactly, unread key
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -169,3 +171,38 @@ def test_varlen(flashx_target, flashx_rng, lengths, options):
         flashx_rng, lengths_q=lengths_q, lengths_k=lengths_k, spare_rows=3, heads_q=4, heads_k=2, head_dim=32, dtype=flashx_target.dtype, **options
     )
     flashx_target.check(case)
+
+
+def _features_16bit(rng, dtype: str, deterministic: bool) -> dict:
+    """Each feature over several tiles of 64 rows in 16 bits, where GPU kernels run on tensor cores
+    and may take another backward than float32 does (by deterministic, and by band, too)."""
+    common = dict(dtype=dtype, deterministic=deterministic, head_dim=64)
+    blocks = rng.random((2, 2, 3, 3)) < 0.6
+    blocks[0, 0, 0, :] = False
+    mask = rng.random((90, 150)) < 0.6
+    mask[:, [3, 70, 149]] = False
+    unread = (~mask.any(axis=0))[None, :, None, None]
+    outside = (np.arange(150) < 150 - 90 - 4)[None, :, None, None]
+    return {
+        "causal-gqa": make_case(rng, seqlen_q=100, seqlen_k=230, heads_q=4, heads_k=2, causal=True, **common),
+        "bool-mask": make_case(rng, seqlen_q=90, seqlen_k=150, mask=rng.random((90, 150)) < 0.6, **common),
+        "block-mask": make_case(rng, seqlen_q=143, seqlen_k=131, block_mask=flashx.BlockMask(blocks, (64, 48)), **common),
+        "dropout": make_case(rng, seqlen_q=97, seqlen_k=143, dropout_p=0.25, seed=3, **common),
+        "varlen-gqa": make_varlen_case(rng, lengths_q=[130, 3, 64], lengths_k=[128, 150, 64], spare_rows=3, heads_q=4,
+                                       heads_k=2, **common),
+        # keys no query may read hold inf, in tiles that also hold keys that are read
+        "masked-keys-inf": make_case(rng, seqlen_q=90, seqlen_k=150, mask=mask, **common).with_poison(
+            "k", unread, math.inf).with_poison("v", unread, -math.inf),
+        "window-unread-inf": make_case(rng, seqlen_q=90, seqlen_k=150, window=(4, 0), **common).with_poison(
+            "k", outside, math.inf).with_poison("v", outside, math.inf),
+    }
+
+
+@pytest.mark.parametrize("name, deterministic", diagonal(list(_features_16bit(np.random.default_rng(0), "bfloat16", False)),
+                                                         [False, True]), ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=full_only)])
+def test_features_16bit(flashx_target, flashx_rng, name, deterministic, dtype):
+    """The masks, dropout, varlen and GQA in 16 bits, with and without deterministic=True: a
+    backend may add dQ across key tiles by unordered float32 reductions unless determinism is
+    asked for, and both backwards are held to the oracle."""
+    flashx_target.check(_features_16bit(flashx_rng, dtype, deterministic)[name])

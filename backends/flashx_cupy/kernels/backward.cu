@@ -1,4 +1,4 @@
-// The backward, without atomics (deterministic), in three kernels:
+// The backward, in three kernels:
 //   flashx_delta  D = rowsum(dO * O) per query row, float32;
 //   flashx_dkdv   one CTA per (key tile, kv head, sequence), K and V resident, streaming the
 //                 query tiles of every query head of its group: dV = P^T dO, dK = dS^T Q, summed
@@ -6,6 +6,10 @@
 //                 the warps own keys and the products are those of the forward;
 //   flashx_dq     one CTA per (query tile, query head, sequence), Q and dO resident, streaming
 //                 key tiles: dQ = dS K.
+// Without atomics the backward is deterministic, and flashx_dq computes S and dP again: seven
+// products. With DQ_ATOMIC, flashx_dkdv also adds each tile's dS K to a float32 dQ (p.dq, of the
+// launch's kv heads) by unordered reductions, and flashx_dq is not launched: five products, the
+// sum's order left to the hardware. The host picks it unless the call asks for determinism.
 // P is recomputed from the LSE; with dropout, Z is drawn again from (seed, rng_offset):
 //   dV = (P Z / (1 - p))^T dO,  dS = P (Z dP / (1 - p) - D),  dP = dO V^T;
 // a dropped pair reads no dO (its dP is 0), but its dS = -P D still reaches dQ and dK.
@@ -27,6 +31,12 @@
 #ifndef DKDV_PARTS
 #define DKDV_PARTS 3
 #endif
+#ifndef DQ_ATOMIC
+#define DQ_ATOMIC 0
+#endif
+#define LD_DS (BLOCK_N + CHUNK)  // dS^T in shared memory: keys x queries
+static_assert(!DQ_ATOMIC || (TENSOR_CORES && DKDV_PARTS == 3 && (BLOCK_N / 16 % WARPS == 0 || WARPS % (BLOCK_N / 16) == 0)),
+              "the fused dQ takes dS of both parts' kernel, on tensor cores, whole query atoms a warp");
 
 extern "C" __global__ void flashx_delta(const Params p, int rows) {
     // One warp per (row of the q tensor, query head); rows counts B * Nq (padded) or Tq (varlen).
@@ -69,9 +79,10 @@ struct KeyCta {
     Sequence s;
     int b, hk, n0, wrow;
     int tile_lo, tiles;  // the query tiles from row tile_lo on that some key of the CTA reads
-    elem_t *sK, *sV, *sQ, *sDO;
+    elem_t *sK, *sV, *sQ, *sDO, *sDS;
     float *sLse, *sDelta, *sStage;
     int buf;  // the Q/dO buffers of the step being computed; the other pair is loading
+    bool k_nonfinite;  // K holds a NaN or an infinity (DQ_ATOMIC: masked tiles take the exact dQ)
 #if DKDV_PARTS & 1
     float dk[ATOMS][DIM_QK / 8][4];
 #endif
@@ -191,14 +202,85 @@ struct KeyCta {
                 __syncthreads();
             }
         }
+#if DQ_ATOMIC
+        store_ds(dst);
+#endif
 #if DKDV_PARTS & 2
         gemm_areg<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, pt, do_tile, sStage + wrow * BLOCK_N);
 #endif
 #if DKDV_PARTS & 1
         gemm_areg<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, dst, q_tile, sStage + wrow * BLOCK_N);
 #endif
+#if DQ_ATOMIC
+        __syncthreads();  // every warp's keys of dS^T
+        add_dq<MASKED>(h, m);
+#endif
         buf ^= 1;
     }
+
+#if DQ_ATOMIC
+    // This warp's rows of dS^T into shared memory, rounded as the products' operands are.
+    __device__ __forceinline__ void store_ds(const float (&dst)[ATOMS][BLOCK_N / 8][4]) {
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    store_pair(sDS + (wrow + frag_row(mt, 2 * half)) * LD_DS + frag_col(nt, 0), dst[mt][nt][2 * half],
+                               dst[mt][nt][2 * half + 1]);
+    }
+
+    // dQ += scale * dS K for the tile's queries at row m of head h. Each warp takes QATOMS atoms of
+    // 16 queries and COLS columns (GROUPS warps share an atom where the tile has fewer atoms than
+    // warps), PASS columns at a time: fewer live accumulators beside dK and dV.
+    template <bool MASKED>
+    __device__ __forceinline__ void add_dq(int h, int m) {
+        constexpr int QATOMS = BLOCK_N / 16 > WARPS ? BLOCK_N / 16 / WARPS : 1;
+        constexpr int GROUPS = WARPS * QATOMS * 16 / BLOCK_N, COLS = DIM_QK / GROUPS, PASS = COLS < 64 ? COLS : 64;
+        float* dq = (float*)p.dq + row_offset(b, s.start_q, m, h - p.kv_head0 * p.group, p.dq_b, p.dq_n, p.dq_h);
+        if (MASKED && k_nonfinite) {
+            exact_dq(h, m, dq);
+            return;
+        }
+        const int warp = threadIdx.x / 32;
+        const int qrow = warp % (WARPS / GROUPS) * QATOMS * 16, col0 = warp / (WARPS / GROUPS) * COLS;
+#pragma unroll 1
+        for (int c0 = col0; c0 < col0 + COLS; c0 += PASS) {
+            float acc[QATOMS][PASS / 8][4];
+            zero<QATOMS, PASS>(acc);
+            gemm_atb<QATOMS, PASS, BLOCK_M, LD_DS, LD_QK>(acc, sDS + qrow, sK + c0);
+#pragma unroll
+            for (int mt = 0; mt < QATOMS; ++mt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int i = qrow + frag_row(mt, 2 * half);
+                    if (m + i >= s.len_q) continue;
+#pragma unroll
+                    for (int nt = 0; nt < PASS / 8; ++nt)
+                        reduce_add_pair(dq + (i64)i * p.dq_n + c0 + frag_col(nt, 0), acc[mt][nt][2 * half] * p.scale,
+                                        acc[mt][nt][2 * half + 1] * p.scale);
+                }
+        }
+    }
+
+    // The same sums for a masked tile when K holds a NaN or an infinity, element by element over
+    // the allowed pairs only: a disallowed pair must not add 0 * inf. An element is NaN where an
+    // allowed pair reads a non-finite K (the contract: NaN in, NaN out).
+    __device__ void exact_dq(int h, int m, float* dq) const {
+        for (int idx = threadIdx.x; idx < BLOCK_N * DIM_QK; idx += THREADS) {
+            const int i = idx / DIM_QK, c = idx % DIM_QK;
+            if (m + i >= s.len_q) continue;
+            float sum = 0.f;
+            for (int j = 0; j < BLOCK_M && sum == sum; ++j) {
+                if (!allowed_pair(p, s, h, m + i, n0 + j)) continue;
+                const elem_t kv = sK[j * LD_QK + c];
+                sum = finite_bits(kv) ? fmaf(to_float(sDS[j * LD_DS + i]), to_float(kv), sum) : QUIET_NAN;
+            }
+            reduce_add(dq + (i64)i * p.dq_n + c, sum * p.scale);
+        }
+    }
+#endif
 };
 
 // One CTA an SM is asked for: left free, ptxas holds the float32 d64 variant to 168 registers
@@ -212,9 +294,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
     float* sLse = (float*)(sDO + 2 * BLOCK_N * LD_V);                      // 2 x BLOCK_N
     float* sDelta = sLse + 2 * BLOCK_N;                                    // 2 x BLOCK_N
     float* sStage = sDelta + 2 * BLOCK_N;                                  // float32: BLOCK_M x BLOCK_N
+    elem_t* sDS = (elem_t*)(sStage + (TENSOR_CORES ? 0 : BLOCK_M * BLOCK_N));  // DQ_ATOMIC: BLOCK_M x LD_DS
 
     int tile, hk, b;
-    grid_tile(p.tiles_m, p.heads_k, tile, hk, b);
+    grid_tile(p.tiles_m, p.kv_heads, tile, hk, b);
+    hk += p.kv_head0;
     const Sequence s = sequence(p, b);
     const int n0 = tile * BLOCK_M;
     const int keys_out = VARLEN ? s.len_k : p.seqlen_k;  // padded keys past len_k still get dk = dv = 0
@@ -230,8 +314,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
     if (keys_end <= n0 || end <= first) first = end = 0;
     const int tile_lo = first / BLOCK_N * BLOCK_N;
 
-    KeyCta cta{p, s, b, hk, n0, wrow, tile_lo, (end - tile_lo + BLOCK_N - 1) / BLOCK_N, sK, sV, sQ, sDO, sLse,
-               sDelta, sStage, 1};
+    KeyCta cta{p, s, b, hk, n0, wrow, tile_lo, (end - tile_lo + BLOCK_N - 1) / BLOCK_N, sK, sV, sQ, sDO, sDS, sLse,
+               sDelta, sStage, 1, false};
 #if DKDV_PARTS & 1
     zero<ATOMS, DIM_QK>(cta.dk);
 #endif
@@ -253,6 +337,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
     int step = allowed_step(0);
     cta.load_rows(step);  // into buffers 0, in K and V's group
     cta.buf = 0;
+#if DQ_ATOMIC
+    cp_async_wait<0>();
+    __syncthreads();
+    cta.k_nonfinite = tile_nonfinite<BLOCK_M, DIM_QK, LD_QK>(sK);
+#endif
 
     // One uniform branch a step picks the body.
     while (step < steps) {

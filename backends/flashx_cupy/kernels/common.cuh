@@ -51,6 +51,7 @@ struct Params {
     u64 seed;
     int batch, heads_q, heads_k, group, seqlen_q, seqlen_k, head_dim, head_dim_v;
     int left, right, block_q, block_k, rng_offset, drop_threshold, tiles_m, drop_row0, drop_col0;
+    int kv_head0, kv_heads;  // the dK/dV kernel's launch covers kv heads [kv_head0, kv_head0 + kv_heads)
     float scale, scale_log2, drop_scale;
 };
 
@@ -276,6 +277,48 @@ __device__ __forceinline__ void gemm_areg(float (&c)[MT][N / 8][4], const float 
     __syncwarp();
 #endif
 }
+
+#if TENSOR_CORES
+// C[MT][N / 8] += A * B[0:K][0:N], A given transposed: A^T (K x this warp's rows) and B row-major in
+// shared memory; ldmatrix.trans turns A^T's 8 x 8 blocks into A fragments.
+template <int MT, int N, int K, int LDA, int LDB>
+__device__ __forceinline__ void gemm_atb(float (&c)[MT][N / 8][4], const elem_t* at, const elem_t* b) {
+    const int lane = threadIdx.x % 32;
+    const u32 a_lane = smem_addr(at + (lane % 8 + (lane / 16) * 8) * LDA + ((lane / 8) % 2) * 8);
+    const u32 b_lane = smem_addr(b + (lane % 8 + ((lane / 8) % 2) * 8) * LDB + (lane / 16) * 8);
+#pragma unroll
+    for (int kk = 0; kk < K; kk += 16) {
+        u32 af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4_trans(af[mt], a_lane + sizeof(elem_t) * (kk * LDA + mt * 16));
+#pragma unroll
+        for (int nt = 0; nt < N / 8; nt += 2) {
+            u32 bf[4];
+            ldmatrix_x4_trans(bf, b_lane + sizeof(elem_t) * (kk * LDB + nt * 8));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(c[mt][nt], af[mt], bf[0], bf[1]);
+                mma16816(c[mt][nt + 1], af[mt], bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// Adds x to a float in global memory, unordered.
+__device__ __forceinline__ void reduce_add(float* dst, float x) {
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(dst), "f"(x) : "memory");
+}
+
+// Adds (lo, hi) to two adjacent floats, as one vector reduction where sm_90 has it.
+__device__ __forceinline__ void reduce_add_pair(float* dst, float lo, float hi) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(lo), "f"(hi) : "memory");
+#else
+    reduce_add(dst, lo);
+    reduce_add(dst + 1, hi);
+#endif
+}
+#endif
 
 // Row (0 .. 16 * MT) and column of element e of atom (mt, nt) of this lane.
 __device__ __forceinline__ int frag_row(int mt, int e) { return mt * 16 + (threadIdx.x % 32) / 4 + (e >= 2 ? 8 : 0); }
