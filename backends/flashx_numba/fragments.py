@@ -6,7 +6,7 @@ other operands (``kernels``).
 
 A form says which score elements a thread holds: ``held_rows`` x ``held_cols`` registers, element
 (i, c) being tile row ``row_of(tid, i)`` and column ``col_of(tid, c)``; its output accumulators
-are ``held_rows`` x ``held_features`` registers, feature columns ``col_of(tid, a)``. The
+are ``held_rows`` x ``held_features`` registers, feature columns ``feature_of(tid, a)``. The
 ``row_lanes`` adjacent lanes that share a row reduce it by xor shuffles. And it says how tiles
 are staged and multiplied:
 
@@ -17,7 +17,7 @@ are staged and multiplied:
   ``wait_tiles()`` waits for this thread's loads, and a barrier after it publishes the tile
   (the fragment form copies asynchronously, so a load may run beside a product; the micro-tile
   form loads at once). ``has_nonfinite(tile, tid)``: whether this thread's share of a loaded
-  tile holds a NaN or an infinity (the fragment form's products cannot skip a term, see below);
+  tile holds a NaN or an infinity (the forms' products skip no term unless ``exact``, see below);
 - ``qk(s, q_frag, q_tile, k_tile, dim, tid)``: s = Q K^T of the thread's elements; and
   ``qk_shared(s, a_tile, k_tile, dim, tid)``: the same product with the own rows' operand in a
   shared tile of the key layout (the backward keeps its own operands there: the registers
@@ -46,8 +46,11 @@ fragment, copy and word it touches lies a compile-time offset from it. Held acro
 separate registers, those addresses would leave the accumulators too few.
 
 Micro-tiles (``micro_tile_form``): thread (g, t) of ``row_groups`` x ``lanes`` holds rows
-g + i * row_groups and columns t + j * lanes (``primitives``); P goes through shared memory
-(``p_tile``) to the product with V.
+g + i * row_groups, columns t + j * lanes and runs of four features (``primitives``); P goes
+through shared memory (``p_tile``) to the product with V. The products read shared memory 16
+bytes at a time: every tile's rows, P's too, start on 16 bytes. A skipped term is multiplied
+unless the streamed operand of the product with P holds a NaN or an infinity (``exact``, as
+with fragments).
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 from numba import cuda
 
-from flashx_numba.primitives import (SIMULATOR, accumulate, bits_of_float, device_function, float_from_bits,
-                                     load_tile, scores, skipped, to_shared)
+from flashx_numba.primitives import (SIMULATOR, STEP, accumulate, bits_of_float, device_function, feature,
+                                     float_from_bits, has_nonfinite_floats, load_tile, scores, skipped, to_shared)
 
 #: Words a shared row is padded by in the fragment form (bank spread of B fragment reads).
 _PAD_WORDS = 4
@@ -81,6 +84,7 @@ class Form(NamedTuple):
     frag_words: int  # Q in registers (fragments)
     row_of: Callable
     col_of: Callable
+    feature_of: Callable
     stage_queries: Callable
     start_tile: Callable
     wait_tiles: Callable
@@ -94,7 +98,11 @@ class Form(NamedTuple):
 @functools.cache
 def micro_tile_form(rows: int, cols: int, row_groups: int, lanes: int, width: int, bf16: bool) -> Form:
     """Each thread a (rows / row_groups) x (cols / lanes) micro-tile; float32 shared tiles."""
-    threads, padded = row_groups * lanes, width + 1  # shared rows one float longer (see primitives)
+    threads = row_groups * lanes
+    passes = threads // min(32, threads)  # rows a load copies at once
+    assert width % (4 * lanes) == 0 and width % STEP == 0 and cols % 4 == 0  # whole runs and steps
+    assert rows % passes == 0 and cols % passes == 0 and width % min(32, threads) == 0  # whole passes of a load
+    padded, p_padded = width + 4, cols + 4  # rows 16 bytes past a multiple of 128 (see primitives)
 
     @device_function
     def row_of(tid, i):
@@ -105,12 +113,16 @@ def micro_tile_form(rows: int, cols: int, row_groups: int, lanes: int, width: in
         return tid % lanes + c * lanes
 
     @device_function
+    def feature_of(tid, a):
+        return feature(tid % lanes, a, lanes)
+
+    @device_function
     def stage_queries(q_frag, q_tile, staging, q, b, row0, rows, h, dim, tid):
-        load_tile(q_tile, q, b, row0, rows, h, dim, tid, threads, bf16)
+        load_tile(q_tile, q, b, row0, rows, h, dim, width, tid, threads, bf16)
 
     @device_function
     def start_tile(tile, x, b, row0, rows, h, dim, tid):
-        load_tile(tile, x, b, row0, rows, h, dim, tid, threads, bf16)
+        load_tile(tile, x, b, row0, rows, h, dim, width, tid, threads, bf16)
 
     @device_function
     def wait_tiles():
@@ -118,7 +130,7 @@ def micro_tile_form(rows: int, cols: int, row_groups: int, lanes: int, width: in
 
     @device_function
     def has_nonfinite(tile, tid):
-        return False  # ``accumulate`` skips terms itself
+        return has_nonfinite_floats(tile, width, tid, threads)
 
     @device_function
     def qk(s, q_frag, q_tile, k_tile, dim, tid):
@@ -134,11 +146,11 @@ def micro_tile_form(rows: int, cols: int, row_groups: int, lanes: int, width: in
 
     @device_function
     def pv(acc, s, scratch, v_tile, p_tile, dim_v, tid, exact):
-        accumulate(acc, p_tile, v_tile, dim_v, tid // lanes, tid % lanes, row_groups, lanes)
+        accumulate(acc, p_tile, v_tile, dim_v, tid // lanes, tid % lanes, row_groups, lanes, exact)
 
     return Form(threads, rows // row_groups, cols // lanes, width // lanes, lanes, np.float32, (rows, padded),
-                (cols, padded), (cols, padded), (rows, cols + 1), 1, row_of, col_of, stage_queries, start_tile,
-                wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv)
+                (cols, padded), (cols, padded), (rows, p_padded), 1, row_of, col_of, feature_of, stage_queries,
+                start_tile, wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv)
 
 
 @functools.cache
@@ -318,5 +330,5 @@ def tensor_core_form(rows: int, cols: int, width: int, dtype: str) -> Form:
                     acc[1, a] += w_bottom * value
 
     return Form(threads, 2, cols // 4, width // 4, 4, np.uint32, (1, 1), (cols, row_words), (cols, row_words), (1, 1),
-                4 * steps, row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared,
+                4 * steps, row_of, col_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared,
                 share_weights, pv)

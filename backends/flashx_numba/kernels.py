@@ -73,8 +73,8 @@ class Tiles:
 # Arrays are typed with any layout ("A"), so transposed, sliced or broadcast inputs reuse the
 # kernel compiled for contiguous ones, lse and delta excepted; bfloat16 is stored as int16 bit patterns.
 
-#: The alignment of the shared row tiles, in bytes: whole 16-byte copies and ``ldmatrix`` rows
-#: (the simulator takes none).
+#: The alignment of the shared tiles, in bytes: whole 16-byte copies, ``ldmatrix`` rows and
+#: the micro-tiles' 16-byte loads (the simulator takes none).
 ALIGNED = None if SIMULATOR else 16
 STORAGE = {"float16": types.float16, "bfloat16": types.int16, "float32": types.float32}
 _ROWS = types.Array(types.float32, 3, "C")  # lse, delta: contiguous, so a thread's rows lie at constant offsets
@@ -233,8 +233,8 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     form, inputs = _form(tiles, dtype, tensor_cores)
     R, C, A, ROW_LANES, TILE = form.held_rows, form.held_cols, form.held_features, form.row_lanes, form.tile_dtype
     Q_SHAPE, K_SHAPE, V_SHAPE, P_SHAPE, FRAG = form.q_shape, form.k_shape, form.v_shape, form.p_shape, form.frag_words
-    row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, share_weights, pv = (
-        form.row_of, form.col_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
+    row_of, feature_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, share_weights, pv = (
+        form.row_of, form.feature_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
         form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
 
@@ -257,10 +257,10 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         kv_head = h // group
         stream = b * heads_q + h
 
-        q_tile = cuda.shared.array(Q_SHAPE, TILE)
+        q_tile = cuda.shared.array(Q_SHAPE, TILE, alignment=ALIGNED)
         k_tile = cuda.shared.array(K_SHAPE, TILE, alignment=ALIGNED)
         v_tile = cuda.shared.array(V_SHAPE, TILE, alignment=ALIGNED)
-        p_tile = cuda.shared.array(P_SHAPE, np.float32)
+        p_tile = cuda.shared.array(P_SHAPE, np.float32, alignment=ALIGNED)
         q_frag = cuda.local.array(FRAG, np.uint32)
         s = cuda.local.array((R, C), np.float32)
         acc = cuda.local.array((R, A), np.float32)
@@ -331,10 +331,10 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 empty = row >= lq or total == 0  # no allowed key (NaN rows stay NaN)
                 factor = np.float32(0) if empty else drop_scale / total
                 for a in range(A):
-                    d = col_of(tid, a)
+                    d = feature_of(tid, a)
                     if d < dim_v:
                         store(o, batch, q_start + row, h, d, np.float32(0) if empty else acc[i, a] * factor, bf16)
-                if col_of(tid, 0) == 0:
+                if feature_of(tid, 0) == 0:
                     lse[batch, h, q_start + row] = NEG_INF if empty else row_max[i] + math.log(total)
 
     return kernel
@@ -428,8 +428,8 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     R, C, A, TILE = form.held_rows, form.held_cols, form.held_features, form.tile_dtype
     ROWS_SHAPE, P_SHAPE = form.k_shape, form.p_shape
     SCRATCH_SHAPE = ROWS_SHAPE if tensor_cores else (1, 1)
-    row_of, col_of, start_tile, wait_tiles, has_nonfinite, qk_shared, share_weights, pv = (
-        form.row_of, form.col_of, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk_shared,
+    row_of, feature_of, start_tile, wait_tiles, has_nonfinite, qk_shared, share_weights, pv = (
+        form.row_of, form.feature_of, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk_shared,
         form.share_weights, form.pv)
     pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, True)
     assert ROWS <= COLS  # the own operands in shared memory take a streamed tile's shape
@@ -458,8 +458,9 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         q_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         do_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         scratch = cuda.shared.array(SCRATCH_SHAPE, TILE)  # the exact products' P (both row tiles are operands)
-        p_tile = cuda.shared.array(P_SHAPE, np.float32)  # P^T with dropout applied: dO's weights in dV
-        ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS^T: Q's weights in dK
+        # P^T with dropout applied (dO's weights in dV), dS^T (Q's weights in dK)
+        p_tile = cuda.shared.array(P_SHAPE, np.float32, alignment=ALIGNED)
+        ds_tile = cuda.shared.array(P_SHAPE, np.float32, alignment=ALIGNED)
         s = cuda.local.array((R, C), np.float32)
         dp = cuda.local.array((R, C), np.float32)
         dk_acc = cuda.local.array((R, A), np.float32)
@@ -506,14 +507,14 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             key = j0 + row_of(tid, i)
             if key < rows_out:
                 for a in range(A):
-                    if col_of(tid, a) < dim:
-                        store(dk, batch, k_start + key, kv_head, col_of(tid, a), dk_acc[i, a] * scale, bf16)
+                    if feature_of(tid, a) < dim:
+                        store(dk, batch, k_start + key, kv_head, feature_of(tid, a), dk_acc[i, a] * scale, bf16)
         for i in range(R):
             key = j0 + row_of(tid, i)
             if key < rows_out:
                 for a in range(A):
-                    if col_of(tid, a) < dim_v:
-                        store(dv, batch, k_start + key, kv_head, col_of(tid, a), dv_acc[i, a], bf16)
+                    if feature_of(tid, a) < dim_v:
+                        store(dv, batch, k_start + key, kv_head, feature_of(tid, a), dv_acc[i, a], bf16)
 
     return kernel
 
@@ -527,8 +528,8 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     form, inputs = _form(tiles, dtype, tensor_cores)
     R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
     OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
-    row_of, col_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv = (
-        form.row_of, form.col_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
+    row_of, feature_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv = (
+        form.row_of, form.feature_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
         form.qk_shared, form.share_weights, form.pv)
     pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, False)
     assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
@@ -553,11 +554,11 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         stream = b * heads_q + h
         scale_log2 = scale * LOG2E
 
-        q_own = cuda.shared.array(OWN_SHAPE, TILE)
-        do_own = cuda.shared.array(ROWS_SHAPE, TILE)
+        q_own = cuda.shared.array(OWN_SHAPE, TILE, alignment=ALIGNED)
+        do_own = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         k_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
         v_rows = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
-        ds_tile = cuda.shared.array(P_SHAPE, np.float32)  # dS: K's weights in dQ
+        ds_tile = cuda.shared.array(P_SHAPE, np.float32, alignment=ALIGNED)  # dS: K's weights in dQ
         q_frag = cuda.local.array(FRAG, np.uint32)
         s = cuda.local.array((R, C), np.float32)
         dp = cuda.local.array((R, C), np.float32)
@@ -596,7 +597,7 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
             row = i0 + row_of(tid, i)
             if row < rows_out:
                 for a in range(A):
-                    d = col_of(tid, a)
+                    d = feature_of(tid, a)
                     if d < dim:
                         store(dq, batch, q_start + row, h, d, dq_acc[i, a] * scale, bf16)
 

@@ -216,6 +216,7 @@ def _item_pointer(context, builder, array_type, array, indices, index_types, add
     return builder.ptrtoint(pointer, ir.IntType(64 if address_space == 1 else 32))
 
 
+@functools.cache
 def _address_intrinsics():
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -279,6 +280,7 @@ def _ldmatrix_intrinsic(transposed: bool):
     return ldmatrix
 
 
+@functools.cache
 def _shared_word_intrinsics():
     from llvmlite import ir
     from numba import types
@@ -314,7 +316,25 @@ def _shared_word_intrinsics():
 
         return types.void(address, offset, low, high), codegen
 
-    return shared_word, store_shared_pair
+    @intrinsic
+    def shared_quad(typingctx, address, offset):
+        """The four float32 at shared address ``address + offset`` (16-byte aligned; ``offset`` a
+        compile-time constant), in one 16-byte load."""
+
+        def codegen(context, builder, signature, arguments):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            values = [context.cast(builder, value, given, types.uint32)
+                      for value, given in zip(arguments, signature.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32, i32]),
+                               "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4+$5];", "=f,=f,=f,=f,r,n,~{memory}",
+                               side_effect=True)
+            quad = builder.call(asm, values)
+            result = types.UniTuple(types.float32, 4)
+            return context.make_tuple(builder, result, [builder.extract_value(quad, i) for i in range(4)])
+
+        return types.UniTuple(types.float32, 4)(address, offset), codegen
+
+    return shared_word, store_shared_pair, shared_quad
 
 
 def _copy_intrinsic():
@@ -361,8 +381,15 @@ def _copy_intrinsic():
 def shared_memory_intrinsics():
     """(shared_address, global_address, shared_word, store_shared_pair, ldmatrix, ldmatrix_transposed,
     copy_async, wait_copies): device-callable on a GPU only."""
-    return (*_address_intrinsics(), *_shared_word_intrinsics(), _ldmatrix_intrinsic(False), _ldmatrix_intrinsic(True),
-            *_copy_intrinsic())
+    return (*_address_intrinsics(), *_shared_word_intrinsics()[:2], _ldmatrix_intrinsic(False),
+            _ldmatrix_intrinsic(True), *_copy_intrinsic())
+
+
+@functools.cache
+def micro_tile_intrinsics():
+    """(shared_address, shared_quad): the float32 micro-tiles' reads of shared memory, 16 bytes
+    at a time at immediate offsets from one address a tile; device-callable on a GPU only."""
+    return _address_intrinsics()[0], _shared_word_intrinsics()[2]
 
 
 @functools.cache

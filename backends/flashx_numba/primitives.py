@@ -4,11 +4,18 @@ reductions across lanes, and bfloat16 conversions.
 The thread layout: a block owns ``rows`` rows (queries; keys in the dK/dV kernel) and streams
 tiles of ``cols`` rows of the other axis. Its threads form ``row_groups`` groups of ``lanes``
 adjacent lanes. Thread (g, t) holds rows g + i * row_groups of every score tile, tile columns
-t + j * lanes, and feature columns t + k * lanes of its accumulators. The lanes that share a
-row are adjacent lanes of one warp, so a row reduces by xor shuffles among them.
+t + j * lanes, and of its accumulators the features ``feature(t, k, lanes)``: runs of four
+adjacent features, run t + m * lanes for its k = 4 m to 4 m + 3. The lanes that share a row
+are adjacent lanes of one warp, so a row reduces by xor shuffles among them.
 
-Shared tiles are float32, row-major, one float longer than the widest head dim: a warp reading
-down a column (rows g + i * row_groups, fixed d) meets a distinct bank in every row.
+The products hold a thread's operands in registers (register blocking): per four features
+(scores) or four streamed rows (P V), one 16-byte load of each held row of either operand, and
+an FMA for every pair of them. Shared tiles are float32, row-major, their rows padded to a
+multiple of 16 bytes that is 16 more than a multiple of 128: the eight lanes of a quarter warp
+read eight adjacent rows at one offset (scores), or 128 contiguous bytes of one row (P V), from
+distinct banks, and the lanes of a row group read the same words of its rows (a broadcast).
+Addresses are 32-bit shared-window addresses, one a tile and thread, and every load lies a
+compile-time offset from it.
 
 Each primitive has its CUDA form and, where the CUDA simulator could not run it or would take
 minutes (it runs every CUDA thread as a Python thread), a NumPy form that computes the same
@@ -28,6 +35,9 @@ from numba.cuda.core import config
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in a shuffle
 _MICRO = 256  # the most tile or accumulator columns one thread holds (a whole head dim); unused ones vanish
+#: Features a step of the score products reads (two 16-byte loads a held row): tiles hold zeros
+#: from the head dim on to their width, a multiple of it.
+STEP = 8
 
 
 def device_function(function):
@@ -132,6 +142,14 @@ def load(x, b, row, h, d, bf16):
 
 
 @device_function
+def load_element(line, d, bf16):
+    """Element d of the row ``line`` of a tensor as float32 (``bf16``: bfloat16 bit patterns)."""
+    if bf16:
+        return bits_to_float(line[d])
+    return np.float32(line[d])
+
+
+@device_function
 def store(x, b, row, h, d, value, bf16):
     """x[b, row, h, d] = value, rounded to x's dtype (``bf16``: bfloat16 bit patterns)."""
     if bf16:
@@ -142,10 +160,18 @@ def store(x, b, row, h, d, value, bf16):
 
 # -- tiles ---------------------------------------------------------------------------------
 
+
+@device_function
+def feature(t, k, lanes):
+    """The feature of accumulator column k of a thread of lane t in its row group."""
+    return 4 * (t + k // 4 * lanes) + k % 4
+
+
 if SIMULATOR:
 
-    def load_tile(tile, x, b, row0, rows, h, width, tid, threads, bf16):
-        """tile[r, :width] = x[b, row0 + r, h, :width] for r < rows, and 0 in the tile's other rows.
+    def load_tile(tile, x, b, row0, rows, h, width, filled, tid, threads, bf16):
+        """tile[r, :filled] = x[b, row0 + r, h, :width] for r < rows, zeros past ``width``, and 0
+        in the tile's other rows.
 
         One thread copies with NumPy; the kernel's next syncthreads publishes the tile."""
         if tid != 0:
@@ -154,6 +180,12 @@ if SIMULATOR:
         block = np.asarray(x[b, row0 : row0 + rows, h, :width])
         tile[:rows, :width] = (block.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if bf16 else block
         tile[rows:, :width] = 0
+        tile[:, width:filled] = 0
+
+    def has_nonfinite_floats(tile, width, tid, threads):
+        """Whether this thread's share of ``tile`` holds a NaN or an infinity: never asked here,
+        ``accumulate`` skips terms itself."""
+        return False
 
     def scores(registers, a, b, width, g, t, row_groups, lanes):
         """registers[i, j] = sum over d < width of a[g + i * row_groups, d] * b[t + j * lanes, d].
@@ -170,15 +202,17 @@ if SIMULATOR:
         tm, tn = registers.shape
         out[g :: row_groups, t :: lanes][:tm, :tn] = registers
 
-    def accumulate(acc, w, values, width, g, t, row_groups, lanes):
-        """acc[i, k] += sum over c of w[g + i * row_groups, c] * values[c, t + k * lanes], for
-        feature columns t + k * lanes < width; terms whose weight is SKIP add nothing."""
+    def accumulate(acc, w, values, width, g, t, row_groups, lanes, exact):
+        """acc[i, k] += sum over c of w[g + i * row_groups, c] * values[c, feature(t, k, lanes)],
+        for features below width; terms whose weight is SKIP add nothing (whatever ``exact``)."""
         weights = w[g :: row_groups][: acc.shape[0], : values.shape[0]]
-        columns = values[:, t:width:lanes]
+        held = np.array([feature(t, k, lanes) for k in range(acc.shape[1])])
+        inside = held < width
+        columns = values[:, held[inside]]
         kept = ~(np.signbit(weights) & (weights == 0))
         with np.errstate(invalid="ignore", over="ignore"):  # SKIP x (NaN or inf), discarded by the where
             terms = np.where(kept[:, :, None], weights[:, :, None] * columns[None, :, :], np.float32(0))
-        acc[:, : columns.shape[1]] += terms.sum(axis=1)
+        acc[:, inside] += terms.sum(axis=1)
 
     def lanes_max(x, lanes):
         """The NaN-propagating maximum of x over the ``lanes`` lanes of a row (1 here: see
@@ -193,34 +227,65 @@ if SIMULATOR:
 
 else:
 
+    from flashx_numba.mma import micro_tile_intrinsics
+
+    shared_address, shared_quad = micro_tile_intrinsics()
+
     @device_function
-    def load_tile(tile, x, b, row0, rows, h, width, tid, threads, bf16):
-        """tile[r, :width] = x[b, row0 + r, h, :width] for r < rows, and 0 in the tile's other rows.
+    def load_tile(tile, x, b, row0, rows, h, width, filled, tid, threads, bf16):
+        """tile[r, :filled] = x[b, row0 + r, h, :width] for r < rows, zeros past ``width``, and 0
+        in the tile's other rows.
 
         A warp copies a row at a time, its lanes along the row: global reads coalesce and
-        shared writes meet distinct banks."""
+        shared writes meet distinct banks. The trip counts are compile-time constants, and a
+        lane's loads in a row lie at constant multiples of the feature stride from its first."""
         row_lanes = min(32, threads)
-        for r in range(tid // row_lanes, tile.shape[0], threads // row_lanes):
+        passes = threads // row_lanes  # rows copied at once
+        first, lane = tid // row_lanes, tid % row_lanes
+        for k in range(tile.shape[0] // passes):
+            r = first + k * passes
             inside = r < rows
-            for d in range(tid % row_lanes, width, row_lanes):
-                tile[r, d] = load(x, b, row0 + r, h, d, bf16) if inside else np.float32(0)
+            line = x[b, row0 + r, h, lane:]  # read only where inside
+            for m in range(filled // row_lanes):
+                d = lane + m * row_lanes
+                inside_row = inside and d < width
+                tile[r, d] = load_element(line, np.uint64(m * row_lanes), bf16) if inside_row else np.float32(0)
+
+    @device_function
+    def has_nonfinite_floats(tile, width, tid, threads):
+        """Whether this thread's share of the first ``width`` columns of ``tile`` holds a NaN or an infinity."""
+        seen = np.uint32(0)
+        for index in range(tid, tile.shape[0] * width, threads):
+            x = tile[index // width, index % width]
+            seen |= np.uint32(x - x != 0)
+        return seen != 0
 
     @device_function
     def scores(registers, a, b, width, g, t, row_groups, lanes):
         """registers[i, j] = sum over d < width of a[g + i * row_groups, d] * b[t + j * lanes, d],
         for this thread's i < registers.shape[0], j < registers.shape[1]: a float32 FMA chain in
-        the order of d."""
-        column = cuda.local.array(_MICRO, np.float32)
+        the order of d, ``STEP`` features a step from registers."""
+        held_a = cuda.local.array((_MICRO, STEP), np.float32)
+        held_b = cuda.local.array((_MICRO, STEP), np.float32)
         for i in range(registers.shape[0]):
             for j in range(registers.shape[1]):
                 registers[i, j] = 0
-        for d in range(width):
-            for j in range(registers.shape[1]):
-                column[j] = b[t + j * lanes, d]
+        a_address, b_address = shared_address(a, g, 0), shared_address(b, t, 0)
+        a_rows, b_rows = 4 * row_groups * a.shape[1], 4 * lanes * b.shape[1]  # bytes between held rows
+        for d0 in range(0, width, STEP):
+            a_step, b_step = a_address + np.uint32(4 * d0), b_address + np.uint32(4 * d0)
             for i in range(registers.shape[0]):
-                x = a[g + i * row_groups, d]
-                for j in range(registers.shape[1]):
-                    registers[i, j] += x * column[j]
+                for q in range(0, STEP, 4):
+                    held_a[i, q], held_a[i, q + 1], held_a[i, q + 2], held_a[i, q + 3] = shared_quad(
+                        a_step, i * a_rows + 4 * q)
+            for j in range(registers.shape[1]):
+                for q in range(0, STEP, 4):
+                    held_b[j, q], held_b[j, q + 1], held_b[j, q + 2], held_b[j, q + 3] = shared_quad(
+                        b_step, j * b_rows + 4 * q)
+            for d in range(STEP):
+                for i in range(registers.shape[0]):
+                    for j in range(registers.shape[1]):
+                        registers[i, j] += held_a[i, d] * held_b[j, d]
 
     @device_function
     def to_shared(out, registers, g, t, row_groups, lanes):
@@ -231,19 +296,36 @@ else:
                 out[g + i * row_groups, t + j * lanes] = registers[i, j]
 
     @device_function
-    def accumulate(acc, w, values, width, g, t, row_groups, lanes):
-        """acc[i, k] += sum over c of w[g + i * row_groups, c] * values[c, t + k * lanes]; terms
-        whose weight is SKIP add nothing. Columns t + k * lanes >= width accumulate values of
-        no meaning, which are never stored."""
+    def accumulate(acc, w, values, width, g, t, row_groups, lanes, exact):
+        """acc[i, k] += sum over c of w[g + i * row_groups, c] * values[c, feature(t, k, lanes)];
+        where ``exact``, terms whose weight is SKIP add nothing (a tile without SKIP weights, or
+        whose values are all finite, multiplies without the tests: SKIP x finite adds -0 or +0).
+        Columns of features >= width accumulate values of no meaning, which are never stored."""
+        if exact:
+            weighted_rows(acc, w, values, g, t, row_groups, lanes, True)
+        else:
+            weighted_rows(acc, w, values, g, t, row_groups, lanes, False)
+
+    @device_function
+    def weighted_rows(acc, w, values, g, t, row_groups, lanes, skipping):
+        """``accumulate``, four streamed rows a step: one 16-byte load of the four weights of each
+        held row, and of each run of four features of each streamed row."""
+        weights = cuda.local.array((_MICRO, 4), np.float32)
         row = cuda.local.array(_MICRO, np.float32)
-        for c in range(values.shape[0]):
-            for k in range(acc.shape[1]):
-                row[k] = values[c, t + k * lanes]
+        w_address, v_address = shared_address(w, g, 0), shared_address(values, 0, 4 * t)
+        w_rows, v_row = 4 * row_groups * w.shape[1], 4 * values.shape[1]  # bytes between held, streamed rows
+        for c0 in range(0, values.shape[0], 4):
+            w_step, v_step = w_address + np.uint32(4 * c0), v_address + np.uint32(c0 * v_row)
             for i in range(acc.shape[0]):
-                weight = w[g + i * row_groups, c]
-                if not skipped(weight):
-                    for k in range(acc.shape[1]):
-                        acc[i, k] += weight * row[k]
+                weights[i, 0], weights[i, 1], weights[i, 2], weights[i, 3] = shared_quad(w_step, i * w_rows)
+            for c in range(4):
+                for k in range(0, acc.shape[1], 4):
+                    row[k], row[k + 1], row[k + 2], row[k + 3] = shared_quad(v_step, c * v_row + 4 * k * lanes)
+                for i in range(acc.shape[0]):
+                    weight = weights[i, c]
+                    if not (skipping and skipped(weight)):
+                        for k in range(acc.shape[1]):
+                            acc[i, k] += weight * row[k]
 
     @device_function
     def lanes_max(x, lanes):
