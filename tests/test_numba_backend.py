@@ -39,7 +39,7 @@ import flashx_numba  # noqa: E402
 if not config.ENABLE_CUDASIM:  # numba came in before this module: its kernels would need a GPU
     pytest.skip("numba was imported before NUMBA_ENABLE_CUDASIM=1 was set", allow_module_level=True)
 
-from flashx_numba import attention, kernels, mma  # noqa: E402
+from flashx_numba import attention, fragments, mma  # noqa: E402
 from flashx_numba.philox import dropout_word  # noqa: E402
 from flashx_numba.primitives import bits_to_float, float_to_bits  # noqa: E402
 
@@ -58,22 +58,50 @@ def test_without_the_simulator_it_needs_a_gpu():
     assert "no CUDA device" in flashx_numba._unavailable(simulating=False)
 
 
-def test_tiles_fit_shared_memory_on_a_gpu():
-    """float32 tiles within the 48 KiB a block holds statically, for every kernel and head-dim class."""
+def _gpu_micro_tiles():
     for kind, classes in attention.GPU_TILES.items():
         for width, (rows, cols, row_groups, lanes) in classes.items():
-            tiles = kernels.Tiles(rows, cols, row_groups, lanes, width)
-            streamed, own = 2 * cols * (width + 1), 2 * rows * (width + 1)  # K and V, Q and dO (or K and V)
-            weights = 2 * rows * (cols + 1)  # P^T and dS^T in the dK/dV kernel
-            if kind == "forward":
-                own, weights = rows * (width + 1), rows * (cols + 1)
-            assert 4 * (own + streamed + weights) <= 48 * 1024, (kind, width)
-            assert tiles.threads % 32 == 0
+            yield kind, width, fragments.micro_tile_form(rows, cols, row_groups, lanes, width, False)
+
+
+def test_tiles_fit_shared_memory_on_a_gpu():
+    """float32 tiles within the 48 KiB a block holds statically, for every kernel and head-dim class."""
+    def size(shape):
+        return 4 * shape[0] * shape[1]
+
+    for kind, width, form in _gpu_micro_tiles():
+        if kind == "forward":  # Q, K, V, P
+            total = size(form.q_shape) + size(form.k_shape) + size(form.v_shape) + size(form.p_shape)
+        else:  # dK/dV: K, V, Q, dO, P^T, dS^T (dQ: Q, dO, K, V, dS)
+            total = 4 * size(form.k_shape) + 2 * size(form.p_shape)
+        assert total <= 48 * 1024, (kind, width)
+        assert form.threads % 32 == 0
     for width, (rows, cols) in attention.TENSOR_CORE_TILES["forward"].items():  # packed words (fragments)
         assert 4 * 2 * cols * (max(width // 2, cols) + 4) <= 48 * 1024, width  # K, V
     for width, (rows, cols) in attention.TENSOR_CORE_TILES["backward"].items():
         # dK/dV: K, V, Q, dO and the exact products' scratch, rows of pairs
         assert rows <= cols and 4 * 5 * cols * (max(width // 2, cols) + 4) <= 48 * 1024, width
+
+
+def test_gpu_micro_tiles_hold_each_element_once():
+    """The GPU tiles' thread layouts: every score element held by one thread, every feature by
+    one thread of each row's group, a row's lanes in one warp, row tiles' rows 16 bytes past a
+    multiple of 128 (16-byte reads of eight adjacent rows meet distinct banks), and P's rows of
+    a warp's row groups read at one offset in distinct banks."""
+    for kind, width, form in _gpu_micro_tiles():
+        rows, cols = form.q_shape[0], form.k_shape[0]
+        held = [(form.row_of(tid, i), form.col_of(tid, c)) for tid in range(form.threads)
+                for i in range(form.held_rows) for c in range(form.held_cols)]
+        assert sorted(held) == [(r, c) for r in range(rows) for c in range(cols)], (kind, width)
+        for tid in range(0, form.threads, form.row_lanes):
+            lanes = range(tid, tid + form.row_lanes)
+            assert len({lane // 32 for lane in lanes}) == 1 and len({form.row_of(lane, 0) for lane in lanes}) == 1
+            features = sorted(form.feature_of(lane, a) for lane in lanes for a in range(form.held_features))
+            assert features == list(range(width)), (kind, width)
+        for shape in (form.q_shape, form.k_shape):
+            assert 4 * shape[1] % 128 == 16, (kind, width, shape)
+        p_words = form.p_shape[1]
+        assert p_words % 4 == 0 and len({g * p_words % 32 for g in range(32 // form.row_lanes)}) == 32 // form.row_lanes
 
 
 # ---------------------------------------------------------------- Philox and bfloat16

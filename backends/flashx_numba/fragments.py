@@ -102,7 +102,7 @@ def micro_tile_form(rows: int, cols: int, row_groups: int, lanes: int, width: in
     passes = threads // min(32, threads)  # rows a load copies at once
     assert width % (4 * lanes) == 0 and width % STEP == 0 and cols % 4 == 0  # whole runs and steps
     assert rows % passes == 0 and cols % passes == 0 and width % min(32, threads) == 0  # whole passes of a load
-    padded, p_padded = width + 4, cols + 4  # rows 16 bytes past a multiple of 128 (see primitives)
+    padded, p_padded = width + 4, cols + 4  # rows 16 bytes longer: bank spread (see primitives)
 
     @device_function
     def row_of(tid, i):

@@ -14,6 +14,8 @@ an FMA for every pair of them. Shared tiles are float32, row-major, their rows p
 multiple of 16 bytes that is 16 more than a multiple of 128: the eight lanes of a quarter warp
 read eight adjacent rows at one offset (scores), or 128 contiguous bytes of one row (P V), from
 distinct banks, and the lanes of a row group read the same words of its rows (a broadcast).
+P's rows are 16 bytes longer than a tile's columns: the row groups of a warp read it at one
+offset from distinct banks.
 Addresses are 32-bit shared-window addresses, one a tile and thread, and every load lies a
 compile-time offset from it.
 
