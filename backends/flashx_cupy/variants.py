@@ -136,7 +136,7 @@ class Variant:
         row_stats = 4 * n * 4 if self.kernel == "dkdv" else 0
         pairs = m * n if self.kernel == "dq" else 0  # the dQ kernel's record of the allowed pairs of a tile
         stage = 4 * m * n if self.dtype == "float32" else 0
-        scores = m * (n + pad) * size if self.dq_atomic else 0  # dS^T, the fused dQ's operand
+        scores = 2 * m * (n + pad) * size if self.dq_atomic else 0  # dS^T, the fused dQ's operand, two steps
         return resident + streamed + row_stats + pairs + stage + scores
 
 

@@ -83,6 +83,11 @@ struct KeyCta {
     float *sLse, *sDelta, *sStage;
     int buf;  // the Q/dO buffers of the step being computed; the other pair is loading
     bool k_nonfinite;  // K holds a NaN or an infinity (DQ_ATOMIC: masked tiles take the exact dQ)
+    // DQ_ATOMIC: the step whose dS^T waits in the other dS^T buffer for its dQ product (head, row;
+    // dq_head < 0: none). The product runs one step late, after the barrier that starts the next
+    // step, so that it needs no barrier of its own.
+    int dq_head, dq_row;
+    bool dq_masked;
 #if DKDV_PARTS & 1
     float dk[ATOMS][DIM_QK / 8][4];
 #endif
@@ -138,6 +143,9 @@ struct KeyCta {
         cp_async_wait<0>();  // Q and dO of this step
         __syncthreads();     // ... for every thread; and every warp is done with the other buffers
         load_rows(next);
+#if DQ_ATOMIC
+        add_dq();  // the previous step's
+#endif
         const int h = head_of(step), m = row_of(step);
         elem_t* q_tile = sQ + buf * BLOCK_N * LD_QK;
         elem_t* do_tile = sDO + buf * BLOCK_N * LD_V;
@@ -212,35 +220,40 @@ struct KeyCta {
         gemm_areg<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, dst, q_tile, sStage + wrow * BLOCK_N);
 #endif
 #if DQ_ATOMIC
-        __syncthreads();  // every warp's keys of dS^T
-        add_dq<MASKED>(h, m);
+        dq_head = h;
+        dq_row = m;
+        dq_masked = MASKED;
 #endif
         buf ^= 1;
     }
 
 #if DQ_ATOMIC
-    // This warp's rows of dS^T into shared memory, rounded as the products' operands are.
+    // This warp's rows of dS^T into this step's buffer, rounded as the products' operands are.
     __device__ __forceinline__ void store_ds(const float (&dst)[ATOMS][BLOCK_N / 8][4]) {
+        elem_t* ds = sDS + buf * BLOCK_M * LD_DS;
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
-                    store_pair(sDS + (wrow + frag_row(mt, 2 * half)) * LD_DS + frag_col(nt, 0), dst[mt][nt][2 * half],
+                    store_pair(ds + (wrow + frag_row(mt, 2 * half)) * LD_DS + frag_col(nt, 0), dst[mt][nt][2 * half],
                                dst[mt][nt][2 * half + 1]);
     }
 
-    // dQ += scale * dS K for the tile's queries at row m of head h. Each warp takes QATOMS atoms of
-    // 16 queries and COLS columns (GROUPS warps share an atom where the tile has fewer atoms than
-    // warps), PASS columns at a time: fewer live accumulators beside dK and dV.
-    template <bool MASKED>
-    __device__ __forceinline__ void add_dq(int h, int m) {
+    // dQ += scale * dS K for the pending step's queries (row dq_row of head dq_head), dS^T from the
+    // buffer the next step does not write. Each warp takes QATOMS atoms of 16 queries and COLS
+    // columns (GROUPS warps share an atom where the tile has fewer atoms than warps), PASS
+    // columns at a time: fewer live accumulators beside dK and dV.
+    __device__ __forceinline__ void add_dq() {
         constexpr int QATOMS = BLOCK_N / 16 > WARPS ? BLOCK_N / 16 / WARPS : 1;
         constexpr int GROUPS = WARPS * QATOMS * 16 / BLOCK_N, COLS = DIM_QK / GROUPS, PASS = COLS < 64 ? COLS : 64;
-        float* dq = (float*)p.dq + row_offset(b, s.start_q, m, h - p.kv_head0 * p.group, p.dq_b, p.dq_n, p.dq_h);
-        if (MASKED && k_nonfinite) {
-            exact_dq(h, m, dq);
+        if (dq_head < 0) return;
+        const int m = dq_row;
+        const elem_t* ds = sDS + (buf ^ 1) * BLOCK_M * LD_DS;
+        float* dq = (float*)p.dq + row_offset(b, s.start_q, m, dq_head - p.kv_head0 * p.group, p.dq_b, p.dq_n, p.dq_h);
+        if (dq_masked && k_nonfinite) {
+            exact_dq(ds, dq);
             return;
         }
         const int warp = threadIdx.x / 32;
@@ -249,7 +262,7 @@ struct KeyCta {
         for (int c0 = col0; c0 < col0 + COLS; c0 += PASS) {
             float acc[QATOMS][PASS / 8][4];
             zero<QATOMS, PASS>(acc);
-            gemm_atb<QATOMS, PASS, BLOCK_M, LD_DS, LD_QK>(acc, sDS + qrow, sK + c0);
+            gemm_atb<QATOMS, PASS, BLOCK_M, LD_DS, LD_QK>(acc, ds + qrow, sK + c0);
 #pragma unroll
             for (int mt = 0; mt < QATOMS; ++mt)
 #pragma unroll
@@ -267,7 +280,8 @@ struct KeyCta {
     // The same sums for a masked tile when K holds a NaN or an infinity, element by element over
     // the allowed pairs only: a disallowed pair must not add 0 * inf. An element is NaN where an
     // allowed pair reads a non-finite K (the contract: NaN in, NaN out).
-    __device__ void exact_dq(int h, int m, float* dq) const {
+    __device__ void exact_dq(const elem_t* ds, float* dq) const {
+        const int h = dq_head, m = dq_row;
         for (int idx = threadIdx.x; idx < BLOCK_N * DIM_QK; idx += THREADS) {
             const int i = idx / DIM_QK, c = idx % DIM_QK;
             if (m + i >= s.len_q) continue;
@@ -275,7 +289,7 @@ struct KeyCta {
             for (int j = 0; j < BLOCK_M && sum == sum; ++j) {
                 if (!allowed_pair(p, s, h, m + i, n0 + j)) continue;
                 const elem_t kv = sK[j * LD_QK + c];
-                sum = finite_bits(kv) ? fmaf(to_float(sDS[j * LD_DS + i]), to_float(kv), sum) : QUIET_NAN;
+                sum = finite_bits(kv) ? fmaf(to_float(ds[j * LD_DS + i]), to_float(kv), sum) : QUIET_NAN;
             }
             reduce_add(dq + (i64)i * p.dq_n + c, sum * p.scale);
         }
@@ -294,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
     float* sLse = (float*)(sDO + 2 * BLOCK_N * LD_V);                      // 2 x BLOCK_N
     float* sDelta = sLse + 2 * BLOCK_N;                                    // 2 x BLOCK_N
     float* sStage = sDelta + 2 * BLOCK_N;                                  // float32: BLOCK_M x BLOCK_N
-    elem_t* sDS = (elem_t*)(sStage + (TENSOR_CORES ? 0 : BLOCK_M * BLOCK_N));  // DQ_ATOMIC: BLOCK_M x LD_DS
+    elem_t* sDS = (elem_t*)(sStage + (TENSOR_CORES ? 0 : BLOCK_M * BLOCK_N));  // DQ_ATOMIC: 2 x BLOCK_M x LD_DS
 
     int tile, hk, b;
     grid_tile(p.tiles_m, p.kv_heads, tile, hk, b);
@@ -315,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
     const int tile_lo = first / BLOCK_N * BLOCK_N;
 
     KeyCta cta{p, s, b, hk, n0, wrow, tile_lo, (end - tile_lo + BLOCK_N - 1) / BLOCK_N, sK, sV, sQ, sDO, sDS, sLse,
-               sDelta, sStage, 1, false};
+               sDelta, sStage, 1, false, -1, 0, false};
 #if DKDV_PARTS & 1
     zero<ATOMS, DIM_QK>(cta.dk);
 #endif
@@ -354,6 +368,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
         step = next;
     }
     cp_async_wait<0>();
+#if DQ_ATOMIC
+    __syncthreads();  // the last step's dS^T
+    cta.add_dq();
+#endif
 
     elem_t* dk_out = (elem_t*)p.dk + row_offset(b, s.start_k, 0, hk, p.dk_b, p.dk_n, p.dk_h);
     elem_t* dv_out = (elem_t*)p.dv + row_offset(b, s.start_k, 0, hk, p.dv_b, p.dv_n, p.dv_h);
