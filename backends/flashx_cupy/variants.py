@@ -55,7 +55,7 @@ TILES = {
     ("dkdv", "32", 128): (64, 32, 4),
     ("dkdv", "32", 256): (32, 16, 2),
     # The dK/dV kernel that also adds dQ (``fused_dq``): 128 keys a CTA halve the dQ reductions
-    # of 64, and time 11.7 ms against 12.4 on the H100 (bf16, N=8k, d128).
+    # of 64, and timed 11.7 ms against 12.4 on the H100 (bf16, N=8k, d128; dQ not yet one step late).
     ("dkdv_dq", "16", 64): (128, 64, 8),
     ("dkdv_dq", "16", 128): (128, 64, 8),
 }
