@@ -79,9 +79,10 @@ def test_tiles_fit(key, split):
     block_m, block_n, warps = variants.TILES[key]
     assert block_m % (16 * warps) == 0 and block_n % 16 == 0
     dtype = "float32" if width == "32" else "bfloat16"
-    fused = kernel == "dkdv_dq"
-    variant = variants.choose("dkdv" if fused else kernel,
-                              _problem(dtype=dtype, head_dim=dim, head_dim_v=dim if not split else 64),
+    fused, masked = kernel == "dkdv_dq", kernel == "forward_mask"
+    variant = variants.choose({"dkdv_dq": "dkdv", "forward_mask": "forward"}.get(kernel, kernel),
+                              _problem(dtype=dtype, head_dim=dim, head_dim_v=dim if not split else 64,
+                                       mask=object() if masked else None),
                               aligned=True, dq_atomic=fused)
     assert (variant.block_m, variant.block_n, variant.warps) == (block_m, block_n, warps)
     assert variant.shared_memory <= 227 * 1024

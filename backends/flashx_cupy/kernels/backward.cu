@@ -36,8 +36,7 @@
 #define DQ_ATOMIC 0
 #endif
 #define LD_DS (BLOCK_N + CHUNK)  // dS^T in shared memory: keys x queries
-static_assert(!DQ_ATOMIC || (TENSOR_CORES && DKDV_PARTS == 3 && (BLOCK_N / 16 % WARPS == 0 || WARPS % (BLOCK_N / 16) == 0)),
-              "the fused dQ takes dS of both parts' kernel, on tensor cores, whole query atoms a warp");
+static_assert(!DQ_ATOMIC || (TENSOR_CORES && DKDV_PARTS == 3), "the fused dQ takes dS of both parts' kernel, on tensor cores");
 
 extern "C" __global__ void flashx_delta(const Params p, int rows) {
     // One warp per (row of the q tensor, query head); rows counts B * Nq (padded) or Tq (varlen).
@@ -243,12 +242,14 @@ struct KeyCta {
     }
 
     // dQ += scale * dS K for the pending step's queries (row dq_row of head dq_head), dS^T from the
-    // buffer the next step does not write. Each warp takes QATOMS atoms of 16 queries and COLS
-    // columns (GROUPS warps share an atom where the tile has fewer atoms than warps), PASS
-    // columns at a time: fewer live accumulators beside dK and dV.
+    // buffer the next step does not write. Each warp takes QATOMS atoms of 16 queries (two where
+    // the tile has no more atoms than warps: each ldmatrix of K then serves two atoms) and COLS
+    // columns, the GROUPS warps of a set of atoms splitting the head dim, PASS columns at a time:
+    // fewer live accumulators beside dK and dV.
     __device__ __forceinline__ void add_dq() {
-        constexpr int QATOMS = BLOCK_N / 16 > WARPS ? BLOCK_N / 16 / WARPS : 1;
-        constexpr int GROUPS = WARPS * QATOMS * 16 / BLOCK_N, COLS = DIM_QK / GROUPS, PASS = COLS < 64 ? COLS : 64;
+        constexpr int ATOMS_N = BLOCK_N / 16, QATOMS = ATOMS_N > WARPS ? ATOMS_N / WARPS : ATOMS_N < 2 ? 1 : 2;
+        constexpr int GROUPS = WARPS * QATOMS / ATOMS_N, COLS = DIM_QK / GROUPS, PASS = COLS < 64 ? COLS : 64;
+        static_assert(ATOMS_N % QATOMS == 0 && (WARPS * QATOMS) % ATOMS_N == 0 && COLS % 16 == 0, "whole atoms a warp");
         if (dq_head < 0) return;
         const int m = dq_row;
         const elem_t* ds = sDS + (buf ^ 1) * BLOCK_M * LD_DS;
@@ -475,7 +476,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#if DROPOUT
+                const u32 kept[2] = {dropout_keep_pair(p, b, h, m0 + wrow + frag_row(mt, 0), n + frag_col(nt, 0)),
+                                     dropout_keep_pair(p, b, h, m0 + wrow + frag_row(mt, 2), n + frag_col(nt, 0))};
+#endif
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
@@ -483,12 +488,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
                     if (masked) sAllowed[r * BLOCK_N + c] = ok;
                     const float pr = ok ? exp2f(sc[mt][nt][e] * p.scale_log2 - lse2[mt][e / 2]) : 0.f;
 #if DROPOUT
-                    const float dpr = dropout_keep(p, b, h, m0 + r, n + c) ? dp[mt][nt][e] * p.drop_scale : 0.f;
+                    const float dpr = kept[e / 2] >> (e & 1) & 1 ? dp[mt][nt][e] * p.drop_scale : 0.f;
 #else
                     const float dpr = dp[mt][nt][e];
 #endif
                     sc[mt][nt][e] = ok ? pr * (dpr - delta[mt][e / 2]) : 0.f;
                 }
+            }
 
         if (masked) {
             __syncwarp();

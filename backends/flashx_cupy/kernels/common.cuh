@@ -514,7 +514,8 @@ __device__ __forceinline__ bool blocks_allow(const Params& p, const Sequence& s,
 // >= floor(p * 2^32), compared as integers, at positions i' = i + drop_row0 and j' = j + drop_col0
 // (dropout_offsets).
 
-__device__ __forceinline__ u32 philox_word(u32 c0, u32 c1, u32 c2, u32 c3, u64 seed, u32 word) {
+// The four words of Philox4x32-10 at counter (c0, c1, c2, c3), in c0 .. c3.
+__device__ __forceinline__ void philox(u32& c0, u32& c1, u32& c2, u32& c3, u64 seed) {
     u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
 #pragma unroll
     for (int round = 0; round < 10; ++round) {
@@ -527,13 +528,29 @@ __device__ __forceinline__ u32 philox_word(u32 c0, u32 c1, u32 c2, u32 c3, u64 s
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
+}
+
+__device__ __forceinline__ u32 word_of(u32 c0, u32 c1, u32 c2, u32 c3, u32 word) {
     return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
 }
 
 __device__ __forceinline__ bool dropout_keep(const Params& p, int b, int h, int i, int j) {
     const u32 col = (u32)(j + p.drop_col0);
-    const u32 r = philox_word(col / 4, (u32)(i + p.drop_row0), (u32)(b * p.heads_q + h), (u32)p.rng_offset, p.seed, col % 4);
-    return r >= (u32)p.drop_threshold;
+    u32 c0 = col / 4, c1 = (u32)(i + p.drop_row0), c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
+    philox(c0, c1, c2, c3, p.seed);
+    return word_of(c0, c1, c2, c3, col % 4) >= (u32)p.drop_threshold;
+}
+
+// Whether (i, j) and (i, j + 1) are kept, bits 0 and 1: one Philox call serves both unless they
+// straddle two counters (j + drop_col0 = 3 mod 4), which an even drop_col0 never makes.
+__device__ __forceinline__ u32 dropout_keep_pair(const Params& p, int b, int h, int i, int j) {
+    const u32 col = (u32)(j + p.drop_col0), word = col % 4;
+    u32 c0 = col / 4, c1 = (u32)(i + p.drop_row0), c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
+    philox(c0, c1, c2, c3, p.seed);
+    const bool first = word_of(c0, c1, c2, c3, word) >= (u32)p.drop_threshold;
+    const bool second = word < 3 ? word_of(c0, c1, c2, c3, word + 1) >= (u32)p.drop_threshold
+                                 : dropout_keep(p, b, h, i, j + 1);
+    return (u32)first | (u32)second << 1;
 }
 
 // The tile of the grid's x axis (every axis but x is 1: no 65535 limit), heaviest first:

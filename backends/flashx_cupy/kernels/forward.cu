@@ -91,17 +91,21 @@ struct ForwardCta {
 #pragma unroll
                 for (int nt = 0; nt < DIM_V / 8; ++nt) acc[mt][nt][2 * half] *= alpha, acc[mt][nt][2 * half + 1] *= alpha;
 #pragma unroll
-                for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+                for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#if DROPOUT
+                    const u32 kept = dropout_keep_pair(p, b, h, m0 + wrow + frag_row(mt, 2 * half), n + frag_col(nt, 0));
+#endif
 #pragma unroll
                     for (int e = 2 * half; e < 2 * half + 2; ++e) {
                         const float pr = exp2f(sc[mt][nt][e] - m_ref);
                         row_sum[mt][half] += pr;  // the LSE is taken before dropout
 #if DROPOUT
-                        sc[mt][nt][e] = dropout_keep(p, b, h, m0 + wrow + frag_row(mt, e), n + frag_col(nt, e)) ? pr : 0.f;
+                        sc[mt][nt][e] = kept >> (e & 1) & 1 ? pr : 0.f;
 #else
                         sc[mt][nt][e] = pr;
 #endif
                     }
+                }
             }
 
         cp_async_wait<2>();  // V of this tile (the next tile's K and V may still be in flight)
