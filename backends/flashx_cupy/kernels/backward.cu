@@ -105,7 +105,7 @@ struct KeyCta {
         if (step < steps()) {
             const int h = head_of(step), m = row_of(step), other = buf ^ 1;
             const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
-            load_tile<BLOCK_N, DIM_QK, LD_QK>(sQ + other * BLOCK_N * LD_QK, q, p.q_n, p.q_d, m, s.len_q, p.head_dim);
+            load_tile<BLOCK_N, DIM_QK, Padded<LD_QK>>(sQ + other * BLOCK_N * LD_QK, q, p.q_n, p.q_d, m, s.len_q, p.head_dim);
             // The LSE (natural log) and D of each row, 0 past the sequence, copied like the tiles
             // so that no thread waits on them before its products.
             const float* lse = (const float*)p.lse + (i64)b * p.lse_b + (i64)h * p.lse_h + s.start_q + m;
@@ -116,7 +116,7 @@ struct KeyCta {
                 cp_async4(smem_addr(sDelta + other * BLOCK_N + r), valid ? delta + r : delta, valid);
             }
             const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
-            load_tile<BLOCK_N, DIM_V, LD_V>(sDO + other * BLOCK_N * LD_V, dout, p.do_n, p.do_d, m, s.len_q, p.head_dim_v);
+            load_tile<BLOCK_N, DIM_V, Padded<LD_V>>(sDO + other * BLOCK_N * LD_V, dout, p.do_n, p.do_d, m, s.len_q, p.head_dim_v);
         }
         cp_async_commit();
     }
@@ -191,7 +191,7 @@ struct KeyCta {
 #if DKDV_PARTS & 2
             const bool bad_do = tile_nonfinite<BLOCK_N, DIM_V, LD_V>(do_tile);
             if (bad_do)
-                poison_allowed<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, [this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, do_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_V, Padded<LD_V>>(dv, [this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, do_tile);
 #else
             const bool bad_do = false;
 #endif
@@ -199,7 +199,7 @@ struct KeyCta {
             // Dropped pairs still read Q (dS = -P D): only masked tiles need the exact dK.
             const bool bad_q = MASKED && tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
             if (bad_q)
-                poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, [this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, Padded<LD_QK>>(dk, [this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q_tile);
 #else
             const bool bad_q = false;
 #endif
@@ -348,8 +348,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Param
 
     const elem_t* k = (const elem_t*)p.k + row_offset(b, s.start_k, 0, hk, p.k_b, p.k_n, p.k_h);
     const elem_t* v = (const elem_t*)p.v + row_offset(b, s.start_k, 0, hk, p.v_b, p.v_n, p.v_h);
-    load_tile<BLOCK_M, DIM_QK, LD_QK>(sK, k, p.k_n, p.k_d, n0, s.len_k, p.head_dim);
-    load_tile<BLOCK_M, DIM_V, LD_V>(sV, v, p.v_n, p.v_d, n0, s.len_k, p.head_dim_v);
+    load_tile<BLOCK_M, DIM_QK, Padded<LD_QK>>(sK, k, p.k_n, p.k_d, n0, s.len_k, p.head_dim);
+    load_tile<BLOCK_M, DIM_V, Padded<LD_V>>(sV, v, p.v_n, p.v_d, n0, s.len_k, p.head_dim_v);
     int step = allowed_step(0);
     cta.load_rows(step);  // into buffers 0, in K and V's group
     cta.buf = 0;
@@ -437,12 +437,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
         return n;
     };
     auto load_kv = [&](int n, int buf) {
-        load_tile<BLOCK_N, DIM_QK, LD_QK>(sK + buf * BLOCK_N * LD_QK, k, p.k_n, p.k_d, n, s.len_k, p.head_dim);
-        load_tile<BLOCK_N, DIM_V, LD_V>(sV + buf * BLOCK_N * LD_V, v, p.v_n, p.v_d, n, s.len_k, p.head_dim_v);
+        load_tile<BLOCK_N, DIM_QK, Padded<LD_QK>>(sK + buf * BLOCK_N * LD_QK, k, p.k_n, p.k_d, n, s.len_k, p.head_dim);
+        load_tile<BLOCK_N, DIM_V, Padded<LD_V>>(sV + buf * BLOCK_N * LD_V, v, p.v_n, p.v_d, n, s.len_k, p.head_dim_v);
     };
 
-    load_tile<BLOCK_M, DIM_QK, LD_QK>(sQ, q, p.q_n, p.q_d, m0, s.len_q, p.head_dim);
-    load_tile<BLOCK_M, DIM_V, LD_V>(sDO, dout, p.do_n, p.do_d, m0, s.len_q, p.head_dim_v);
+    load_tile<BLOCK_M, DIM_QK, Padded<LD_QK>>(sQ, q, p.q_n, p.q_d, m0, s.len_q, p.head_dim);
+    load_tile<BLOCK_M, DIM_V, Padded<LD_V>>(sDO, dout, p.do_n, p.do_d, m0, s.len_q, p.head_dim_v);
     int n = allowed_tile(first / BLOCK_N * BLOCK_N);
     if (n < end) load_kv(n, 0);
     cp_async_commit();
@@ -499,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
         if (masked) {
             __syncwarp();
             if (tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile)) {
-                poison_allowed<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dq, [&](int r, int j) { return sAllowed[(wrow + r) * BLOCK_N + j] != 0; }, k_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, Padded<LD_QK>>(dq, [&](int r, int j) { return sAllowed[(wrow + r) * BLOCK_N + j] != 0; }, k_tile);
                 __syncthreads();
                 clear_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile);
                 __syncthreads();

@@ -360,11 +360,12 @@ __device__ __forceinline__ void clear_nonfinite(elem_t* s) {
 }
 
 // C[r][c] = NaN where some j has reads(r, j) (r: this warp's rows, j < K) and B[j][c] is not
-// finite. ``reads`` tells whether the pair reads B: allowed, and for V and dO kept by dropout
-// (a dropped pair reads no V and no dO). Each lane takes its rows one at a time, as the set of
-// j it reads (bit j), and meets it with the set of j where B is not finite in each of its
-// columns: a few registers, so that this rare path leaves the accumulators where they are.
-template <int MT, int K, int N, int LDB, typename Reads>
+// finite, B in shared memory in ``Layout``. ``reads`` tells whether the pair reads B: allowed, and
+// for V and dO kept by dropout (a dropped pair reads no V and no dO). Each lane takes its rows one
+// at a time, as the set of j it reads (bit j), and meets it with the set of j where B is not
+// finite in each of its columns: a few registers, so that this rare path leaves the accumulators
+// where they are.
+template <int MT, int K, int N, typename Layout, typename Reads>
 __device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], Reads reads, const elem_t* b) {
     static_assert(K <= 64, "one bit per row of B");
 #pragma unroll
@@ -382,40 +383,73 @@ __device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], Reads r
                     const int col = frag_col(nt, e);
                     u64 bad = 0;
 #pragma unroll 1
-                    for (int j = 0; j < K; ++j) bad |= (u64)!finite_bits(b[j * LDB + col]) << j;
+                    for (int j = 0; j < K; ++j) bad |= (u64)!finite_bits(Layout::at(b, j, col)) << j;
                     if (row_reads & bad) c[mt][nt][2 * half + e] = QUIET_NAN;
                 }
         }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tiles into shared memory: rows [row0, row0 + ROWS) of one head's (length, width) matrix at
-// ``base`` (its row 0), zero at rows >= rows_valid and columns >= width, so padding and the
-// columns past the head dim are never read.
+// Tiles in shared memory. A layout places element (r, c) of a tile at byte ``offset(r, c)``;
+// ``offset(r + PERIOD, c) = offset(r, c) + PERIOD * ROW_BYTES``, so that a copy loop advances by
+// a constant.
 
-template <int ROWS, int COLS, int LD>
+// Rows LD elements apart: the mma.sync products' layout (the padding spreads ldmatrix's rows over
+// the banks).
+template <int LD>
+struct Padded {
+    static constexpr int ROW_BYTES = LD * (int)sizeof(elem_t), PERIOD = 1;
+    static __device__ __forceinline__ int offset(int r, int c) { return (r * LD + c) * (int)sizeof(elem_t); }
+    static __device__ __forceinline__ elem_t& at(elem_t* s, int r, int c) { return s[r * LD + c]; }
+    static __device__ __forceinline__ elem_t at(const elem_t* s, int r, int c) { return s[r * LD + c]; }
+};
+
+#if TENSOR_CORES
+// wgmma's 128-byte swizzle, for 16-bit elements: the tile's columns in panels of 64 (128 bytes a
+// row), panel after panel of ROWS rows each; the 16-byte chunk k of row r lies at chunk k ^ (r % 8)
+// of its row. The same bytes serve wgmma as a K-major operand (rows are M or N, columns K: Q, K)
+// and as an MN-major one (rows are K, columns N: V); the swizzle is a function of the address
+// bits, so a tile starts on a 1024-byte boundary.
+template <int ROWS>
+struct Swizzle128 {
+    static constexpr int ROW_BYTES = 128, PERIOD = 8;
+    static __device__ __forceinline__ int offset(int r, int c) {
+        return c / 64 * ROWS * 128 + r * 128 + ((c / 8 % 8) ^ (r % 8)) * 16 + c % 8 * 2;
+    }
+    static __device__ __forceinline__ elem_t& at(elem_t* s, int r, int c) { return *(elem_t*)((char*)s + offset(r, c)); }
+    static __device__ __forceinline__ elem_t at(const elem_t* s, int r, int c) {
+        return *(const elem_t*)((const char*)s + offset(r, c));
+    }
+};
+#endif
+
+// Rows [row0, row0 + ROWS) of one head's (length, width) matrix at ``base`` (its row 0) into a
+// tile in ``Layout``, zero at rows >= rows_valid and columns >= width, so padding and the columns
+// past the head dim are never read.
+template <int ROWS, int COLS, typename Layout>
 __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* base, i64 row_stride, i64 col_stride, int row0,
                                           int rows_valid, int width) {
 #if ALIGNED
     // Each thread copies one 16-byte column chunk of every STEP-th row.
     constexpr int PER_ROW = COLS / CHUNK, STEP = THREADS / PER_ROW;
     static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
+    static_assert(STEP % Layout::PERIOD == 0, "a thread's rows are a constant stride apart");
     const int c = threadIdx.x % PER_ROW * CHUNK, r0 = threadIdx.x / PER_ROW;
     const elem_t* src = base + (i64)(row0 + r0) * row_stride + c;
     const i64 src_step = STEP * row_stride;
-    const u32 dst = smem_addr(s + r0 * LD + c);
+    const u32 dst = smem_addr(s) + Layout::offset(r0, c);
     const int rows_left = c < width ? rows_valid - row0 - r0 : 0;  // rows of this thread's column to read
 #pragma unroll
     for (int i = 0; i < (ROWS + STEP - 1) / STEP; ++i, src += src_step) {
         if (ROWS % STEP != 0 && r0 + i * STEP >= ROWS) break;
         const bool valid = i * STEP < rows_left;
-        cp_async16(dst + i * STEP * LD * (int)sizeof(elem_t), valid ? src : base, valid);
+        cp_async16(dst + i * STEP * Layout::ROW_BYTES, valid ? src : base, valid);
     }
 #else
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
         const int r = idx / COLS, c = idx % COLS;
         const bool valid = row0 + r < rows_valid && c < width;
-        s[r * LD + c] = valid ? base[(i64)(row0 + r) * row_stride + c * col_stride] : from_float(0.f);
+        Layout::at(s, r, c) = valid ? base[(i64)(row0 + r) * row_stride + c * col_stride] : from_float(0.f);
     }
 #endif
 }

@@ -1,0 +1,203 @@
+// What the two forwards share, forward.cu (mma.sync) and forward_sm90.cu (wgmma): one CTA per
+// (query tile, query head, sequence), all on the grid's x axis; the order of its key tiles; the
+// online softmax; the epilogue. Both products leave a tile's scores in the m16n8 accumulator
+// layout (wgmma's m64nN accumulator gives each warp of a warpgroup 16 rows in it), so everything
+// between the products is one code.
+//
+// The key tiles of a CTA come in two kinds, each its own compiled body: masked tiles (the band's
+// edges, a sequence's end, any bool or block mask), which test every pair, and the unmasked
+// steady state between them, which tests none. The masked tiles run first, then the unmasked
+// ones; key tiles that no row of the CTA may use are never visited, and block-mask tiles it
+// disallows are skipped unread.
+//
+// Online softmax in base 2: scores are scaled by softmax_scale * log2(e) before the row max, so
+// a negative scale takes the max of the scaled scores; the LSE leaves in natural log. O leaves
+// through shared memory in 16-byte rows.
+
+#include "common.cuh"
+
+// A CTA's query rows, the keys they use and their running softmax and output. Each warp owns
+// ATOMS atoms of 16 rows from row wrow of the tile.
+struct ForwardRows {
+    const Params& p;
+    Sequence s;
+    int h, b, m0, wrow;
+    // Set by start(): rows [m0, rows_out) are written, [m0, rows_end) are in the sequence; keys
+    // [lo, end) hold the used ones, tiles [unmasked_lo, unmasked_hi) need no pair test (empty
+    // when unmasked_lo == unmasked_hi == end).
+    int rows_out, rows_end, lo, end, unmasked_lo, unmasked_hi;
+    float acc[ATOMS][DIM_V / 8][4];
+    float row_max[ATOMS][2], row_sum[ATOMS][2];  // per lane: its columns' share of the row sum
+
+    // Whether the CTA has rows to write; if so, its key range and empty running state.
+    __device__ __forceinline__ bool start() {
+        rows_out = VARLEN ? s.len_q : p.seqlen_q;  // padded rows past len_q still get o = 0, lse = -inf
+        if (m0 >= rows_out) return false;
+        const int diag = s.len_k - s.len_q;
+        rows_end = min(m0 + BLOCK_M, s.len_q);
+        int first = max(m0 + diag - p.left, 0);
+        end = min(rows_end - 1 + diag + p.right + 1, s.len_k);
+        if (rows_end <= m0 || end <= first) first = end = 0;
+        lo = first / BLOCK_N * BLOCK_N;
+        unmasked_lo = unmasked_hi = end;
+#if !MASK && !BLOCK_MASK
+        if (m0 + BLOCK_M <= s.len_q) {
+            const int from = max(m0 + BLOCK_M - 1 + diag - p.left, lo);  // every row of the tile reaches back
+            const int to = min(s.len_k, m0 + diag + p.right + 1);        // and forward
+            const int a = (from + BLOCK_N - 1) / BLOCK_N * BLOCK_N, z = to > 0 ? to / BLOCK_N * BLOCK_N : 0;
+            if (a < z) unmasked_lo = a, unmasked_hi = z;
+        }
+#endif
+        zero<ATOMS, DIM_V>(acc);
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) row_max[mt][half] = NEG_INF, row_sum[mt][half] = 0.f;
+        return true;
+    }
+
+    // The first tile from n on that the block mask allows, or end.
+    __device__ __forceinline__ int allowed_tile(int n) const {
+        while (n < end && !blocks_allow(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end))) n += BLOCK_N;
+        return n;
+    }
+
+    // The masked tile after n, or end.
+    __device__ __forceinline__ int next_masked(int n) const {
+        n += BLOCK_N;
+        return allowed_tile(n == unmasked_lo ? unmasked_hi : n);
+    }
+
+    // Whether row r of the tile reads key j through V: allowed (masked tiles test it) and kept.
+    template <bool MASKED>
+    __device__ __forceinline__ bool reads_v(int r, int j) const {
+        if (MASKED && !allowed_pair(p, s, h, m0 + r, j)) return false;
+#if DROPOUT
+        return dropout_keep(p, b, h, m0 + r, j);
+#else
+        return true;
+#endif
+    }
+
+    // The scores of the key tile at n become its probabilities (zero where dropped); the running
+    // max, sum and output move to the tile's max.
+    template <bool MASKED>
+    __device__ __forceinline__ void softmax(float (&sc)[ATOMS][BLOCK_N / 8][4], int n) {
+        float tile_max[ATOMS][2];
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt) tile_max[mt][0] = tile_max[mt][1] = NEG_INF;
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = sc[mt][nt][e] * p.scale_log2;
+                    if (MASKED && !allowed_pair(p, s, h, m0 + wrow + frag_row(mt, e), n + frag_col(nt, e))) x = NEG_INF;
+                    sc[mt][nt][e] = x;
+                    tile_max[mt][e / 2] = fmaxf(tile_max[mt][e / 2], x);
+                }
+
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float mx = tile_max[mt][half];
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(row_max[mt][half], mx);
+                // A row with no allowed key so far shifts by 0, so that exp2(-inf) gives 0, not NaN.
+                const float m_ref = m_new == NEG_INF ? 0.f : m_new;
+                const float alpha = exp2f(row_max[mt][half] - m_ref);
+                row_max[mt][half] = m_new;
+                row_sum[mt][half] *= alpha;
+#pragma unroll
+                for (int nt = 0; nt < DIM_V / 8; ++nt) acc[mt][nt][2 * half] *= alpha, acc[mt][nt][2 * half + 1] *= alpha;
+#pragma unroll
+                for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#if DROPOUT
+                    const u32 kept = dropout_keep_pair(p, b, h, m0 + wrow + frag_row(mt, 2 * half), n + frag_col(nt, 0));
+#endif
+#pragma unroll
+                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                        const float pr = exp2f(sc[mt][nt][e] - m_ref);
+                        row_sum[mt][half] += pr;  // the LSE is taken before dropout
+#if DROPOUT
+                        sc[mt][nt][e] = kept >> (e & 1) & 1 ? pr : 0.f;
+#else
+                        sc[mt][nt][e] = pr;
+#endif
+                    }
+                }
+            }
+    }
+
+    // O = acc / row sum and the LSE, O staged through sO (BLOCK_M rows of LD_V elements; each
+    // warp stages and stores its own rows).
+    __device__ __forceinline__ void store(elem_t* sO) const {
+        const int lane = threadIdx.x % 32;
+        float* lse = (float*)p.lse + (i64)b * p.lse_b + (i64)h * p.lse_h + s.start_q;
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float total = row_sum[mt][half];
+                total += __shfl_xor_sync(0xffffffffu, total, 1);
+                total += __shfl_xor_sync(0xffffffffu, total, 2);
+                const int r = wrow + frag_row(mt, 2 * half);
+                const bool empty = total == 0.f;
+                const float out_scale = empty ? 0.f : p.drop_scale / total;
+                if (m0 + r < rows_out && lane % 4 == 0)
+                    lse[m0 + r] = empty ? NEG_INF : (row_max[mt][half] + log2f(total)) * LN2;
+#pragma unroll
+                for (int nt = 0; nt < DIM_V / 8; ++nt)
+                    store_pair(sO + r * LD_V + frag_col(nt, 0), empty ? 0.f : acc[mt][nt][2 * half] * out_scale,
+                               empty ? 0.f : acc[mt][nt][2 * half + 1] * out_scale);
+            }
+        __syncwarp();
+
+        elem_t* o = (elem_t*)p.o + row_offset(b, s.start_q, 0, h, p.o_b, p.o_n, p.o_h);
+#if ALIGNED  // o is the backend's own contiguous allocation: aligned whenever the inputs are
+        constexpr int PER_ROW = DIM_V / CHUNK;
+        for (int idx = lane; idx < ATOMS * 16 * PER_ROW; idx += 32) {
+            const int r = wrow + idx / PER_ROW, c = idx % PER_ROW * CHUNK;
+            if (m0 + r < rows_out && c < p.head_dim_v)
+                *(uint4*)(o + (i64)(m0 + r) * p.o_n + c) = *(const uint4*)(sO + r * LD_V + c);
+        }
+#else
+        for (int idx = lane; idx < ATOMS * 16 * DIM_V; idx += 32) {
+            const int r = wrow + idx / DIM_V, c = idx % DIM_V;
+            if (m0 + r < rows_out && c < p.head_dim_v) o[(i64)(m0 + r) * p.o_n + c * p.o_d] = sO[r * LD_V + c];
+        }
+#endif
+    }
+};
+
+// Every key tile of the CTA through cta.attend<MASKED>(n, next), which reads the tile at n from
+// buffers cta.buf and requests the tile at next (none at end) into the others: the masked tiles,
+// then the unmasked ones, one uniform branch a tile picking the body. The first tile is requested
+// here into buffers 0, in one group with what the caller requested before (Q).
+template <typename Cta>
+__device__ __forceinline__ void attend_key_tiles(Cta& cta) {
+    const int first_masked = cta.allowed_tile(cta.lo == cta.unmasked_lo ? cta.unmasked_hi : cta.lo);
+    const int first = first_masked < cta.end ? first_masked : cta.unmasked_lo;
+    cta.buf = 1;
+    cta.load_kv(first);
+    cta.buf = 0;
+    const int end = cta.end, unmasked_lo = cta.unmasked_lo, unmasked_hi = cta.unmasked_hi;
+    for (int n = first; n < end;) {
+        const bool masked = n < unmasked_lo || n >= unmasked_hi;
+        int next;
+        if (masked) {
+            next = cta.next_masked(n);
+            next = next < end ? next : unmasked_lo;  // after the last masked tile, the first unmasked one
+            cta.template attend<true>(n, next);
+        } else {
+            next = n + BLOCK_N < unmasked_hi ? n + BLOCK_N : end;
+            cta.template attend<false>(n, next);
+        }
+        n = next;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the buffers may become O's staging
+}
