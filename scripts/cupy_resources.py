@@ -54,7 +54,10 @@ def ptx(variant: variants.Variant, arch: str) -> str:
 
     text = variants.source(variants.FILES[variant.kernel]).encode()
     (program,) = check(nvrtc.nvrtcCreateProgram(text, b"kernel.cu", 0, [], []))
-    options = [option.encode() for option in (*variant.options, "-ftz=true", f"--gpu-architecture=compute_{arch}")]
+    # PTX for the virtual architecture of the variant's target (sm_90a -> compute_90a), else of ``arch``.
+    target = variants.ARCHITECTURES.get(variant.kernel, f"sm_{arch}").replace("sm_", "compute_")
+    options = [option.encode() for option in (*variant.options, "-ftz=true") if not option.startswith("--gpu-architecture")]
+    options.append(f"--gpu-architecture={target}".encode())
     compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)
     if compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         (size,) = check(nvrtc.nvrtcGetProgramLogSize(program))
@@ -71,7 +74,8 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
     with tempfile.TemporaryDirectory() as folder:
         source, binary = Path(folder, "kernel.ptx"), Path(folder, "kernel.cubin")
         source.write_text(ptx(variant, arch))
-        built = subprocess.run([tool("ptxas"), "-v", f"-arch=sm_{arch}", str(source), "-o", str(binary)],
+        target = variants.ARCHITECTURES.get(variant.kernel, f"sm_{arch}")
+        built = subprocess.run([tool("ptxas"), "-v", f"-arch={target}", str(source), "-o", str(binary)],
                                capture_output=True, text=True, check=True).stderr
         # ptxas reports every entry of the module (backward.cu holds three): keep this variant's
         entry = built.split(f"Compiling entry function '{variant.entry_point}'")[1].split("Compiling entry")[0]
@@ -86,14 +90,15 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
             code = sass.split(f".text.{variant.entry_point}:")[1].split(".section")[0]
             for block in re.split(r"^\.L_x_\d+:", code, flags=re.MULTILINE):
                 counts = collections.Counter(_SASS_LINE.findall(block))
-                if counts["HMMA"] >= 16:
+                if counts["HMMA"] + counts["HGMMA"] >= 16:
                     top = " ".join(f"{op}={n}" for op, n in counts.most_common(12))
                     print(f"    block of {sum(counts.values())}: {top}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", nargs="+", default=["forward", "dq", "dkdv"], choices=["forward", "dq", "dkdv"])
+    parser.add_argument("--kernel", nargs="+", default=["forward", "dq", "dkdv"],
+                        choices=["forward", "forward_sm90", "dq", "dkdv"])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=list(variants.DTYPE_CODES))
     parser.add_argument("--dim", nargs="+", type=int, default=list(variants.HEAD_DIM_CLASSES))
     parser.add_argument("--tile", help="BLOCK_MxBLOCK_NxWARPS instead of the shipped tiles")

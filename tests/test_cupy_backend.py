@@ -88,6 +88,41 @@ def test_tiles_fit(key, split):
     assert variant.shared_memory <= 227 * 1024
 
 
+@pytest.mark.parametrize("changes, capability, is_aligned, kernel", [
+    ({}, "90", True, "forward_sm90"),
+    ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64}, "90", True, "forward_sm90"),
+    ({"band": (-1, 0), "varlen": True, "seqlens_k": object()}, "90", True, "forward_sm90"),  # the pair rule's band
+    ({}, "80", True, "forward"),  # wgmma is sm_90a code
+    ({}, "100", True, "forward"),
+    ({}, "90", False, "forward"),  # cp.async copies 16-byte chunks
+    ({"dtype": "float32"}, "90", True, "forward"),
+    ({"head_dim_v": 256}, "90", True, "forward"),
+    ({"mask": object()}, "90", True, "forward"),
+    ({"block_mask": object()}, "90", True, "forward"),
+    ({"dropout_p": 0.1}, "90", True, "forward"),
+])
+def test_forward_kernel_choice(changes, capability, is_aligned, kernel):
+    assert variants.forward_kernel(_problem(**changes), is_aligned, capability) == kernel
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_sm90_forward_variant(dim):
+    """Swizzled tiles start on 1024-byte boundaries; the build targets sm_90a, the mma.sync one does not."""
+    problem = _problem(head_dim=dim, head_dim_v=dim)
+    variant = variants.choose("forward_sm90", problem, aligned=True)
+    size = variants.ELEMENT_SIZES[variant.dtype]
+    tiles = (variant.block_m * dim * size, variant.block_n * dim * size)
+    assert all(bytes_ % 1024 == 0 for bytes_ in tiles)
+    assert variant.shared_memory == tiles[0] + 4 * tiles[1] <= 227 * 1024
+    assert variant.block_m == 16 * variant.warps and variant.warps % 4 == 0  # one atom a warp, whole warpgroups
+    assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == "flashx_forward_sm90"
+    plain = variants.choose("forward", problem, aligned=True)
+    assert not any(option.startswith("--gpu-architecture") for option in plain.options)
+    versions = ("14.2.0", (13, 0), "90")
+    assert (variants.cache_key(variants.source(variants.FILES[variant.kernel]), variant.options, versions)
+            != variants.cache_key(variants.source(variants.FILES[plain.kernel]), plain.options, versions))
+
+
 def test_dkdv_split_only_for_the_widest():
     assert variants.dkdv_parts(128, 128) == (3,)
     assert variants.dkdv_parts(64, 256) == (1, 2)
@@ -134,6 +169,9 @@ def test_source_inlines_the_headers():
     text = variants.source("backward.cu")
     assert not re.search(r'^#include "', text, re.MULTILINE)
     assert text.count("struct Params {") == 1 and "flashx_dkdv" in text and "flashx_delta" in text
+    text = variants.source("forward_sm90.cu")  # through forward.cuh
+    assert not re.search(r'^#include "', text, re.MULTILINE)
+    assert text.count("struct Params {") == 1 and text.count("struct ForwardRows {") == 1
 
 
 def test_cache_key_follows_included_headers(tmp_path):

@@ -190,7 +190,9 @@ def forward(problem, q, k, v):
         else:
             o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-        variant = variants.choose("forward", problem, aligned(problem, q, k, v))
+        is_aligned = aligned(problem, q, k, v)
+        kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability)
+        variant = variants.choose(kernel, problem, is_aligned)
         aux, keep = auxiliary_fields(problem)
         tiles_m = tiles(problem.seqlen_q, variant.block_m)
         params = pack(problem, tiles_m=tiles_m, **aux, **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),

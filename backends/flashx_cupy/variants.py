@@ -61,9 +61,17 @@ TILES = {
     # A forward that reads a bool mask byte a pair: 64 query rows a CTA timed 99 TFLOP/s against
     # 80 for 128 on the H100 (bf16, N=8k, d128; mask and dropout 56.5 against 49.5).
     ("forward_mask", "16", 128): (64, 64, 4),
+    # The wgmma forward: two warpgroups of 64 query rows, 128 keys a tile (the products' N).
+    ("forward_sm90", "16", 64): (128, 128, 8),
+    ("forward_sm90", "16", 128): (128, 128, 8),
 }
-FILES = {"forward": "forward.cu", "dq": "backward.cu", "dkdv": "backward.cu", "delta": "backward.cu"}
-ENTRY_POINTS = {"forward": "flashx_forward", "dq": "flashx_dq", "dkdv": "flashx_dkdv", "delta": "flashx_delta"}
+FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "dq": "backward.cu", "dkdv": "backward.cu",
+         "delta": "backward.cu"}
+ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm90", "dq": "flashx_dq",
+                "dkdv": "flashx_dkdv", "delta": "flashx_delta"}
+#: Kernels built for one architecture: wgmma exists only in sm_90a code. CuPy appends its own
+#: ``-arch=sm_XX`` after these options; NVRTC keeps the architecture-specific target.
+ARCHITECTURES = {"forward_sm90": "sm_90a"}
 #: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
 DELTA_WARPS = 8
 
@@ -123,7 +131,9 @@ class Variant:
 
     @property
     def options(self) -> tuple[str, ...]:
-        return ("--std=c++17", *(f"-D{name}={value}" for name, value in self.macros.items()))
+        arch = ARCHITECTURES.get(self.kernel)
+        return ("--std=c++17", *((f"--gpu-architecture={arch}",) if arch else ()),
+                *(f"-D{name}={value}" for name, value in self.macros.items()))
 
     @property
     def shared_memory(self) -> int:
@@ -131,6 +141,8 @@ class Variant:
         if self.kernel == "delta":
             return 0
         size = ELEMENT_SIZES[self.dtype]
+        if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, and two K and V tiles
+            return size * (self.block_m * self.dim_qk + 2 * self.block_n * (self.dim_qk + self.dim_v))
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
         m, n = self.block_m, self.block_n
@@ -169,6 +181,21 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         dkdv_parts=dkdv_parts,
         dq_atomic=dq_atomic,
     )
+
+
+def forward_kernel(problem, aligned: bool, compute_capability: str) -> str:
+    """The forward kernel for ``problem`` on a GPU of ``compute_capability`` (CuPy's "90" form).
+
+    "forward_sm90" (wgmma, sm_90a code) runs on compute capability 9.0 for 16-bit problems whose
+    operands are all ``aligned``, with head dims up to 128, and without a bool mask, a block mask or
+    dropout; it takes a band (causal, window), seqlens and varlen. "forward" (mma.sync) serves every
+    other problem, and every GPU.
+    """
+    if (compute_capability == "90" and problem.dtype != "float32" and aligned
+            and max(problem.head_dim, problem.head_dim_v) <= 128 and problem.mask is None
+            and problem.block_mask is None and problem.dropout_p == 0):
+        return "forward_sm90"
+    return "forward"
 
 
 def fused_dq(problem) -> bool:
