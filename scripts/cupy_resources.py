@@ -84,6 +84,9 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
         print(f"{variant.kernel:8} {variant.dtype:9} d{variant.dim_qk}/{variant.dim_v} "
               f"{variant.block_m}x{variant.block_n}x{variant.warps}: {registers} registers, spills {stores}/{loads} B "
               f"(stores/loads), shared {variant.shared_memory} B")
+        for line in built.splitlines():  # e.g. wgmma serialized by ptxas, which costs the overlap
+            if "warning" in line.lower():
+                print(f"    {line}")
         if blocks:
             sass = subprocess.run([tool("nvdisasm"), "-c", str(binary)], capture_output=True, text=True,
                                   check=True).stdout
@@ -112,6 +115,8 @@ def main() -> None:
             for dim in args.dim:
                 width = "32" if dtype == "float32" else "16"
                 table = "dkdv_dq" if features.get("dq_atomic") else kernel
+                if not args.tile and (table, width, dim) not in variants.TILES:
+                    continue  # a head dim this kernel does not serve
                 tile = tuple(map(int, args.tile.split("x"))) if args.tile else variants.TILES[table, width, dim]
                 for parts in variants.dkdv_parts(dim, dim) if kernel == "dkdv" else (3,):
                     variant = variants.Variant(kernel, dtype, dim, dim, *tile, dkdv_parts=parts, **features)

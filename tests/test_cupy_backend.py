@@ -113,7 +113,7 @@ def test_sm90_forward_variant(dim):
     size = variants.ELEMENT_SIZES[variant.dtype]
     tiles = (variant.block_m * dim * size, variant.block_n * dim * size)
     assert all(bytes_ % 1024 == 0 for bytes_ in tiles)
-    assert variant.shared_memory == tiles[0] + 4 * tiles[1] <= 227 * 1024
+    assert variant.shared_memory == tiles[0] + 5 * tiles[1] <= 227 * 1024  # Q, two K and three V tiles
     assert variant.block_m == 16 * variant.warps and variant.warps % 4 == 0  # one atom a warp, whole warpgroups
     assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == "flashx_forward_sm90"
     plain = variants.choose("forward", problem, aligned=True)

@@ -141,8 +141,8 @@ class Variant:
         if self.kernel == "delta":
             return 0
         size = ELEMENT_SIZES[self.dtype]
-        if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, and two K and V tiles
-            return size * (self.block_m * self.dim_qk + 2 * self.block_n * (self.dim_qk + self.dim_v))
+        if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles and three V tiles
+            return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 3 * self.dim_v))
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
         m, n = self.block_m, self.block_n

@@ -191,7 +191,7 @@ struct KeyCta {
 #if DKDV_PARTS & 2
             const bool bad_do = tile_nonfinite<BLOCK_N, DIM_V, LD_V>(do_tile);
             if (bad_do)
-                poison_allowed<ATOMS, BLOCK_N, DIM_V, Padded<LD_V>>(dv, [this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, do_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_V, Padded<LD_V>>([this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, do_tile, nan_at<ATOMS, DIM_V>(dv));
 #else
             const bool bad_do = false;
 #endif
@@ -199,7 +199,7 @@ struct KeyCta {
             // Dropped pairs still read Q (dS = -P D): only masked tiles need the exact dK.
             const bool bad_q = MASKED && tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(q_tile);
             if (bad_q)
-                poison_allowed<ATOMS, BLOCK_N, DIM_QK, Padded<LD_QK>>(dk, [this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, Padded<LD_QK>>([this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q_tile, nan_at<ATOMS, DIM_QK>(dk));
 #else
             const bool bad_q = false;
 #endif
@@ -499,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
         if (masked) {
             __syncwarp();
             if (tile_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile)) {
-                poison_allowed<ATOMS, BLOCK_N, DIM_QK, Padded<LD_QK>>(dq, [&](int r, int j) { return sAllowed[(wrow + r) * BLOCK_N + j] != 0; }, k_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, Padded<LD_QK>>([&](int r, int j) { return sAllowed[(wrow + r) * BLOCK_N + j] != 0; }, k_tile, nan_at<ATOMS, DIM_QK>(dq));
                 __syncthreads();
                 clear_nonfinite<BLOCK_N, DIM_QK, LD_QK>(k_tile);
                 __syncthreads();

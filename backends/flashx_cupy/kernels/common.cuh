@@ -343,12 +343,14 @@ __device__ __forceinline__ void zero(float (&c)[MT][N / 8][4]) {
 // output element whose allowed pairs read one (the contract: NaN in, NaN out), and
 // ``clear_nonfinite`` zeroes them in shared memory before the product.
 
-// Whether rows [0, ROWS) of a shared tile hold a NaN or an infinity (a block-wide answer).
+// Whether rows [0, ROWS) of a shared tile hold a NaN or an infinity (a block-wide answer). The
+// warp votes on the answer once more so that ptxas sees it uniform: a branch on it that it takes
+// for divergent makes it serialize every wgmma of the kernel.
 template <int ROWS, int COLS, int LD>
 __device__ __forceinline__ bool tile_nonfinite(const elem_t* s) {
     int bad = 0;
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) bad |= !finite_bits(s[(idx / COLS) * LD + idx % COLS]);
-    return __syncthreads_or(bad);
+    return __any_sync(0xffffffffu, __syncthreads_or(bad));
 }
 
 template <int ROWS, int COLS, int LD>
@@ -359,14 +361,20 @@ __device__ __forceinline__ void clear_nonfinite(elem_t* s) {
     }
 }
 
-// C[r][c] = NaN where some j has reads(r, j) (r: this warp's rows, j < K) and B[j][c] is not
-// finite, B in shared memory in ``Layout``. ``reads`` tells whether the pair reads B: allowed, and
-// for V and dO kept by dropout (a dropped pair reads no V and no dO). Each lane takes its rows one
-// at a time, as the set of j it reads (bit j), and meets it with the set of j where B is not
-// finite in each of its columns: a few registers, so that this rare path leaves the accumulators
-// where they are.
-template <int MT, int K, int N, typename Layout, typename Reads>
-__device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], Reads reads, const elem_t* b) {
+// poison(mt, nt, e) for each element [mt][nt][e] of an m16n8 accumulator C (MT x N / 8 atoms: this
+// warp's rows r, N columns c) where some j has reads(r, j) (j < K) and B[j][c] is not finite, B in
+// shared memory in ``Layout``; nan_at(C) makes them NaN. ``reads`` tells whether the pair reads B:
+// allowed, and for V and dO kept by dropout (a dropped pair reads no V and no dO). Each lane takes
+// its rows one at a time, as the set of j it reads (bit j), and meets it with the set of j where B
+// is not finite in each of its columns: a few registers, so that this rare path leaves the
+// accumulators where they are.
+template <int MT, int N>
+__device__ __forceinline__ auto nan_at(float (&c)[MT][N / 8][4]) {
+    return [&c](int mt, int nt, int e) { c[mt][nt][e] = QUIET_NAN; };
+}
+
+template <int MT, int K, int N, typename Layout, typename Reads, typename Poison>
+__device__ __forceinline__ void poison_allowed(Reads reads, const elem_t* b, Poison poison) {
     static_assert(K <= 64, "one bit per row of B");
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -384,7 +392,7 @@ __device__ __forceinline__ void poison_allowed(float (&c)[MT][N / 8][4], Reads r
                     u64 bad = 0;
 #pragma unroll 1
                     for (int j = 0; j < K; ++j) bad |= (u64)!finite_bits(Layout::at(b, j, col)) << j;
-                    if (row_reads & bad) c[mt][nt][2 * half + e] = QUIET_NAN;
+                    if (row_reads & bad) poison(mt, nt, 2 * half + e);
                 }
         }
 }

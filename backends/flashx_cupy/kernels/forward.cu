@@ -34,13 +34,14 @@ struct ForwardCta : ForwardRows {
         zero<ATOMS, BLOCK_N>(sc);
         gemm_abt<ATOMS, BLOCK_N, DIM_QK, LD_QK, LD_QK>(sc, sQ + wrow * LD_QK, k_tile);
 
-        softmax<MASKED>(sc, n);
+        float alpha[ATOMS][2];
+        softmax<MASKED>(sc, n, alpha);
 
         cp_async_wait<2>();  // V of this tile (the next tile's K and V may still be in flight)
         __syncthreads();
         if constexpr (EXACT) {
             if (tile_nonfinite<BLOCK_N, DIM_V, LD_V>(v_tile)) {
-                poison_allowed<ATOMS, BLOCK_N, DIM_V, Padded<LD_V>>(acc, [&](int r, int j) { return reads_v<MASKED>(wrow + r, n + j); }, v_tile);
+                poison_allowed<ATOMS, BLOCK_N, DIM_V, Padded<LD_V>>([&](int r, int j) { return reads_v<MASKED>(wrow + r, n + j); }, v_tile, nan_at<ATOMS, DIM_V>(acc));
                 __syncthreads();
                 clear_nonfinite<BLOCK_N, DIM_V, LD_V>(v_tile);
                 __syncthreads();
@@ -48,6 +49,11 @@ struct ForwardCta : ForwardRows {
         }
         gemm_areg<ATOMS, BLOCK_N, DIM_V, LD_V>(acc, sc, v_tile, sStage + wrow * BLOCK_N);
         buf ^= 1;
+    }
+
+    __device__ __forceinline__ void finish() {
+        cp_async_wait<0>();
+        __syncthreads();  // the buffers may become O's staging
     }
 };
 

@@ -80,9 +80,11 @@ struct ForwardRows {
     }
 
     // The scores of the key tile at n become its probabilities (zero where dropped); the running
-    // max, sum and output move to the tile's max.
-    template <bool MASKED>
-    __device__ __forceinline__ void softmax(float (&sc)[ATOMS][BLOCK_N / 8][4], int n) {
+    // max, sum and output move to the tile's max, alpha[mt][half] the factor of the move. DEFERRED
+    // leaves the output's move to rescale(alpha), so that a product still adding to the output
+    // may finish in between.
+    template <bool MASKED, bool DEFERRED = false>
+    __device__ __forceinline__ void softmax(float (&sc)[ATOMS][BLOCK_N / 8][4], int n, float (&alpha)[ATOMS][2]) {
         float tile_max[ATOMS][2];
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt) tile_max[mt][0] = tile_max[mt][1] = NEG_INF;
@@ -108,11 +110,12 @@ struct ForwardRows {
                 const float m_new = fmaxf(row_max[mt][half], mx);
                 // A row with no allowed key so far shifts by 0, so that exp2(-inf) gives 0, not NaN.
                 const float m_ref = m_new == NEG_INF ? 0.f : m_new;
-                const float alpha = exp2f(row_max[mt][half] - m_ref);
+                alpha[mt][half] = exp2f(row_max[mt][half] - m_ref);
                 row_max[mt][half] = m_new;
-                row_sum[mt][half] *= alpha;
+                row_sum[mt][half] *= alpha[mt][half];
+                if constexpr (!DEFERRED)
 #pragma unroll
-                for (int nt = 0; nt < DIM_V / 8; ++nt) acc[mt][nt][2 * half] *= alpha, acc[mt][nt][2 * half + 1] *= alpha;
+                    for (int nt = 0; nt < DIM_V / 8; ++nt) acc[mt][nt][2 * half] *= alpha[mt][half], acc[mt][nt][2 * half + 1] *= alpha[mt][half];
 #pragma unroll
                 for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #if DROPOUT
@@ -130,6 +133,15 @@ struct ForwardRows {
                     }
                 }
             }
+    }
+
+    __device__ __forceinline__ void rescale(const float (&alpha)[ATOMS][2]) {
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < DIM_V / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= alpha[mt][e / 2];
     }
 
     // O = acc / row sum and the LSE, O staged through sO (BLOCK_M rows of LD_V elements; each
@@ -176,7 +188,8 @@ struct ForwardRows {
 // Every key tile of the CTA through cta.attend<MASKED>(n, next), which reads the tile at n from
 // buffers cta.buf and requests the tile at next (none at end) into the others: the masked tiles,
 // then the unmasked ones, one uniform branch a tile picking the body. The first tile is requested
-// here into buffers 0, in one group with what the caller requested before (Q).
+// here into buffers 0, in one group with what the caller requested before (Q). cta.finish() ends
+// the products and hands the buffers over to O's staging.
 template <typename Cta>
 __device__ __forceinline__ void attend_key_tiles(Cta& cta) {
     const int first_masked = cta.allowed_tile(cta.lo == cta.unmasked_lo ? cta.unmasked_hi : cta.lo);
@@ -198,6 +211,5 @@ __device__ __forceinline__ void attend_key_tiles(Cta& cta) {
         }
         n = next;
     }
-    cp_async_wait<0>();
-    __syncthreads();  // the buffers may become O's staging
+    cta.finish();
 }
