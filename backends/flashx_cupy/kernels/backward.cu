@@ -478,8 +478,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #if DROPOUT
-                const u32 kept[2] = {dropout_keep_pair(p, b, h, m0 + wrow + frag_row(mt, 0), n + frag_col(nt, 0)),
-                                     dropout_keep_pair(p, b, h, m0 + wrow + frag_row(mt, 2), n + frag_col(nt, 0))};
+                const u32 kept = dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt);
 #endif
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -488,7 +487,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
                     if (masked) sAllowed[r * BLOCK_N + c] = ok;
                     const float pr = ok ? exp2f(sc[mt][nt][e] * p.scale_log2 - lse2[mt][e / 2]) : 0.f;
 #if DROPOUT
-                    const float dpr = kept[e / 2] >> (e & 1) & 1 ? dp[mt][nt][e] * p.drop_scale : 0.f;
+                    const float dpr = kept >> e & 1 ? dp[mt][nt][e] * p.drop_scale : 0.f;
 #else
                     const float dpr = dp[mt][nt][e];
 #endif

@@ -595,6 +595,27 @@ __device__ __forceinline__ u32 dropout_keep_pair(const Params& p, int b, int h, 
     return (u32)first | (u32)second << 1;
 }
 
+// Whether a lane's four elements of the m16n8 atom at (i0, j0) are kept, bit e for element e
+// (frag_row and frag_col): rows g and g + 8, columns 2q and 2q + 1 (g = lane / 4, q = lane % 4).
+// Where drop_col0 is a multiple of 4, one Philox counter covers the columns of lanes q and q ^ 1:
+// each of the two draws one row's four words, the even lane row g and the odd one row g + 8, and
+// they trade the halves the other needs, one Philox call a lane instead of two. The whole warp
+// calls it.
+__device__ __forceinline__ u32 dropout_keep_atom(const Params& p, int b, int h, int i0, int j0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    if (p.drop_col0 % 4 != 0)
+        return dropout_keep_pair(p, b, h, i0 + g, j0 + 2 * q) | dropout_keep_pair(p, b, h, i0 + g + 8, j0 + 2 * q) << 2;
+    const bool odd = q & 1;
+    u32 c0 = (u32)(j0 + 4 * (q / 2) + p.drop_col0) / 4, c1 = (u32)(i0 + g + (odd ? 8 : 0) + p.drop_row0),
+        c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
+    philox(c0, c1, c2, c3, p.seed);
+    const u32 t = (u32)p.drop_threshold;
+    const u32 row = (u32)(c0 >= t) | (u32)(c1 >= t) << 1 | (u32)(c2 >= t) << 2 | (u32)(c3 >= t) << 3;
+    const u32 mine = odd ? row >> 2 : row & 3, theirs = odd ? row & 3 : row >> 2;
+    const u32 traded = __shfl_xor_sync(0xffffffffu, theirs, 1);  // the other row, this lane's columns
+    return odd ? traded | mine << 2 : mine | traded << 2;
+}
+
 // The tile of the grid's x axis (every axis but x is 1: no 65535 limit), heaviest first:
 // (tile, head, batch) from blockIdx.x over ``tiles`` tiles per head.
 __device__ __forceinline__ void grid_tile(int tiles, int heads, int& tile, int& h, int& b) {

@@ -101,7 +101,12 @@ struct ForwardRows {
                 }
 
 #pragma unroll
-        for (int mt = 0; mt < ATOMS; ++mt)
+        for (int mt = 0; mt < ATOMS; ++mt) {
+#if DROPOUT
+            u64 kept = 0;  // bit 4 nt + e: element [mt][nt][e] is kept
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) kept |= (u64)dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt) << (4 * nt);
+#endif
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 float mx = tile_max[mt][half];
@@ -117,22 +122,19 @@ struct ForwardRows {
 #pragma unroll
                     for (int nt = 0; nt < DIM_V / 8; ++nt) acc[mt][nt][2 * half] *= alpha[mt][half], acc[mt][nt][2 * half + 1] *= alpha[mt][half];
 #pragma unroll
-                for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#if DROPOUT
-                    const u32 kept = dropout_keep_pair(p, b, h, m0 + wrow + frag_row(mt, 2 * half), n + frag_col(nt, 0));
-#endif
+                for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                     for (int e = 2 * half; e < 2 * half + 2; ++e) {
                         const float pr = exp2f(sc[mt][nt][e] - m_ref);
                         row_sum[mt][half] += pr;  // the LSE is taken before dropout
 #if DROPOUT
-                        sc[mt][nt][e] = kept >> (e & 1) & 1 ? pr : 0.f;
+                        sc[mt][nt][e] = kept >> (4 * nt + e) & 1 ? pr : 0.f;
 #else
                         sc[mt][nt][e] = pr;
 #endif
                     }
-                }
             }
+        }
     }
 
     __device__ __forceinline__ void rescale(const float (&alpha)[ATOMS][2]) {
