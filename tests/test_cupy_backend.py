@@ -189,6 +189,35 @@ def test_cache_key_follows_included_headers(tmp_path):
     assert before != variants.cache_key(variants.source("forward.cu"), options + ("-DX=1",), versions)
 
 
+def test_kernels_are_built_once_and_looked_up_by_variant(monkeypatch):
+    """A launch finds its kernel without reading or hashing the source (which costs more than the
+    launch); the delta and dQ kernels, one text with one set of options, share a module."""
+    builds, reads = [], []
+
+    class Module:
+        def __init__(self, code, options):
+            builds.append(options)
+
+        def get_function(self, name):
+            return SimpleNamespace(name=name)
+
+    fake_cupy = SimpleNamespace(RawModule=Module, __version__="14.2.0",
+                                cuda=SimpleNamespace(nvrtc=SimpleNamespace(getVersion=lambda: (13, 0))))
+    monkeypatch.setitem(__import__("sys").modules, "cupy", fake_cupy)
+    monkeypatch.setattr(variants, "_modules", {})
+    monkeypatch.setattr(variants, "_kernels", {})
+    read = variants.source
+    monkeypatch.setattr(variants, "source", lambda name: reads.append(name) or read(name))
+    device = SimpleNamespace(id=0, compute_capability="90")
+    delta, dq = (variants.choose(kernel, _problem(), aligned=True) for kernel in ("delta", "dq"))
+    for _ in range(3):
+        assert variants.kernel(delta, device).name == "flashx_delta"
+        assert variants.kernel(dq, device).name == "flashx_dq"
+    assert len(builds) == 1 and reads == ["backward.cu", "backward.cu"]
+    variants.kernel(delta, SimpleNamespace(id=1, compute_capability="90"))  # another GPU: looked up again
+    assert len(builds) == 1 and len(reads) == 3
+
+
 # -- argument packing ----------------------------------------------------------------------
 
 def test_params_layout_matches_the_struct():

@@ -246,24 +246,28 @@ def versions(device) -> tuple:
 
 
 _modules: dict[str, object] = {}
-_kernels: dict[tuple[str, str], object] = {}
+_kernels: dict[tuple[Variant, int], object] = {}
 
 
 def kernel(variant: Variant, device):
-    """The compiled kernel of ``variant`` for ``device`` (a cupy.cuda.Device), built once."""
-    import cupy
+    """The compiled kernel of ``variant`` for ``device`` (a cupy.cuda.Device), built once a process.
 
-    text = source(FILES[variant.kernel])
-    key = cache_key(text, variant.options, versions(device))
-    found = _kernels.get((key, variant.entry_point))
+    The lookup is by variant: reading and hashing the source costs a few hundred microseconds, more
+    than a launch. Variants whose text and options agree (the delta and dQ kernels) share a module.
+    """
+    found = _kernels.get((variant, device.id))
     if found is None:
+        import cupy
+
+        text = source(FILES[variant.kernel])
+        key = cache_key(text, variant.options, versions(device))
         module = _modules.get(key)
         if module is None:
             module = _modules[key] = cupy.RawModule(code=text, options=variant.options)
         found = module.get_function(variant.entry_point)
         if variant.shared_memory > 48 * 1024:
             found.max_dynamic_shared_size_bytes = variant.shared_memory
-        _kernels[key, variant.entry_point] = found
+        _kernels[variant, device.id] = found
     return found
 
 
