@@ -72,6 +72,8 @@ ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm9
 #: Kernels built for one architecture: wgmma exists only in sm_90a code. CuPy appends its own
 #: ``-arch=sm_XX`` after these options; NVRTC keeps the architecture-specific target.
 ARCHITECTURES = {"forward_sm90": "sm_90a"}
+#: The wgmma forward's warps beside its WARPS: one warpgroup that only loads K and V.
+PRODUCER_WARPS = 4
 #: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
 DELTA_WARPS = 8
 
@@ -103,7 +105,8 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        return 32 * (DELTA_WARPS if self.kernel == "delta" else self.warps)
+        producer = PRODUCER_WARPS if self.kernel == "forward_sm90" else 0
+        return 32 * (DELTA_WARPS if self.kernel == "delta" else self.warps + producer)
 
     @property
     def entry_point(self) -> str:
@@ -141,8 +144,8 @@ class Variant:
         if self.kernel == "delta":
             return 0
         size = ELEMENT_SIZES[self.dtype]
-        if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles and three V tiles
-            return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 3 * self.dim_v))
+        if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles, three V tiles, zeros; barriers
+            return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 4 * self.dim_v)) + 128
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
         m, n = self.block_m, self.block_n

@@ -31,6 +31,9 @@ typedef u16 elem_t;
 #endif
 
 #define THREADS (WARPS * 32)
+#ifndef PRODUCER_THREADS
+#define PRODUCER_THREADS 0  // threads past THREADS that only load tiles (the wgmma forward's producer)
+#endif
 #define ATOMS (BLOCK_M / (16 * WARPS))             // 16-row atoms of the resident operand per warp
 #define CHUNK (16 / (int)sizeof(elem_t))        // elements per 16-byte copy
 #define LD_QK (DIM_QK + CHUNK)                  // shared-memory row pitch: 16 bytes of padding
@@ -343,14 +346,28 @@ __device__ __forceinline__ void zero(float (&c)[MT][N / 8][4]) {
 // output element whose allowed pairs read one (the contract: NaN in, NaN out), and
 // ``clear_nonfinite`` zeroes them in shared memory before the product.
 
-// Whether rows [0, ROWS) of a shared tile hold a NaN or an infinity (a block-wide answer). The
-// warp votes on the answer once more so that ptxas sees it uniform: a branch on it that it takes
-// for divergent makes it serialize every wgmma of the kernel.
+// The barrier of the THREADS threads that compute (threads 0 .. THREADS - 1): the CTA's, or
+// barrier 1 where a producer's threads take no part; and its OR of a predicate.
+__device__ __forceinline__ void compute_sync() {
+    if constexpr (PRODUCER_THREADS == 0) __syncthreads();
+    else asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+}
+__device__ __forceinline__ bool compute_sync_or(bool x) {
+    if constexpr (PRODUCER_THREADS == 0) return __syncthreads_or(x);
+    u32 any;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 1, %2, p;\nselp.u32 %0, 1, 0, q;\n}"
+                 : "=r"(any) : "r"((u32)x), "n"(THREADS) : "memory");
+    return any;
+}
+
+// Whether rows [0, ROWS) of a shared tile hold a NaN or an infinity (an answer of the computing
+// threads). The warp votes on it once more so that ptxas sees it uniform: a branch on it that it
+// takes for divergent makes it serialize every wgmma of the kernel.
 template <int ROWS, int COLS, int LD>
 __device__ __forceinline__ bool tile_nonfinite(const elem_t* s) {
     int bad = 0;
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) bad |= !finite_bits(s[(idx / COLS) * LD + idx % COLS]);
-    return __any_sync(0xffffffffu, __syncthreads_or(bad));
+    return __any_sync(0xffffffffu, compute_sync_or(bad));
 }
 
 template <int ROWS, int COLS, int LD>
@@ -433,16 +450,16 @@ struct Swizzle128 {
 
 // Rows [row0, row0 + ROWS) of one head's (length, width) matrix at ``base`` (its row 0) into a
 // tile in ``Layout``, zero at rows >= rows_valid and columns >= width, so padding and the columns
-// past the head dim are never read.
-template <int ROWS, int COLS, typename Layout>
+// past the head dim are never read; by the GROUP threads numbered tid = 0 .. GROUP - 1.
+template <int ROWS, int COLS, typename Layout, int GROUP = THREADS>
 __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* base, i64 row_stride, i64 col_stride, int row0,
-                                          int rows_valid, int width) {
+                                          int rows_valid, int width, int tid = threadIdx.x) {
 #if ALIGNED
     // Each thread copies one 16-byte column chunk of every STEP-th row.
-    constexpr int PER_ROW = COLS / CHUNK, STEP = THREADS / PER_ROW;
-    static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
+    constexpr int PER_ROW = COLS / CHUNK, STEP = GROUP / PER_ROW;
+    static_assert(GROUP % PER_ROW == 0, "a thread keeps its column");
     static_assert(STEP % Layout::PERIOD == 0, "a thread's rows are a constant stride apart");
-    const int c = threadIdx.x % PER_ROW * CHUNK, r0 = threadIdx.x / PER_ROW;
+    const int c = tid % PER_ROW * CHUNK, r0 = tid / PER_ROW;
     const elem_t* src = base + (i64)(row0 + r0) * row_stride + c;
     const i64 src_step = STEP * row_stride;
     const u32 dst = smem_addr(s) + Layout::offset(r0, c);
@@ -454,7 +471,7 @@ __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* base, i64 row
         cp_async16(dst + i * STEP * Layout::ROW_BYTES, valid ? src : base, valid);
     }
 #else
-    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+    for (int idx = tid; idx < ROWS * COLS; idx += GROUP) {
         const int r = idx / COLS, c = idx % COLS;
         const bool valid = row0 + r < rows_valid && c < width;
         Layout::at(s, r, c) = valid ? base[(i64)(row0 + r) * row_stride + c * col_stride] : from_float(0.f);
