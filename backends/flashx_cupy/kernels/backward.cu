@@ -164,14 +164,17 @@ struct KeyCta {
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#if DROPOUT
+                const u32 kept = dropout_keep_atom_t(p, b, h, m + 8 * nt, n0 + wrow + 16 * mt);
+#endif
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = frag_row(mt, e), c = frag_col(nt, e);
                     const bool ok = allowed<MASKED>(h, m, r, c);
                     const float pr = ok ? exp2f(fmaf(pt[mt][nt][e], p.scale_log2, -(lse[c] * LOG2E))) : 0.f;
 #if DROPOUT
-                    const bool keep = dropout_keep(p, b, h, m + c, n0 + wrow + r);
+                    const bool keep = kept >> e & 1;
                     pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
 #if DKDV_PARTS & 1
                     const float dpr = keep ? dst[mt][nt][e] * p.drop_scale : 0.f;
@@ -186,6 +189,7 @@ struct KeyCta {
                     dst[mt][nt][e] = ok ? pr * (dpr - delta[c]) : 0.f;
 #endif
                 }
+            }
 
         if constexpr (EXACT) {
 #if DKDV_PARTS & 2

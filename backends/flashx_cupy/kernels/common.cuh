@@ -633,6 +633,30 @@ __device__ __forceinline__ u32 dropout_keep_atom(const Params& p, int b, int h, 
     return odd ? traded | mine << 2 : mine | traded << 2;
 }
 
+// The same for an atom of transposed scores (the dK/dV kernel's P^T: rows are keys from j0,
+// columns queries from i0), bit e for the key j0 + frag_row and the query i0 + frag_col. Where
+// drop_col0 is a multiple of 4, the warp's 32 counters (four groups of four keys, eight queries)
+// are one a lane: lane (g, q) draws key group g % 4 for query 2q + g / 4, and each element's bit
+// is a word of another lane's draw: one Philox call a lane instead of four.
+__device__ __forceinline__ u32 dropout_keep_atom_t(const Params& p, int b, int h, int i0, int j0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    u32 bits = 0;
+    if (p.drop_col0 % 4 != 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) bits |= (u32)dropout_keep(p, b, h, i0 + 2 * q + (e & 1), j0 + g + 8 * (e >> 1)) << e;
+        return bits;
+    }
+    u32 c0 = (u32)(j0 + 4 * (g % 4) + p.drop_col0) / 4, c1 = (u32)(i0 + 2 * q + g / 4 + p.drop_row0),
+        c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
+    philox(c0, c1, c2, c3, p.seed);
+    const u32 t = (u32)p.drop_threshold;
+    const u32 drawn = (u32)(c0 >= t) | (u32)(c1 >= t) << 1 | (u32)(c2 >= t) << 2 | (u32)(c3 >= t) << 3;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)  // key g (+ 8) is word g % 4 of group g / 4 (+ 2), drawn by lane (4 (e & 1) + that group, q)
+        bits |= (__shfl_sync(0xffffffffu, drawn, 4 * (4 * (e & 1) + g / 4 + 2 * (e >> 1)) + q) >> (g % 4) & 1) << e;
+    return bits;
+}
+
 // The tile of the grid's x axis (every axis but x is 1: no 65535 limit), heaviest first:
 // (tile, head, batch) from blockIdx.x over ``tiles`` tiles per head.
 __device__ __forceinline__ void grid_tile(int tiles, int heads, int& tile, int& h, int& b) {
