@@ -237,6 +237,7 @@ def test_params_layout_matches_the_struct():
     assert [launch.PARAMS.fields[name][1] for name, _, _ in fields] == [o for _, o, _ in fields]
     assert [launch.PARAMS.fields[name][0].itemsize for name, _, _ in fields] == [s for _, _, s in fields]
     assert launch.PARAMS.itemsize == -(-offset // 8) * 8
+    assert launch.OPAQUE.itemsize == launch.PARAMS.itemsize and launch.OPAQUE.names is None  # the same bytes, as one
 
 
 def test_pack():
