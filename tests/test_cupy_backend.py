@@ -117,6 +117,7 @@ def test_sm90_forward_variant(dim):
     assert variant.shared_memory == tiles[0] + 6 * tiles[1] + 128 <= 227 * 1024
     assert variant.block_m == 16 * variant.warps and variant.warps % 4 == 0  # one atom a warp, whole warpgroups
     assert variant.threads == 32 * (variant.warps + variants.PRODUCER_WARPS)  # and a producer warpgroup
+    assert f"#define PRODUCER_THREADS {32 * variants.PRODUCER_WARPS} " in (variants.KERNELS / "forward_sm90.cu").read_text()
     assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == "flashx_forward_sm90"
     plain = variants.choose("forward", problem, aligned=True)
     assert not any(option.startswith("--gpu-architecture") for option in plain.options)

@@ -72,7 +72,8 @@ ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm9
 #: Kernels built for one architecture: wgmma exists only in sm_90a code. CuPy appends its own
 #: ``-arch=sm_XX`` after these options; NVRTC keeps the architecture-specific target.
 ARCHITECTURES = {"forward_sm90": "sm_90a"}
-#: The wgmma forward's warps beside its WARPS: one warpgroup that only loads K and V.
+#: The wgmma forward's warps beside its WARPS: one warpgroup that only copies Q, K and V
+#: (``PRODUCER_THREADS`` in forward_sm90.cu).
 PRODUCER_WARPS = 4
 #: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
 DELTA_WARPS = 8

@@ -18,7 +18,7 @@
 // named) after which the products read. A product's registers are in flight from its issue to
 // its wait_group; the register fences after each wait keep the compiler from reading them earlier.
 
-#define PRODUCER_THREADS 128  // one warpgroup that only loads K and V
+#define PRODUCER_THREADS 128  // one warpgroup that only copies Q, K and V (variants.PRODUCER_WARPS)
 #include "forward.cuh"
 
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS % 4 == 0, "one 16-row atom per warp, whole warpgroups");
