@@ -589,27 +589,26 @@ __device__ __forceinline__ void philox(u32& c0, u32& c1, u32& c2, u32& c3, u64 s
     }
 }
 
-__device__ __forceinline__ u32 word_of(u32 c0, u32 c1, u32 c2, u32 c3, u32 word) {
-    return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
+// The keep bits of query row i (before drop_row0) at Philox counter column ``counter``: bit w for
+// word w, the key whose offset column (j + drop_col0) is 4 counter + w. One Philox call.
+__device__ __forceinline__ u32 dropout_keep4(const Params& p, int b, int h, int i, u32 counter) {
+    u32 c0 = counter, c1 = (u32)(i + p.drop_row0), c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
+    philox(c0, c1, c2, c3, p.seed);
+    const u32 t = (u32)p.drop_threshold;
+    return (u32)(c0 >= t) | (u32)(c1 >= t) << 1 | (u32)(c2 >= t) << 2 | (u32)(c3 >= t) << 3;
 }
 
 __device__ __forceinline__ bool dropout_keep(const Params& p, int b, int h, int i, int j) {
     const u32 col = (u32)(j + p.drop_col0);
-    u32 c0 = col / 4, c1 = (u32)(i + p.drop_row0), c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
-    philox(c0, c1, c2, c3, p.seed);
-    return word_of(c0, c1, c2, c3, col % 4) >= (u32)p.drop_threshold;
+    return dropout_keep4(p, b, h, i, col / 4) >> (col % 4) & 1;
 }
 
 // Whether (i, j) and (i, j + 1) are kept, bits 0 and 1: one Philox call serves both unless they
 // straddle two counters (j + drop_col0 = 3 mod 4), which an even drop_col0 never makes.
 __device__ __forceinline__ u32 dropout_keep_pair(const Params& p, int b, int h, int i, int j) {
     const u32 col = (u32)(j + p.drop_col0), word = col % 4;
-    u32 c0 = col / 4, c1 = (u32)(i + p.drop_row0), c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
-    philox(c0, c1, c2, c3, p.seed);
-    const bool first = word_of(c0, c1, c2, c3, word) >= (u32)p.drop_threshold;
-    const bool second = word < 3 ? word_of(c0, c1, c2, c3, word + 1) >= (u32)p.drop_threshold
-                                 : dropout_keep(p, b, h, i, j + 1);
-    return (u32)first | (u32)second << 1;
+    const u32 bits = dropout_keep4(p, b, h, i, col / 4) >> word;
+    return word < 3 ? bits & 3 : bits | (u32)dropout_keep(p, b, h, i, j + 1) << 1;
 }
 
 // Whether a lane's four elements of the m16n8 atom at (i0, j0) are kept, bit e for element e
@@ -623,11 +622,7 @@ __device__ __forceinline__ u32 dropout_keep_atom(const Params& p, int b, int h, 
     if (p.drop_col0 % 4 != 0)
         return dropout_keep_pair(p, b, h, i0 + g, j0 + 2 * q) | dropout_keep_pair(p, b, h, i0 + g + 8, j0 + 2 * q) << 2;
     const bool odd = q & 1;
-    u32 c0 = (u32)(j0 + 4 * (q / 2) + p.drop_col0) / 4, c1 = (u32)(i0 + g + (odd ? 8 : 0) + p.drop_row0),
-        c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
-    philox(c0, c1, c2, c3, p.seed);
-    const u32 t = (u32)p.drop_threshold;
-    const u32 row = (u32)(c0 >= t) | (u32)(c1 >= t) << 1 | (u32)(c2 >= t) << 2 | (u32)(c3 >= t) << 3;
+    const u32 row = dropout_keep4(p, b, h, i0 + g + (odd ? 8 : 0), (u32)(j0 + 4 * (q / 2) + p.drop_col0) / 4);
     const u32 mine = odd ? row >> 2 : row & 3, theirs = odd ? row & 3 : row >> 2;
     const u32 traded = __shfl_xor_sync(0xffffffffu, theirs, 1);  // the other row, this lane's columns
     return odd ? traded | mine << 2 : mine | traded << 2;
@@ -646,11 +641,7 @@ __device__ __forceinline__ u32 dropout_keep_atom_t(const Params& p, int b, int h
         for (int e = 0; e < 4; ++e) bits |= (u32)dropout_keep(p, b, h, i0 + 2 * q + (e & 1), j0 + g + 8 * (e >> 1)) << e;
         return bits;
     }
-    u32 c0 = (u32)(j0 + 4 * (g % 4) + p.drop_col0) / 4, c1 = (u32)(i0 + 2 * q + g / 4 + p.drop_row0),
-        c2 = (u32)(b * p.heads_q + h), c3 = (u32)p.rng_offset;
-    philox(c0, c1, c2, c3, p.seed);
-    const u32 t = (u32)p.drop_threshold;
-    const u32 drawn = (u32)(c0 >= t) | (u32)(c1 >= t) << 1 | (u32)(c2 >= t) << 2 | (u32)(c3 >= t) << 3;
+    const u32 drawn = dropout_keep4(p, b, h, i0 + 2 * q + g / 4, (u32)(j0 + 4 * (g % 4) + p.drop_col0) / 4);
 #pragma unroll
     for (int e = 0; e < 4; ++e)  // key g (+ 8) is word g % 4 of group g / 4 (+ 2), drawn by lane (4 (e & 1) + that group, q)
         bits |= (__shfl_sync(0xffffffffu, drawn, 4 * (4 * (e & 1) + g / 4 + 2 * (e >> 1)) + q) >> (g % 4) & 1) << e;
