@@ -9,7 +9,7 @@ bfloat16) is widened to float32 on the way in and rounded back on the way out.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 from flashx.errors import DTypeError
 
@@ -90,6 +90,18 @@ def convert(x: Any, kind: str) -> Any:
     return module(kind).from_dlpack(x)
 
 
+def for_backend(backend) -> Callable[[str, Any], Any]:
+    """How an auxiliary array named ``name`` reaches ``backend``: as its ``array_kind``, and
+    contiguous unless the backend declares that it reads that array's strides."""
+    kind, strided = backend.array_kind, backend.strided_arrays
+
+    def reach(name: str, x: Any) -> Any:
+        x = convert(x, kind)
+        return x if name in strided else contiguous(x)
+
+    return reach
+
+
 def to_caller(y: Any, like: Any, dtype: str) -> Any:
     """A backend's output as the caller's kind of array, in the contract's dtype."""
     y = astype(convert(y, kind_of(like)), dtype)
@@ -105,6 +117,15 @@ def astype(x: Any, dtype: str) -> Any:
     if kind_of(x) == "torch":
         return x.to(getattr(module("torch"), dtype))
     return x.astype(dtype)
+
+
+def contiguous(x: Any) -> Any:
+    """``x`` in row-major order with no gaps (itself when it already is): what a backend that
+    indexes an auxiliary array by position needs, whatever view the caller passed."""
+    kind = kind_of(x)
+    if kind == "torch":
+        return x.contiguous()
+    return module(kind).ascontiguousarray(x)
 
 
 def to_host(x: Any):

@@ -36,6 +36,10 @@ class Backend:
     max_head_dim: int = 256
     features: frozenset[str] = frozenset(FEATURES) - OPT_IN_FEATURES
     deterministic_backward: bool = True
+    #: The auxiliary arrays (names of ``Problem.ARRAYS`` and ``DecodeProblem.ARRAYS``) this backend
+    #: reads through their strides; every other one reaches it contiguous, whatever view the
+    #: caller passed. A bool mask is worth reading by strides: its broadcast is free that way.
+    strided_arrays: frozenset[str] = frozenset()
 
     def available(self) -> str | None:
         """None when the backend can run on this machine, else the reason it cannot."""

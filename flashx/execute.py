@@ -38,11 +38,12 @@ def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
 
 
 def _for_backend(impl: Backend, problem: Problem, *xs):
-    """The problem and arrays as the backend's kind of array: as they are when it is the caller's."""
+    """The problem and arrays as the backend's kind of array, auxiliary arrays in the layout it declares."""
     kind = impl.array_kind
+    problem = problem.with_arrays(arrays.for_backend(impl))
     if kind == problem.array_kind:
         return (problem, *xs)
-    return (problem.with_arrays(lambda a: arrays.convert(a, kind)), *(arrays.convert(x, kind) for x in xs))
+    return (problem, *(arrays.convert(x, kind) for x in xs))
 
 
 def _check_output(impl, name, x, shape):

@@ -97,13 +97,11 @@ class DecodeProblem(HeadsAndBand):
 
     def static_key(self) -> tuple:
         """Everything but the arrays' contents and strides: equal keys, equal dispatch."""
-        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _ARRAY_FIELDS)
-        return fields + tuple(arrays.signature(getattr(self, name)) for name in _ARRAY_FIELDS)
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.ARRAYS)
+        return fields + tuple(arrays.signature(getattr(self, name)) for name in self.ARRAYS)
 
-    def with_arrays(self, convert) -> DecodeProblem:
-        """A copy whose arrays (cache_seqlens, block_table, mask) went through ``convert``."""
-        changes = {name: convert(getattr(self, name)) for name in _ARRAY_FIELDS if getattr(self, name) is not None}
-        return dataclasses.replace(self, **changes)
+    #: The auxiliary arrays a call may hold.
+    ARRAYS = ("cache_seqlens", "block_table", "mask")
 
     def describe(self) -> str:
         """One line for error messages."""
@@ -125,8 +123,6 @@ class DecodeProblem(HeadsAndBand):
             parts.append(f"num_splits={self.num_splits}")
         return ", ".join(parts)
 
-
-_ARRAY_FIELDS = ("cache_seqlens", "block_table", "mask")
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
@@ -159,8 +155,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         lse = arrays.full(q, problem.lse_shape, -math.inf, problem.lse_dtype)
     else:
         kind = impl.array_kind
-        if kind != problem.array_kind:
-            problem = problem.with_arrays(lambda x: arrays.convert(x, kind))
+        problem = problem.with_arrays(arrays.for_backend(impl))
         inputs = (None if x is None else arrays.convert(x, kind) for x in (q, k_cache, v_cache, k_new, v_new))
         o, lse = impl.decode(problem, *inputs)
         for name, x, shape in (("o", o, problem.o_shape), ("lse", lse, problem.lse_shape)):

@@ -81,6 +81,20 @@ class HeadsAndBand:
         left, right = self.window or (-1, -1)
         return left, 0 if right == -1 else min(right, 0)
 
+    def with_arrays(self, convert: Callable[[str, Any], Any]):
+        """A copy whose auxiliary arrays (``ARRAYS``) went through ``convert(name, array)``;
+        itself when none changed."""
+        changes = {}
+        for name in self.ARRAYS:
+            value = getattr(self, name)
+            array = value.blocks if isinstance(value, BlockMask) else value
+            if array is None:
+                continue
+            converted = convert(name, array)
+            if converted is not array:
+                changes[name] = BlockMask(converted, value.block_size) if isinstance(value, BlockMask) else converted
+        return dataclasses.replace(self, **changes) if changes else self
+
 
 @dataclass(frozen=True, eq=False)
 class Problem(HeadsAndBand):
@@ -185,17 +199,8 @@ class Problem(HeadsAndBand):
         keys = self.total_k if self.varlen else self.seqlen_k
         return rows * self.heads_q == 0 or keys == 0
 
-    def with_arrays(self, convert: Callable[[Any], Any]) -> "Problem":
-        """A copy whose auxiliary arrays (mask, seqlens, ...) went through ``convert``."""
-        changes = {}
-        for name in ("alibi_slopes", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k"):
-            array = getattr(self, name)
-            if array is not None and convert(array) is not array:
-                changes[name] = convert(array)
-        blocks = self.block_mask.blocks if self.block_mask is not None else None
-        if blocks is not None and convert(blocks) is not blocks:
-            changes["block_mask"] = BlockMask(convert(blocks), self.block_mask.block_size)
-        return dataclasses.replace(self, **changes) if changes else self
+    #: The auxiliary arrays a call may hold (``block_mask`` standing for its blocks).
+    ARRAYS = ("alibi_slopes", "mask", "block_mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
 
     def describe(self) -> str:
         """One line for error messages and tables."""

@@ -38,6 +38,7 @@ class NumbaBackend(flashx.Backend):
     features = frozenset({"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "dropout_offsets",
                           "gqa", "dv_ne_d"})
     deterministic_backward = True
+    strided_arrays = frozenset({"mask", "block_mask"})  # read through their strides: a broadcast costs nothing
 
     @property
     def devices(self) -> frozenset[str]:

@@ -18,6 +18,7 @@ class NumpyBackend(flashx.Backend):
     max_head_dim = 1024
     features = frozenset(flashx.problem.FEATURES) - {"softcap", "alibi"}
     deterministic_backward = True
+    strided_arrays = frozenset({"mask", "block_mask"})  # read through their strides: a broadcast costs nothing
 
     def __init__(self, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, name: str = "numpy"):
         """Tiles of ``block_q`` query rows (all heads of a group together) x ``block_k`` keys."""

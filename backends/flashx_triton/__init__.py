@@ -26,6 +26,7 @@ class TritonBackend(flashx.Backend):
     max_head_dim = 256
     features = frozenset(flashx.problem.FEATURES) - {"softcap", "alibi"}
     deterministic_backward = True
+    strided_arrays = frozenset({"mask", "block_mask"})  # read through their strides: a broadcast costs nothing
 
     @property
     def devices(self) -> frozenset[str]:
