@@ -15,7 +15,15 @@ from flashx.api import (
 )
 from flashx.backend import Backend
 from flashx.dispatch import use_backend
-from flashx.errors import DeviceError, DTypeError, FlashXError, ShapeError, UnsupportedError
+from flashx.errors import (
+    DeviceError,
+    DTypeError,
+    FlashXError,
+    OptionError,
+    ShapeError,
+    UnknownBackendError,
+    UnsupportedError,
+)
 from flashx.kvcache import attention_with_kvcache
 from flashx.problem import BlockMask, Problem
 
@@ -36,9 +44,11 @@ __all__ = [
     "DTypeError",
     "DeviceError",
     "FlashXError",
+    "OptionError",
     "Problem",
     "Residuals",
     "ShapeError",
+    "UnknownBackendError",
     "UnsupportedError",
     "attention",
     "attention_backward",

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 from flashx import arrays, dispatch, registry
 from flashx.errors import DTypeError, ShapeError
 from flashx.execute import run_backward, run_forward
-from flashx.options import complete, signature
+from flashx.options import complete, python_scalar, signature
 from flashx.plan import plan
 from flashx.validation import build_problem, check_like
 
@@ -30,6 +30,7 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     in docs/contract.md, sections "Shapes", "Scores and masking" and "Dropout".
     """
     options = complete("attention", options)
+    return_lse = _checked_bool("return_lse", return_lse)
     if arrays.traced(q):
         from flashx.ops import attention as traced_attention
 
@@ -48,6 +49,7 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
 def attention_forward(q, k, v, *, return_lse=True, backend="auto", **options) -> tuple[Any, Residuals]:
     """(o, res) without autograd; ``res`` feeds ``attention_backward``."""
     options = complete("attention_forward", options)
+    _checked_bool("return_lse", return_lse)
     q, k, v = map(arrays.resolved, (q, k, v))
     problem, impl = plan(q, k, v, backend, options)
     o, lse = run_forward(impl, problem, q, k, v)
@@ -63,6 +65,7 @@ def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backe
         if given is not None and given != getattr(res, name):
             raise ShapeError(f"{name}: the backward regenerates dropout from res.{name}={getattr(res, name)}, got {given}")
     options = complete("attention_backward", {**options, "seed": res.seed, "rng_offset": res.rng_offset})
+    _checked_bool("return_lse", return_lse)
     q, k, v, o, lse = map(arrays.resolved, (q, k, v, o, res.lse))
     problem, impl = plan(q, k, v, backend, options)
     check_like("o", o, problem.o_shape, problem.dtype, problem)
@@ -105,9 +108,21 @@ def backends():
 
 
 def explain(q, k, v, *, return_lse=False, backend="auto", **options) -> dispatch.Explanation:
-    """Which backend ``attention`` would run for these arguments, and why each other one would not."""
+    """Which backend ``attention`` would run for these arguments, and why each other one would not.
+
+    ``backend`` (or ``use_backend``, or ``FLASHX_BACKEND``) is honoured as ``attention`` honours it:
+    ``chosen`` is the requested backend, or None when it cannot run these arguments.
+    """
     options = complete("explain", options)
-    return dispatch.explain(build_problem(q, k, v, **options))
+    _checked_bool("return_lse", return_lse)
+    return dispatch.explain(build_problem(q, k, v, **options), backend)
+
+
+def _checked_bool(name, value) -> bool:
+    value = python_scalar(value)
+    if not isinstance(value, bool):
+        raise DTypeError(f"{name}: expected a bool, got {value!r}")
+    return value
 
 
 def _wants_grad(q, k, v) -> bool:

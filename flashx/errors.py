@@ -12,7 +12,11 @@ class FlashXError(Exception):
 
 
 class ShapeError(FlashXError, ValueError):
-    """An argument has the wrong shape, length or value range."""
+    """An argument has the wrong shape, length or layout."""
+
+
+class OptionError(FlashXError, ValueError):
+    """An option's value is outside its domain: ``dropout_p=1.5``, a NaN ``softmax_scale``, ``window=(-3, 0)``."""
 
 
 class DTypeError(FlashXError, TypeError):
@@ -25,3 +29,7 @@ class DeviceError(FlashXError, ValueError):
 
 class UnsupportedError(FlashXError, NotImplementedError):
     """No backend (or not the requested one) can run this problem; the message lists why."""
+
+
+class UnknownBackendError(FlashXError, ValueError):
+    """No backend has the name asked for; the message lists the registered ones and the closest."""

@@ -3,11 +3,13 @@
 ``flashx.attention``, ``attention_forward``, ``attention_backward`` and ``explain`` take these
 keywords (the contract's API section); validation reads them from here, and the plan cache keys
 on them in this order. NumPy scalars (``np.True_``, ``np.float32(0.1)``) are accepted wherever a
-Python scalar is, and are taken as that Python scalar.
+Python scalar is, and are taken as that Python scalar. An unknown keyword is a ``TypeError``, as
+Python's own, that names the flashx keyword it likely means.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any
 
@@ -33,13 +35,31 @@ OPTIONS: dict[str, Any] = {
     "deterministic": False,
 }
 
+#: Keywords of other attention libraries that flashx spells differently -> the flashx keywords
+#: meant (an unknown keyword's error names them). Names flashx shares (dropout_p, softmax_scale,
+#: causal, ...) need no entry.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "is_causal": ("causal",),  # torch SDPA
+    "attn_mask": ("mask",),  # torch SDPA
+    "scale": ("softmax_scale",),  # torch SDPA, xformers
+    "window_size": ("window",),  # flash-attn
+    "attn_bias": ("mask", "causal"),  # xformers: a tensor, or LowerTriangularMask for causal
+    "p": ("dropout_p",),  # xformers
+}
+
 
 def complete(function: str, given: dict[str, Any]) -> dict[str, Any]:
     """Every option, the given ones as Python scalars, the rest at their defaults."""
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:
-        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}; known: {', '.join(OPTIONS)}")
+        what = "an unexpected keyword argument" if len(unknown) == 1 else "unexpected keyword arguments"
+        raise TypeError(f"{function}() got {what} {', '.join(map(_with_suggestion, unknown))}; known: {', '.join(OPTIONS)}")
     return {name: python_scalar(given.get(name, default)) for name, default in OPTIONS.items()}
+
+
+def _with_suggestion(name: str) -> str:
+    meant = ALIASES.get(name) or difflib.get_close_matches(name, OPTIONS, n=2)
+    return f"{name!r} (did you mean {' or '.join(map(repr, meant))}?)" if meant else repr(name)
 
 
 def python_scalar(value: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Every argument checked once, turned into a ``Problem``.
+"""Every argument checked once, turned into a problem: ``build_problem`` for attention,
+``build_decode_problem`` for decoding with a KV cache.
 
 Each error names the argument, what was expected and what was given (the contract's Errors
 section, docs/contract.md). Lengths and offsets (seqlens, cu_seqlens) are read on the host: a
@@ -15,9 +16,9 @@ from typing import Any
 
 from flashx import arrays
 from flashx.backend import ALL_DTYPES
-from flashx.errors import DeviceError, DTypeError, ShapeError
-from flashx.options import complete
-from flashx.problem import BlockMask, Problem, default_scale
+from flashx.errors import DeviceError, DTypeError, OptionError, ShapeError
+from flashx.options import complete, python_scalar
+from flashx.problem import BlockMask, DecodeProblem, Problem, default_scale
 
 U64 = 2**64
 ARRAY_OPTIONS = ("alibi_slopes", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
@@ -204,7 +205,8 @@ def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
         )
     longest = int(lengths.max()) if lengths.size else 0
     if max_seqlen is not None:
-        _number(f"max_seqlen_{side}", max_seqlen, _is_int, f"an int >= the longest sequence ({longest})", lambda x: x >= longest)
+        _number(f"max_seqlen_{side}", max_seqlen, _is_int, f"an int >= the longest sequence ({longest})", lambda x: x >= longest,
+                error=ShapeError)
     return arrays.astype(cu, "int32"), longest if max_seqlen is None else int(max_seqlen)
 
 
@@ -223,7 +225,7 @@ def _window(window):
     if not isinstance(window, (tuple, list)) or not all(map(_is_int, window)):
         raise DTypeError(f"window: expected {expected}, got {window!r}")
     if len(window) != 2 or not all(side >= -1 for side in window):
-        raise ShapeError(f"window: expected {expected}, got {window!r}")
+        raise OptionError(f"window: expected {expected}, got {window!r}")
     return int(window[0]), int(window[1])
 
 
@@ -233,16 +235,17 @@ def _dropout_offsets(offsets):
     if not isinstance(offsets, (tuple, list)) or not all(map(_is_int, offsets)):
         raise DTypeError(f"dropout_offsets: expected {expected}, got {offsets!r}")
     if len(offsets) != 2 or not all(0 <= x < 2**31 for x in offsets):
-        raise ShapeError(f"dropout_offsets: expected {expected}, got {offsets!r}")
+        raise OptionError(f"dropout_offsets: expected {expected}, got {offsets!r}")
     return int(offsets[0]), int(offsets[1])
 
 
-def _number(name, value, is_type, expected, in_range):
-    """A wrong type is a DTypeError, a wrong value (``in_range(value)`` false) a ShapeError."""
+def _number(name, value, is_type, expected, in_range, error=OptionError):
+    """A wrong type is a DTypeError, a wrong value (``in_range(value)`` false) an ``error``: an
+    OptionError, or a ShapeError for a number that is a length."""
     if not is_type(value):
         raise DTypeError(f"{name}: expected {expected}, got {value!r}")
     if not in_range(value):
-        raise ShapeError(f"{name}: expected {expected}, got {value!r}")
+        raise error(f"{name}: expected {expected}, got {value!r}")
 
 
 def _draw_seed(kind: str) -> int:
@@ -260,3 +263,157 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
+                         causal=True, window=None, softmax_scale=None, mask=None, num_splits=0,
+                         validate=True) -> DecodeProblem:
+    """Every argument checked; lengths and tables on the host only with ``validate``."""
+    causal, window, softmax_scale, num_splits, validate = map(python_scalar, (causal, window, softmax_scale,
+                                                                            num_splits, validate))
+    q, mask = arrays.resolved(q), None if mask is None else arrays.resolved(mask)
+    kind = arrays.require_array(q, "q")
+    device, device_index = arrays.device_of(q)
+    dtype = arrays.dtype_name(q)
+    if dtype not in ALL_DTYPES:
+        raise DTypeError(f"q: expected one of {sorted(ALL_DTYPES)}, got {dtype}")
+    like_q = (kind, device, device_index)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if x is not None:
+            _same_array_as_q(name, x, *like_q)
+            if arrays.dtype_name(x) != dtype:
+                raise DTypeError(f"{name}: expected the dtype of q ({dtype}), got {arrays.dtype_name(x)}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if arrays.resolved(x) is not x:
+            raise DTypeError(f"{name}: expected a tensor that can be written in place, got a lazily negated view")
+
+    paged = block_table is not None
+    layout = "(P, page_size, Hk, D) pages (block_table given)" if paged else "(B, S, Hk, D)"
+    if q.ndim != 4:
+        raise ShapeError(f"q: expected (B, Nq, Hq, D), got shape {tuple(q.shape)}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.ndim != 4:
+            raise ShapeError(f"{name}: expected {layout}, got shape {tuple(x.shape)}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    rows, slots, heads_k, dim_k = k_cache.shape
+    if head_dim == 0:
+        raise ShapeError(f"q: expected a head dim D >= 1, got shape {tuple(q.shape)}")
+    if dim_k != head_dim:
+        raise ShapeError(f"k_cache: expected head dim {head_dim} (from q), got shape {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape[:3]) != (rows, slots, heads_k):
+        raise ShapeError(f"v_cache: expected shape {(rows, slots, heads_k)} + (Dv,) (from k_cache), "
+                         f"got {tuple(v_cache.shape)}")
+    if heads_k == 0 or heads_q % heads_k:
+        raise ShapeError(f"k_cache: expected a head count dividing q's {heads_q}, got {heads_k}")
+    head_dim_v = v_cache.shape[3]
+    if paged:
+        _same_array_as_q("block_table", block_table, *like_q)
+        if arrays.dtype_name(block_table) not in INTEGER_DTYPES:
+            raise DTypeError(f"block_table: expected an integer dtype, got {arrays.dtype_name(block_table)}")
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ShapeError(f"block_table: expected shape ({batch}, max_pages), got {tuple(block_table.shape)}")
+        if slots == 0:
+            raise ShapeError(f"k_cache: expected pages of page_size >= 1 slots, got shape {tuple(k_cache.shape)}")
+        capacity = block_table.shape[1] * slots
+    else:
+        if rows != batch:
+            raise ShapeError(f"k_cache: expected batch {batch} (from q) in {layout}, got shape {tuple(k_cache.shape)}")
+        capacity = slots
+
+    if (k_new is None) != (v_new is None):
+        missing = "v_new" if v_new is None else "k_new"
+        raise ShapeError(f"{missing}: expected an array with the other of k_new, v_new, got None")
+    new_tokens = 0
+    if k_new is not None:
+        if k_new.ndim != 4 or k_new.shape[0] != batch or tuple(k_new.shape[2:]) != (heads_k, head_dim):
+            raise ShapeError(f"k_new: expected ({batch}, Nn, {heads_k}, {head_dim}), got shape {tuple(k_new.shape)}")
+        new_tokens = k_new.shape[1]
+        if tuple(v_new.shape) != (batch, new_tokens, heads_k, head_dim_v):
+            raise ShapeError(f"v_new: expected {(batch, new_tokens, heads_k, head_dim_v)}, got shape {tuple(v_new.shape)}")
+
+    _same_array_as_q("cache_seqlens", cache_seqlens, *like_q)
+    if arrays.dtype_name(cache_seqlens) not in INTEGER_DTYPES:
+        raise DTypeError(f"cache_seqlens: expected an integer dtype, got {arrays.dtype_name(cache_seqlens)}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ShapeError(f"cache_seqlens: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
+    if mask is not None:
+        _bool_broadcastable("mask", mask, (batch, heads_q, seqlen_q, seqlen_q), *like_q)
+    if not isinstance(causal, bool):
+        raise DTypeError(f"causal: expected a bool, got {causal!r}")
+    if window is not None:
+        window = _window(window)
+    if softmax_scale is None:
+        softmax_scale = default_scale(head_dim)
+    else:
+        _number("softmax_scale", softmax_scale, _is_real, "a finite real number or None", math.isfinite)
+    _number("num_splits", num_splits, _is_int, "an int >= 0 (0: the backend chooses)", lambda n: n >= 0)
+    if not isinstance(validate, bool):
+        raise DTypeError(f"validate: expected a bool, got {validate!r}")
+
+    if validate:
+        _check_values(cache_seqlens, block_table, new_tokens, capacity, slots if paged else None, rows)
+    return DecodeProblem(
+        array_kind=kind,
+        device=device,
+        device_index=device_index,
+        dtype=dtype,
+        batch=batch,
+        seqlen_q=seqlen_q,
+        heads_q=heads_q,
+        heads_k=heads_k,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        new_tokens=new_tokens,
+        page_size=slots if paged else None,
+        num_pages=rows,
+        capacity=capacity,
+        softmax_scale=float(softmax_scale),
+        cache_seqlens=arrays.astype(cache_seqlens, "int32"),
+        block_table=arrays.astype(block_table, "int32") if paged else None,
+        causal=causal,
+        window=window,
+        mask=mask,
+        num_splits=int(num_splits),
+        validated=validate,
+    )
+
+
+def _check_values(cache_seqlens, block_table, new_tokens, capacity, page_size, num_pages):
+    """The lengths fit the cache; every table entry that holds one of those tokens is a page;
+    no two sequences write their new tokens into one slot."""
+    import numpy as np
+
+    lengths = np.asarray(arrays.to_host(cache_seqlens), dtype=np.int64)
+    if lengths.size == 0:
+        return
+    if lengths.min() < 0:
+        b = int(np.argmin(lengths))
+        raise ShapeError(f"cache_seqlens: expected lengths >= 0, got {lengths[b]} for sequence {b}")
+    total = lengths + new_tokens
+    if total.max() > capacity:
+        b = int(np.argmax(total))
+        where = "S" if page_size is None else f"max_pages x page_size = {capacity // page_size} x {page_size}"
+        raise ShapeError(f"cache_seqlens: sequence {b} holds {lengths[b]} cached + {new_tokens} new tokens, "
+                         f"more than the cache's capacity {capacity} ({where})")
+    if page_size is None:
+        return
+    table = np.asarray(arrays.to_host(block_table), dtype=np.int64)
+    pages_used = -(-total // page_size)
+    in_use = np.arange(table.shape[1])[None, :] < pages_used[:, None]
+    bad = in_use & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ShapeError(f"block_table: entry [{b}, {j}] = {table[b, j]} holds tokens of sequence {b} but is not a "
+                         f"page of the cache (expected 0 <= page < {num_pages})")
+    if new_tokens:
+        positions = lengths[:, None] + np.arange(new_tokens)[None, :]
+        slots = np.take_along_axis(table, positions // page_size, axis=1) * page_size + positions % page_size
+        order = np.argsort(slots, axis=None, kind="stable")
+        ordered = slots.ravel()[order]
+        clash = np.flatnonzero(ordered[1:] == ordered[:-1])
+        if clash.size:
+            first, second = order[clash[0]] // new_tokens, order[clash[0] + 1] // new_tokens
+            slot = int(ordered[clash[0]])
+            where = "twice" if first == second else f"as sequence {first} does"
+            raise ShapeError(f"block_table: sequence {second} writes a new token into page {slot // page_size} "
+                             f"slot {slot % page_size} {where}: two writes into one slot")

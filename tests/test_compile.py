@@ -172,8 +172,8 @@ def test_attention_with_kvcache_compiles_and_writes_the_cache():
                                            None, None, None, 0, True, "numpy"))
 
 
-@pytest.mark.parametrize("name, value, error", [("seed", -1, flashx.ShapeError), ("seed", 2**64, flashx.ShapeError),
-                                               ("rng_offset", -3, flashx.ShapeError), ("seed", 1.5, flashx.DTypeError)])
+@pytest.mark.parametrize("name, value, error", [("seed", -1, flashx.OptionError), ("seed", 2**64, flashx.OptionError),
+                                               ("rng_offset", -3, flashx.OptionError), ("seed", 1.5, flashx.DTypeError)])
 def test_seeds_are_checked_as_in_eager_before_the_operator(name, value, error):
     """An int64 argument could not tell a negative seed from a large one: it never gets one."""
     q, k, v = _inputs((1, 4, 2, 8), (1, 4, 2, 8))

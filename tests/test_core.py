@@ -82,16 +82,24 @@ def fresh_registry(monkeypatch):
         (lambda q, k, v: (q[:, :, :3], k, v, {}), flashx.ShapeError, "k: expected a head count dividing"),
         (lambda q, k, v: (q, k[:1], v[:1], {}), flashx.ShapeError, "k: expected batch 2"),
         (lambda q, k, v: (q, k, v, {"causal": 1}), flashx.DTypeError, "causal: expected a bool"),
-        (lambda q, k, v: (q, k, v, {"window": (3,)}), flashx.ShapeError, "window: expected (left, right)"),
-        (lambda q, k, v: (q, k, v, {"window": (-2, 0)}), flashx.ShapeError, "window"),
-        (lambda q, k, v: (q, k, v, {"softmax_scale": float("nan")}), flashx.ShapeError, "softmax_scale"),
+        (lambda q, k, v: (q, k, v, {"window": (3,)}), flashx.OptionError, "window: expected (left, right)"),
+        (lambda q, k, v: (q, k, v, {"window": (-2, 0)}), flashx.OptionError, "window"),
+        (lambda q, k, v: (q, k, v, {"window": (-3, 0)}), flashx.OptionError, "window: expected (left, right) ints >= -1"),
+        (lambda q, k, v: (q, k, v, {"softmax_scale": float("nan")}), flashx.OptionError, "softmax_scale: expected a finite real"),
         (lambda q, k, v: (q, k, v, {"softmax_scale": "0.5"}), flashx.DTypeError, "softmax_scale"),
         (lambda q, k, v: (q, k, v, {"dropout_p": "0.1"}), flashx.DTypeError, "dropout_p: expected a number"),
         (lambda q, k, v: (q, k, v, {"window": "left"}), flashx.DTypeError, "window: expected (left, right)"),
         (lambda q, k, v: (q[..., :0], k[..., :0], v, {}), flashx.ShapeError, "q: expected a head dim D >= 1"),
-        (lambda q, k, v: (q, k, v, {"dropout_p": 1.0}), flashx.ShapeError, "dropout_p: expected a number in [0, 1)"),
-        (lambda q, k, v: (q, k, v, {"seed": -1, "dropout_p": 0.1}), flashx.ShapeError, "seed"),
-        (lambda q, k, v: (q, k, v, {"rng_offset": 2**64}), flashx.ShapeError, "rng_offset"),
+        (lambda q, k, v: (q, k, v, {"dropout_p": 1.0}), flashx.OptionError, "dropout_p: expected a number in [0, 1)"),
+        (lambda q, k, v: (q, k, v, {"dropout_p": 1.5}), flashx.OptionError, "dropout_p: expected a number in [0, 1), got 1.5"),
+        (lambda q, k, v: (q, k, v, {"seed": -1, "dropout_p": 0.1}), flashx.OptionError, "seed"),
+        (lambda q, k, v: (q, k, v, {"rng_offset": 2**64}), flashx.OptionError, "rng_offset"),
+        (lambda q, k, v: (q, k, v, {"rng_offset": -1}), flashx.OptionError, "rng_offset: expected an int in [0, 2**64), got -1"),
+        (
+            lambda q, k, v: (q, k, v, {"dropout_p": 0.1, "seed": 1, "dropout_offsets": (0, -1)}),
+            flashx.OptionError,
+            "dropout_offsets: expected (row, key) ints in [0, 2**31)",
+        ),
         (lambda q, k, v: (q, k, v, {"mask": np.ones((5, 7))}), flashx.DTypeError, "mask: expected a bool array"),
         (lambda q, k, v: (q, k, v, {"mask": np.ones((3, 5, 7), bool)}), flashx.ShapeError, "mask: expected a shape broadcastable"),
         (
@@ -104,7 +112,9 @@ def fresh_registry(monkeypatch):
         (lambda q, k, v: (q, k, v, {"seqlens_k": np.array([1.0, 2.0])}), flashx.DTypeError, "seqlens_k: expected an integer dtype"),
         (lambda q, k, v: (q, k, v, {"seqlens_k": np.array([1], np.int32)}), flashx.ShapeError, "seqlens_k: expected shape (2,)"),
         (lambda q, k, v: (q, k, v, {"max_seqlen_q": 5}), flashx.ShapeError, "max_seqlen_q: only meaningful with cu_seqlens"),
-        (lambda q, k, v: (q, k, v, {"softcap": -1.0}), flashx.ShapeError, "softcap"),
+        (lambda q, k, v: (q, k, v, {"softcap": -1.0}), flashx.OptionError, "softcap"),
+        (lambda q, k, v: (q, k, v, {"return_lse": "yes"}), flashx.DTypeError, "return_lse: expected a bool, got 'yes'"),
+        (lambda q, k, v: (q, k, v, {"return_lse": 1}), flashx.DTypeError, "return_lse: expected a bool, got 1"),
     ],
 )
 def test_bad_input_names_the_argument(change, error, words):
@@ -174,7 +184,7 @@ def test_explicit_backend_never_falls_back(fresh_registry):
     q, k, v = qkv()
     with pytest.raises(flashx.UnsupportedError, match="backend 'high' cannot run .*does not support causal masking"):
         flashx.attention(q, k, v, causal=True, backend="high")
-    with pytest.raises(flashx.UnsupportedError, match="no backend named 'nope'; registered: high, low"):
+    with pytest.raises(flashx.UnknownBackendError, match="^backend='nope': no backend named 'nope'; registered: high, low$"):
         flashx.attention(q, k, v, backend="nope")
 
 
@@ -197,9 +207,93 @@ def test_env_var_and_context_manager_set_the_default(fresh_registry, monkeypatch
             assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
         assert flashx.attention(q, k, v, backend="low")[0, 0, 0, 0] == 2.0  # explicit beats the default
     assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
-    with pytest.raises(flashx.UnsupportedError, match="no backend named 'nope'"):
+    with pytest.raises(flashx.UnknownBackendError, match=r"^use_backend\('nope'\): no backend named 'nope'"):
         with flashx.use_backend("nope"):
             pass
+
+
+def test_an_unknown_backend_name_is_a_value_error_that_suggests_the_closest(fresh_registry, monkeypatch):
+    for name in ("triton", "numpy", "numba"):
+        registry.register(Marker(name))
+    q, k, v = qkv()
+    with pytest.raises(flashx.UnknownBackendError) as caught:
+        flashx.attention(q, k, v, backend="trtion")
+    assert str(caught.value) == "backend='trtion': no backend named 'trtion'; registered: numba, numpy, triton; did you mean 'triton'?"
+    assert isinstance(caught.value, ValueError) and not isinstance(caught.value, NotImplementedError)
+    with pytest.raises(flashx.UnknownBackendError, match=r"^use_backend\('Numpy'\): no backend named 'Numpy'; .*did you mean 'numpy'\?$"):
+        with flashx.use_backend("Numpy"):
+            pass
+    with pytest.raises(flashx.UnknownBackendError, match="^backend='bogus': no backend named 'bogus'; registered: numba, numpy, triton$"):
+        flashx.explain(q, k, v, backend="bogus")
+    monkeypatch.setenv("FLASHX_BACKEND", "bogus")
+    for call in (flashx.attention, flashx.attention_forward, flashx.explain):
+        with pytest.raises(flashx.UnknownBackendError, match="^FLASHX_BACKEND=bogus: no backend named 'bogus'; registered: "):
+            call(q, k, v)
+    assert flashx.attention(q, k, v, backend="numpy")[0, 0, 0, 0] == 1.0  # an explicit name beats the environment
+
+
+def test_a_backend_whose_plugin_failed_is_known_and_cannot_run(tmp_path, monkeypatch):
+    fake_distribution(tmp_path, "broken-plugin", "broken_flashx_plugin", "raise ImportError('missing libcuda.so')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("FLASHX_BACKEND", raising=False)
+    registry.reset()
+    q, k, v = qkv()
+    try:
+        with pytest.raises(flashx.UnsupportedError, match="^backend 'broken-plugin' cannot run here: plugin failed to load: ImportError: missing libcuda.so"):
+            flashx.attention(q, k, v, backend="broken-plugin")
+        with flashx.use_backend("broken-plugin"):
+            explanation = flashx.explain(q, k, v)
+        assert (explanation.chosen, explanation.requested) == (None, "broken-plugin")
+        assert "no: plugin failed to load: ImportError: missing libcuda.so  <- requested by use_backend('broken-plugin')" in str(explanation)
+        with pytest.raises(flashx.UnknownBackendError, match="; plugins that failed to load: broken-plugin .*; did you mean 'broken-plugin'\\?$"):
+            flashx.attention(q, k, v, backend="broken-plugn")
+    finally:
+        registry.reset()
+
+
+def test_explain_reports_the_backend_a_call_requests(fresh_registry, monkeypatch):
+    for backend in (Marker("low", 1), Marker("high", 5, features={"gqa"}), Marker("gone", 9, unavailable="no device")):
+        registry.register(backend)
+    q, k, v = qkv()
+    auto = flashx.explain(q, k, v)
+    assert (auto.chosen, auto.requested, auto.requested_by) == ("high", None, None)
+    assert "high  yes (priority 5)  <- auto" in str(auto) and "requested" not in str(auto)
+
+    explicit = flashx.explain(q, k, v, backend="low")
+    assert (explicit.chosen, explicit.requested, explicit.requested_by) == ("low", "low", "backend='low'")
+    assert "low   yes (priority 1)  <- requested by backend='low'" in str(explicit) and "<- auto" not in str(explicit)
+    assert explicit.rows == auto.rows
+
+    cannot = flashx.explain(q, k, v, causal=True, backend="high")
+    assert cannot.chosen is None and cannot.requested == "high"
+    assert "high  no: does not support causal masking  <- requested by backend='high'" in str(cannot)
+    assert flashx.explain(q, k, v, backend="gone").chosen is None
+
+    with flashx.use_backend("low"):
+        in_context = flashx.explain(q, k, v)
+        assert flashx.explain(q, k, v, backend="high").chosen == "high"  # explicit beats the default
+    assert (in_context.chosen, in_context.requested_by) == ("low", "use_backend('low')")
+    monkeypatch.setenv("FLASHX_BACKEND", "low")
+    from_environment = flashx.explain(q, k, v)
+    assert (from_environment.chosen, from_environment.requested_by) == ("low", "FLASHX_BACKEND=low")
+    assert "<- requested by FLASHX_BACKEND=low" in str(from_environment)
+    # what a call runs is what explain reports
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+
+
+def test_dispatch_explain_takes_the_backend_asked_for(fresh_registry):
+    from flashx import dispatch
+    from flashx.validation import build_problem
+
+    registry.register(Marker("low", 1))
+    registry.register(Marker("high", 5))
+    problem = build_problem(*qkv())
+    assert dispatch.explain(problem).chosen == "high"
+    assert dispatch.explain(problem, "low").chosen == "low"
+    with flashx.use_backend("low"):
+        assert dispatch.explain(problem, "auto").requested_by == "use_backend('low')"
+    with pytest.raises(flashx.UnknownBackendError, match="did you mean 'low'"):
+        dispatch.explain(problem, "lwo")
 
 
 def test_nothing_fits_lists_every_backend_with_all_reasons_once(fresh_registry):
@@ -354,7 +448,7 @@ def test_a_remembered_call_follows_the_backend_choice(fresh_registry, monkeypatc
     assert flashx.attention(q, k, v)[0, 0, 0, 0] == 9.0
     registry.unregister("high")
     assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
-    with pytest.raises(flashx.UnsupportedError, match="no backend named 'high'"):
+    with pytest.raises(flashx.UnknownBackendError, match="no backend named 'high'"):
         flashx.attention(q, k, v, backend="high")
     registry.reset()  # rediscovers the entry points: the NumPy backend computes again
     np.testing.assert_allclose(flashx.attention(q, k, v), oracle.forward(q, k, v)[0], atol=2e-5)
@@ -380,7 +474,14 @@ def test_a_drawn_dropout_seed_is_drawn_again_on_every_call():
         ({"seed": 1}, {"seed": True}, flashx.DTypeError, "seed: expected an int"),
         ({"rng_offset": 0}, {"rng_offset": 0.0}, flashx.DTypeError, "rng_offset: expected an int"),
         ({"backend": "numpy"}, {"backend": None}, flashx.DTypeError, "backend: expected a backend name"),
+        ({"backend": "numpy"}, {"backend": "nmupy"}, flashx.UnknownBackendError, "did you mean 'numpy'?"),
         ({}, {"max_seqlen_q": 5}, flashx.ShapeError, "max_seqlen_q: only meaningful with cu_seqlens"),
+        ({"dropout_p": 0.5, "seed": 1}, {"dropout_p": 1.5, "seed": 1}, flashx.OptionError, "dropout_p: expected a number in [0, 1)"),
+        ({"dropout_p": 0.5, "seed": 1}, {"dropout_p": np.float64(1.5), "seed": 1}, flashx.OptionError, "got 1.5"),
+        ({"rng_offset": np.uint64(3)}, {"rng_offset": np.int64(-1)}, flashx.OptionError, "rng_offset: expected an int in"),
+        ({"window": (3, 0)}, {"window": (-3, 0)}, flashx.OptionError, "window: expected (left, right)"),
+        ({"causal": np.True_}, {"causal": np.int64(1)}, flashx.DTypeError, "causal: expected a bool, got 1"),
+        ({"return_lse": False}, {"return_lse": "yes"}, flashx.DTypeError, "return_lse: expected a bool"),
     ],
 )
 def test_a_wrong_call_raises_after_a_similar_right_one(valid, invalid, error, words):
@@ -390,6 +491,88 @@ def test_a_wrong_call_raises_after_a_similar_right_one(valid, invalid, error, wo
         with pytest.raises(error) as caught:
             flashx.attention(q, k, v, **invalid)
         assert words in str(caught.value)
+
+
+def test_a_remembered_call_meets_a_changed_environment(fresh_registry, monkeypatch):
+    registry.register(Marker("low", 1))
+    q, k, v = qkv()
+    monkeypatch.setenv("FLASHX_BACKEND", "low")
+    assert flashx.attention(q, k, v)[0, 0, 0, 0] == 2.0
+    monkeypatch.setenv("FLASHX_BACKEND", "lwo")
+    with pytest.raises(flashx.UnknownBackendError, match="^FLASHX_BACKEND=lwo: no backend named 'lwo'; registered: low; did you mean 'low'"):
+        flashx.attention(q, k, v)
+
+
+def test_options_given_as_numpy_scalars_are_taken_as_python_scalars():
+    q, k, v = qkv()
+    python = dict(causal=True, window=(3, 0), softmax_scale=0.5, dropout_p=0.25, seed=7, rng_offset=2, dropout_offsets=(1, 2),
+                  deterministic=False)
+    numpy = dict(causal=np.True_, window=(np.int64(3), np.int32(0)), softmax_scale=np.float32(0.5), dropout_p=np.float64(0.25),
+                 seed=np.uint64(7), rng_offset=np.int16(2), dropout_offsets=(np.int8(1), np.uint32(2)), deterministic=np.False_)
+    want_o, want_lse = flashx.attention(q, k, v, return_lse=True, backend="numpy", **python)
+    got_o, got_lse = flashx.attention(q, k, v, return_lse=np.True_, backend="numpy", **numpy)
+    np.testing.assert_array_equal(got_o, want_o)
+    np.testing.assert_array_equal(got_lse, want_lse)
+    _, res = flashx.attention_forward(q, k, v, backend="numpy", **numpy)
+    assert res == (res.lse, 7, 2) and type(res.seed) is int
+    explanation = flashx.explain(q, k, v, backend="numpy", softcap=np.float64(20.0), **numpy)
+    assert explanation.problem.softcap == 20.0 and explanation.problem.window == (3, 0) and explanation.problem.dropout_p == 0.25
+
+
+def test_return_lse_must_be_a_bool_everywhere():
+    q, k, v = qkv()
+    o, res = flashx.attention_forward(q, k, v)
+    calls = {
+        "attention": lambda flag: flashx.attention(q, k, v, return_lse=flag),
+        "attention_forward": lambda flag: flashx.attention_forward(q, k, v, return_lse=flag),
+        "attention_backward": lambda flag: flashx.attention_backward(o, q, k, v, o, res, return_lse=flag),
+        "explain": lambda flag: flashx.explain(q, k, v, return_lse=flag),
+    }
+    for name, call in calls.items():
+        for flag, shown in (("yes", "'yes'"), (1, "1"), (None, "None"), (np.float32(1.0), "1.0")):
+            with pytest.raises(flashx.DTypeError) as caught:
+                call(flag)
+            assert str(caught.value) == f"return_lse: expected a bool, got {shown}", name
+        call(np.True_)
+    assert isinstance(flashx.attention(q, k, v, return_lse=np.True_), tuple)
+    assert flashx.attention(q, k, v, return_lse=np.False_).shape == (2, 5, 4, 8)
+
+
+@pytest.mark.parametrize(
+    "keyword, meant",
+    [
+        ("is_causal", "'causal'"),  # torch SDPA
+        ("attn_mask", "'mask'"),
+        ("scale", "'softmax_scale'"),
+        ("window_size", "'window'"),  # flash-attn
+        ("attn_bias", "'mask' or 'causal'"),  # xformers
+        ("p", "'dropout_p'"),
+        ("dropout", "'dropout_p' or 'dropout_offsets'"),  # close matches
+        ("causl", "'causal'"),
+        ("seqlens", "'seqlens_q' or 'seqlens_k'"),
+    ],
+)
+def test_an_unknown_keyword_names_the_flashx_keyword_meant(keyword, meant):
+    q, k, v = qkv()
+    for call in (flashx.attention, flashx.attention_forward, flashx.explain):
+        with pytest.raises(TypeError) as caught:
+            call(q, k, v, **{keyword: 0.1})
+        assert str(caught.value).startswith(f"{call.__name__}() got an unexpected keyword argument {keyword!r} (did you mean {meant}?); known: causal, ")
+        assert not isinstance(caught.value, flashx.FlashXError)
+
+
+def test_unknown_keywords_without_a_close_one_are_listed_as_they_are():
+    with pytest.raises(TypeError, match=r"^attention\(\) got unexpected keyword arguments 'is_causal' \(did you mean 'causal'\?\), 'zzz'; known: "):
+        flashx.attention(*qkv(), zzz=1, is_causal=True)
+
+
+def test_an_option_error_is_a_value_error_and_no_shape_error():
+    assert issubclass(flashx.OptionError, ValueError) and issubclass(flashx.OptionError, flashx.FlashXError)
+    assert not issubclass(flashx.OptionError, flashx.ShapeError) and not issubclass(flashx.ShapeError, flashx.OptionError)
+    q, k, v = qkv()
+    with pytest.raises(ValueError) as caught:
+        flashx.attention(q, k, v, softmax_scale=float("nan"))
+    assert type(caught.value) is flashx.OptionError
 
 
 def test_a_wrong_array_raises_after_a_right_one_of_the_same_shape():

@@ -166,13 +166,21 @@ ERRORS = {
     "dtype-mismatch": (lambda a: ((a.q, a.float(np.ones((2, 11, 2, 16)), _other_dtype(a.dtype)), a.v), {}), flashx.DTypeError, "k"),
     "integer-q": (lambda a: ((a.aux(np.ones((2, 9, 4, 16), np.int32)), a.k, a.v), {}), flashx.DTypeError, "q"),
     "not-an-array": (lambda a: (([[1.0]], a.k, a.v), {}), flashx.DTypeError, "q"),
-    "window-bad": (lambda a: ((a.q, a.k, a.v), {"window": (-2, 0)}), flashx.ShapeError, "window"),
+    "window-bad": (lambda a: ((a.q, a.k, a.v), {"window": (-2, 0)}), flashx.OptionError, "window"),
     "window-not-pair": (lambda a: ((a.q, a.k, a.v), {"window": 5}), flashx.DTypeError, "window"),
-    "window-three-sides": (lambda a: ((a.q, a.k, a.v), {"window": (1, 2, 3)}), flashx.ShapeError, "window"),
-    "dropout-p-1": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 1.0}), flashx.ShapeError, "dropout_p"),
-    "dropout-p-negative": (lambda a: ((a.q, a.k, a.v), {"dropout_p": -0.1}), flashx.ShapeError, "dropout_p"),
-    "seed-negative": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 0.1, "seed": -1}), flashx.ShapeError, "seed"),
-    "scale-nan": (lambda a: ((a.q, a.k, a.v), {"softmax_scale": float("nan")}), flashx.ShapeError, "softmax_scale"),
+    "window-three-sides": (lambda a: ((a.q, a.k, a.v), {"window": (1, 2, 3)}), flashx.OptionError, "window"),
+    "dropout-p-1": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 1.0}), flashx.OptionError, "dropout_p"),
+    "dropout-p-1.5": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 1.5}), flashx.OptionError, "dropout_p"),
+    "dropout-p-negative": (lambda a: ((a.q, a.k, a.v), {"dropout_p": -0.1}), flashx.OptionError, "dropout_p"),
+    "seed-negative": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 0.1, "seed": -1}), flashx.OptionError, "seed"),
+    "rng-offset-negative": (lambda a: ((a.q, a.k, a.v), {"rng_offset": -1}), flashx.OptionError, "rng_offset"),
+    "dropout-offsets-negative": (
+        lambda a: ((a.q, a.k, a.v), {"dropout_p": 0.1, "seed": 1, "dropout_offsets": (0, -1)}),
+        flashx.OptionError,
+        "dropout_offsets",
+    ),
+    "scale-nan": (lambda a: ((a.q, a.k, a.v), {"softmax_scale": float("nan")}), flashx.OptionError, "softmax_scale"),
+    "return-lse-string": (lambda a: ((a.q, a.k, a.v), {"return_lse": "yes"}), flashx.DTypeError, "return_lse"),
     "scale-string": (lambda a: ((a.q, a.k, a.v), {"softmax_scale": "0.5"}), flashx.DTypeError, "softmax_scale"),
     "dropout-p-string": (lambda a: ((a.q, a.k, a.v), {"dropout_p": "0.1"}), flashx.DTypeError, "dropout_p"),
     "seed-float": (lambda a: ((a.q, a.k, a.v), {"dropout_p": 0.1, "seed": 1.5}), flashx.DTypeError, "seed"),
@@ -226,9 +234,27 @@ def test_errors(flashx_target, name):
 
 
 def test_unknown_backend(flashx_target):
+    """A name no backend has is a ValueError naming it, the registered names and the closest one."""
     a = _Inputs(flashx_target, flashx_target.dtype)
-    with pytest.raises(flashx.UnsupportedError, match="no-such-backend"):
+    with pytest.raises(flashx.UnknownBackendError, match="^backend='no-such-backend': no backend named 'no-such-backend'; registered: "):
         flashx.attention_forward(a.q, a.k, a.v, backend="no-such-backend")
+    misspelt = flashx_target.name + "_"
+    with pytest.raises(ValueError) as raised:
+        flashx.attention_forward(a.q, a.k, a.v, backend=misspelt)
+    assert isinstance(raised.value, flashx.UnknownBackendError)
+    assert str(raised.value).endswith(f"did you mean {flashx_target.name!r}?"), str(raised.value)
+
+
+def test_explain_names_the_requested_backend(flashx_target):
+    """explain reports the backend a call would run: the one asked for, by name or by use_backend."""
+    a = _Inputs(flashx_target, flashx_target.dtype)
+    flashx_target.skip_unless_supported(a.q, a.k, a.v)
+    explicit = flashx.explain(a.q, a.k, a.v, backend=flashx_target.name)
+    with flashx.use_backend(flashx_target.name):
+        in_context = flashx.explain(a.q, a.k, a.v)
+    for explanation, requested_by in ((explicit, f"backend={flashx_target.name!r}"), (in_context, f"use_backend({flashx_target.name!r})")):
+        assert (explanation.chosen, explanation.requested, explanation.requested_by) == (flashx_target.name, flashx_target.name, requested_by)
+        assert f"<- requested by {requested_by}" in str(explanation)
 
 
 def test_device_mismatch(flashx_target, flashx_rng):

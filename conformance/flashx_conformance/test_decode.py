@@ -364,11 +364,11 @@ MALFORMED = {
     "v_new-shape": (lambda case: {"v_new": case.v_new[:, :, :, :3]}, flashx.ShapeError, "v_new"),
     "mask-shape": (_set(mask=np.ones((2, 3), bool)), flashx.ShapeError, "mask"),
     "mask-dtype": (_set(mask=np.ones((1, 1), np.float32)), flashx.DTypeError, "mask"),
-    "num_splits-negative": (_set(num_splits=-1), flashx.ShapeError, "num_splits"),
+    "num_splits-negative": (_set(num_splits=-1), flashx.OptionError, "num_splits"),
     "num_splits-float": (_set(num_splits=2.0), flashx.DTypeError, "num_splits"),
     "validate-int": (_set(validate=1), flashx.DTypeError, "validate"),
     "causal-int": (_set(causal=1), flashx.DTypeError, "causal"),
-    "window": (_set(window=(-2, 0)), flashx.ShapeError, "window"),
+    "window": (_set(window=(-2, 0)), flashx.OptionError, "window"),
 }
 
 
