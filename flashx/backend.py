@@ -9,13 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashx.problem import FEATURES, Problem
+from flashx.problem import FEATURES, BaseProblem, Problem
 
 ALL_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 #: Features a backend has only by naming them: one that keeps the default declaration would
 #: otherwise claim them without reading the Problem fields they add (and, for dropout offsets,
 #: silently draw another mask).
 OPT_IN_FEATURES = frozenset({"dropout_offsets"})
+#: Each operation (``BaseProblem.operation``): what it is, the method that runs it (a backend
+#: implements the operation by overriding it; every backend owes attention) and the method that
+#: adds a backend's own reasons.
+OPERATIONS = {
+    "attention": ("flashx.attention (forward and backward)", None, "extra_reasons"),
+    "decode": ("decoding with a KV cache (attention_with_kvcache)", "decode", "decode_reasons"),
+}
 
 
 class Backend:
@@ -53,7 +60,16 @@ class Backend:
         """Higher wins in ``backend="auto"``."""
         return 0
 
-    def supports(self, problem: Problem) -> list[str]:
+    @property
+    def operations(self) -> frozenset[str]:
+        """The operations (keys of ``OPERATIONS``) whose method this backend implements."""
+        return frozenset(name for name, (_, method, _) in OPERATIONS.items()
+                         if method is None or getattr(type(self), method) is not getattr(Backend, method))
+
+    def supports(self, problem: BaseProblem) -> list[str]:
+        what, _, own_reasons = OPERATIONS[problem.operation]
+        if problem.operation not in self.operations:
+            return [f"does not implement {what}"]
         reasons = []
         if problem.device not in self.devices:
             reasons.append(f"runs on {_names(self.devices)}, not {problem.device}")
@@ -66,9 +82,7 @@ class Backend:
             reasons.append(f"does not support {FEATURES[feature]}")
         if problem.deterministic and not self.deterministic_backward:
             reasons.append("cannot promise a deterministic backward (deterministic=True)")
-        if not isinstance(problem, Problem):  # a flashx.kvcache.DecodeProblem
-            return reasons + self.decode_reasons(problem)
-        return reasons + self.extra_reasons(problem)
+        return reasons + getattr(self, own_reasons)(problem)
 
     def extra_reasons(self, problem: Problem) -> list[str]:
         """Reasons beyond the declarations (limits of a kernel, a missing device feature)."""
@@ -81,10 +95,8 @@ class Backend:
         raise NotImplementedError
 
     def decode_reasons(self, problem) -> list[str]:
-        """For ``flashx.attention_with_kvcache`` (a ``flashx.kvcache.DecodeProblem``), what
-        ``extra_reasons`` is for attention; a backend that does not override ``decode`` declines."""
-        if type(self).decode is Backend.decode:
-            return ["does not implement decoding with a KV cache (attention_with_kvcache)"]
+        """For ``flashx.attention_with_kvcache`` (a ``flashx.problem.DecodeProblem``), what
+        ``extra_reasons`` is for attention."""
         return []
 
     def decode(self, problem, q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any) -> tuple[Any, Any]:

@@ -1,6 +1,9 @@
-"""One call of a chosen backend: arrays converted to its kind, outputs checked and returned as the caller's.
+"""One call of a chosen backend, for every operation: arrays converted to its kind (auxiliary
+arrays in the layout it declares), outputs checked and returned as the caller's. An empty
+problem is answered here, without the backend.
 
-Shared by the public functions (``flashx.api``) and torch autograd (``flashx.autograd``).
+Shared by the public functions (``flashx.api``, ``flashx.kvcache``), torch autograd
+(``flashx.autograd``) and the torch operators (``flashx.ops``).
 """
 
 from __future__ import annotations
@@ -8,20 +11,14 @@ from __future__ import annotations
 from flashx import arrays
 from flashx.backend import Backend
 from flashx.errors import FlashXError
-from flashx.problem import Problem
+from flashx.problem import BaseProblem, DecodeProblem, Problem
 from flashx.validation import check_like
 
 
 def run_forward(impl: Backend, problem: Problem, q, k, v):
     if problem.is_empty:
-        return (
-            arrays.full(q, problem.o_shape, 0.0, problem.dtype),
-            arrays.full(q, problem.lse_shape, -float("inf"), problem.lse_dtype),
-        )
-    o, lse = impl.forward(*_for_backend(impl, problem, q, k, v))
-    _check_output(impl, "o", o, problem.o_shape)
-    _check_output(impl, "lse", lse, problem.lse_shape)
-    return arrays.to_caller(o, q, problem.dtype), arrays.to_caller(lse, q, problem.lse_dtype)
+        return _empty_outputs(problem, q)
+    return _caller_outputs(impl, problem, q, *impl.forward(*_for_backend(impl, problem, q, k, v)))
 
 
 def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
@@ -37,13 +34,34 @@ def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
     return tuple(arrays.to_caller(grad, q, problem.dtype) for grad in grads)
 
 
-def _for_backend(impl: Backend, problem: Problem, *xs):
+def run_decode(impl: Backend, problem: DecodeProblem, q, k_cache, v_cache, k_new, v_new):
+    """(o, lse) of ``attention_with_kvcache``, the new tokens written into the caches in place."""
+    q, k_new, v_new = (None if x is None else arrays.resolved(x) for x in (q, k_new, v_new))
+    if problem.is_empty:
+        return _empty_outputs(problem, q)
+    return _caller_outputs(impl, problem, q, *impl.decode(*_for_backend(impl, problem, q, k_cache, v_cache, k_new, v_new)))
+
+
+def _empty_outputs(problem: BaseProblem, q):
+    """o = 0 and lse = -inf: what a problem whose rows read no key returns."""
+    return (arrays.full(q, problem.o_shape, 0.0, problem.dtype),
+            arrays.full(q, problem.lse_shape, -float("inf"), problem.lse_dtype))
+
+
+def _caller_outputs(impl: Backend, problem: BaseProblem, q, o, lse):
+    """The backend's o and lse, checked, as arrays like q in the contract's dtypes."""
+    _check_output(impl, "o", o, problem.o_shape)
+    _check_output(impl, "lse", lse, problem.lse_shape)
+    return arrays.to_caller(o, q, problem.dtype), arrays.to_caller(lse, q, problem.lse_dtype)
+
+
+def _for_backend(impl: Backend, problem: BaseProblem, *xs):
     """The problem and arrays as the backend's kind of array, auxiliary arrays in the layout it declares."""
     kind = impl.array_kind
     problem = problem.with_arrays(arrays.for_backend(impl))
     if kind == problem.array_kind:
         return (problem, *xs)
-    return (problem, *(arrays.convert(x, kind) for x in xs))
+    return (problem, *(None if x is None else arrays.convert(x, kind) for x in xs))
 
 
 def _check_output(impl, name, x, shape):

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 
 from flashx.errors import ShapeError
-from flashx.execute import run_backward, run_forward
+from flashx.execute import run_backward, run_decode, run_forward
 from flashx.options import OPTIONS
-from flashx.plan import plan
+from flashx.plan import plan, plan_decode
 from flashx.problem import BlockMask
 from flashx.validation import _is_int, _number
 
@@ -146,11 +146,11 @@ torch.library.register_autograd("flashx::attention_forward", _backward, setup_co
 
 def _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, window,
                             softmax_scale, mask, num_splits, validate, backend):
-    from flashx.kvcache import attention_with_kvcache as eager
-
-    o, lse = eager(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table,
-                   causal=causal, window=None if window is None else tuple(window), softmax_scale=softmax_scale,
-                   mask=mask, num_splits=num_splits, validate=validate, return_lse=True, backend=backend)
+    keywords = dict(cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table, causal=causal,
+                    window=None if window is None else tuple(window), softmax_scale=softmax_scale, mask=mask,
+                    num_splits=num_splits, validate=validate)
+    problem, impl = plan_decode(q, k_cache, v_cache, backend, keywords)
+    o, lse = run_decode(impl, problem, q, k_cache, v_cache, k_new, v_new)
     return o.contiguous(), lse.contiguous()
 
 

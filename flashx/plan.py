@@ -1,8 +1,16 @@
-"""A call's validated ``Problem`` and chosen backend, remembered for calls that repeat.
+"""Planning a call of either operation: its validated problem and its chosen backend, remembered.
+
+Two memories, each keyed on what its outcome depends on, never on an object's identity:
+
+- the choice of a backend, for every operation: keyed on the requested backend, the registry's
+  version and the problem's ``static_key()`` (what runs, not what it runs on: no array contents,
+  no dropout seed), so calls with masks, lengths, drawn seeds or a KV cache choose once;
+- the whole plan (problem and backend) of an attention call without array options, whose
+  validation itself is skipped when it repeats.
 
 Benchmarks and training loops call ``attention`` again and again with arrays of the same
 shapes and the same options; at short sequences, validating and dispatching each time
-would cost more than the kernel. Both outcomes depend only on what the key holds:
+would cost more than the kernel. A whole plan depends only on what its key holds:
 
 - of q, k and v: type, shape, dtype and device (validation and dispatch read nothing else;
   strides and contents reach the backend with each call's own arrays),
@@ -14,20 +22,23 @@ would cost more than the kernel. Both outcomes depend only on what the key holds
 
 Only successes are stored, so a wrong call always meets every check and raises as before.
 Calls with array options (masks, seqlens, ...) are validated every time, since their
-contents matter, and so are calls that draw a dropout seed, which must be fresh.
+contents matter, and so are calls that draw a dropout seed, which must be fresh; decoding calls
+are validated every time (with ``validate=False`` that reads no device value).
 """
 
 from __future__ import annotations
 
 from flashx import arrays, dispatch, registry
 from flashx.backend import Backend
-from flashx.problem import Problem
-from flashx.validation import build_problem
+from flashx.problem import BaseProblem, DecodeProblem, Problem
+from flashx.validation import build_decode_problem, build_problem
+
 _SCALARS = frozenset({type(None), bool, int, float})
 _PAIRS = ("window", "dropout_offsets")  # options given as a tuple of two ints
 _LIMIT = 256  # distinct calls remembered; past it the cache starts again empty
 
 _plans: dict[tuple, tuple[Problem, Backend]] = {}
+_choices: dict[tuple, Backend] = {}
 
 
 def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
@@ -40,12 +51,32 @@ def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
     if found is not None:
         return found
     problem = build_problem(q, k, v, **options)
-    found = problem, dispatch.choose(problem, backend)
+    found = problem, choose(problem, backend)
     if key is not None:
-        if len(_plans) >= _LIMIT:
-            _plans.clear()
-        _plans[key] = found
+        _remember(_plans, key, found)
     return found
+
+
+def plan_decode(q, k_cache, v_cache, backend, keywords: dict) -> tuple[DecodeProblem, Backend]:
+    """``build_decode_problem`` then ``choose``: the keywords of ``attention_with_kvcache``."""
+    problem = build_decode_problem(q, k_cache, v_cache, **keywords)
+    return problem, choose(problem, backend)
+
+
+def choose(problem: BaseProblem, backend) -> Backend:
+    """``dispatch.choose``, remembered per requested backend, registry version and static key."""
+    key = (dispatch.requested(backend), registry.version(), problem.static_key())
+    impl = _choices.get(key)
+    if impl is None:
+        impl = _remember(_choices, key, dispatch.choose(problem, backend))
+    return impl
+
+
+def _remember(memory: dict, key, value):
+    if len(memory) >= _LIMIT:
+        memory.clear()
+    memory[key] = value
+    return value
 
 
 def _key(q, k, v, backend, options):

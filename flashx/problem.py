@@ -1,7 +1,11 @@
-"""The immutable description of one attention call that backends receive.
+"""The immutable descriptions of the calls that backends receive: one per operation.
 
-The core validates every argument once (``flashx.validation``) and hands backends a
-``Problem``: they never re-parse keywords, and ``supports()`` can answer from it alone.
+Prefill attention (``Problem``) and decoding with a KV cache (``DecodeProblem``) are two
+operations of one kind: the core validates every argument once (``flashx.validation``), plans
+the call (``flashx.plan``), and hands the backend a problem whose ``operation`` names the
+backend method that runs it. Backends never re-parse keywords; ``supports()`` answers from the
+problem alone; what every kernel derives from the call (the scale in base 2, the dropout
+threshold, the seed's words, the head-dim class) is derived here, once.
 """
 
 from __future__ import annotations
@@ -10,7 +14,12 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
+
+from flashx import arrays
+
+LOG2E = math.log2(math.e)
+WORD = 0xFFFFFFFF
 
 #: The optional features a problem may use; a backend declares the ones it implements.
 FEATURES = {
@@ -56,9 +65,31 @@ class BlockMask:
         object.__setattr__(self, "block_size", tuple(size))
 
 
-class HeadsAndBand:
-    """What a validated call derives alike, for attention (``Problem``) and decoding
-    (``flashx.kvcache.DecodeProblem``): from heads_q, heads_k, dtype, causal and window."""
+@dataclass(frozen=True, eq=False, kw_only=True)
+class BaseProblem:
+    """What every operation's problem holds and derives: the arrays' kind, device and dtype,
+    the heads and head dims, the scale, the band. Arrays in a problem are of the backend's kind."""
+
+    #: "attention" or "decode": what a backend declares per operation (``Backend.operations``).
+    operation: ClassVar[str]
+    #: The auxiliary arrays a call may hold (``block_mask`` standing for its blocks).
+    ARRAYS: ClassVar[tuple[str, ...]]
+    #: Fields that change from call to call without changing what runs (dropout's RNG state).
+    PER_CALL: ClassVar[tuple[str, ...]] = ()
+
+    array_kind: str  # "numpy" | "torch" | "cupy": the kind of the caller's arrays
+    device: str  # "cpu" | "cuda"
+    device_index: int | None
+    dtype: str  # "float16" | "bfloat16" | "float32" | "float64"
+    batch: int  # B: sequences
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    head_dim_v: int
+    softmax_scale: float
+    causal: bool = False
+    window: tuple[int, int] | None = None  # (left, right), -1 = unbounded; causal not folded in
+    deterministic: bool = False  # a backward whose bits do not depend on scheduling
 
     @property
     def group(self) -> int:
@@ -81,6 +112,29 @@ class HeadsAndBand:
         left, right = self.window or (-1, -1)
         return left, 0 if right == -1 else min(right, 0)
 
+    @functools.cached_property
+    def scale_log2(self) -> float:
+        """softmax_scale * log2(e): scores scaled in one multiply for an online softmax in base 2."""
+        return self.softmax_scale * LOG2E
+
+    @functools.cached_property
+    def head_dim_class(self) -> int:
+        """The class of the wider head dim (``head_dim_class``), which picks tiles and tables."""
+        return head_dim_class(max(self.head_dim, self.head_dim_v))
+
+    @functools.cached_property
+    def features(self) -> frozenset[str]:
+        """The optional features (keys of ``FEATURES``) this call uses."""
+        return frozenset(name for name, on in self._uses().items() if on)
+
+    def _uses(self) -> dict[str, bool]:
+        return {
+            "causal": self.causal,
+            "window": self.window is not None,
+            "gqa": self.heads_q != self.heads_k,
+            "dv_ne_d": self.head_dim_v != self.head_dim,
+        }
+
     def with_arrays(self, convert: Callable[[str, Any], Any]):
         """A copy whose auxiliary arrays (``ARRAYS``) went through ``convert(name, array)``;
         itself when none changed."""
@@ -95,33 +149,56 @@ class HeadsAndBand:
                 changes[name] = BlockMask(converted, value.block_size) if isinstance(value, BlockMask) else converted
         return dataclasses.replace(self, **changes) if changes else self
 
+    def static_key(self) -> tuple:
+        """What runs, not what it runs on: every field but the per-call ones, arrays by their
+        type, shape, dtype and device. Equal keys: equal dispatch, equal launch preparation."""
+        key = [self.operation]
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in self.ARRAYS:
+                blocks = value.blocks if isinstance(value, BlockMask) else value
+                key.append((arrays.signature(blocks), getattr(value, "block_size", None)))
+            elif field.name not in self.PER_CALL:
+                key.append(value)
+        return tuple(key)
 
-@dataclass(frozen=True, eq=False)
-class Problem(HeadsAndBand):
-    """One attention call, validated. Arrays in it are of the backend's array kind.
+    @property
+    def where(self) -> str:
+        return self.device if self.device_index is None else f"{self.device}:{self.device_index}"
+
+    def describe(self) -> str:
+        """One line for error messages and tables."""
+        parts = [self._shapes(), f"scale={self.softmax_scale:.4g}"]
+        if self.causal:
+            parts.append("causal")
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        return ", ".join(parts + self._details())
+
+    def _shapes(self) -> str:
+        raise NotImplementedError
+
+    def _details(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Problem(BaseProblem):
+    """One attention call (forward and backward), validated.
 
     Shapes (the contract's Shapes section): padded q (B, Nq, Hq, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv);
     varlen q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv) with cu_seqlens of shape (B + 1,).
     """
 
-    array_kind: str  # "numpy" | "torch" | "cupy": the kind of the caller's arrays
-    device: str  # "cpu" | "cuda"
-    device_index: int | None
-    dtype: str  # "float16" | "bfloat16" | "float32" | "float64"
+    operation: ClassVar[str] = "attention"
+    ARRAYS: ClassVar[tuple[str, ...]] = ("alibi_slopes", "mask", "block_mask", "seqlens_q", "seqlens_k",
+                                         "cu_seqlens_q", "cu_seqlens_k")
+    PER_CALL: ClassVar[tuple[str, ...]] = ("seed", "rng_offset")
 
-    batch: int  # B: sequences (varlen: len(cu_seqlens) - 1)
     seqlen_q: int  # padded: Nq; varlen: the longest query sequence (max_seqlen_q)
     seqlen_k: int  # padded: Nk; varlen: the longest key sequence (max_seqlen_k)
-    total_q: int | None  # varlen: Tq rows of q; padded: None
-    total_k: int | None
-    heads_q: int
-    heads_k: int
-    head_dim: int
-    head_dim_v: int
-
-    softmax_scale: float
-    causal: bool = False
-    window: tuple[int, int] | None = None  # (left, right), -1 = unbounded; causal not folded in
+    total_q: int | None = None  # varlen: Tq rows of q; padded: None
+    total_k: int | None = None
     softcap: float | None = None
     alibi_slopes: Any = None
     mask: Any = None
@@ -134,7 +211,6 @@ class Problem(HeadsAndBand):
     seed: int = 0
     rng_offset: int = 0
     dropout_offsets: tuple[int, int] = (0, 0)  # dropout counter positions of query row 0 and key 0
-    deterministic: bool = False
 
     @property
     def varlen(self) -> bool:
@@ -148,25 +224,41 @@ class Problem(HeadsAndBand):
         left, right = self.band or (-1, -1)
         return (reach if left == -1 else left), (reach if right == -1 else right)
 
-    @functools.cached_property
-    def features(self) -> frozenset[str]:
-        """The optional features (keys of ``FEATURES``) this problem uses."""
-        used = {
-            "causal": self.causal,
-            "window": self.window is not None,
+    def _uses(self) -> dict[str, bool]:
+        return {
+            **super()._uses(),
             "mask": self.mask is not None,
             "block_mask": self.block_mask is not None,
             "seqlens": self.seqlens_q is not None or self.seqlens_k is not None,
             "varlen": self.varlen,
             "dropout": self.dropout_p > 0,
             "dropout_offsets": self.dropout_p > 0 and self.dropout_offsets != (0, 0),
-            "gqa": self.heads_q != self.heads_k,
-            "dv_ne_d": self.head_dim_v != self.head_dim,
             "softcap": self.softcap is not None,
             "alibi": self.alibi_slopes is not None,
         }
-        return frozenset(name for name, on in used.items() if on)
 
+    # -- dropout (the contract's Dropout section), as every kernel takes it -------------------
+    @functools.cached_property
+    def dropout_threshold(self) -> int:
+        """A pair is dropped iff its 32-bit Philox draw is below floor(p * 2^32)."""
+        return math.floor(self.dropout_p * 2**32)
+
+    @functools.cached_property
+    def dropout_scale(self) -> float:
+        """1 / (1 - p): what a kept probability is multiplied by."""
+        return 1.0 / (1.0 - self.dropout_p)
+
+    @property
+    def seed_words(self) -> tuple[int, int]:
+        """The Philox key: the seed's low and high 32 bits."""
+        return self.seed & WORD, self.seed >> 32 & WORD
+
+    @property
+    def rng_offset_words(self) -> tuple[int, int]:
+        """The Philox counter's offset: rng_offset's low and high 32 bits."""
+        return self.rng_offset & WORD, self.rng_offset >> 32 & WORD
+
+    # -- shapes --------------------------------------------------------------------------------
     @property
     def q_shape(self) -> tuple[int, ...]:
         return self._rows_shape(self.total_q, self.seqlen_q, self.heads_q, self.head_dim)
@@ -199,29 +291,79 @@ class Problem(HeadsAndBand):
         keys = self.total_k if self.varlen else self.seqlen_k
         return rows * self.heads_q == 0 or keys == 0
 
-    #: The auxiliary arrays a call may hold (``block_mask`` standing for its blocks).
-    ARRAYS = ("alibi_slopes", "mask", "block_mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
-
-    def describe(self) -> str:
-        """One line for error messages and tables."""
-        where = self.device if self.device_index is None else f"{self.device}:{self.device_index}"
+    def _shapes(self) -> str:
         layout = f"varlen B={self.batch}" if self.varlen else "padded"
-        parts = [
-            f"q{self.q_shape} k{self.k_shape} v{self.v_shape} {self.dtype} {self.array_kind}@{where} {layout}",
-            f"scale={self.softmax_scale:.4g}",
-        ]
-        if self.causal:
-            parts.append("causal")
-        if self.window is not None:
-            parts.append(f"window={self.window}")
-        parts += [name for name in ("mask", "block_mask", "seqlens", "softcap", "alibi") if name in self.features]
+        return f"q{self.q_shape} k{self.k_shape} v{self.v_shape} {self.dtype} {self.array_kind}@{self.where} {layout}"
+
+    def _details(self) -> list[str]:
+        parts = [name for name in ("mask", "block_mask", "seqlens", "softcap", "alibi") if name in self.features]
         if self.dropout_p:
             parts.append(f"dropout_p={self.dropout_p}")
         if "dropout_offsets" in self.features:
             parts.append(f"dropout_offsets={self.dropout_offsets}")
         if self.deterministic:
             parts.append("deterministic")
-        return ", ".join(parts)
+        return parts
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class DecodeProblem(BaseProblem):
+    """One ``attention_with_kvcache`` call, validated (the contract's "Decoding with a KV cache").
+
+    q (B, Nq, Hq, D); a contiguous cache (B, S, Hk, D) or a paged one (P, page_size, Hk, D);
+    ``cache_seqlens`` (B,) and ``block_table`` (B, max_pages) as int32. Sequence b attends to
+    Lk[b] = cache_seqlens[b] + new_tokens keys, its query i sitting at position Lk[b] - Nq + i.
+    """
+
+    operation: ClassVar[str] = "decode"
+    ARRAYS: ClassVar[tuple[str, ...]] = ("cache_seqlens", "block_table", "mask")
+
+    seqlen_q: int  # Nq
+    new_tokens: int  # Nn: rows of k_new and v_new (0 without them)
+    page_size: int | None  # None: a contiguous cache
+    num_pages: int  # P of a paged cache; B of a contiguous one (one run of S slots per sequence)
+    capacity: int  # the most keys a sequence can hold: S, or max_pages * page_size
+    cache_seqlens: Any  # (B,) int32
+    block_table: Any = None  # (B, max_pages) int32, paged caches only
+    causal: bool = True
+    mask: Any = None  # bool, broadcastable to (B, Hq, Nq, Nq): the last Nq keys
+    num_splits: int = 0  # 0: the backend chooses
+    validated: bool = True  # cache_seqlens and block_table were checked on the host
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    @property
+    def o_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.seqlen_q, self.heads_q, self.head_dim_v)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.heads_q, self.seqlen_q)
+
+    def _uses(self) -> dict[str, bool]:
+        return {**super()._uses(), "mask": self.mask is not None}
+
+    @property
+    def is_empty(self) -> bool:
+        """No output element and nothing to write: the core answers without a backend."""
+        return self.batch * self.seqlen_q * self.heads_q == 0 and (self.batch == 0 or self.new_tokens == 0)
+
+    def _shapes(self) -> str:
+        cache = (f"paged cache of {self.num_pages} pages x {self.page_size}" if self.paged
+                 else f"contiguous cache of {self.capacity}")
+        return (f"decode q{(self.batch, self.seqlen_q, self.heads_q, self.head_dim)} with a {cache} slots, "
+                f"Hk={self.heads_k}, Dv={self.head_dim_v}, {self.new_tokens} new, {self.dtype} {self.array_kind}@{self.where}")
+
+    def _details(self) -> list[str]:
+        parts = ["mask"] if self.mask is not None else []
+        return parts + ([f"num_splits={self.num_splits}"] if self.num_splits else [])
+
+
+def head_dim_class(dim: int) -> int:
+    """64, 128 or 256: the smallest of the head dims kernels are built for that holds ``dim``."""
+    return 64 if dim <= 64 else 128 if dim <= 128 else 256
 
 
 def default_scale(head_dim: int) -> float:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flashx
-from flashx import arrays, dispatch, kvcache, registry
+from flashx import arrays, dispatch, kvcache, registry, validation
 
 RNG = np.random.default_rng(27)
 
@@ -179,7 +179,7 @@ def test_empty_calls(only, batch, seqlen_q, new, calls):
 
 
 def test_problem_description():
-    problem = kvcache.build_decode_problem(**paged_call(), window=(3, 2), num_splits=2)
+    problem = validation.build_decode_problem(**paged_call(), window=(3, 2), num_splits=2)
     assert problem.band == (3, 0) and problem.features == {"causal", "window", "gqa"}
     assert "paged cache of 4 pages x 4 slots" in problem.describe() and "num_splits=2" in problem.describe()
 

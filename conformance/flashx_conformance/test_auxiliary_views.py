@@ -1,7 +1,7 @@
 """Auxiliary arrays passed as views: the same bits as the same call with the array contiguous.
 
 Every array option of ``flashx.attention`` (``flashx.Problem.ARRAYS``) and of
-``flashx.attention_with_kvcache`` (``flashx.kvcache.DecodeProblem.ARRAYS``) is passed as each view
+``flashx.attention_with_kvcache`` (``flashx.problem.DecodeProblem.ARRAYS``) is passed as each view
 its shape and values allow (``VIEWS``). The memory around a view holds other valid values: another
 length, the end of the packed rows, a page no sequence uses, True in a mask, NaN in slopes. A
 backend that reads the array as if it were contiguous then computes another answer, instead of
@@ -144,7 +144,7 @@ def _viewed(target, x: np.ndarray, view: str, fill, dtype: str):
 def test_every_auxiliary_array_has_views():
     """A new array option joins these families, or this fails."""
     assert set(ATTENTION) == set(flashx.Problem.ARRAYS)
-    assert set(DECODE) == set(flashx.kvcache.DecodeProblem.ARRAYS)
+    assert set(DECODE) == set(flashx.problem.DecodeProblem.ARRAYS)
 
 
 @pytest.mark.parametrize("name, view", [(name, view) for name, family in ATTENTION.items() for view in family.views])
