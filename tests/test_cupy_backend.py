@@ -49,7 +49,7 @@ def test_unavailable_reason_without_a_gpu():
 
 @pytest.mark.parametrize("dim, expected", [(8, 64), (64, 64), (65, 128), (128, 128), (200, 256), (256, 256)])
 def test_head_dim_class(dim, expected):
-    assert variants.head_dim_class(dim) == expected
+    assert flashx.problem.head_dim_class(dim) == expected
 
 
 def test_variant_follows_the_problem():

@@ -10,10 +10,10 @@ the caller's current stream: torch's for torch callers, CuPy's for CuPy callers.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy as np
 
+from flashx.problem import head_dim_class
 from flashx_cupy import variants
 
 _POINTERS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "cu_q", "cu_k", "seqlens_q", "seqlens_k",
@@ -61,16 +61,16 @@ def pack(problem, **fields) -> np.ndarray:
         right=right,
         block_q=problem.block_mask.block_size[0] if problem.block_mask is not None else 1,
         block_k=problem.block_mask.block_size[1] if problem.block_mask is not None else 1,
-        rng_offset=np.uint32(problem.rng_offset & 0xFFFFFFFF).view(np.int32),
-        drop_threshold=np.uint32(math.floor(problem.dropout_p * 2**32)).view(np.int32),
-        seed=problem.seed & 0xFFFFFFFFFFFFFFFF,
+        rng_offset=np.uint32(problem.rng_offset_words[0]).view(np.int32),
+        drop_threshold=np.uint32(problem.dropout_threshold).view(np.int32),
+        seed=problem.seed,
         drop_row0=problem.dropout_offsets[0],
         drop_col0=problem.dropout_offsets[1],
         kv_head0=0,
         kv_heads=problem.heads_k,
         scale=problem.softmax_scale,
-        scale_log2=problem.softmax_scale * math.log2(math.e),
-        drop_scale=1.0 / (1.0 - problem.dropout_p),
+        scale_log2=problem.scale_log2,
+        drop_scale=problem.dropout_scale,
     )
     values.update(fields)
     for name, value in values.items():
@@ -178,7 +178,7 @@ DQ_SUMS_BYTES = 32 * 2**20
 def kv_head_chunks(problem) -> list[tuple[int, int]]:
     """(first kv head, kv heads) of each fused dK/dV launch."""
     rows = problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
-    per_kv_head = rows * problem.group * variants.head_dim_class(problem.head_dim) * 4
+    per_kv_head = rows * problem.group * head_dim_class(problem.head_dim) * 4
     heads = max(1, min(problem.heads_k, DQ_SUMS_BYTES // per_kv_head))
     return [(first, min(heads, problem.heads_k - first)) for first in range(0, problem.heads_k, heads)]
 
@@ -235,8 +235,8 @@ def backward(problem, q, k, v, o, lse, do):
             variant = variants.choose("dq", problem, is_aligned)
             tiles_m = tiles(problem.seqlen_q, variant.block_m)
             launch(variant, device, tiles_m * problem.heads_q * problem.batch, pack(problem, tiles_m=tiles_m, **fields))
-            for parts in variants.dkdv_parts(variants.head_dim_class(problem.head_dim),
-                                             variants.head_dim_class(problem.head_dim_v)):
+            for parts in variants.dkdv_parts(head_dim_class(problem.head_dim),
+                                             head_dim_class(problem.head_dim_v)):
                 variant = variants.choose("dkdv", problem, is_aligned, parts)
                 tiles_m = tiles(problem.seqlen_k, variant.block_m)
                 launch(variant, device, tiles_m * problem.heads_k * problem.batch,

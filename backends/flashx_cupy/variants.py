@@ -25,6 +25,8 @@ import hashlib
 import re
 from pathlib import Path
 
+from flashx.problem import head_dim_class
+
 KERNELS = Path(__file__).parent / "kernels"
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
@@ -77,10 +79,6 @@ ARCHITECTURES = {"forward_sm90": "sm_90a"}
 PRODUCER_WARPS = 4
 #: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
 DELTA_WARPS = 8
-
-
-def head_dim_class(dim: int) -> int:
-    return next(c for c in HEAD_DIM_CLASSES if dim <= c)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, MASKED_PARTS, Launch, Passes, allow_kernel_descriptors, allowed_pairs,
+from flashx_triton.common import (MASKED_PARTS, Launch, Passes, allow_kernel_descriptors, allowed_pairs,
                                   any_nonfinite, band_part, band_parts, band_tiles, dot, dropout_keep, flag_nonfinite,
                                   head_descriptors, last_dim_contiguous, layout, load_rows, lse_strides, masked_dot,
                                   next_program, pair_rule, per_problem, problem_args, program_share, row_descriptors,
@@ -465,7 +465,7 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, par
     kernel = Passes(_gradients_kernel, problem.batch * problem.heads_k * per_head, config.options(),
                     bool((key_parts | query_parts) & MASKED_PARTS) or problem.dropout_p > 0,
                     strides=(*(row_strides(x, varlen) for x in (q, k, v, do, dq, dk, dv)), lse_strides(lse2, varlen)),
-                    **args, scales=(problem.softmax_scale, problem.softmax_scale * LOG2E), TILE=tile, STREAM=stream,
+                    **args, scales=(problem.softmax_scale, problem.scale_log2), TILE=tile, STREAM=stream,
                     USE_TMA=use_tma,
                     HOST_DESCRIPTORS=host, KEY_PARTS=key_parts, QUERY_PARTS=query_parts,
                     KEY_PROGRAMS=keys, QUERY_PROGRAMS=queries)

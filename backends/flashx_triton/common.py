@@ -10,7 +10,6 @@ the tiles fully inside the band run without a single compare.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import weakref
@@ -21,7 +20,6 @@ import triton.language as tl
 
 from flashx_triton import tuning
 
-LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -565,8 +563,7 @@ def _mask_args(problem) -> dict:
 def _dropout_args(problem) -> tuple:
     """(seed, rng_offset, threshold, row0, key0, scale): what ``dropout_keep`` draws from and the
     kept values' scale."""
-    p = problem.dropout_p
-    seed = problem.seed & 0xFFFFFFFFFFFFFFFF
+    seed = problem.seed
     # The seed is passed as a signed 64-bit value with the same bits; tl.philox reads it as uint64.
-    return (seed - (1 << 64) if seed >= 1 << 63 else seed, problem.rng_offset & 0xFFFFFFFF, math.floor(p * 2**32),
-            *problem.dropout_offsets, 1.0 / (1.0 - p))
+    return (seed - (1 << 64) if seed >= 1 << 63 else seed, problem.rng_offset_words[0], problem.dropout_threshold,
+            *problem.dropout_offsets, problem.dropout_scale)

@@ -38,7 +38,6 @@ which Triton's pipeline did not appear to overlap, and a longer tile waits once 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -46,7 +45,6 @@ import triton.language as tl
 
 from flashx_triton.common import Launch, _dot_precision, _tile_widths, dot, layout, masked_dot
 
-LOG2E = math.log2(math.e)
 MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this per split cost more in the merge than they gain
 MAX_SPLITS = 128
 INTERPRETED_SMS = 4  # the stand-in SM count under TRITON_INTERPRET, so that tiny problems split too
@@ -364,7 +362,7 @@ def _build_split(problem, tensors, count) -> Launch:
     return Launch(_split_kernel, grid, dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]), **bound,
                   heads_k=problem.heads_k, seqlen_q=problem.seqlen_q, group=problem.group,
                   new_tokens=problem.new_tokens, left=unbounded if left == -1 else left,
-                  right=unbounded if right == -1 else right, scale_log2=problem.softmax_scale * LOG2E,
+                  right=unbounded if right == -1 else right, scale_log2=problem.scale_log2,
                   num_splits=count, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
                   **_tile_widths(problem.head_dim, problem.head_dim_v), BLOCK_M=tiles["BLOCK_M"],
                   BLOCK_N=tiles["BLOCK_N"], PAGE_SIZE=problem.page_size or 0, HAS_MASK=mask is not None,

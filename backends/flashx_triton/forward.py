@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (LOG2E, MASKED_PARTS, Passes, allowed_pairs, band_part, band_parts, band_tiles, dot,
+from flashx_triton.common import (MASKED_PARTS, Passes, allowed_pairs, band_part, band_parts, band_tiles, dot,
                                   dropout_keep, flag_nonfinite, last_dim_contiguous, layout, load_rows, lse_strides,
                                   masked_dot, next_program, pair_rule, per_problem, problem_args, program_share,
                                   query_tile, row_descriptors, row_strides, tma_ready)
@@ -179,7 +179,7 @@ def _launch(problem, config, q, k, v, o, lse):
                     q_strides=row_strides(q, varlen), k_strides=row_strides(k, varlen),
                     v_strides=row_strides(v, varlen), o_strides=row_strides(o, varlen),
                     lse_strides=lse_strides(lse, varlen), **args,
-                    scale_log2=abs(problem.softmax_scale) * LOG2E, USE_TMA=use_tma, **config.tiles())
+                    scale_log2=abs(problem.scale_log2), USE_TMA=use_tma, **config.tiles())
 
     def run(q, k, v, o, lse):
         kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse)

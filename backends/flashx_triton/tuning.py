@@ -128,7 +128,7 @@ def candidates(kernel: str, problem) -> list:
         return {"forward": FORWARD_FP32, "dkdv": DKDV_FP32, "dq": DQ_FP32, "fused": FUSED_FP32,
                 "gradients": GRADIENTS_FP32}[kernel]
     table = {"forward": FORWARD, "dkdv": DKDV, "dq": DQ, "fused": FUSED, "gradients": GRADIENTS}[kernel]
-    return table[head_dim_class(problem)]
+    return table[problem.head_dim_class]
 
 
 def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config | str:
@@ -189,7 +189,7 @@ def _shipped() -> dict:
 def shipped(kernel: str, problem, capability: str) -> Config | str | None:
     """The shipped choice for ``kernel`` on ``problem`` on a GPU of ``capability``: the entry of the
     longest length class at or below the problem's (or the shortest entry); None where none is shipped."""
-    entries = shipped_table(capability).get(f"{kernel} d{head_dim_class(problem)} {problem.dtype} "
+    entries = shipped_table(capability).get(f"{kernel} d{problem.head_dim_class} {problem.dtype} "
                                             f"{'band' if problem.band is not None else 'full'}")
     if not entries:
         return None
@@ -254,12 +254,6 @@ def _shared_memory(problem) -> float:
         return math.inf
     device = problem.device_index if problem.device_index is not None else torch.cuda.current_device()
     return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
-
-
-def head_dim_class(problem) -> int:
-    """64, 128 or 256: the candidate lists' class of the wider head dim."""
-    wide = max(problem.head_dim, problem.head_dim_v)
-    return 64 if wide <= 64 else 128 if wide <= 128 else 256
 
 
 def _stored(where, key: str, options: list) -> Config | str | None:
