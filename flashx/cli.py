@@ -1,48 +1,48 @@
-"""The ``flashx`` command (also ``python -m flashx``): ``flashx info``, ``flashx demo``, ``flashx bench`` and
-``flashx tune``."""
+"""The ``flashx`` command (also ``python -m flashx``): the core's ``flashx info`` and ``flashx demo``,
+and every command a plugin adds through the ``flashx_commands`` hook (``flashx tune`` is the Triton
+backend's, ``flashx bench`` is flashx_bench's)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import platform
 import sys
 import time
 
 import flashx
 from flashx.devices import cuda_present
+from flashx.hookspecs import Command
 
 #: The hint printed wherever a missing GPU library stops a command.
 INSTALL_TRITON = "pip install 'flashx-attention[triton]'"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; with none, print the help (exit status 0: a bare ``flashx`` asks what there is)."""
+    plugins = [command for _, command in sorted(flashx.registry.commands().items())]
+    commands = {command.name: command for command in (*COMMANDS, *plugins)}
     parser = argparse.ArgumentParser(prog="flashx", description="Exact FlashAttention, one contract, many kernels.")
     parser.add_argument("--version", action="version", version=f"flashx {flashx.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="versions, devices, and every backend with its status")
-    demo_parser = commands.add_parser("demo", help="a realistic causal GQA call on the best device here, checked")
-    demo_parser.add_argument(
-        "--seqlen", type=_positive_int, default=None, help="sequence length (default: 4096 on CPU, 8192 on GPU)"
-    )
-    demo_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    # flashx bench's arguments are flashx_bench's to parse (`flashx bench --help`).
-    commands.add_parser("bench", add_help=False, help="time the backends beside PyTorch's kernels (GPU, or --cpu)")
-    _add_tune_parser(commands)
+    subparsers = parser.add_subparsers(dest="command", title="commands")
+    for command in commands.values():
+        if command.own_arguments:  # its --help too: `flashx bench --help` is flashx_bench's
+            subparsers.add_parser(command.name, help=command.help, add_help=False)
+        else:
+            command.add_arguments(subparsers.add_parser(command.name, help=command.help))
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        from flashx_bench.cli import main as bench
-
-        return bench(rest)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    command = commands[args.command]
+    if command.own_arguments:
+        return command.run(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "tune":
-        return tune(args)
-    return info() if args.command == "info" else demo(args.seqlen, args.device)
+    return command.run(args)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type: an integer >= 1; argparse reports anything else as a usage error naming the option."""
     try:
         value = int(text)
@@ -51,6 +51,21 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--seqlen", type=positive_int, default=None, help="sequence length (default: 4096 on CPU, 8192 on GPU)"
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+
+#: The core's own commands (``flashx.hookspecs.CORE_COMMANDS``); plugins add theirs.
+COMMANDS = (
+    Command("info", "versions, devices, and every backend with its status", run=lambda args: info()),
+    Command("demo", "a realistic causal GQA call on the best device here, checked",
+            run=lambda args: demo(args.seqlen, args.device), add_arguments=_demo_arguments),
+)
 
 
 def info() -> int:
@@ -74,6 +89,8 @@ def info() -> int:
     for row in rows:
         if row.load_error:
             print(f"\nplugin {row.plugin} failed to load:\n{row.load_error}")
+    for failure in flashx.registry.command_failures():
+        print(f"\nplugin {failure.plugin}: commands left out:\n{failure.load_error}")
     return 0
 
 
@@ -231,105 +248,6 @@ def _decode_demo(use_cuda: bool) -> int:
     return 0
 
 
-def _add_tune_parser(commands) -> None:
-    parser = commands.add_parser(
-        "tune", help="time the Triton kernels' configurations for the shapes you name, once per machine",
-        description="Time the Triton backend's candidate configurations for the shapes named and keep the fastest "
-                    "on disk, where every later process on this machine finds them (docs/triton-design.md, Tuning).")
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--seqlen", type=_positive_int, nargs="+", metavar="N", help="sequence lengths to tune")
-    what.add_argument("--list", action="store_true", help="show the choices kept on disk")
-    what.add_argument("--clear", action="store_true", help="remove the choices kept on disk")
-    parser.add_argument("--batch", type=_positive_int, default=1)
-    parser.add_argument("--heads", type=_positive_int, default=16, help="query heads")
-    parser.add_argument("--kv-heads", type=_positive_int, default=None, help="key and value heads (default: --heads)")
-    parser.add_argument("--head-dim", type=_positive_int, default=128)
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--backward", action="store_true", help="tune the backward's kernels too")
-
-
-def tune(args) -> int:
-    """Run one call (and its backward with --backward) per named length, so that every kernel it
-    launches is tuned and its choice kept on disk (flashx_triton.tuning_cache); print the choices."""
-    from flashx_triton import tuning, tuning_cache
-
-    if args.list:
-        return _list_tuned(tuning_cache)
-    if args.clear:
-        removed = tuning_cache.clear()
-        print(f"flashx tune: removed {_choices(removed)} from {tuning_cache.table_directory()}")
-        return 0
-    refusal = None if tuning.interpreting() else _cuda_refusal()  # the interpreter: tests only
-    if refusal:
-        print(f"flashx tune: {refusal}", file=sys.stderr)
-        return 1
-    import torch
-
-    os.environ["FLASHX_TRITON_AUTOTUNE"] = "1"  # time what the table on disk lacks
-    device = "cpu" if tuning.interpreting() else "cuda"
-    where = tuning_cache.environment(torch.cuda.current_device() if device == "cuda" else None)
-    kv_heads = args.kv_heads or args.heads
-    print(f"flashx tune: {where}")
-    shown = {made.key for made in tuning.choices()}
-    for seqlen in args.seqlen:
-        generator = torch.Generator(device).manual_seed(seqlen)
-
-        def normal(heads, grad=args.backward):
-            return torch.randn(args.batch, seqlen, heads, args.head_dim, generator=generator, device=device,
-                               dtype=getattr(torch, args.dtype), requires_grad=grad)
-
-        q, k, v = normal(args.heads), normal(kv_heads), normal(kv_heads)
-        start = time.perf_counter()
-        try:
-            o = flashx.attention(q, k, v, causal=args.causal, backend="triton")
-        except flashx.FlashXError as error:  # a shape the backend declines: the user's to change
-            print(f"flashx tune: {error}", file=sys.stderr)
-            return 1
-        if args.backward:
-            o.backward(normal(args.heads, grad=False))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        print(f"  B={args.batch} N={seqlen} Hq={args.heads} Hk={kv_heads} D={args.head_dim} {args.dtype}"
-              f"{' causal' if args.causal else ''}{', with the backward' if args.backward else ''}: "
-              f"{time.perf_counter() - start:.1f} s")
-        for made in tuning.choices():
-            if made.key not in shown:
-                shown.add(made.key)
-                medians = [ms for _, ms in made.timings or () if ms is not None]
-                how = f"fastest of {len(medians)} timed, {min(medians):.3f} ms" if medians else (
-                    "found on disk" if made.source == "disk" else made.source)
-                print(f"    {made.key:<44} {_choice_text(made.choice)}  ({how})")
-    print(f"choices kept in {where.directory}")
-    return 0
-
-
-def _list_tuned(tuning_cache) -> int:
-    found = list(tuning_cache.records())
-    print(f"flashx tune: {_choices(len(found))} in {tuning_cache.table_directory()}")
-    environment = None
-    for path, record in found:
-        if path.parent.name != environment:
-            environment = path.parent.name
-            print(f"  {environment}")
-        try:
-            median = record["median_ms"]
-            line = f"{record['key']:<44} {_choice_text(record['choice'])}" + (f"  {median:.3f} ms" if median else "")
-        except (TypeError, KeyError, ValueError):
-            line = f"{path.name}: unreadable (ignored)"
-        print(f"    {line}")
-    return 0
-
-
-def _choices(count: int) -> str:
-    return f"{count} tuned choice{'' if count == 1 else 's'}"
-
-
-def _choice_text(choice) -> str:
-    """A choice as the table on disk holds it (a configuration's fields, or a plan's name), on one line."""
-    return " ".join(f"{name}={value}" for name, value in choice.items()) if isinstance(choice, dict) else str(choice)
-
-
 def _cuda_refusal() -> str | None:
     """Why the demo cannot run on CUDA here (torch, a device and a backend for it), or None."""
     try:
@@ -369,18 +287,19 @@ def _measure(call, use_cuda):
 
 
 def _check_slice(q, k, v, o, lse, rows):
-    """Largest error of o and lse against the float64 oracle, over the last ``rows`` queries of
-    the first and last head (causal is bottom-right aligned, so those rows alone give the same
-    problem; the first and last query heads read the first and last kv heads)."""
+    """Largest error of o and lse against float64, over the last ``rows`` queries of the first and
+    last head (causal is bottom-right aligned, so those rows alone give the same problem; the
+    first and last query heads read the first and last kv heads). The float64 result is the NumPy
+    backend's through the public API: the same contract, computed in float64 on the host."""
     import numpy as np
-    from flashx_conformance import oracle
 
     def host(x):
         return np.asarray(x.float().cpu() if hasattr(x, "cpu") else x, dtype=np.float64)
 
     q, k, v, o, lse = map(host, (q, k, v, o, lse))
     heads = [0, -1]
-    want_o, want_lse = oracle.forward(q[:, -rows:, heads], k[:, :, heads], v[:, :, heads], causal=True)
+    want_o, want_lse = flashx.attention(q[:, -rows:, heads], k[:, :, heads], v[:, :, heads], causal=True,
+                                        return_lse=True, backend="numpy")
     return max(np.abs(o[:, -rows:, heads] - want_o).max(), np.abs(lse[:, heads, -rows:] - want_lse).max())
 
 

@@ -1,5 +1,5 @@
 """What a newcomer runs first: the ``flashx`` command (its options, its errors, the demo's
-self-check), the README's examples, and the install hints.
+self-check, the commands plugins add), the README's examples, and the install hints.
 
 Commands run in this process through ``flashx.cli.main``; only ``python -m flashx`` needs a
 process of its own.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import flashx
-from flashx import cli
+from flashx import cli, hookspecs
 from flashx.problem import FEATURES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +36,29 @@ def test_python_m_flashx_is_the_flashx_command():
     assert result.stdout.strip() == f"flashx {flashx.__version__}"
     (script,) = importlib.metadata.entry_points(group="console_scripts", name="flashx")
     assert script.value == "flashx.cli:main"
+
+
+def test_no_command_prints_the_help():
+    result = subprocess.run([sys.executable, "-m", "flashx"], capture_output=True, text=True)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith("usage: flashx ")
+    listed = re.findall(r"^    (\w+)\s", result.stdout, re.MULTILINE)
+    assert listed[:2] == ["info", "demo"]  # the core's, then the plugins' by name
+    assert listed[2:] == sorted(listed[2:]) and {"bench", "tune"} <= set(listed[2:])
+
+
+def test_the_core_commands_are_the_names_plugins_cannot_take():
+    assert [command.name for command in cli.COMMANDS] == ["info", "demo"]
+    assert set(hookspecs.CORE_COMMANDS) == {"info", "demo"}
+
+
+def test_tune_is_the_triton_plugins_command(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["tune", "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: flashx tune [-h] (--seqlen N [N ...] | --list | --clear)")
+    assert flashx.registry.commands()["tune"].run.__module__ == "flashx_triton.cli"
 
 
 def test_info_lists_the_backends(capsys):
@@ -73,17 +96,129 @@ def test_demo_checks_sequences_shorter_than_its_slice(capsys):
     assert "over the last 5 query rows" in capsys.readouterr().out
 
 
-def test_demo_fails_when_the_result_is_wrong(monkeypatch, capsys):
-    attention = flashx.attention
+class OffByALittle(flashx.Backend):
+    """The NumPy backend's float32 forward, 1e-3 off, preferred by backend="auto"."""
 
-    def off_by_a_little(*args, return_lse=False, **kwargs):
-        o, lse = attention(*args, return_lse=True, **kwargs)
-        o = o + np.float32(1e-3)
-        return (o, lse) if return_lse else o
+    name, version, array_kind = "off-by-a-little", "0", "numpy"
+    devices, dtypes = frozenset({"cpu"}), frozenset({"float32"})
 
-    monkeypatch.setattr(flashx, "attention", off_by_a_little)
-    assert cli.main(["demo", "--seqlen", "100", "--device", "cpu"]) == 1
-    assert "FAILED: error above" in capsys.readouterr().err
+    def priority(self, problem):
+        return 1000
+
+    def forward(self, problem, q, k, v):
+        o, lse = flashx.registry.get("numpy").forward(problem, q, k, v)
+        return o + np.float32(1e-3), lse
+
+
+def test_demo_fails_when_the_result_is_wrong(capsys):
+    """The float64 reference is the NumPy backend's, named: a wrong backend auto picks is caught."""
+    flashx.registry.register(OffByALittle())
+    try:
+        assert cli.main(["demo", "--seqlen", "100", "--device", "cpu"]) == 1
+    finally:
+        flashx.registry.unregister("off-by-a-little")
+    captured = capsys.readouterr()
+    assert "backend (auto)       off-by-a-little" in captured.out
+    assert re.search(r"max \|o - o_ref\| = 1\.00e-03 ", captured.out), captured.out
+    assert "FAILED: error above 0.0001" in captured.err
+
+
+# -- commands from plugins ---------------------------------------------------------------------
+
+GREET = """
+from flashx.hookspecs import Command, hookimpl
+
+def greet(args):
+    print(f"hello, {args.name}")
+    return 3
+
+def echo(argv):
+    print(argv)
+    return 0
+
+@hookimpl
+def flashx_commands():
+    return [Command("greet", "say hello", run=greet, add_arguments=lambda parser: parser.add_argument("--name")),
+            Command("echo", "print the words after echo", run=echo, own_arguments=True)]
+"""
+FAILING = """
+from flashx.hookspecs import hookimpl
+
+@hookimpl
+def flashx_commands():
+    raise RuntimeError("no terminal here")
+"""
+TAKEN = """
+from flashx.hookspecs import Command, hookimpl
+
+@hookimpl
+def flashx_commands():
+    return [Command("demo", "another demo", run=lambda args: 0), "not a command",
+            Command("shout", "say it louder", run=lambda args: print("HELLO") or 0)]
+"""
+
+
+def install(root, name, module, source):
+    """A distribution on sys.path whose module is a plugin of the flashx.plugins group."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[flashx.plugins]\n{name} = {module}\n")
+
+
+@pytest.fixture
+def command_plugins(tmp_path, monkeypatch):
+    """Three installed plugins: greet-plugin's commands work; failing-commands' hook raises;
+    taken-names returns, beside a command that works, one named like the core's and one that is
+    no Command."""
+    install(tmp_path, "greet-plugin", "greet_flashx_plugin", GREET)
+    install(tmp_path, "failing-commands", "failing_commands_flashx_plugin", FAILING)
+    install(tmp_path, "taken-names", "taken_names_flashx_plugin", TAKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flashx.registry.reset()
+    yield tmp_path
+    flashx.registry.reset()
+
+
+def test_a_plugin_command_gets_its_parsed_arguments(command_plugins, capsys):
+    assert cli.main(["greet", "--name", "flashx"]) == 3
+    assert capsys.readouterr().out == "hello, flashx\n"
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["greet", "--loud"])
+    assert exit.value.code == 2
+    assert "flashx: error: unrecognized arguments: --loud" in capsys.readouterr().err
+
+
+def test_a_command_with_its_own_arguments_gets_them_unparsed(command_plugins, capsys):
+    assert cli.main(["echo", "--help", "decode", "-x"]) == 0
+    assert capsys.readouterr().out == "['--help', 'decode', '-x']\n"
+
+
+def test_commands_that_fail_to_load_are_reported_and_break_nothing(command_plugins, capsys):
+    assert {"greet", "echo", "shout", "bench", "tune"} <= flashx.registry.commands().keys()
+    assert flashx.registry.commands().keys().isdisjoint(hookspecs.CORE_COMMANDS)
+    failures = [(failure.plugin, failure.load_error.rstrip().splitlines()[-1])
+                for failure in flashx.registry.command_failures()]
+    assert sorted(failures) == [("failing-commands", "RuntimeError: no terminal here"),
+                                ("taken-names", "TypeError: 'not a command' is not a flashx.hookspecs.Command"),
+                                ("taken-names", "ValueError: command name 'demo' is taken (by flashx)")]
+    assert cli.main(["shout"]) == 0 and capsys.readouterr().out == "HELLO\n"
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "\nplugin failing-commands: commands left out:\nTraceback" in out
+    assert "RuntimeError: no terminal here" in out and "command name 'demo' is taken (by flashx)" in out
+    assert cli.main(["demo", "--seqlen", "5", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("OK")
+
+
+def test_a_command_name_is_the_first_plugins(command_plugins):
+    install(command_plugins, "rival-greet", "rival_greet_flashx_plugin", GREET.replace("say hello", "hello again"))
+    flashx.registry.reset()
+    owner, refused = (("greet-plugin", "rival-greet") if flashx.registry.commands()["greet"].help == "say hello"
+                      else ("rival-greet", "greet-plugin"))
+    refusals = [f.load_error.rstrip().splitlines()[-1] for f in flashx.registry.command_failures() if f.plugin == refused]
+    assert refusals == [f"ValueError: command name '{name}' is taken (by {owner})" for name in ("greet", "echo")]
 
 
 def _cuda_refusal(capsys) -> str:

@@ -1,9 +1,10 @@
 """Plugin installation end to end, as a user would do it.
 
 A throwaway venv that sees this environment's packages (torch, the editable flashx) gets,
-through pip, the out-of-tree example ``examples/flashx-sdpa`` and a plugin whose module raises
-on import. flashx must find the first through its entry point alone, report the second
-with its error without losing any other backend, and the conformance suite must grade SDPA.
+through pip, the out-of-tree example ``examples/flashx-sdpa``, a plugin whose module raises
+on import, and a plugin that adds a command to ``flashx``. flashx must find the first and the
+last through their entry points alone, report the second with its error without losing any
+other backend or command, and the conformance suite must grade SDPA.
 """
 
 from __future__ import annotations
@@ -41,6 +42,37 @@ packages = ["flashx_broken"]
     "flashx_broken/__init__.py": 'raise RuntimeError("flashx_broken: this accelerator has no driver")\n',
 }
 
+COMMAND_PLUGIN = {
+    "pyproject.toml": """\
+[build-system]
+requires = ["setuptools>=64"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "flashx-hello"
+version = "0.0.1"
+
+[project.entry-points."flashx.plugins"]
+hello = "flashx_hello"
+
+[tool.setuptools]
+packages = ["flashx_hello"]
+""",
+    "flashx_hello/__init__.py": """\
+from flashx.hookspecs import Command, hookimpl
+
+
+def hello(args):
+    print(f"hello from a plugin, {args.name}")
+    return 0
+
+
+@hookimpl
+def flashx_commands():
+    return [Command("hello", "say hello", run=hello, add_arguments=lambda parser: parser.add_argument("name"))]
+""",
+}
+
 LIST_BACKENDS = "import dataclasses, json, flashx; print(json.dumps([dataclasses.asdict(i) for i in flashx.backends()]))"
 
 
@@ -52,7 +84,7 @@ def run(python, *args, cwd, timeout=120):
 
 @pytest.fixture(scope="module")
 def plugin_venv(tmp_path_factory):
-    """The venv's python, with flashx-sdpa and flashx-broken installed (offline, no build isolation)."""
+    """The venv's python, with flashx-sdpa, flashx-broken and flashx-hello installed (offline, no build isolation)."""
     root = tmp_path_factory.mktemp("plugin-install")
     try:
         venv.create(root / "venv", with_pip=False)
@@ -70,11 +102,12 @@ def plugin_venv(tmp_path_factory):
     Path(inner, "outer-environment.pth").write_text(lines)
     # Copies: setuptools builds in the source tree and would leave build/ and egg-info behind.
     sdpa = shutil.copytree(EXAMPLE, root / "flashx-sdpa")
-    for relative, text in BROKEN_PLUGIN.items():
-        (root / "flashx-broken" / relative).parent.mkdir(parents=True, exist_ok=True)
-        (root / "flashx-broken" / relative).write_text(text)
+    for folder, files in (("flashx-broken", BROKEN_PLUGIN), ("flashx-hello", COMMAND_PLUGIN)):
+        for relative, text in files.items():
+            (root / folder / relative).parent.mkdir(parents=True, exist_ok=True)
+            (root / folder / relative).write_text(text)
     pip = ["-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--disable-pip-version-check", "-q"]
-    run(python, *pip, sdpa, root / "flashx-broken", cwd=root)
+    run(python, *pip, sdpa, root / "flashx-broken", root / "flashx-hello", cwd=root)
     return python
 
 
@@ -106,6 +139,14 @@ def test_plugin_failing_on_import_is_reported_and_hides_nothing(listings):
     assert "RuntimeError" in broken["load_error"] and "flashx_broken" in broken["load_error"]
     there.pop("sdpa")
     assert there == here
+
+
+def test_installed_plugin_adds_a_command_beside_a_broken_plugin(plugin_venv):
+    cwd = plugin_venv.parents[2]
+    assert run(plugin_venv, "-m", "flashx", "hello", "world", cwd=cwd) == "hello from a plugin, world\n"
+    assert "    hello               say hello\n" in run(plugin_venv, "-m", "flashx", cwd=cwd)
+    info = run(plugin_venv, "-m", "flashx", "info", cwd=cwd)
+    assert "\nplugin broken = flashx_broken failed to load:\n" in info and "this accelerator has no driver" in info
 
 
 # What the SDPA peer fails, and why (docs/sdpa-conformance.md tells users the same).

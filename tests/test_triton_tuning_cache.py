@@ -38,7 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpr
 
 CONFIGS = [Config(64, 64, 4, 3), Config(32, 64, 4, 2, host_descriptors=False), Config(128, 64, 8, 3)]
 MEDIANS = {CONFIGS[0]: 2.0, CONFIGS[1]: 1.0, CONFIGS[2]: 3.0}  # the second is the fastest
-PROBLEM = SimpleNamespace(head_dim=64, head_dim_v=64, dtype="bfloat16", band=None, batch=2, heads_q=4, seqlen_q=1000,
+PROBLEM = SimpleNamespace(head_dim=64, head_dim_v=64, head_dim_class=64, dtype="bfloat16", band=None, batch=2, heads_q=4, seqlen_q=1000,
                           device_index=None)
 KEY = "dkdv-d64x64-bfloat16-full-n10-r13"  # PROBLEM's: 1000 < 2**10 rows per head, 8000 < 2**13 in all
 HERE = tuning_cache.Environment("NVIDIA H100 80GB HBM3", "sm_90", "3.6.0", "0.1.0+0123456789ab")

@@ -24,6 +24,14 @@ class NumpyBackend(flashx.Backend):
         """Tiles of ``block_q`` query rows (all heads of a group together) x ``block_k`` keys."""
         self.block_q, self.block_k, self.name = block_q, block_k, name
 
+    @property
+    def threads(self) -> int:
+        """How many tiles a call runs at once: one worker per BLAS thread, each with a one-thread
+        BLAS (``flashx_numpy.parallel``); a comparison gives its peer as many threads."""
+        from flashx_numpy.parallel import workers
+
+        return workers.count
+
     def priority(self, problem):
         return 10
 

@@ -60,7 +60,24 @@ class TritonBackend(flashx.Backend):
 
         return decode(problem, q, k_cache, v_cache, k_new, v_new)
 
+    def decode_splits(self, problem) -> int:
+        """How many parts of each sequence's keys ``decode`` computes in parallel for ``problem``
+        (as ``flashx.kvcache.explain(...).problem`` gives it): its ``num_splits``, or this
+        backend's own choice for ``num_splits=0``. The decode benchmark reports it beside each time."""
+        import torch
+
+        from flashx_triton.decode import splits
+
+        return splits(problem, torch.device(problem.device, problem.device_index))
+
 
 @hookimpl
 def flashx_backends():
     return [TritonBackend()]
+
+
+@hookimpl
+def flashx_commands():
+    from flashx_triton.cli import TUNE  # the command line loads for the flashx command alone, not for a call
+
+    return [TUNE]

@@ -28,9 +28,8 @@ def run(batch=1, heads=8, seqlen=4096, head_dim=64, memory_seqlen=8192, repeats=
     import torch
 
     import flashx
-    from flashx_numpy.parallel import workers
 
-    threads = workers.count
+    threads = flashx.registry.get("numpy").threads
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((batch, seqlen, heads, head_dim), dtype=np.float32) for _ in range(3))

@@ -357,11 +357,11 @@ def _kv_bytes(batch: int, cache: int) -> int:
 
 
 def _chosen_splits(q, keys, values, lengths, **keywords) -> int:
-    """The split count the Triton backend runs for this call (``num_splits=0``)."""
-    from flashx.kvcache import build_decode_problem
-    from flashx_triton.decode import splits
+    """The split count the Triton backend runs for this call (``num_splits=0``), as the backend reports it."""
+    import flashx
 
-    return splits(build_decode_problem(q, keys, values, cache_seqlens=lengths, validate=False, **keywords), q.device)
+    problem = flashx.kvcache.explain(q, keys, values, cache_seqlens=lengths, validate=False, **keywords).problem
+    return flashx.registry.get("triton").decode_splits(problem)
 
 
 # -- the report (from the JSON alone) ------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Where the Triton backend's shipped configurations come from, and how close they come to tuned.
 
-    python3 scripts/triton_defaults.py sweep OUT.json      # tune at every sweep point; write every
-                                                           # candidate's median and the choices
-    python3 scripts/triton_defaults.py encode SWEEP.json   # SWEEP.json -> backends/flashx_triton/shipped.json
-    python3 scripts/triton_defaults.py compare OUT.json    # shipped (untimed) vs tuned, same process
+    python3 -m flashx_triton.defaults sweep OUT.json      # tune at every sweep point; write every
+                                                          # candidate's median and the choices
+    python3 -m flashx_triton.defaults encode SWEEP.json   # SWEEP.json -> flashx_triton/shipped.json
+    python3 -m flashx_triton.defaults compare OUT.json    # shipped (untimed) vs tuned, same process
 
 ``sweep`` runs the tuner (FLASHX_TRITON_AUTOTUNE=1) at the benchmark's points: bf16 and fp16
 fwd+bwd and fp32 forwards, d 64/128/256, causal or not, N 512..16k, B = 16384 / N and
@@ -149,7 +149,6 @@ def encode(sweep_json: str) -> None:
     choice at each length class of the sweep, kept for longer classes while it stays within
     TOLERANCE of their fastest candidate (so run-to-run ties do not flip the table)."""
     import re
-    from pathlib import Path
 
     from flashx_triton import tuning
 
@@ -171,11 +170,11 @@ def encode(sweep_json: str) -> None:
                 kept = by_length[length]["choice"]
                 entries[str(1 << (length - 1))] = tuning.text(kept)
         table[group] = entries
-    shipped = Path(__file__).parents[1] / "backends" / "flashx_triton" / "shipped.json"
+    shipped = tuning.SHIPPED
     document = json.loads(shipped.read_text()) if shipped.exists() else {}
     document[f"sm_{''.join(map(str, record['capability']))}"] = {
         "measured": f"{record['device']}, Triton {record.get('triton', '3.6')}, {record.get('date', '2026-11-26')}: "
-                    "scripts/triton_defaults.py sweep, then encode", "choices": table}
+                    "python -m flashx_triton.defaults sweep, then encode", "choices": table}
     shipped.write_text(json.dumps(document, indent=1) + "\n")
     print(f"{shipped}: {len(table)} groups, {sum(map(len, table.values()))} entries from {record['device']}")
 

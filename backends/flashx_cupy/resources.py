@@ -4,9 +4,9 @@ on a machine without a GPU: NVRTC compiles each variant's source with its option
 holding tensor-core products (the tile loops) are counted by opcode.
 
     pip install "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-nvcc==13.0.*" nvidia-cuda-nvdisasm
-    python scripts/cupy_resources.py                    # shipped tiles, bf16, every kernel and head dim
-    python scripts/cupy_resources.py --kernel dkdv --dim 128 --tile 64x64x4 --blocks
-    python scripts/cupy_resources.py --kernel forward --features mask=1,dropout=1
+    python -m flashx_cupy.resources                     # shipped tiles, bf16, every kernel and head dim
+    python -m flashx_cupy.resources --kernel dkdv --dim 128 --tile 64x64x4 --blocks
+    python -m flashx_cupy.resources --kernel forward --features mask=1,dropout=1
 
 NVRTC 13.0 is the one CuPy 14.2 uses on the lent GPUs; cuda-bindings (numba-cuda's dependency)
 finds the wheel's library. A spill or a register count here is what the GPU will run; a block's
@@ -20,13 +20,10 @@ import collections
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-
-from flashx_cupy import variants  # noqa: E402
+from flashx_cupy import variants
 
 _SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.MULTILINE)
 
@@ -99,7 +96,7 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flashx_cupy.resources", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", nargs="+", default=["forward", "dq", "dkdv"],
                         choices=["forward", "forward_sm90", "dq", "dkdv"])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=list(variants.DTYPE_CODES))
