@@ -10,7 +10,7 @@ Cases, in this order (each directory is fresh unless reused as named):
   triton tuned cold     FLASHX_TRITON_AUTOTUNE=1, new directories: every candidate compiled and timed
                         (only with FIRST_CALL_TUNED=1)
   cupy cold, warm       new CUPY_CACHE_DIR (NVRTC's builds), then the same one again
-  numba cold, warm      new NUMBA_CACHE_DIR, then the same one again (numba-cuda compiles in-process)
+  numba cold, warm      new FLASHX_CACHE_DIR (its numba-kernels folder), then the same one again
   flex cold             new TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: torch.compile from scratch
   flex warm             the same two directories again
 FIRST_CALL_BACKENDS (default "triton") names the flashx backends to run, comma-separated.
@@ -87,7 +87,7 @@ def main() -> None:
         return os.path.join(root, f"{name}-{next(fresh)}")
 
     caches = {"triton": ("TRITON_CACHE_DIR", "FLASHX_CACHE_DIR"), "cupy": ("CUPY_CACHE_DIR",),
-              "numba": ("NUMBA_CACHE_DIR",)}
+              "numba": ("FLASHX_CACHE_DIR",)}
     flex_dirs = {"TRITON_CACHE_DIR": new("triton"), "TORCHINDUCTOR_CACHE_DIR": new("inductor")}
     tuned_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx"), "FLASHX_TRITON_AUTOTUNE": "1"}
     cases = []

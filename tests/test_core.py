@@ -731,3 +731,16 @@ def test_autograd_takes_a_gradient_carrying_torchs_negation_bit():
         x.grad = None
     flashx.attention(q, k, v, backend="numpy").backward(negated.resolve_neg())
     assert all(torch.equal(a, x.grad) for a, x in zip(lazy, (q, k, v)))
+
+
+def test_the_cache_directory_is_flashx_cache_dir_else_xdg_cache_home_else_home(monkeypatch, tmp_path):
+    from flashx.storage import cache_directory
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("FLASHX_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_directory() == tmp_path / "mine"
+    monkeypatch.delenv("FLASHX_CACHE_DIR")
+    assert cache_directory() == tmp_path / "xdg" / "flashx"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_directory() == tmp_path / "home" / ".cache" / "flashx"

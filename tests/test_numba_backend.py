@@ -10,10 +10,13 @@ Python thread).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,7 +42,7 @@ import flashx_numba  # noqa: E402
 if not config.ENABLE_CUDASIM:  # numba came in before this module: its kernels would need a GPU
     pytest.skip("numba was imported before NUMBA_ENABLE_CUDASIM=1 was set", allow_module_level=True)
 
-from flashx_numba import attention, fragments, mma  # noqa: E402
+from flashx_numba import attention, disk_cache, fragments, mma  # noqa: E402
 from flashx_numba.philox import dropout_word  # noqa: E402
 from flashx_numba.primitives import bits_to_float, float_to_bits  # noqa: E402
 
@@ -315,3 +318,204 @@ def test_mma_compiles_to_tensor_core_ptx():
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in done.stdout
     assert "st.shared.v2.b32" in done.stdout and "ld.shared.b32" in done.stdout
     assert "+16]" in done.stdout  # immediate offsets stay in the instructions
+
+
+# ---------------------------------------------------------------- kernels kept on disk
+
+
+def test_the_source_digest_changes_with_every_source_of_the_package(tmp_path):
+    """A kernel is made of every module of the package: an edit to any of them, or a module
+    added, stamps the cache anew (the digest reads contents, not places)."""
+    for path in Path(disk_cache.__file__).parent.glob("*.py"):
+        shutil.copy(path, tmp_path)
+    assert disk_cache.sources_digest(tmp_path) == disk_cache.package_digest()
+    sources = sorted(tmp_path.glob("*.py"))
+    assert {"kernels.py", "fragments.py", "primitives.py", "mma.py", "philox.py"} <= {path.name for path in sources}
+    digests = {disk_cache.package_digest()}
+    for path in sources:
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        digests.add(disk_cache.sources_digest(tmp_path))
+        path.write_bytes(original)
+    assert disk_cache.sources_digest(tmp_path) == disk_cache.package_digest()
+    (tmp_path / "added.py").write_text("")
+    digests.add(disk_cache.sources_digest(tmp_path))
+    assert len(digests) == len(sources) + 2
+
+
+def test_the_kernel_cache_lives_in_flashx_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHX_CACHE_DIR", str(tmp_path / "mine"))
+    assert disk_cache.table_directory() == tmp_path / "mine" / disk_cache.TABLE
+
+
+def _outside_the_simulator(script: str, cache: Path) -> dict:
+    """The JSON that ``script`` prints last, run where numba compiles for a GPU (none is needed:
+    the scripts stop short of compiling) with FLASHX_CACHE_DIR=cache."""
+    environment = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**environment, "FLASHX_CACHE_DIR": str(cache)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+_LAUNCHES = """
+import contextlib, json
+import torch
+from numba.cuda.dispatcher import CUDADispatcher
+from flashx.validation import build_problem
+from flashx_numba import attention
+
+caches = {}
+def compile_here(self, argtypes):  # no GPU: the cache a compile would consult is what matters
+    caches[id(self)] = self._cache
+CUDADispatcher.compile = compile_here
+CUDADispatcher.disable_compile = lambda self, val=True: None
+launched = []
+attention._launch = lambda kernel, *arguments: launched.append(kernel)
+attention._launching = lambda x: contextlib.nullcontext(0)
+attention._device_array = lambda x: x
+for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    for dim in (64, 128, 256):
+        q, k, v = (torch.zeros(1, 8, 2, dim, dtype=dtype) for _ in range(3))
+        problem = build_problem(q, k, v, causal=True)
+        o, lse = attention.forward(problem, q, k, v)
+        attention.backward(problem, q, k, v, o, lse, o)
+print(json.dumps({"dtypes": ["float16", "bfloat16", "float32"], "launches": [
+    {"kernel": kernel.py_func.__qualname__.split(".")[0], "dispatcher": id(kernel), "specialized": kernel.specialized,
+     "cache": type(caches[id(kernel)]).__name__, "path": caches[id(kernel)].cache_path,
+     "specialization": repr(getattr(caches[id(kernel)], "_specialization", None))} for kernel in launched]}))
+"""
+
+
+def test_every_kernel_launched_is_compiled_through_the_disk_cache(tmp_path):
+    """Each launch of a forward and a backward, for every dtype and head-dim class, goes to a
+    kernel whose compile consults a ``KernelCache`` in FLASHX_CACHE_DIR, specialized as
+    ``cuda.jit(signature)`` leaves a kernel, and keyed by its factory's arguments: one key, one
+    compiled kernel."""
+    found = _outside_the_simulator(_LAUNCHES, tmp_path)
+    launches = found["launches"]
+    assert len(launches) == 4 * 3 * 3  # forward, delta, dK/dV, dQ for 3 dtypes x 3 head-dim classes
+    assert [launch["kernel"] for launch in launches[:4]] == ["forward_kernel", "delta_kernel", "dkdv_kernel",
+                                                            "dq_kernel"]
+    for number, launch in enumerate(launches):
+        assert launch["cache"] == "KernelCache" and launch["specialized"], launch
+        assert launch["path"] == str(tmp_path / "numba-kernels")
+        assert repr(found["dtypes"][number // 12]) in launch["specialization"], launch
+    assert launches[1]["specialization"] == "('float16',)"
+    keys = {(launch["kernel"], launch["specialization"]): launch["dispatcher"] for launch in launches}
+    assert len(keys) == len({launch["dispatcher"] for launch in launches}) == 30
+    assert all(keys[launch["kernel"], launch["specialization"]] == launch["dispatcher"] for launch in launches)
+
+
+_CACHE_STAND_INS = """
+import json, os, shutil, uuid, warnings
+from pathlib import Path
+from types import SimpleNamespace
+from numba import types
+from flashx_numba import disk_cache
+
+warnings.simplefilter("always")
+SIG = (types.float32[::1],)
+DIRECTORY = Path(os.environ["FLASHX_CACHE_DIR"]) / "numba-kernels"
+
+class Library:  # a CUDACodeLibrary as a load binds it: a cubin the driver loads, or rejects
+    def __init__(self, cubin):
+        self.cubin = cubin
+    def get_cufunc(self):
+        if self.cubin == "rejected":
+            raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+        return SimpleNamespace(module=SimpleNamespace(initialized=True))
+
+def codegen(capability):
+    return SimpleNamespace(magic_tuple=lambda: ((13, 0), capability))
+
+def compiled(cubin, capability=(9, 0)):
+    # a compiled kernel as a cache saves it: its codegen, and the states it pickles
+    states = dict(cooperative=False, name="kernel", signature=SIG, codelibrary=Library(cubin), debug=False,
+                  lineinfo=False, call_helper=None, extensions=[], shared_memory_carveout=None,
+                  launch_config_sensitive=False)
+    return SimpleNamespace(codegen=codegen(capability), _reduce_states=lambda: states)
+
+def load(cache, capability=(9, 0)):
+    kernel = cache.load_overload(SIG, SimpleNamespace(codegen=lambda: codegen(capability)))
+    return None if kernel is None else kernel._codelibrary.cubin
+
+def factory(token):
+    def kernel(x):
+        x[0] = token
+    return kernel
+
+# two processes' kernels of one specialization: closures alike but for the intrinsics' uuids
+first, second = factory(uuid.uuid4()), factory(uuid.uuid4())
+"""
+
+_ENTRIES = _CACHE_STAND_INS + """
+disk_cache.KernelCache(first, ("float32", 4)).save_overload(SIG, compiled("cubin of 4"))
+disk_cache.KernelCache(first, ("float32", 8)).save_overload(SIG, compiled("cubin of 8"))
+found = {
+    "same specialization, another closure": load(disk_cache.KernelCache(second, ("float32", 4))),
+    "the other specialization": load(disk_cache.KernelCache(second, ("float32", 8))),
+    "a third specialization": load(disk_cache.KernelCache(second, ("float32", 16))),
+    "another compute capability": load(disk_cache.KernelCache(second, ("float32", 4)), (10, 0)),
+    "files": sorted(path.name.split("-")[0] + path.suffix for path in DIRECTORY.iterdir()),
+}
+disk_cache.package_digest = lambda: "an edited source"
+found["after an edit"] = load(disk_cache.KernelCache(second, ("float32", 4)))
+print(json.dumps(found))
+"""
+
+
+def test_an_entry_is_found_by_specialization_whatever_the_closure_holds(tmp_path):
+    """The key of an entry is the signature, the GPU, numba-cuda's version and the factory's
+    arguments: another closure over other objects finds it (numba-cuda's own key would hash the
+    closure's pickle, different in every process); another specialization, compute capability
+    or package source does not."""
+    found = _outside_the_simulator(_ENTRIES, tmp_path)
+    assert found == {"same specialization, another closure": "cubin of 4", "the other specialization": "cubin of 8",
+                     "a third specialization": None, "another compute capability": None, "after an edit": None,
+                     "files": ["string.factory.locals.kernel.nbc", "string.factory.locals.kernel.nbc",
+                               "string.factory.locals.kernel.nbi"]}
+
+
+_FAILURES = _CACHE_STAND_INS + """
+def attempt(action):
+    with warnings.catch_warnings(record=True) as caught:
+        outcome = action()
+    return [outcome, [str(warning.message) for warning in caught]]
+
+cache = disk_cache.KernelCache(first, ("float32", 4))
+found = {}
+for damaged, name in (("index", ".nbi"), ("data", ".1.nbc")):
+    cache.save_overload(SIG, compiled("cubin"))
+    next(DIRECTORY.glob("*" + name)).write_bytes(b"damaged")
+    found["damaged " + damaged] = attempt(lambda: load(cache))
+    cache.save_overload(SIG, compiled("cubin"))
+    found["saved again after damaged " + damaged] = attempt(lambda: load(cache))
+cache.save_overload(SIG, compiled("rejected"))
+found["rejected cubin"] = attempt(lambda: load(cache))
+shutil.rmtree(DIRECTORY)
+DIRECTORY.write_text("")  # a file where the directory was
+found["unwritable"] = attempt(lambda: cache.save_overload(SIG, compiled("cubin")))
+found["no directory"] = attempt(lambda: type(disk_cache._kernel_cache(first, ("float32", 4))).__name__)
+print(json.dumps(found))
+"""
+
+
+def test_a_damaged_or_unwritable_cache_warns_and_compiles(tmp_path):
+    """An entry that cannot be read (a damaged index or data file, a cubin the driver rejects)
+    reads as missing, with a warning, and the next entry saved is found again; one that cannot
+    be written, or a directory that cannot be made, warns and leaves the kernel to this process."""
+    found = _outside_the_simulator(_FAILURES, tmp_path)
+    name, directory = "the compiled kernel factory.<locals>.kernel ('float32', 4)", tmp_path / "numba-kernels"
+    for damaged in ("index", "data"):
+        outcome, [warning] = found[f"damaged {damaged}"]
+        assert outcome is None and warning.startswith(f"flashx: cannot load {name} from {directory} (UnpicklingError(")
+        assert warning.endswith("); it is compiled again")
+        assert found[f"saved again after damaged {damaged}"] == ["cubin", []]
+    assert found["rejected cubin"] == [None, [f"flashx: cannot load {name} from {directory} "
+                                              "(RuntimeError('CUDA_ERROR_INVALID_IMAGE')); it is compiled again"]]
+    outcome, [warning] = found["unwritable"]
+    assert outcome is None and warning.startswith(f"flashx: could not keep {name} in {directory} (")
+    assert warning.endswith("); it is compiled again in the next process")
+    assert found["no directory"] == ["NullCache", [f"flashx: cannot keep compiled kernels in {directory} ([Errno 17] "
+                                                   f"File exists: '{directory}'); they are compiled in every process"]]

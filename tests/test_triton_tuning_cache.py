@@ -244,15 +244,9 @@ def test_concurrent_writers_leave_a_whole_record(table):
     assert [path.name for path in table.glob("*/*")] == ["forward-key.json"]
 
 
-def test_the_cache_directory_is_flashx_cache_dir_else_xdg_cache_home_else_home(monkeypatch, tmp_path):
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+def test_the_tuning_table_lives_in_flashx_cache_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHX_CACHE_DIR", str(tmp_path / "mine"))
     assert tuning_cache.table_directory() == tmp_path / "mine" / "triton-tuning"
-    monkeypatch.delenv("FLASHX_CACHE_DIR")
-    assert tuning_cache.cache_directory() == tmp_path / "xdg" / "flashx"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert tuning_cache.cache_directory() == tmp_path / "home" / ".cache" / "flashx"
 
 
 def test_environment_directories_are_file_names_anywhere():

@@ -29,7 +29,8 @@ in data an allowed pair reads propagates.
 
 The kernels are compiled once per ``Tiles`` (compile-time tile shapes) and dtype (bfloat16
 travels as int16 bit patterns, and to the tensor cores as int32 words of feature pairs), on
-first use; head dims, lengths, layouts and options are run-time arguments.
+first use, and kept on disk (``disk_cache``): a later process loads them, compiled; head dims,
+lengths, layouts and options are run-time arguments.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
+from flashx_numba.disk_cache import cached_kernel
 from flashx_numba.fragments import micro_tile_form, tensor_core_form
 from flashx_numba.philox import dropout_keep
 from flashx_numba.primitives import (NEG_INF, SIMULATOR, SKIP, device_function, exp2, lanes_max, lanes_sum, load,
@@ -238,7 +240,7 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
 
-    @cuda.jit(types.void(inputs, inputs, inputs, _tensor(dtype), _ROWS, *_COMMON))
+    @cached_kernel(types.void(inputs, inputs, inputs, _tensor(dtype), _ROWS, *_COMMON), tiles, dtype, tensor_cores)
     def kernel(q, k, v, o, lse, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group, dim,
                dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
                scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
@@ -346,7 +348,7 @@ def delta_kernel(dtype: str):
     (b, n, h) of a grid covering the (B, N, H) rows of o."""
     x, bf16 = _tensor(dtype), dtype == "bfloat16"
 
-    @cuda.jit(types.void(x, x, _ROWS, types.int64))
+    @cached_kernel(types.void(x, x, _ROWS, types.int64), dtype)
     def kernel(o, do, delta, dim_v):
         index = cuda.grid(1)
         batch, length, heads = o.shape[0], o.shape[1], o.shape[2]
@@ -434,7 +436,8 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, True)
     assert ROWS <= COLS  # the own operands in shared memory take a streamed tile's shape
 
-    @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), _tensor(dtype), *_COMMON))
+    @cached_kernel(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), _tensor(dtype), *_COMMON),
+                   tiles, dtype, tensor_cores)
     def kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q,
                group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left,
                right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
@@ -534,7 +537,8 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, False)
     assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
 
-    @cuda.jit(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), *_COMMON))
+    @cached_kernel(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), *_COMMON), tiles, dtype,
+                   tensor_cores)
     def kernel(q, k, v, do, lse, delta, dq, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group,
                dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
                scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from flashx.storage import cache_directory
+
 TABLE = "triton-tuning"
 
 
@@ -52,15 +54,6 @@ class Environment:
 
     def __str__(self) -> str:
         return f"{self.gpu} ({self.capability}), triton {self.triton}, flashx {self.flashx}"
-
-
-def cache_directory() -> Path:
-    """$FLASHX_CACHE_DIR, else $XDG_CACHE_HOME/flashx, else ~/.cache/flashx."""
-    if os.environ.get("FLASHX_CACHE_DIR"):
-        return Path(os.environ["FLASHX_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "flashx"
-    return Path.home() / ".cache" / "flashx"
 
 
 def table_directory() -> Path:
