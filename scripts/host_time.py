@@ -23,7 +23,7 @@ import torch
 
 import flashx
 
-CALLS, ROUNDS = 50, 9
+CALLS = 50
 
 
 def kinds(q):
@@ -39,21 +39,21 @@ def kinds(q):
     }
 
 
-def per_call_us(call) -> float:
+def per_call_us(call, rounds: int) -> float:
     for _ in range(5):
         call()
     torch.cuda.synchronize()
-    rounds = []
-    for _ in range(ROUNDS):
+    times = []
+    for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(CALLS):
             call()
         torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - start) / CALLS * 1e6)
-    return statistics.median(rounds)
+        times.append((time.perf_counter() - start) / CALLS * 1e6)
+    return statistics.median(times)
 
 
-def measure(backend: str) -> dict:
+def measure(backend: str, rounds: int) -> dict:
     generator = torch.Generator("cuda").manual_seed(0)
 
     def tensor(*shape, grad=False):
@@ -75,16 +75,17 @@ def measure(backend: str) -> dict:
                 if grad:
                     o.backward(do_)
 
-            results[f"{'fwd+bwd' if grad else 'fwd'} {name}"] = per_call_us(call)
+            results[f"{'fwd+bwd' if grad else 'fwd'} {name}"] = per_call_us(call, rounds)
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=["triton", "cupy"])
+    parser.add_argument("--rounds", type=int, default=9, help="rounds of %d calls; the median is shown" % CALLS)
     parser.add_argument("--out")
     args = parser.parse_args()
-    table = {backend: measure(backend) for backend in args.backends}
+    table = {backend: measure(backend, args.rounds) for backend in args.backends}
     device = torch.cuda.get_device_name()
     print(f"host us per call, {device}, flashx at {flashx.__file__}")
     for backend, results in table.items():
