@@ -153,13 +153,12 @@ class BaseProblem:
         """What runs, not what it runs on: every field but the per-call ones, arrays by their
         type, shape, dtype and device. Equal keys: equal dispatch, equal launch preparation."""
         key = [self.operation]
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name in self.ARRAYS:
+        for name, is_array in _key_fields(type(self)):
+            value = getattr(self, name)
+            if is_array and value is not None:
                 blocks = value.blocks if isinstance(value, BlockMask) else value
-                key.append((arrays.signature(blocks), getattr(value, "block_size", None)))
-            elif field.name not in self.PER_CALL:
-                key.append(value)
+                value = arrays.signature(blocks), getattr(value, "block_size", None)
+            key.append(value)
         return tuple(key)
 
     @property
@@ -359,6 +358,13 @@ class DecodeProblem(BaseProblem):
     def _details(self) -> list[str]:
         parts = ["mask"] if self.mask is not None else []
         return parts + ([f"num_splits={self.num_splits}"] if self.num_splits else [])
+
+
+@functools.cache
+def _key_fields(cls) -> tuple[tuple[str, bool], ...]:
+    """(name, is an auxiliary array) of each field of a problem class that ``static_key`` holds."""
+    return tuple((field.name, field.name in cls.ARRAYS) for field in dataclasses.fields(cls)
+                 if field.name not in cls.PER_CALL)
 
 
 def head_dim_class(dim: int) -> int:
