@@ -516,3 +516,21 @@ def test_a_tuned_kernel_chooses_again_when_autotuning_is_switched(monkeypatch):
     assert tuned(None, 3) == ("shipped", 3)
 
 
+
+
+def test_calls_of_one_static_problem_share_their_launches_and_bring_their_own_values():
+    """Masks, lengths and dropout seeds differ from call to call where shapes and options do not:
+    such calls build their launches once (``per_problem`` keys on the static problem and on what
+    Triton specialises on in the call's own values), and each computes with its own mask, lengths
+    and seed."""
+    from flashx_triton import common
+
+    q, k, v, do = (randn(2, 48, 2, 16) for _ in range(4))
+    common._built.clear()
+    built = []
+    # seeds 5 and 7 are specialised alike (i32, not 1, not a multiple of 16); 2**40 + 17 is an i64
+    for p, n, seed in ((0.5, 40, 5), (0.8, 9, 7), (0.6, 33, 2**40 + 17)):
+        check_against_oracle(q, k, v, do, mask=torch.rand(2, 1, 48, 48) < p, dropout_p=0.3, seed=seed,
+                             seqlens_k=torch.tensor([n, 48 - n], dtype=torch.int32))
+        built.append(len(common._built))
+    assert built == [2, 2, 4]  # the forward's and the backward's launches

@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the Triton backend needs triton (pip insta
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
+from flashx.problem import head_dim_class  # noqa: E402
 from flashx_triton import tuning, tuning_cache  # noqa: E402
 from flashx_triton.tuning import Config  # noqa: E402
 
@@ -25,8 +26,8 @@ KERNELS = ("forward", "dkdv", "dq", "fused", "gradients")
 
 
 def problem(n=8192, d=128, dtype="bfloat16", causal=False, batch=2, heads=16):
-    return SimpleNamespace(head_dim=d, head_dim_v=d, dtype=dtype, band=(n, 0) if causal else None, batch=batch,
-                           heads_q=heads, seqlen_q=n, device_index=None)
+    return SimpleNamespace(head_dim=d, head_dim_v=d, head_dim_class=head_dim_class(d), dtype=dtype,
+                           band=(n, 0) if causal else None, batch=batch, heads_q=heads, seqlen_q=n, device_index=None)
 
 
 @pytest.fixture(autouse=True)

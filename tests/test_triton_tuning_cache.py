@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 import warnings
-import weakref
 from dataclasses import asdict, replace
 from types import SimpleNamespace
 
@@ -57,7 +56,7 @@ def fresh_process(monkeypatch):
     """Forget every choice and every launch built in this process: what a new process knows."""
     monkeypatch.setattr(tuning, "_chosen", {})
     monkeypatch.setattr(tuning, "measured", {})
-    monkeypatch.setattr(common, "_by_problem", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(common, "_built", {})
 
 
 @pytest.fixture

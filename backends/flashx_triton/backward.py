@@ -24,14 +24,15 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.common import (MASKED_PARTS, Launch, Passes, allow_kernel_descriptors, allowed_pairs,
-                                  any_nonfinite, band_part, band_parts, band_tiles, dot, dropout_keep, flag_nonfinite,
+                                  any_nonfinite, band_part, band_parts, band_tiles, call_args, call_layout, dot,
+                                  dropout_keep, flag_nonfinite,
                                   head_descriptors, last_dim_contiguous, layout, load_rows, lse_strides, masked_dot,
                                   next_program, pair_rule, per_problem, problem_args, program_share, row_descriptors,
                                   row_strides, sequence_bounds, tma_ready)
 
 
 @triton.jit
-def _prepare_kernel(O, DO, LSE, DELTA, LSE2, o_strides, do_strides, lse_strides, CU_Q, SEQLENS_Q, padded_q, heads_q,
+def _prepare_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, SEQLENS_Q, o_strides, do_strides, lse_strides, padded_q, heads_q,
                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr):
     stride_ob, stride_on, stride_oh = o_strides
@@ -351,10 +352,11 @@ def _dq_program(
 
 @triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _gradients_kernel(
-    Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA, REDO,  # REDO: Passes's flags
+    Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, dropout,  # each call's own (call_args)
+    REDO,  # Passes's flags (None: one launch)
     strides,  # (batch, row, head) of q, k, v, do, dq, dk, dv, then (batch, head) of LSE2 and DELTA
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,  # optional tensors (problem_args)
-    shape, band, masks, dropout, scales, programs,  # groups of scalars (problem_args); scales: (scale, its log2 form)
+    shape, band, masks, scales, programs,  # groups of scalars (problem_args); scales: (scale, its log2 form)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -404,12 +406,14 @@ def backward(problem, q, k, v, o, lse, do):
     alloc = torch.zeros_like if problem.varlen else torch.empty_like
     dq, dk, dv = (alloc(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse)),
+    call = call_args(problem)
+    prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse), call_layout(call)),
                                               lambda: _launches(problem, q, k, v, o, do, lse))
-    prepare(o, do, lse, delta, lse2)
+    cu_q, _, seqlens_q, *_ = call
+    prepare(o, do, lse, delta, lse2, cu_q, seqlens_q)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    return gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta)
+    return gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call)
 
 
 def _launches(problem, q, k, v, o, do, lse):
@@ -419,8 +423,7 @@ def _launches(problem, q, k, v, o, do, lse):
     rows = 64 if not tuning.interpreting() else 16
     prepare = Launch(_prepare_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, rows),), {},
                      o_strides=row_strides(o, varlen), do_strides=row_strides(do, varlen),
-                     lse_strides=lse_strides(lse, varlen), CU_Q=args["CU_Q"], SEQLENS_Q=args["SEQLENS_Q"],
-                     padded_q=problem.seqlen_q,
+                     lse_strides=lse_strides(lse, varlen), padded_q=problem.seqlen_q,
                      heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
                      BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"])
     return prepare, tuning.Tuned("gradients", _gradients_plan), tma_ready(problem, q, k, v, do)
@@ -429,20 +432,20 @@ def _launches(problem, q, k, v, o, do, lse):
 _PLANS = {"fused": ("fused",), "split": ("dkdv", "dq")}
 
 
-def _gradients_plan(problem, plan, q, k, v, do, dq, dk, dv, lse2, delta):
+def _gradients_plan(problem, plan, q, k, v, do, dq, dk, dv, lse2, delta, *call):
     """dQ, dK and dV in one launch ("fused") or two ("split"), each launch tuned on its own."""
     launches = [tuning.tuned_launch(part, problem, functools.partial(_gradients_launch, part=part), q, k, v, do, dq,
-                                    dk, dv, lse2, delta) for part in _PLANS[plan]]
+                                    dk, dv, lse2, delta, *call) for part in _PLANS[plan]]
 
-    def run(q, k, v, do, dq, dk, dv, lse2, delta):
+    def run(q, k, v, do, dq, dk, dv, lse2, delta, *call):
         for launch in launches:
-            launch(q, k, v, do, dq, dk, dv, lse2, delta)
+            launch(q, k, v, do, dq, dk, dv, lse2, delta, *call)
         return dq, dk, dv
 
     return run
 
 
-def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, part):
+def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, *call, part):
     """The gradient kernel's ``part`` ("dkdv", "dq", or "fused": one launch for all three) under
     ``config``, whose block_n keys (dK/dV; fused, as many query rows for dQ) or block_m query
     rows (dQ) stay resident while the other axis streams.
@@ -470,9 +473,9 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, par
                     HOST_DESCRIPTORS=host, KEY_PARTS=key_parts, QUERY_PARTS=query_parts,
                     KEY_PROGRAMS=keys, QUERY_PROGRAMS=queries)
 
-    def run(q, k, v, do, dq, dk, dv, lse2, delta):
+    def run(q, k, v, do, dq, dk, dv, lse2, delta, *call):
         kernel(q, k, v, do, *(descriptor(x) for descriptor, x in zip(descriptors, (q, do, k, v))), dq, dk, dv, lse2,
-               delta)
+               delta, *call)
         return (dq,) * queries + (dk, dv) * keys
 
     return run

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 
 import torch
 import triton
@@ -281,8 +280,8 @@ def tma_ready(problem, *tensors: torch.Tensor) -> bool:
     equally wide as well, a precaution: unequal tiles through TMA passed where checked (64/128,
     128/64), but not every unequal class (D = 192, Dv = 128 among them) has run so on a GPU.
     """
-    args = problem_args(problem)
-    return args["BLOCK_D"] == args["BLOCK_DV"] and all(
+    widths = _tile_widths(problem.head_dim, problem.head_dim_v)
+    return widths["BLOCK_D"] == widths["BLOCK_DV"] and all(
         x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in tensors
     )
 
@@ -361,21 +360,52 @@ def layout(*tensors: torch.Tensor) -> tuple:
     return tuple((x.stride(), x.data_ptr() % 16 == 0) for x in tensors)
 
 
-#: per Problem, what was built for it: the core hands a repeated call the same Problem
-#: (flashx.plan), so a repeated call skips everything that depends only on the problem and the
-#: tensors' layout. Weak, so what is built dies with its Problem; none of it may hold the Problem.
-_by_problem: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: What was built for a static problem (``Problem.static_key``: what runs, not what it runs on)
+#: and a caller's key (the kernel, the layout of its tensors and of ``call_args``): a call of the
+#: same shapes and options skips everything built, whether or not it is the same Problem (calls
+#: with masks, lengths or a drawn seed are new Problems every time). Nothing built holds a Problem
+#: or a call's own values: those reach the kernels through ``call_args`` on every call.
+_built: dict[tuple, object] = {}
+_BUILT_LIMIT = 256  # past it the memory starts again empty
 
 
 def per_problem(problem, key, build):
-    """``build()``, made once per Problem and key."""
-    cache = _by_problem.get(problem)
-    if cache is None:
-        cache = _by_problem[problem] = {}
-    found = cache.get(key)
+    """``build()``, made once per static problem and ``key``."""
+    full_key = (problem.static_key(), key)
+    found = _built.get(full_key)
     if found is None:
-        found = cache[key] = build()
+        if len(_built) >= _BUILT_LIMIT:
+            _built.clear()
+        found = _built[full_key] = build()
     return found
+
+
+def call_args(problem) -> tuple:
+    """The kernel arguments that change from call to call of one static problem, which kernels
+    take right after their own tensors: the optional tensors CU_Q, CU_K, SEQLENS_Q, SEQLENS_K,
+    MASK and BLOCKS (None where absent; masks broadcast to (B, Hq, ., .)) and ``dropout``
+    (``_dropout_args``)."""
+    mask, blocks = _mask_tensors(problem)
+    return (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k, mask, blocks,
+            _dropout_args(problem))
+
+
+def call_layout(values: tuple) -> tuple:
+    """What Triton specialises a kernel on in ``call_args``' values: a tensor's strides and
+    16-byte alignment, an int's type (i32, i64 or u64) and whether it is 1 or a multiple of 16.
+    A launch compiled for one call's values serves another call's only where these agree."""
+    return tuple(_specialisation(x) for x in values)
+
+
+def _specialisation(x):
+    if x is None or isinstance(x, float):
+        return x is None
+    if isinstance(x, torch.Tensor):
+        return x.stride(), x.data_ptr() % 16 == 0
+    if isinstance(x, tuple):
+        return tuple(_specialisation(item) for item in x)
+    width = "i32" if -2**31 <= x < 2**31 else "u64" if x >= 2**63 else "i64"
+    return width, x == 1, x % 16 == 0
 
 
 class Launch:
@@ -492,21 +522,12 @@ def next_program(ids, todo, REDO, EXACT: tl.constexpr):
 
 
 def problem_args(problem) -> dict:
-    """The kernel arguments that describe the problem rather than one tensor (do not modify):
-    the optional tensors (CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS), the groups ``shape``
-    (padded_q, padded_k, heads_q, group), ``band`` (left, right), ``masks`` (``mask_layout``) and
-    ``dropout`` (``_dropout_args``), and the constexprs."""
-    return per_problem(problem, "args", lambda: _problem_args(problem))
-
-
-def _problem_args(problem) -> dict:
+    """The kernel arguments that describe the static problem rather than one tensor or one call:
+    the groups ``shape`` (padded_q, padded_k, heads_q, group), ``band`` (left, right) and ``masks``
+    (``_mask_layout``), and the constexprs."""
     varlen = problem.varlen
     left, right = problem.band_reach
     args = dict(
-        CU_Q=problem.cu_seqlens_q,
-        CU_K=problem.cu_seqlens_k,
-        SEQLENS_Q=problem.seqlens_q,
-        SEQLENS_K=problem.seqlens_k,
         shape=(problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.group),
         band=(left, right),
         IS_VARLEN=varlen,
@@ -517,8 +538,7 @@ def _problem_args(problem) -> dict:
         **_tile_widths(problem.head_dim, problem.head_dim_v),
         DOT_PRECISION=_dot_precision(problem.dtype),
     )
-    args.update(_mask_args(problem))
-    args.update(dropout=_dropout_args(problem), DROPOUT=problem.dropout_p > 0)
+    args.update(_mask_layout(problem), DROPOUT=problem.dropout_p > 0)
     return args
 
 
@@ -544,20 +564,27 @@ def _dot_precision(dtype: str) -> str:
     return "tf32"  # ignored for 16-bit inputs
 
 
-def _mask_args(problem) -> dict:
-    """MASK and BLOCKS (None where absent), and ``masks``: the (batch, head, row, column) strides of
-    each, then the block mask's (block_q, block_k)."""
+def _mask_tensors(problem) -> tuple:
+    """MASK and BLOCKS, broadcast to (B, Hq, Nq, Nk) and (B, Hq, Nq / bq, Nk / bk) (None where absent)."""
     shape = (problem.batch, problem.heads_q)
     mask = blocks = None
-    block_size = (1, 1)
     if problem.mask is not None:
         mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
     if problem.block_mask is not None:
-        block_size = bq, bk = problem.block_mask.block_size
+        bq, bk = problem.block_mask.block_size
         blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
+    return mask, blocks
+
+
+def _mask_layout(problem) -> dict:
+    """``masks``: the (batch, head, row, column) strides of MASK and BLOCKS (``_mask_tensors``),
+    then the block mask's (block_q, block_k); and whether each is there. The strides are the same
+    for every call of one ``call_layout``."""
+    mask, blocks = _mask_tensors(problem)
+    block_size = problem.block_mask.block_size if blocks is not None else (1, 1)
     strides = tuple(x.stride() if x is not None else (0, 0, 0, 0) for x in (mask, blocks))
-    return dict(MASK=mask, BLOCKS=blocks, masks=(*strides[0], *strides[1], *block_size),
-                HAS_MASK=mask is not None, HAS_BLOCK_MASK=blocks is not None)
+    return dict(masks=(*strides[0], *strides[1], *block_size), HAS_MASK=mask is not None,
+                HAS_BLOCK_MASK=blocks is not None)
 
 
 def _dropout_args(problem) -> tuple:

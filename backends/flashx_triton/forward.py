@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (MASKED_PARTS, Passes, allowed_pairs, band_part, band_parts, band_tiles, dot,
-                                  dropout_keep, flag_nonfinite, last_dim_contiguous, layout, load_rows, lse_strides,
+from flashx_triton.common import (MASKED_PARTS, Passes, allowed_pairs, band_part, band_parts, band_tiles, call_args,
+                                  call_layout, dot, dropout_keep, flag_nonfinite, last_dim_contiguous, layout, load_rows, lse_strides,
                                   masked_dot, next_program, pair_rule, per_problem, problem_args, program_share,
                                   query_tile, row_descriptors, row_strides, tma_ready)
 
@@ -83,10 +83,11 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
 
 @triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _forward_kernel(
-    Q, K, V, K_DESC, V_DESC, O, LSE, REDO,  # REDO: Passes's flags (None: one launch)
+    Q, K, V, K_DESC, V_DESC, O, LSE,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, dropout,  # each call's own (call_args)
+    REDO,  # Passes's flags (None: one launch)
     q_strides, k_strides, v_strides, o_strides, lse_strides,  # (batch, row, head); lse: (batch, head)
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS,  # optional tensors (problem_args)
-    shape, band, masks, dropout, scale_log2, programs,  # groups of scalars (problem_args)
+    shape, band, masks, scale_log2, programs,  # groups of scalars (problem_args)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -163,12 +164,15 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     else:
         o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-    tuned = per_problem(problem, ("forward", layout(q, k, v)), lambda: tuning.Tuned("forward", _launch))
-    return tuned(problem, q, k, v, o, lse)
+    call = call_args(problem)
+    tuned = per_problem(problem, ("forward", layout(q, k, v), call_layout(call)),
+                        lambda: tuning.Tuned("forward", _launch))
+    return tuned(problem, q, k, v, o, lse, *call)
 
 
-def _launch(problem, config, q, k, v, o, lse):
-    """The forward under ``config`` for tensors laid out as these: ``run(q, k, v, o, lse)``."""
+def _launch(problem, config, q, k, v, o, lse, *call):
+    """The forward under ``config`` for tensors (and ``call_args``) laid out as these:
+    ``run(q, k, v, o, lse, *call)``."""
     varlen, args = problem.varlen, problem_args(problem)
     use_tma = tma_ready(problem, k, v)
     k_descriptor = row_descriptors(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
@@ -181,8 +185,8 @@ def _launch(problem, config, q, k, v, o, lse):
                     lse_strides=lse_strides(lse, varlen), **args,
                     scale_log2=abs(problem.scale_log2), USE_TMA=use_tma, **config.tiles())
 
-    def run(q, k, v, o, lse):
-        kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse)
+    def run(q, k, v, o, lse, *call):
+        kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse, *call)
         return o, lse
 
     return run

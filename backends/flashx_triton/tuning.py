@@ -271,8 +271,8 @@ class Tuned:
     """One kernel for one problem and tensor layout, under the configuration ``choose`` picks on
     the first call's tensors (again once FLASHX_TRITON_AUTOTUNE changes): ``make(problem, config,
     *tensors)`` builds the launch of a configuration for tensors laid out as these, which then
-    runs as ``launch(*tensors)`` and returns the outputs. Cached per problem
-    (``common.per_problem``), so it keeps no Problem."""
+    runs as ``launch(*tensors)`` and returns the outputs. Cached per static problem
+    (``common.per_problem``), so it keeps no Problem: each call's own values are among its tensors."""
 
     def __init__(self, kernel: str, make: Callable):
         self.kernel, self.make = kernel, make
