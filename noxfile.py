@@ -1,11 +1,12 @@
 """Sessions run in the current environment and install nothing (CI installs flashx-attention[dev] first).
 
     nox -s tests          the unit tests of the core, the plugins machinery and the backends
-    nox -s conformance    the conformance suite once per registered backend, then the summary table
+    nox -s conformance    the conformance suite once per registered backend, then the summary
 
 Without a GPU the GPU backends run on their CPU stand-ins (Triton's interpreter, Numba's CUDA
 simulator) at the small tier; a backend that cannot run here at all is reported as skipped
-with its reason. The merged table is printed and written to .nox/conformance/summary.{md,json}.
+with its reason. The run ends with a few lines per backend (counts, failed cases by name); the
+case x backend table is written to .nox/conformance/summary.{md,json}.
 """
 
 from __future__ import annotations

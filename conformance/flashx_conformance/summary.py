@@ -3,17 +3,21 @@
     python -m flashx_conformance.summary REPORT.json... [--markdown PATH] [--json PATH]
 
 A cell is pass, FAIL, or skip with a numbered reason listed under the table, so that every
-skip is visible with its cause. The table goes to stdout and, as asked, to markdown and JSON.
+skip is visible with its cause. The table (a line per case, hundreds) goes to markdown and
+JSON as asked; stdout gets a few lines per backend: its counts and its failed cases by name.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections import Counter
 from pathlib import Path
 
 CELL = {"passed": "pass", "failed": "FAIL", "skipped": "skip", "xfailed": "xfail"}
+#: Failed cases named per backend in the short summary; the table has the rest.
+NAMED_FAILURES = 10
 
 
 def _label(report: dict) -> str:
@@ -76,6 +80,27 @@ def markdown(merged: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def brief(merged: dict) -> str:
+    """A few lines per backend: where and how it ran, its counts, its failed cases by name."""
+    width = max(map(len, merged["backends"]), default=0)
+    lines = []
+    for name, header in merged["backends"].items():
+        counts = header["counts"]
+        simulated = "".join(f" under {variable}=1" for variable in header.get("simulators", []))
+        tally = ", ".join(f"{counts.get(outcome, 0)} {outcome}" for outcome in ("passed", "failed", "skipped"))
+        if counts.get("xfailed"):
+            tally += f", {counts['xfailed']} xfailed"
+        lines.append(f"{name:<{width}}  {tally}  ({header['device']}{simulated}, tier {header['tier']})")
+        indent = " " * (width + 2)
+        if not header.get("available", True):
+            lines.append(f"{indent}not available here: {header['reason']}")
+        failed = [case for case, results in merged["cases"].items() if results.get(name, {}).get("outcome") == "failed"]
+        lines += [f"{indent}FAILED {case}" for case in failed[:NAMED_FAILURES]]
+        if len(failed) > NAMED_FAILURES:
+            lines.append(f"{indent}... and {len(failed) - NAMED_FAILURES} more failed")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path, help="JSON files written by --flashx-report")
@@ -83,13 +108,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="write the merged table as JSON here")
     args = parser.parse_args(argv)
     merged = merge(load(args.reports))
-    text = markdown(merged)
-    print(text)
-    for path, content in ((args.markdown, text), (args.json, json.dumps(merged, indent=1))):
+    print(brief(merged), end="")
+    outputs = [
+        ("the case x backend table", args.markdown, markdown),
+        ("the table as JSON", args.json, functools.partial(json.dumps, indent=1)),
+    ]
+    for what, path, render in outputs:
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
-            print(f"written: {path}")
+            path.write_text(render(merged))
+            print(f"{what}: {path}")
     failed = sum(header["counts"].get("failed", 0) for header in merged["backends"].values())
     return 1 if failed else 0
 
