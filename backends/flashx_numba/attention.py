@@ -51,20 +51,15 @@ SIMULATOR_SWITCH_INTERVAL = 1e-4
 DELTA_THREADS = 128
 
 
-def _width(problem) -> int:
-    widest = max(problem.head_dim, problem.head_dim_v)
-    return 64 if widest <= 64 else 128 if widest <= 128 else 256
-
-
 def tensor_cores(kernel: str, problem) -> bool:
     """Whether ``kernel`` (forward or backward) runs on tensor cores: float16 and bfloat16 on a
     GPU, at the head dims it has tensor-core tiles for."""
     return (not SIMULATOR and problem.dtype in ("float16", "bfloat16")
-            and _width(problem) in TENSOR_CORE_TILES[kernel])
+            and problem.head_dim_class in TENSOR_CORE_TILES[kernel])
 
 
 def tiles(kernel: str, problem) -> Tiles:
-    width = _width(problem)
+    width = problem.head_dim_class
     if tensor_cores(kernel, problem):
         rows, cols = TENSOR_CORE_TILES[kernel][width]
         return Tiles(rows, cols, rows // 16, 32, width)
@@ -191,17 +186,15 @@ def _arguments(problem) -> tuple:
                             (*shape, -(-problem.seqlen_q // block_q), -(-problem.seqlen_k // block_k)))
     reach = problem.seqlen_q + problem.seqlen_k + 1  # an unbounded side of the band: beyond any length
     left, right = (reach if side == -1 else side for side in (problem.band or (-1, -1)))
-    p = problem.dropout_p
-    seed = problem.seed & 0xFFFFFFFFFFFFFFFF
     lengths = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k)
     return (
         *(_device_array(index if x is None else x.to(torch.int32)) for x in lengths),
         _device_array(mask), _device_array(blocks),
         problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.group, problem.head_dim, problem.head_dim_v,
         problem.varlen, problem.seqlens_q is not None, problem.seqlens_k is not None, problem.mask is not None,
-        problem.block_mask is not None, block_q, block_k, left, right, np.float32(problem.softmax_scale), p > 0,
-        math.floor(p * 2**32), seed & 0xFFFFFFFF, seed >> 32, problem.rng_offset & 0xFFFFFFFF,
-        np.float32(1 / (1 - p)), *problem.dropout_offsets,
+        problem.block_mask is not None, block_q, block_k, left, right, np.float32(problem.softmax_scale),
+        problem.dropout_p > 0, problem.dropout_threshold, *problem.seed_words, problem.rng_offset_words[0],
+        np.float32(problem.dropout_scale), *problem.dropout_offsets,
     )
 
 
