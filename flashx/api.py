@@ -25,9 +25,10 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
 
     q (B, Nq, Hq, D), k (B, Nk, Hk, D), v (B, Nk, Hk, Dv) -> o (B, Nq, Hq, Dv), and with
     ``return_lse`` also lse (B, Hq, Nq) in natural log. With cu_seqlens the packed layout
-    (T, H, D) is used. Differentiable through torch autograd when q, k, v require grad.
-    The keywords (``flashx.options.OPTIONS``, shown in this function's signature) are defined
-    in docs/contract.md, sections "Shapes", "Scores and masking" and "Dropout".
+    (T, H, D) is used. Differentiable through torch autograd when q, k, v or ``sinks`` require
+    grad. The keywords (``flashx.options.OPTIONS``, shown in this function's signature) are
+    defined in docs/contract.md, sections "Shapes", "Scores and masking", "Score modifications"
+    and "Dropout".
     """
     options = complete("attention", options)
     return_lse = _checked_bool("return_lse", return_lse)
@@ -37,10 +38,11 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
         return traced_attention(q, k, v, backend, options, return_lse)
     q, k, v = map(arrays.resolved, (q, k, v))
     problem, impl = plan(q, k, v, backend, options)
-    if _wants_grad(q, k, v):
+    sinks = options["sinks"]  # the caller's tensor, which autograd differentiates (the problem's is data)
+    if _wants_grad(q, k, v, sinks):
         from flashx.autograd import differentiable_forward
 
-        o, lse = differentiable_forward(impl, problem, q, k, v)
+        o, lse = differentiable_forward(impl, problem, q, k, v, None if sinks is None else arrays.resolved(sinks))
     else:
         o, lse = run_forward(impl, problem, q, k, v)
     return (o, lse) if return_lse else o
@@ -57,7 +59,8 @@ def attention_forward(q, k, v, *, return_lse=True, backend="auto", **options) ->
 
 
 def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backend="auto", **options):
-    """(dq, dk, dv) for the upstream gradient ``do``, recomputing from ``res``."""
+    """(dq, dk, dv) for the upstream gradient ``do``, recomputing from ``res``; with ``sinks``,
+    (dq, dk, dv, dsinks), dsinks (Hq,) in lse's dtype (the contract's API section)."""
     if not isinstance(res, Residuals):
         raise DTypeError(f"res: expected the flashx.Residuals that attention_forward returned, got {type(res).__name__}")
     for name in ("seed", "rng_offset"):
@@ -125,12 +128,13 @@ def _checked_bool(name, value) -> bool:
     return value
 
 
-def _wants_grad(q, k, v) -> bool:
-    if arrays.kind_of(q) != "torch":
+def _wants_grad(*tensors) -> bool:
+    """Whether autograd must record the call: grad mode on and a torch input (None: absent) that requires grad."""
+    if arrays.kind_of(tensors[0]) != "torch":
         return False
     import torch
 
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
 attention.__signature__ = signature("q", "k", "v", return_lse=False, backend="auto")

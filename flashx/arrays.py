@@ -110,6 +110,12 @@ def to_caller(y: Any, like: Any, dtype: str) -> Any:
     return y
 
 
+def detached(x: Any) -> Any:
+    """``x`` without torch's autograd history (itself for other kinds): an auxiliary array in a
+    problem is data; autograd reaches the caller's tensor through the call's own inputs."""
+    return x.detach() if kind_of(x) == "torch" else x
+
+
 def astype(x: Any, dtype: str) -> Any:
     """``x`` in ``dtype``, on its device: itself when it already is."""
     if dtype_name(x) == dtype:

@@ -13,9 +13,9 @@ from flashx.problem import FEATURES, BaseProblem, Problem
 
 ALL_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 #: Features a backend has only by naming them: one that keeps the default declaration would
-#: otherwise claim them without reading the Problem fields they add (and, for dropout offsets,
-#: silently draw another mask).
-OPT_IN_FEATURES = frozenset({"dropout_offsets"})
+#: otherwise claim them without reading the Problem fields they add, and compute another function
+#: (scores without their softcap, bias or sink; for dropout offsets, another mask).
+OPT_IN_FEATURES = frozenset({"dropout_offsets", "softcap", "alibi", "sinks"})
 #: Each operation (``BaseProblem.operation``): what it is, the method that runs it (a backend
 #: implements the operation by overriding it; every backend owes attention) and the method that
 #: adds a backend's own reasons.
@@ -29,7 +29,8 @@ class Backend:
     """Subclass, set the class attributes, implement ``forward`` and ``backward``.
 
     ``forward(problem, q, k, v) -> (o, lse)`` and
-    ``backward(problem, q, k, v, o, lse, do) -> (dq, dk, dv)`` receive arrays of
+    ``backward(problem, q, k, v, o, lse, do) -> (dq, dk, dv)``, or ``(dq, dk, dv, dsinks)`` when
+    ``problem.sinks`` is set (dsinks (Hq,) in ``problem.lse_dtype``), receive arrays of
     ``array_kind`` on the problem's device, in the layouts of the contract's Shapes section, with any
     strides. Outputs may be returned in float32 where ``array_kind`` cannot hold the
     input dtype (bfloat16 in NumPy); the core rounds them to the contract dtype.

@@ -22,16 +22,23 @@ def run_forward(impl: Backend, problem: Problem, q, k, v):
 
 
 def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
-    """The backend's gradients; ``o`` and ``lse`` must already be checked (autograd's are its own).
+    """The backend's gradients: (dq, dk, dv), and dsinks when the problem has sinks (the
+    contract's API section). ``o`` and ``lse`` must already be checked (autograd's are its own).
     ``do`` may come from autograd, so torch's lazy negation is resolved here."""
     do = arrays.resolved(do)
     check_like("do", do, problem.o_shape, problem.dtype, problem)
-    if problem.is_empty:
-        return tuple(arrays.full(q, x.shape, 0.0, problem.dtype) for x in (q, k, v))
+    expected = {"dq": (q.shape, problem.dtype), "dk": (k.shape, problem.dtype), "dv": (v.shape, problem.dtype)}
+    if problem.sinks is not None:
+        expected["dsinks"] = ((problem.heads_q,), problem.lse_dtype)
+    if problem.is_empty:  # nothing reads a key: every gradient is 0, dsinks included
+        return tuple(arrays.full(q, tuple(shape), 0.0, dtype) for shape, dtype in expected.values())
     grads = impl.backward(*_for_backend(impl, problem, q, k, v, o, lse, do))
-    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-        _check_output(impl, name, grad, tuple(like.shape))
-    return tuple(arrays.to_caller(grad, q, problem.dtype) for grad in grads)
+    if len(grads) != len(expected):
+        raise FlashXError(f"backend {impl.name!r} returned {len(grads)} gradients, expected {len(expected)} "
+                          f"({', '.join(expected)}): a backend bug")
+    for (name, (shape, _)), grad in zip(expected.items(), grads):
+        _check_output(impl, name, grad, tuple(shape))
+    return tuple(arrays.to_caller(grad, q, dtype) for (_, dtype), grad in zip(expected.values(), grads))
 
 
 def run_decode(impl: Backend, problem: DecodeProblem, q, k_cache, v_cache, k_new, v_new):
@@ -43,9 +50,15 @@ def run_decode(impl: Backend, problem: DecodeProblem, q, k_cache, v_cache, k_new
 
 
 def _empty_outputs(problem: BaseProblem, q):
-    """o = 0 and lse = -inf: what a problem whose rows read no key returns."""
-    return (arrays.full(q, problem.o_shape, 0.0, problem.dtype),
-            arrays.full(q, problem.lse_shape, -float("inf"), problem.lse_dtype))
+    """o = 0 and lse = -inf, or the sink's logit σ_h with sinks: what a problem whose rows read no
+    key returns."""
+    o = arrays.full(q, problem.o_shape, 0.0, problem.dtype)
+    sinks = getattr(problem, "sinks", None)
+    if sinks is None:
+        return o, arrays.full(q, problem.lse_shape, -float("inf"), problem.lse_dtype)
+    # heads lead the varlen lse (Hq, Tq) and follow the batch in the padded one (B, Hq, Nq)
+    lse = arrays.full(q, problem.lse_shape, 0.0, problem.lse_dtype) + sinks.reshape(-1, 1)
+    return o, lse
 
 
 def _caller_outputs(impl: Backend, problem: BaseProblem, q, o, lse):

@@ -15,6 +15,10 @@ it used (drawn at run time when none was given, from torch's default generator a
 as a CPU int64 scalar, which the autograd formula hands to the backward: the backward
 regenerates exactly the forward's dropout mask without the host ever reading a device value.
 
+``sinks`` is a tensor argument like q, k, v, and the backward operator returns its gradient as a
+fourth output, dsinks: an operator's outputs are fixed by its schema, so a call without sinks
+returns an empty (0,) dsinks, which the autograd formula drops.
+
 Every output is contiguous, as the fake implementations promise (and as the built-in backends
 allocate them: a backend that returns another layout costs one copy here).
 
@@ -49,6 +53,7 @@ _TYPES = {
     "softmax_scale": "float?",
     "softcap": "float?",
     "alibi_slopes": "Tensor?",
+    "sinks": "Tensor?",
     "mask": "Tensor?",
     "block_mask": "Tensor?",
     "block_size": "int[]?",
@@ -66,6 +71,7 @@ _TYPES = {
 }
 _OPTIONS = ", ".join(f"{type_} {name}" for name, type_ in _TYPES.items())
 _OPTION_NAMES = tuple(_TYPES)
+_SINKS = _OPTION_NAMES.index("sinks")
 #: Options given as tuples of ints, lists in an operator's schema.
 _TUPLES = ("window", "dropout_offsets")
 
@@ -80,7 +86,9 @@ def _attention_forward(q, k, v, seed, *options):
 def _attention_backward(do, q, k, v, o, lse, seed, *options):
     backend, keywords = _keywords(options, _uint64(int(seed)))
     problem, impl = plan(q, k, v, backend, keywords)
-    return tuple(grad.contiguous() for grad in run_backward(impl, problem, q, k, v, o, lse, do))
+    dq, dk, dv, *dsinks = run_backward(impl, problem, q, k, v, o, lse, do)
+    dsinks = dsinks[0] if dsinks else lse.new_empty((0,))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.contiguous()
 
 
 def _define(name: str, schema: str, implementation, fake, tags=()):
@@ -107,7 +115,8 @@ def _forward_fake(q, k, v, seed, *options):
 
 
 def _backward_fake(do, q, k, v, o, lse, seed, *options):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v))
+    sinks = options[_SINKS]
+    return (*(x.new_empty(x.shape) for x in (q, k, v)), lse.new_empty((0,) if sinks is None else sinks.shape))
 
 
 forward_op = _define(
@@ -121,7 +130,7 @@ forward_op = _define(
 backward_op = _define(
     "attention_backward",
     f"(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor seed, {_OPTIONS}) "
-    "-> (Tensor dq, Tensor dk, Tensor dv)",
+    "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)",
     _attention_backward,
     _backward_fake,
 )
@@ -137,8 +146,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse, _dseed):
     q, k, v, o, lse, seed_used = ctx.saved_tensors
-    dq, dk, dv = backward_op(do, q, k, v, o, lse, seed_used, *ctx.options)
-    return dq, dk, dv, None, *(None for _ in ctx.options)
+    dq, dk, dv, dsinks = backward_op(do, q, k, v, o, lse, seed_used, *ctx.options)
+    options = [None] * len(ctx.options)
+    if ctx.options[_SINKS] is not None:
+        options[_SINKS] = dsinks
+    return dq, dk, dv, None, *options
 
 
 torch.library.register_autograd("flashx::attention_forward", _backward, setup_context=_setup_context)

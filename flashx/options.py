@@ -20,6 +20,7 @@ OPTIONS: dict[str, Any] = {
     "softmax_scale": None,
     "softcap": None,
     "alibi_slopes": None,
+    "sinks": None,
     "mask": None,
     "block_mask": None,
     "seqlens_q": None,

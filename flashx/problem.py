@@ -35,6 +35,7 @@ FEATURES = {
     "dv_ne_d": "a value head dim different from the query head dim",
     "softcap": "softcap",
     "alibi": "ALiBi slopes",
+    "sinks": "attention sinks",
 }
 
 
@@ -190,7 +191,7 @@ class Problem(BaseProblem):
     """
 
     operation: ClassVar[str] = "attention"
-    ARRAYS: ClassVar[tuple[str, ...]] = ("alibi_slopes", "mask", "block_mask", "seqlens_q", "seqlens_k",
+    ARRAYS: ClassVar[tuple[str, ...]] = ("alibi_slopes", "sinks", "mask", "block_mask", "seqlens_q", "seqlens_k",
                                          "cu_seqlens_q", "cu_seqlens_k")
     PER_CALL: ClassVar[tuple[str, ...]] = ("seed", "rng_offset")
 
@@ -199,7 +200,8 @@ class Problem(BaseProblem):
     total_q: int | None = None  # varlen: Tq rows of q; padded: None
     total_k: int | None = None
     softcap: float | None = None
-    alibi_slopes: Any = None
+    alibi_slopes: Any = None  # (Hq,) or (B, Hq), in lse_dtype
+    sinks: Any = None  # (Hq,), in lse_dtype: one logit per query head in every row's softmax denominator
     mask: Any = None
     block_mask: BlockMask | None = None
     seqlens_q: Any = None
@@ -234,6 +236,7 @@ class Problem(BaseProblem):
             "dropout_offsets": self.dropout_p > 0 and self.dropout_offsets != (0, 0),
             "softcap": self.softcap is not None,
             "alibi": self.alibi_slopes is not None,
+            "sinks": self.sinks is not None,
         }
 
     # -- dropout (the contract's Dropout section), as every kernel takes it -------------------
@@ -295,7 +298,7 @@ class Problem(BaseProblem):
         return f"q{self.q_shape} k{self.k_shape} v{self.v_shape} {self.dtype} {self.array_kind}@{self.where} {layout}"
 
     def _details(self) -> list[str]:
-        parts = [name for name in ("mask", "block_mask", "seqlens", "softcap", "alibi") if name in self.features]
+        parts = [name for name in ("mask", "block_mask", "seqlens", "softcap", "alibi", "sinks") if name in self.features]
         if self.dropout_p:
             parts.append(f"dropout_p={self.dropout_p}")
         if "dropout_offsets" in self.features:

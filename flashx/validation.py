@@ -21,7 +21,7 @@ from flashx.options import complete, python_scalar
 from flashx.problem import BlockMask, DecodeProblem, Problem, default_scale
 
 U64 = 2**64
-ARRAY_OPTIONS = ("alibi_slopes", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
+ARRAY_OPTIONS = ("alibi_slopes", "sinks", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
 INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
@@ -105,10 +105,12 @@ def build_problem(q, k, v, **options) -> Problem:
         _number("softmax_scale", o.softmax_scale, _is_real, "a finite real number or None", math.isfinite)
     if o.softcap is not None:
         _number("softcap", o.softcap, _is_real, "a positive number or None", lambda x: x > 0)
+    lse_dtype = "float64" if dtype == "float64" else "float32"
     if o.alibi_slopes is not None:
-        _same_array_as_q("alibi_slopes", o.alibi_slopes, kind, device, device_index)
-        if tuple(o.alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
-            raise ShapeError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q}), got {tuple(o.alibi_slopes.shape)}")
+        o.alibi_slopes = _real_array("alibi_slopes", o.alibi_slopes, ((heads_q,), (batch, heads_q)), lse_dtype,
+                                     kind, device, device_index)
+    if o.sinks is not None:
+        o.sinks = _real_array("sinks", o.sinks, ((heads_q,),), lse_dtype, kind, device, device_index)
     _number("dropout_p", o.dropout_p, _is_real, "a number in [0, 1)", lambda x: 0 <= x < 1)
     if o.seed is None:
         o.seed = _draw_seed(kind) if o.dropout_p > 0 else 0
@@ -136,6 +138,7 @@ def build_problem(q, k, v, **options) -> Problem:
         window=o.window,
         softcap=None if o.softcap is None else float(o.softcap),
         alibi_slopes=o.alibi_slopes,
+        sinks=o.sinks,
         mask=o.mask,
         block_mask=o.block_mask,
         seqlens_q=o.seqlens_q,
@@ -208,6 +211,18 @@ def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
         _number(f"max_seqlen_{side}", max_seqlen, _is_int, f"an int >= the longest sequence ({longest})", lambda x: x >= longest,
                 error=ShapeError)
     return arrays.astype(cu, "int32"), longest if max_seqlen is None else int(max_seqlen)
+
+
+def _real_array(name, x, shapes, dtype, kind, device, device_index):
+    """``x`` (slopes, sinks) checked, in ``dtype`` (the lse's): any floating dtype is taken and
+    converted once here, so that a backend receives the one dtype the contract states."""
+    _same_array_as_q(name, x, kind, device, device_index)
+    if arrays.dtype_name(x) not in ALL_DTYPES:
+        raise DTypeError(f"{name}: expected a floating dtype ({', '.join(sorted(ALL_DTYPES))}), got {arrays.dtype_name(x)}")
+    if tuple(x.shape) not in shapes:
+        expected = " or ".join(map(str, shapes))
+        raise ShapeError(f"{name}: expected shape {expected}, got {tuple(x.shape)}")
+    return arrays.astype(arrays.detached(x), dtype)
 
 
 def _bool_broadcastable(name, x, shape, kind, device, device_index):

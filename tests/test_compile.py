@@ -145,6 +145,33 @@ def test_opcheck(layout):
                                             *arguments[4:]))
 
 
+def test_sinks_compile_into_the_operator_and_take_their_gradient():
+    """sinks that require grad: no graph break, and the compiled step's dsinks (the backward
+    operator's fourth output) are eager's bit for bit, and the oracle's."""
+    q, k, v = _inputs((2, 9, 4, 8), (2, 11, 2, 8))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.25], requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    module = Attention(causal=True, softcap=2.0)
+    explanation = torch._dynamo.explain(module)(q, k, v, sinks=sinks, alibi_slopes=slopes)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    results = []
+    for run in (torch.compile(module, backend="aot_eager", fullgraph=True), module):
+        o = run(q, k, v, sinks=sinks, alibi_slopes=slopes)
+        results.append((o, *torch.autograd.grad(o, (q, k, v, sinks), torch.cos(o).detach())))
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
+    expected = oracle.forward_backward(*(x.detach().numpy() for x in (torch.cos(results[0][0]), q, k, v)), causal=True,
+                                       softcap=2.0, sinks=sinks.detach().numpy(), alibi_slopes=slopes.numpy())
+    for got, want in zip(results[0], expected[:1] + expected[2:]):
+        np.testing.assert_allclose(got.detach().numpy(), want, rtol=1e-5, atol=1e-5)
+    options = {**OPTIONS, "causal": True, "sinks": sinks, "block_size": None, "backend": "numpy"}
+    arguments = (q, k, v, None, *(options[name] for name in ops._OPTION_NAMES))
+    torch.library.opcheck(ops.forward_op, arguments)
+    detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in arguments]
+    o, lse, seed = ops.forward_op(*detached)
+    torch.library.opcheck(ops.backward_op, (torch.randn_like(o), *detached[:3], o, lse, seed, *detached[4:]))
+
+
 def test_attention_with_kvcache_compiles_and_writes_the_cache():
     generator = torch.Generator().manual_seed(0)
     q, k_new, v_new = (torch.randn(2, 2, 4, 8, generator=generator) for _ in range(3))

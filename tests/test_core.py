@@ -113,6 +113,11 @@ def fresh_registry(monkeypatch):
         (lambda q, k, v: (q, k, v, {"seqlens_k": np.array([1], np.int32)}), flashx.ShapeError, "seqlens_k: expected shape (2,)"),
         (lambda q, k, v: (q, k, v, {"max_seqlen_q": 5}), flashx.ShapeError, "max_seqlen_q: only meaningful with cu_seqlens"),
         (lambda q, k, v: (q, k, v, {"softcap": -1.0}), flashx.OptionError, "softcap"),
+        (lambda q, k, v: (q, k, v, {"sinks": np.zeros(4, np.int32)}), flashx.DTypeError, "sinks: expected a floating dtype"),
+        (lambda q, k, v: (q, k, v, {"sinks": np.zeros((2, 4))}), flashx.ShapeError, "sinks: expected shape (4,), got (2, 4)"),
+        (lambda q, k, v: (q, k, v, {"sinks": torch.zeros(4)}), flashx.DTypeError, "sinks: expected a numpy array"),
+        (lambda q, k, v: (q, k, v, {"alibi_slopes": np.ones(4, bool)}), flashx.DTypeError, "alibi_slopes: expected a floating dtype"),
+        (lambda q, k, v: (q, k, v, {"alibi_slopes": np.ones(2)}), flashx.ShapeError, "alibi_slopes: expected shape (4,) or (2, 4)"),
         (lambda q, k, v: (q, k, v, {"return_lse": "yes"}), flashx.DTypeError, "return_lse: expected a bool, got 'yes'"),
         (lambda q, k, v: (q, k, v, {"return_lse": 1}), flashx.DTypeError, "return_lse: expected a bool, got 1"),
     ],
@@ -639,6 +644,64 @@ def test_empty_inputs_have_the_implied_shapes(fresh_registry):
         assert not dq.any() and not dk.any() and not dv.any()
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_empty_inputs_with_sinks_hold_the_sink_in_every_row(fresh_registry, varlen):
+    """No key at all: every row's lse is its head's sink (padding rows too), and dsinks is 0."""
+    registry.register(Marker("only"))
+    sinks = np.array([0.5, -1.0, np.nan, -np.inf], np.float32)
+    if varlen:
+        q, k, v, cu_q, cu_k = varlen_inputs(lengths_q=(3, 0, 4), lengths_k=(0, 0, 0))
+        options = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks)
+        expected_lse = np.broadcast_to(sinks[:, None], (4, 7))
+    else:
+        q, k, v = qkv(seqlen_k=0)
+        options = dict(sinks=sinks, seqlens_q=np.array([5, 2], np.int32))
+        expected_lse = np.broadcast_to(sinks[None, :, None], (2, 4, 5))
+    o, res = flashx.attention_forward(q, k, v, **options)
+    np.testing.assert_array_equal(res.lse, expected_lse)
+    assert (o == 0).all() and res.lse.dtype == np.float32
+    dq, dk, dv, dsinks = flashx.attention_backward(randn(*o.shape), q, k, v, o, res, **options)
+    assert dsinks.shape == (4,) and dsinks.dtype == np.float32 and not dsinks.any() and not dq.any()
+
+
+def test_slopes_and_sinks_take_any_floating_dtype_and_reach_backends_in_the_lse_dtype():
+    q, k, v = qkv()
+    for dtype, lse_dtype in ((np.float32, np.float32), (np.float64, np.float64)):
+        for given in (np.float16, np.float32, np.float64):
+            problem = flashx.explain(*(x.astype(dtype) for x in (q, k, v)), sinks=np.ones(4, given),
+                                     alibi_slopes=np.ones((2, 4), given)).problem
+            assert problem.sinks.dtype == lse_dtype and problem.alibi_slopes.dtype == lse_dtype
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    sinks = torch.tensor([0.5, 1.0, -1.0, 2.0], dtype=torch.bfloat16, requires_grad=True)
+    problem = flashx.explain(tq, tk, tv, sinks=sinks).problem
+    assert problem.sinks.dtype == torch.float32 and not problem.sinks.requires_grad
+
+
+def test_score_modifications_are_opt_in():
+    """A backend that keeps the default declaration would ignore the fields these features add."""
+
+    class Default(flashx.Backend):
+        name, devices = "default", frozenset({"cpu"})
+
+    q, k, v = qkv()
+    for options, feature in (({"softcap": 5.0}, "softcap"), ({"alibi_slopes": np.ones(4)}, "ALiBi slopes"),
+                             ({"sinks": np.zeros(4)}, "attention sinks")):
+        problem = flashx.explain(q, k, v, **options).problem
+        assert Default().supports(problem) == [f"does not support {feature}"]
+
+
+def test_a_backend_that_returns_no_dsinks_is_reported(fresh_registry):
+    class NoSinkGradient(Marker):
+        def backward(self, problem, q, k, v, o, lse, do):
+            return np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+
+    registry.register(NoSinkGradient("only"))
+    q, k, v = qkv()
+    o, res = flashx.attention_forward(q, k, v, sinks=np.zeros(4, np.float32))
+    with pytest.raises(flashx.FlashXError, match="backend 'only' returned 3 gradients, expected 4 .dq, dk, dv, dsinks."):
+        flashx.attention_backward(o, q, k, v, o, res, sinks=np.zeros(4, np.float32))
+
+
 # -- numerics through the NumPy backend ------------------------------------------------------
 
 
@@ -657,6 +720,21 @@ def test_torch_autograd_gradcheck_float64():
         return flashx.attention(q, k, v, causal=True, window=(4, -1), backend="numpy")
 
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-8)
+
+
+def test_torch_autograd_gradcheck_float64_with_score_modifications():
+    """dsinks reaches sinks that require grad; softcap and ALiBi are differentiated through."""
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in qkv(seqlen_q=6, seqlen_k=9, dim_v=5, dtype=np.float64))
+    sinks = torch.tensor([0.5, -1.0, 1.5, 0.0], dtype=torch.float64, requires_grad=True)
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 1.0], [0.0625, 2.0, 0.5, 0.25]], dtype=torch.float64)
+
+    def f(q, k, v, sinks):
+        return flashx.attention(q, k, v, causal=True, softcap=1.5, alibi_slopes=slopes, sinks=sinks, backend="numpy")
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks), eps=1e-6, atol=1e-8)
+    o = flashx.attention(q.detach(), k.detach(), v.detach(), sinks=sinks, backend="numpy")
+    o.sum().backward()
+    assert sinks.grad is not None and q.grad is None  # only what requires grad receives one
 
 
 def test_autograd_agrees_with_attention_backward():

@@ -279,3 +279,31 @@ def test_odd_tile_sizes(name, block_q, block_k):
         check(run(q, k, v, do, backend="numpy-odd-tiles", **keywords), oracle.forward_backward(do, q, k, v, **keywords), np.float64)
     finally:
         flashx.registry.unregister("numpy-odd-tiles")
+
+
+SCORE_MODS = {
+    "softcap": lambda batch, heads: dict(softcap=1.5),
+    "alibi per sequence": lambda batch, heads: dict(alibi_slopes=2.0 ** -np.arange(1.0, batch * heads + 1).reshape(batch, heads)),
+    "sinks": lambda batch, heads: dict(sinks=np.linspace(-2.0, 3.0, heads)),
+    "all three": lambda batch, heads: dict(softcap=3.0, alibi_slopes=np.linspace(0.05, 0.5, heads),
+                                           sinks=np.linspace(4.0, -1.0, heads)),
+}
+
+
+@pytest.mark.parametrize("mods", list(SCORE_MODS))
+@pytest.mark.parametrize("name", ["causal, Nq > Nk", "mask", "block_mask", "seqlens", "varlen", "gqa 7:1", "dropout",
+                                  "growing scores"])
+def test_score_modifications_across_tiles(name, mods):
+    """softcap, ALiBi and sinks over 16 x 24 tiles, in float64: skipped, partial and full tiles, the
+    running maximum moved by later tiles, rows without keys; dsinks summed over sequences."""
+    *inputs, keywords = case(name)
+    q, k, v, do = (x.astype(np.float64) for x in inputs)
+    batch = len(keywords["cu_seqlens_q"]) - 1 if "cu_seqlens_q" in keywords else q.shape[0]
+    keywords = {**keywords, **SCORE_MODS[mods](batch, q.shape[-2])}
+    got, want = run(q, k, v, do, **keywords), oracle.forward_backward(do, q, k, v, **keywords)
+    assert len(got) == len(want) == (6 if "sinks" in keywords else 5)
+    for output, x, expected in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), got, want):
+        finite = np.isfinite(expected)
+        np.testing.assert_array_equal(x[~finite], expected[~finite], err_msg=output)  # -inf lse without sinks
+        error = np.linalg.norm(x[finite] - expected[finite]) / max(np.linalg.norm(expected[finite]), 1e-30)
+        assert error <= RELATIVE_TOLERANCE[np.float64], f"{output}: relative error {error:.2e}"

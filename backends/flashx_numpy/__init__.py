@@ -16,7 +16,7 @@ class NumpyBackend(flashx.Backend):
     array_kind = "numpy"
     devices = frozenset({"cpu"})
     max_head_dim = 1024
-    features = frozenset(flashx.problem.FEATURES) - {"softcap", "alibi"}
+    features = frozenset(flashx.problem.FEATURES)
     deterministic_backward = True
     strided_arrays = frozenset({"mask", "block_mask"})  # read through their strides: a broadcast costs nothing
 

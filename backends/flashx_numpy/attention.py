@@ -22,6 +22,15 @@ S comes out bitwise the same (a row with one key gets P = 1 exactly), with
 D = rowsum(dO * O). Products with masked-out pairs add exactly 0 even where the data
 holds NaN or inf (``_masked_matmul``); padding is never read at all.
 
+The score modifications of the contract follow its order. softcap and ALiBi are not linear
+in q, so with either one the -ref row stays 0: each tile's scores come out of BLAS as S, are
+capped and biased (``_ScoreMods``), and then lose ref. The backward keeps tanh(S / c) of the
+tile for softcap's derivative. A sink enters once per row, after the last tile: the keys'
+logsumexp ref + log(sum P) and the sink combine into lse, and o is scaled by the keys' share
+exp(lse_keys - lse). The backward needs nothing new for dq, dk, dv (P = exp(S - lse) with the
+sink's lse); dsinks[h] = -sum of exp(sink - lse) * D over the rows of head h that read a key,
+which the tiles record as they visit them, so that do of an empty row is never read.
+
 Peak extra memory: one score tile per worker plus per-head copies of K and V (and, in
 the backward, of the head group's q, dO and dq): O(N * block), never N^2.
 """
@@ -193,6 +202,53 @@ def _scaled_queries_t(problem: Problem, q: np.ndarray, heads: slice, i0: int, i1
     return out.reshape(dim + 1, (i1 - i0) * group)
 
 
+class _ScoreMods:
+    """softcap and ALiBi (the contract's "Score modifications", steps 2 and 3) on the score tiles
+    of one sequence and the heads of one group, in place, in the tiles' layout (keys, rows)."""
+
+    def __init__(self, problem: Problem, seq: _Sequence, heads: slice, dtype):
+        self.softcap = problem.softcap
+        self.diagonal = seq.lk - seq.lq  # ALiBi's distance is from the bottom-right aligned diagonal
+        self.slopes = None
+        if problem.alibi_slopes is not None:
+            slopes = problem.alibi_slopes[seq.b] if problem.alibi_slopes.ndim == 2 else problem.alibi_slopes
+            self.slopes = slopes[heads].astype(dtype)
+
+    @classmethod
+    def of(cls, problem: Problem, seq: _Sequence, heads: slice, dtype):
+        """The modifications of this call, or None when it has neither."""
+        if problem.softcap is None and problem.alibi_slopes is None:
+            return None
+        return cls(problem, seq, heads, dtype)
+
+    def apply(self, s: np.ndarray, i0: int, i1: int, j0: int, j1: int):
+        """Scaled scores of keys j0:j1 and queries i0:i1 (all heads of the group) -> modified, in
+        place; returns tanh(S / c) when there is a softcap (its derivative needs it), else None."""
+        capped = None
+        if self.softcap is not None:
+            capped = np.tanh(s / self.softcap)
+            np.multiply(capped, self.softcap, out=s)
+        if self.slopes is not None:
+            queries = np.arange(i0, i1)[None, :, None] + self.diagonal
+            distance = np.abs(queries - np.arange(j0, j1)[:, None, None]).astype(s.dtype)
+            s -= (distance * self.slopes).reshape(s.shape)
+        return capped
+
+
+def _sink_of_rows(problem: Problem, heads: slice, queries: int, dtype) -> np.ndarray:
+    """The sink of each row of a tile: row r is a query of head heads.start + r % group."""
+    return np.tile(problem.sinks[heads].astype(dtype), queries)
+
+
+def _with_sink(keys_lse: np.ndarray, sink: np.ndarray) -> np.ndarray:
+    """log(exp(keys_lse) + exp(sink)) as the contract's softmax computes it: a NaN or +inf sink
+    gives NaN (as such a score would), a row without keys (keys_lse = -inf) the sink itself."""
+    top = np.maximum(keys_lse, sink)
+    top = np.where(top == -np.inf, 0, top)
+    lse = top + np.log(np.exp(keys_lse - top) + np.exp(sink - top))
+    return np.where(keys_lse == -np.inf, sink, lse)
+
+
 def _keep(problem: Problem, seq, heads: slice, i0, i1, j0, j1) -> np.ndarray:
     """The dropout keep mask of a tile, (keys, rows) like its scores."""
     row0, key0 = problem.dropout_offsets
@@ -208,9 +264,9 @@ def forward(problem: Problem, q, k, v, *, block_q: int = BLOCK_Q, block_k: int =
     o = np.full(problem.o_shape, np.nan, q.dtype)
     lse = np.full(problem.lse_shape, np.nan, problem.lse_dtype)
     sequences, padding, _ = _layout(problem)
-    for rows in padding:
+    for rows in padding:  # rows with no key at all: o = 0, lse = -inf or the head's sink
         o[rows] = 0
-        lse[_lse_index(rows)] = -np.inf
+        lse[_lse_index(rows)] = -np.inf if problem.sinks is None else problem.sinks[:, None]
     queries_per_tile = max(1, block_q // problem.group)
     tasks = []
     for seq in sequences:
@@ -232,8 +288,9 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
     heads = slice(head_k * group, (head_k + 1) * group)
     rows = (i1 - i0) * group
     dtype = keys.dtype
+    mods = _ScoreMods.of(problem, seq, heads, dtype)
     qa = _scaled_queries_t(problem, q, heads, i0, i1, dtype)
-    qa[-1] = 0
+    qa[-1] = 0  # -ref once rows have one, unless mods must see S itself
     ref = np.zeros(rows, dtype)
     started = np.zeros(rows, bool)  # ref is a maximum this row has seen
     acc = np.zeros((rows, dim_v + 1), dtype)  # [sum_j P_ij v_j | sum_j P_ij], in units of exp(ref)
@@ -243,6 +300,9 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
     def scores(j0, j1, disallowed):  # (S - ref)^T of a tile, disallowed elements -inf
         s = scores_buffer[: (j1 - j0) * rows].reshape(j1 - j0, rows)
         np.matmul(keys[j0:j1], qa, out=s)
+        if mods is not None:
+            mods.apply(s, i0, i1, j0, j1)
+            s -= ref
         if disallowed is not None:
             np.copyto(s, -np.inf, where=disallowed)
         return s
@@ -285,19 +345,27 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
                 acc *= np.where(started, np.exp(-shift), 0)[:, None]
                 ref += shift
                 started |= moved
-                qa[-1] = -ref
+                if mods is None:
+                    qa[-1] = -ref
             acc += exp_times_values(s, j0, j1, disallowed)
         total = acc[:, -1]
         out = acc[:, :-1] / (total * (1 - p))[:, None]
+        row_lse = ref + np.log(total)
+        if problem.sinks is not None:
+            keys_lse, row_lse = row_lse, _with_sink(row_lse, _sink_of_rows(problem, heads, i1 - i0, dtype))
+            out *= np.exp(keys_lse - row_lse)[:, None]  # the keys' share of the row's weight
         np.copyto(out, 0, where=(total == 0)[:, None])  # rows with no allowed key
         o[i0:i1, heads] = out.reshape(i1 - i0, group, dim_v)
-        lse[heads, i0:i1] = (ref + np.log(total)).reshape(i1 - i0, group).T
+        lse[heads, i0:i1] = row_lse.reshape(i1 - i0, group).T
 
 
 def backward(problem: Problem, q, k, v, o, lse, do, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
-    """(dq, dk, dv) like q, k, v; dk and dv summed over each group of query heads."""
+    """(dq, dk, dv) like q, k, v; dk and dv summed over each group of query heads. With sinks
+    also dsinks (Hq,), summed over the sequences in their order: the same bits at any thread count."""
     dq, dk, dv = (np.full(x.shape, np.nan, x.dtype) for x in (q, k, v))  # NaN until written
     sequences, padding_q, padding_k = _layout(problem)
+    # each task writes the dsinks of its sequence and heads: padding rows read no key and add 0
+    dsinks = np.zeros((len(sequences), problem.heads_q), problem.lse_dtype)
     for rows in padding_q:
         dq[rows] = 0
     for rows in padding_k:
@@ -306,14 +374,16 @@ def backward(problem: Problem, q, k, v, o, lse, do, *, block_q: int = BLOCK_Q, b
     workers.run(
         partial(_backward_head, problem, seq, head_k,
                 *(x[seq.rows_q] for x in (q, o, do, dq)), lse[_lse_index(seq.rows_q)],
-                *(x[seq.rows_k] for x in (k, v, dk, dv)), block_q, block_k)
-        for seq in sequences
+                *(x[seq.rows_k] for x in (k, v, dk, dv)), dsinks[n], block_q, block_k)
+        for n, seq in enumerate(sequences)
         for head_k in range(problem.heads_k)
     )
-    return dq, dk, dv
+    if problem.sinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, dsinks.sum(axis=0)
 
 
-def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, block_q, block_k):
+def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, dsinks, block_q, block_k):
     """Gradients of one sequence and one kv head: key tiles outer (dk, dv stay in a
     per-tile accumulator), query tiles inner (dq accumulates over the key tiles)."""
     group, dim, dim_v, p = problem.group, problem.head_dim, problem.head_dim_v, problem.dropout_p
@@ -321,6 +391,8 @@ def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, block_
     rows = seq.lq * group
     dtype = _compute_dtype(problem)
     tiles = _Tiles(problem, seq)
+    mods = _ScoreMods.of(problem, seq, heads, dtype)
+    reads_a_key = None if problem.sinks is None else np.zeros(rows, bool)  # the rows whose dsinks term counts
     qa = _scaled_queries_t(problem, q, heads, 0, seq.lq, dtype)
     qa[-1] = 0
     queries = qa[:-1].T  # (rows, D), scaled
@@ -346,6 +418,7 @@ def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, block_
                 # The forward's tiles and product again, so S comes out bitwise as the forward
                 # saw it: a row with a single key then gets P = exp(0) = 1 exactly.
                 probs = keys[j0:j1] @ qa[:, r0:r1]  # S^T: (keys, rows) like every tile here
+                capped = None if mods is None else mods.apply(probs, i0, i1, j0, j1)
                 probs -= lse_rows[r0:r1]
                 if disallowed is not None:
                     np.copyto(probs, -np.inf, where=disallowed)
@@ -362,10 +435,18 @@ def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, block_
                 dv_acc += _masked_matmul(kept_probs, d_out[r0:r1], unused)
                 d_scores -= delta[r0:r1]
                 d_scores *= probs  # dS^T = P^T * (dP^T - D)
+                if capped is not None:
+                    d_scores *= 1 - capped * capped  # through the softcap, to the scaled score
                 if disallowed is not None:  # P = 0 there, but dP may hold NaN from masked-out data
                     np.copyto(d_scores, 0, where=disallowed)
+                if reads_a_key is not None:
+                    reads_a_key[r0:r1] |= True if disallowed is None else ~disallowed.all(axis=0)
                 dk_acc += _masked_matmul(d_scores, queries[r0:r1], disallowed)
                 dq_acc[r0:r1] += _masked_matmul(d_scores.T, keys[j0:j1, :-1], None if disallowed is None else disallowed.T)
             dk[j0:j1, head_k] = dk_acc
             dv[j0:j1, head_k] = dv_acc
+        if reads_a_key is not None:
+            p_sink = np.exp(_sink_of_rows(problem, heads, seq.lq, dtype) - lse_rows)
+            terms = np.where(reads_a_key, p_sink * delta, 0)
+            dsinks[heads] = -terms.reshape(seq.lq, group).sum(axis=0)
     dq[:, heads] = (dq_acc * problem.softmax_scale).reshape(seq.lq, group, dim)

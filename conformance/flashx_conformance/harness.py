@@ -3,7 +3,8 @@
 Inputs are drawn in float64 (seeded normal, never zeros), rounded to the case's dtype, and
 handed to ``flashx.attention_forward`` / ``attention_backward`` with ``backend=NAME`` as
 arrays of the backend's kind on the chosen device. The oracle sees the very same rounded
-values. A problem the backend declares unsupported is skipped with the backend's reasons.
+values (a case's real auxiliary arrays, slopes and sinks, hold float32 values: what the core
+hands backends). A problem the backend declares unsupported is skipped with the backend's reasons.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def diagonal(rows: list, columns: list) -> list:
     ]
 TENSORS = ("q", "k", "v", "do")
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
+
+
+def outputs_of(case) -> tuple[str, ...]:
+    """The outputs a case has: OUTPUTS, and dsinks when it passes sinks."""
+    return OUTPUTS + (("dsinks",) if case.options.get("sinks") is not None else ())
 
 #: How an input is laid out in memory; every layout shows the values of the contiguous one.
 #: Gaps and neighbours hold NaN, so a kernel that misreads strides returns NaN.
@@ -242,15 +248,16 @@ class Target:
                 for name, x in case.rounded().items()}
 
     def run(self, case: Case, inputs: dict, **extra):
-        """``call`` on these arrays (``inputs``), which must hold the case's values."""
+        """``call`` on these arrays (``inputs``), which must hold the case's values: (o, res, dq,
+        dk, dv), and dsinks after dv when the case has sinks."""
         options = {**self.auxiliary(case.options, case.dtype, torch=case.needs_torch), **extra}
         q, k, v, do = (inputs[name] for name in TENSORS)
         self.skip_unless_supported(q, k, v, **options)
         _poison_free_memory(inputs.values())
         o, res = flashx.attention_forward(q, k, v, backend=self.name, **options)
-        dq, dk, dv = flashx.attention_backward(do, q, k, v, o, res, backend=self.name, **options)
-        self.check_kinds(case, q, {"o": o, "lse": res.lse, "dq": dq, "dk": dk, "dv": dv})
-        return o, res, dq, dk, dv
+        grads = flashx.attention_backward(do, q, k, v, o, res, backend=self.name, **options)
+        self.check_kinds(case, q, dict(zip(outputs_of(case), (o, res.lse, *grads))))
+        return (o, res, *grads)
 
     def skip_unless_supported(self, q, k, v, **options):
         explanation = flashx.explain(q, k, v, **options)
@@ -262,16 +269,16 @@ class Target:
         """Outputs are arrays like q (kind, device), o and gradients in q's dtype, lse in float32/float64."""
         problems = []
         for name, x in outputs.items():
-            expected = ("float64" if case.dtype == "float64" else "float32") if name == "lse" else case.dtype
+            expected = ("float64" if case.dtype == "float64" else "float32") if name in ("lse", "dsinks") else case.dtype
             got = flashx.arrays.dtype_name(x)
             if type(x) is not type(q) or flashx.arrays.device_of(x) != flashx.arrays.device_of(q) or got != expected:
                 problems.append(f"{name}: {type(x).__name__} {got} on {flashx.arrays.device_of(x)}, expected {type(q).__name__} {expected} on {flashx.arrays.device_of(q)}")
         assert not problems, case.describe() + "\n" + "\n".join(problems)
 
     def outputs(self, case: Case, **extra) -> dict[str, np.ndarray]:
-        """The backend's o, lse, dq, dk, dv as float64 NumPy arrays."""
-        o, res, dq, dk, dv = self.call(case, **extra)
-        return dict(zip(OUTPUTS, (self.numpy(x) for x in (o, res.lse, dq, dk, dv))))
+        """The backend's o, lse, dq, dk, dv (and dsinks) as float64 NumPy arrays."""
+        o, res, *grads = self.call(case, **extra)
+        return dict(zip(outputs_of(case), (self.numpy(x) for x in (o, res.lse, *grads))))
 
     def check(self, case: Case, relative_norm: bool = True) -> dict[str, np.ndarray]:
         """Run the case and hold every output to the oracle; returns the backend's outputs."""
@@ -307,16 +314,20 @@ def conformance_failures(case: Case, got: dict[str, np.ndarray], relative_norm: 
     failures = [
         judge(name, got[name], expected[n], [baseline[n] for baseline in naive], terms[n], case.dtype, axes[name],
               relative_norm, lse_magnitude)
-        for n, name in enumerate(OUTPUTS)
+        for n, name in enumerate(outputs_of(case))
     ]
     shapes = {name: poisoned[name] for name in ("q", "k", "v")}
     empty = oracle.empty_rows(**shapes, **case.options)  # lse layout
     rows = empty.T if case.varlen else empty.swapaxes(1, 2)  # (Tq, Hq) or (B, Nq, Hq)
     unread = oracle.unread_keys(**shapes, **case.options)[..., None]
     why_row, why_key = "rows with no allowed key", "keys no allowed pair reads"
+    sinks = case.options.get("sinks")
+    # with sinks, such a row's lse is its head's sink: heads are the second-to-last axis of
+    # (B, Hq, Nq) and the first of (Hq, Tq)
+    empty_lse = -math.inf if sinks is None else np.asarray(sinks, dtype=np.float64)[:, None]
     failures += [
         judge_exact("o", got["o"], 0.0, rows[..., None], axes["o"], why_row),
-        judge_exact("lse", got["lse"], -math.inf, empty, axes["lse"], why_row),
+        judge_exact("lse", got["lse"], empty_lse, empty, axes["lse"], why_row),
         judge_exact("dq", got["dq"], 0.0, rows[..., None], axes["dq"], why_row),
         judge_exact("dk", got["dk"], 0.0, unread, axes["dk"], why_key),
         judge_exact("dv", got["dv"], 0.0, unread, axes["dv"], why_key),

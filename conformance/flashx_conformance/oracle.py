@@ -5,6 +5,11 @@ nothing in common with any backend. It computes in the precision of its inputs p
 to float64 at least: ``np.longdouble`` inputs give an extended-precision reference, which
 the tolerance rule uses to judge float64 backends.
 
+The score modifications (softcap, ALiBi, sinks) are the contract's steps in its order: scale,
+softcap, ALiBi, masks, the softmax with the sink's column in each denominator, dropout. With
+``sinks`` every function that returns gradients returns dsinks after dv, as
+``flashx.attention_backward`` does.
+
 Garbage in positions no allowed pair reads (padding, masked keys, rows past the last
 sequence) never reaches an output, and NaN or inf that an allowed pair reads propagates
 exactly as plain IEEE arithmetic over the allowed pairs would: see ``_masked_matmul``.
@@ -29,6 +34,7 @@ OPTIONS = (
     "softmax_scale",
     "softcap",
     "alibi_slopes",
+    "sinks",
     "mask",
     "block_mask",
     "seqlens_q",
@@ -52,38 +58,26 @@ def forward(q, k, v, **options):
 
 
 def backward(do, q, k, v, **options):
-    """(dq, dk, dv) for the upstream gradient ``do``, shaped like q, k, v."""
+    """(dq, dk, dv) for the upstream gradient ``do``, shaped like q, k, v; and dsinks (Hq,) with sinks."""
     return forward_backward(do, q, k, v, **options)[2:]
 
 
 def forward_backward(do, q, k, v, **options):
-    """(o, lse, dq, dk, dv) from one evaluation."""
+    """(o, lse, dq, dk, dv) from one evaluation; (o, lse, dq, dk, dv, dsinks) with sinks."""
     dense = _prepare(q, k, v, do, options)
-    result = _attend(dense, gradients=True)
-    return (
-        dense.rows_q(result["o"], 0.0),
-        dense.lse(result["lse"]),
-        dense.rows_q(result["dq"], 0.0),
-        dense.rows_k(result["dk"]),
-        dense.rows_k(result["dv"]),
-    )
+    return dense.outputs(_attend(dense, gradients=True))
 
 
 def term_magnitudes(do, q, k, v, **options):
-    """For each of (o, lse, dq, dk, dv): the sum of the absolute values of the terms summed into it.
+    """For each of (o, lse, dq, dk, dv) (and dsinks with sinks): the sum of the absolute values of
+    the terms summed into it.
 
     The size of rounding noise: a gradient that cancels to 0 (dS = P (dP - delta) with one
     key per row) still carries noise at the magnitude of P |dP| and P |delta|.
     """
     dense = _prepare(q, k, v, do, options)
     result = _attend(dense, gradients=True, magnitudes=True)
-    return (
-        dense.rows_q(result["o"], 0.0),
-        dense.lse(np.abs(result["lse"])),
-        dense.rows_q(result["dq"], 0.0),
-        dense.rows_k(result["dk"]),
-        dense.rows_k(result["dv"]),
-    )
+    return dense.outputs({**result, "lse": np.abs(result["lse"])})
 
 
 def empty_rows(q, k, v, **options) -> np.ndarray:
@@ -128,6 +122,7 @@ def naive(do, q, k, v, dtype: str, *, backward: str = "autograd", **options):
     delta = rowsum(dO * O), as FlashAttention's backward computes it). Where a gradient
     vanishes by cancellation (one key per row: dS = P (dP - delta) = 0), autograd is exact
     by accident while every flash kernel leaves rounding noise; "rowsum" measures that noise.
+    Sinks are one more column of the softmax, in float32 as the contract hands them to backends.
     """
     import torch
 
@@ -142,6 +137,7 @@ def naive(do, q, k, v, dtype: str, *, backward: str = "autograd", **options):
         return torch.from_numpy(np.array(x, dtype=np.float64)).to(work)
 
     q_, k_, v_ = (tensor(x).requires_grad_(backward == "autograd") for x in (dense.q, dense.k, dense.v))
+    sinks = None if dense.sinks is None else tensor(dense.sinks).requires_grad_(backward == "autograd")
     group = q_.shape[1] // k_.shape[1]
     k_all, v_all = k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1)
     allowed = torch.from_numpy(np.array(dense.allowed))
@@ -150,20 +146,32 @@ def naive(do, q, k, v, dtype: str, *, backward: str = "autograd", **options):
     if dense.bias is not None:
         scores = r(scores + r(tensor(dense.bias)))
     scores = scores.masked_fill(~allowed, -math.inf)
-    lse = r(torch.logsumexp(scores, dim=-1))
     empty = ~allowed.any(dim=-1, keepdim=True)
-    p = r(torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)).masked_fill(~allowed, 0.0)
+    if sinks is None:
+        lse = r(torch.logsumexp(scores, dim=-1))
+        p = r(torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)).masked_fill(~allowed, 0.0)
+    else:
+        column = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        lse = r(torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1))
+        p_all = r(torch.softmax(torch.cat([scores.masked_fill(empty, 0.0), column], dim=-1), dim=-1))
+        p, p_sink = p_all[..., :-1].masked_fill(~allowed, 0.0), p_all[..., -1:]
     keep = None if dense.keep is None else r(tensor(dense.keep))
     p_dropped = p if keep is None else r(p * keep)
     o = r(p_dropped @ v_all)
     do_ = tensor(dense.do)
+    dsinks = None
     if backward == "autograd":
-        dq, dk, dv = (r(g) for g in torch.autograd.grad(o, (q_, k_, v_), do_))
+        leaves = (q_, k_, v_) if sinks is None else (q_, k_, v_, sinks)
+        dq, dk, dv, *dsinks = (r(g) for g in torch.autograd.grad(o, leaves, do_))
+        dsinks = dsinks[0] if dsinks else None
     else:
         dp = r(do_ @ v_all.transpose(-1, -2)).masked_fill(~allowed, 0.0)
         if keep is not None:
             dp = r(dp * keep)
-        ds = r(p * r(dp - r((do_ * o).sum(dim=-1, keepdim=True))))
+        delta = r((do_ * o).sum(dim=-1, keepdim=True))
+        ds = r(p * r(dp - delta))
+        if sinks is not None:
+            dsinks = r(-r(p_sink * delta).masked_fill(empty, 0.0).sum(dim=(0, 2, 3)))
         if dense.softcap is not None:
             ds = r(ds * r(1 - r(torch.tanh(raw / dense.softcap)) ** 2))
         batch, heads_k = k_.shape[:2]
@@ -173,15 +181,10 @@ def naive(do, q, k, v, dtype: str, *, backward: str = "autograd", **options):
         dk, dv = r(dk), r(dv)
 
     def numpy(x):
-        return x.detach().double().numpy()
+        return None if x is None else x.detach().double().numpy()
 
-    return (
-        dense.rows_q(numpy(o), 0.0),
-        dense.lse(numpy(lse)),
-        dense.rows_q(numpy(dq), 0.0),
-        dense.rows_k(numpy(dk)),
-        dense.rows_k(numpy(dv)),
-    )
+    return dense.outputs({"o": numpy(o), "lse": numpy(lse), "dq": numpy(dq), "dk": numpy(dk), "dv": numpy(dv),
+                          "dsinks": numpy(dsinks)})
 
 
 @dataclass
@@ -195,12 +198,24 @@ class _Dense:
     allowed: np.ndarray  # (B, Hq, Nq, Nk) bool
     keep: np.ndarray | None  # Z / (1 - p), (B, Hq, Nq, Nk), None without dropout
     bias: np.ndarray | None  # ALiBi, broadcastable to (B, Hq, Nq, Nk)
+    sinks: np.ndarray | None  # (Hq,)
     scale: float
     softcap: float | None
     cu_seqlens_q: np.ndarray | None  # varlen: the outputs are packed back with these
     cu_seqlens_k: np.ndarray | None
     total_q: int
     total_k: int
+
+    def outputs(self, result: dict) -> tuple:
+        """(o, lse, dq, dk, dv), and dsinks with sinks, in the caller's layouts."""
+        outputs = (
+            self.rows_q(result["o"], 0.0),
+            self.lse(result["lse"]),
+            self.rows_q(result["dq"], 0.0),
+            self.rows_k(result["dk"]),
+            self.rows_k(result["dv"]),
+        )
+        return outputs if self.sinks is None else (*outputs, result["dsinks"])
 
     def rows_q(self, x, fill):
         """(B, Hq, Nq, Dv) -> the caller's layout of o / dq."""
@@ -211,10 +226,11 @@ class _Dense:
         return self._rows(x, self.cu_seqlens_k, self.total_k, fill)
 
     def lse(self, x):
-        """(B, Hq, Nq) -> (B, Hq, Nq), or (Hq, Tq) packed."""
+        """(B, Hq, Nq) -> (B, Hq, Nq), or (Hq, Tq) packed (rows past the last sequence: -inf, or the sink)."""
         if self.cu_seqlens_q is None:
             return x
-        return self._rows(x[..., None], self.cu_seqlens_q, self.total_q, -np.inf)[..., 0].T
+        fill = -np.inf if self.sinks is None else self.sinks[:, None]
+        return self._rows(x[..., None], self.cu_seqlens_q, self.total_q, fill)[..., 0].T
 
     @staticmethod
     def _rows(x, cu, total, fill):
@@ -279,6 +295,8 @@ def _prepare(q, k, v, do, options) -> _Dense:
         slopes = slopes.reshape((-1 if slopes.ndim == 2 else 1, heads_q, 1, 1))
         bias = -slopes * np.abs(distance)
 
+    sinks = None if get("sinks") is None else np.asarray(get("sinks"), dtype=precision).reshape(heads_q)
+
     keep = None
     dropout_p = get("dropout_p") or 0.0
     if dropout_p > 0:
@@ -296,6 +314,7 @@ def _prepare(q, k, v, do, options) -> _Dense:
         allowed=allowed,
         keep=keep,
         bias=bias,
+        sinks=sinks,
         scale=1 / math.sqrt(head_dim) if scale is None else scale,
         softcap=get("softcap"),
         cu_seqlens_q=cu_q,
@@ -328,12 +347,24 @@ def _attend(dense: _Dense, gradients: bool, magnitudes: bool = False) -> dict:
             scores = scores + dense.bias
         scores = np.where(allowed, scores, -np.inf)
         row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
-        # an empty row has max -inf: shift by 0 so that exp gives 0, not NaN; NaN and +inf stay
-        row_max = np.where(row_max == -np.inf, 0.0, row_max)
-        e = np.exp(scores - row_max)
-        total = e.sum(axis=-1, keepdims=True)
-        p = e / np.where(total > 0, total, 1.0)
-        lse = (row_max + np.log(total))[..., 0]
+        if dense.sinks is None:
+            # an empty row has max -inf: shift by 0 so that exp gives 0, not NaN; NaN and +inf stay
+            row_max = np.where(row_max == -np.inf, 0.0, row_max)
+            e = np.exp(scores - row_max)
+            total = e.sum(axis=-1, keepdims=True)
+            p = e / np.where(total > 0, total, 1.0)
+            lse = row_max + np.log(total)
+        else:
+            # The sink is one more column of every denominator, never masked: a NaN or +inf sink
+            # makes its rows' lse NaN (as such a score would), and P = exp(S - lse) carries it.
+            sink = dense.sinks.reshape(1, -1, 1, 1)
+            empty = ~allowed.any(axis=-1, keepdims=True)
+            top = np.maximum(row_max, sink)
+            top = np.where(top == -np.inf, 0.0, top)  # no key and a sink of -inf
+            total = np.exp(scores - top).sum(axis=-1, keepdims=True) + np.exp(sink - top)
+            lse = np.where(empty, sink, top + np.log(total))
+            p = np.where(allowed, np.exp(scores - lse), 0.0)
+        lse, lse_rows = lse[..., 0], lse
         p_dropped = p if dense.keep is None else p * dense.keep
         # A dropped pair contributes exactly 0, as a disallowed one does: never 0 * NaN.
         attended = allowed if dense.keep is None else allowed & (dense.keep != 0)
@@ -355,6 +386,11 @@ def _attend(dense: _Dense, gradients: bool, magnitudes: bool = False) -> dict:
             ds, scale = np.where(allowed, p * (dp - delta), 0.0), dense.scale
         if dense.softcap is not None and not magnitudes:
             ds = ds * (1 - capped * capped)
+        if dense.sinks is not None:
+            # d lse / d sink = exp(sink - lse): each row with a key adds -P_sink * delta
+            p_sink = np.exp(dense.sinks.reshape(1, -1, 1, 1) - lse_rows)
+            terms = np.where(allowed.any(axis=-1, keepdims=True), p_sink * delta, 0.0)
+            result["dsinks"] = (1 if magnitudes else -1) * terms.sum(axis=(0, 2, 3))
         allowed_t = allowed.swapaxes(-1, -2)
         result["dq"] = scale * _masked_matmul(ds, k, allowed)
         result["dk"] = _group_sum(scale * _masked_matmul(ds.swapaxes(-1, -2), q, allowed_t), heads_k)

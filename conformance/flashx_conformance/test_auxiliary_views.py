@@ -3,7 +3,7 @@
 Every array option of ``flashx.attention`` (``flashx.Problem.ARRAYS``) and of
 ``flashx.attention_with_kvcache`` (``flashx.problem.DecodeProblem.ARRAYS``) is passed as each view
 its shape and values allow (``VIEWS``). The memory around a view holds other valid values: another
-length, the end of the packed rows, a page no sequence uses, True in a mask, NaN in slopes. A
+length, the end of the packed rows, a page no sequence uses, True in a mask, NaN in slopes and sinks. A
 backend that reads the array as if it were contiguous then computes another answer, instead of
 reading out of bounds. Decoding also holds the call to the oracle and the caches to the caches
 with the new tokens written in, so a misread length or table that writes elsewhere is caught.
@@ -20,7 +20,7 @@ import pytest
 
 import flashx
 import flashx.kvcache
-from flashx_conformance.harness import OUTPUTS, _broadcast, make_case, make_varlen_case
+from flashx_conformance.harness import _broadcast, make_case, make_varlen_case, outputs_of
 from flashx_conformance.test_decode import call, check, failures, make_decode_case
 
 VIEWS = {
@@ -82,6 +82,8 @@ ATTENTION = {
         rng, dtype, block_mask=flashx.BlockMask(_bools(rng, (3, 2, 3, 5), uniform), 8)), True, ALL_VIEWS),
     "alibi_slopes": Family(lambda rng, dtype, uniform: _padded(
         rng, dtype, alibi_slopes=_uniform(2.0 ** -np.arange(1.0, 7.0).reshape(3, 2), uniform)), np.nan, ALL_VIEWS),
+    "sinks": Family(lambda rng, dtype, uniform: _padded(
+        rng, dtype, sinks=_uniform(np.array([0.75, -1.5]), uniform)), np.nan, FLAT_VIEWS),
 }
 
 #: The page of a decoding case that no sequence uses: table entries past a sequence's pages and
@@ -159,9 +161,9 @@ def test_auxiliary_views(flashx_target, flashx_rng, name, view):
     as_view = flashx.BlockMask(seen, value.block_size) if isinstance(value, flashx.BlockMask) else seen
     results = []
     for extra in ({}, {name: as_view}):
-        o, res, dq, dk, dv = flashx_target.run(case, inputs, **extra)
-        results.append([flashx_target.numpy(x) for x in (o, res.lse, dq, dk, dv)])
-    for output, contiguous, viewed in zip(OUTPUTS, *results):
+        o, res, *grads = flashx_target.run(case, inputs, **extra)
+        results.append([flashx_target.numpy(x) for x in (o, res.lse, *grads)])
+    for output, contiguous, viewed in zip(outputs_of(case), *results):
         differ = ~((contiguous == viewed) | (np.isnan(contiguous) & np.isnan(viewed)))
         assert not differ.any(), (f"{case.describe()}\n{name} {VIEWS[view]}: {output} differs from the contiguous "
                                   f"call at {int(differ.sum())} elements, first at {tuple(np.argwhere(differ)[0])}")

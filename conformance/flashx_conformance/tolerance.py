@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import numpy as np
 
-FACTOR = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
+FACTOR = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3, "dsinks": 3}
+#: The gradients: they cancel, so their relative-norm bound divides by the norm of their terms.
+GRADIENTS = ("dq", "dk", "dv", "dsinks")
 RELATIVE_NORM_BOUND = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 ACCUMULATION_ULPS = 4
 EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
@@ -42,8 +44,8 @@ ACCUMULATION_EPS = {"float16": EPS["float32"], "bfloat16": EPS["float32"], "floa
 
 #: The names of the axes of each output, to say where an element is.
 AXES = {
-    "padded": {"o": "bihd", "lse": "bhi", "dq": "bihd", "dk": "bjhd", "dv": "bjhd"},
-    "varlen": {"o": "thd", "lse": "ht", "dq": "thd", "dk": "thd", "dv": "thd"},
+    "padded": {"o": "bihd", "lse": "bhi", "dq": "bihd", "dk": "bjhd", "dv": "bjhd", "dsinks": "h"},
+    "varlen": {"o": "thd", "lse": "ht", "dq": "thd", "dk": "thd", "dv": "thd", "dsinks": "h"},
 }
 
 
@@ -117,7 +119,7 @@ def _judge(name, actual, expected, naive, terms, dtype, axes, relative_norm, lse
         )
     bound = RELATIVE_NORM_BOUND.get(dtype) if relative_norm else None
     # gradients cancel (the terms of dS sum to 0 over a row): their noise scales with their terms
-    scale = np.where(np.isfinite(terms), terms, 0) if name in ("dq", "dk", "dv") else exact
+    scale = np.where(np.isfinite(terms), terms, 0) if name in GRADIENTS else exact
     norm = np.sqrt((scale * scale).sum())
     if bound is not None and norm > np.finfo(np.float32).tiny:  # below it, float32 storage has no relative precision
         relative = np.sqrt((error * error).sum()) / norm
@@ -126,12 +128,15 @@ def _judge(name, actual, expected, naive, terms, dtype, axes, relative_norm, lse
     return f"{name}: " + "; ".join(problems) if problems else None
 
 
-def judge_exact(name: str, actual, value: float, selected, axes: str, why: str) -> str | None:
-    """None if ``actual`` equals ``value`` exactly wherever ``selected`` (broadcast) holds."""
+def judge_exact(name: str, actual, value, selected, axes: str, why: str) -> str | None:
+    """None if ``actual`` equals ``value`` (a number or an array, broadcast; NaN equals NaN)
+    exactly wherever ``selected`` (broadcast) holds."""
     actual = np.asarray(actual)
     selected = np.broadcast_to(selected, actual.shape)
-    wrong = selected & ~(actual == value)
+    value = np.broadcast_to(value, actual.shape)
+    wrong = selected & ~((actual == value) | (np.isnan(actual) & np.isnan(value)))
     if not wrong.any():
         return None
     index = tuple(int(i) for i in np.argwhere(wrong)[0])
-    return f"{name}: {int(wrong.sum())} elements are not exactly {value} ({why}), first at {where(index, axes)}: got {actual[index]}"
+    return (f"{name}: {int(wrong.sum())} elements are not exactly {value[index]} ({why}), first at "
+            f"{where(index, axes)}: got {actual[index]}")
