@@ -32,15 +32,7 @@ def build_problem(q, k, v, **options) -> Problem:
         setattr(o, name, arrays.resolved(getattr(o, name)))
     if isinstance(o.block_mask, BlockMask) and arrays.resolved(o.block_mask.blocks) is not o.block_mask.blocks:
         o.block_mask = BlockMask(arrays.resolved(o.block_mask.blocks), o.block_mask.block_size)
-    kind = arrays.require_array(q, "q")
-    device, device_index = arrays.device_of(q)
-    dtype = arrays.dtype_name(q)
-    if dtype not in ALL_DTYPES:
-        raise DTypeError(f"q: expected one of {sorted(ALL_DTYPES)}, got {dtype}")
-    for name, x in (("k", k), ("v", v)):
-        _same_array_as_q(name, x, kind, device, device_index)
-        if arrays.dtype_name(x) != dtype:
-            raise DTypeError(f"{name}: expected the dtype of q ({dtype}), got {arrays.dtype_name(x)}")
+    kind, device, device_index, dtype = _operands(q, k=k, v=v)
 
     varlen = o.cu_seqlens_q is not None or o.cu_seqlens_k is not None
     if varlen and (o.cu_seqlens_q is None or o.cu_seqlens_k is None):
@@ -151,6 +143,22 @@ def build_problem(q, k, v, **options) -> Problem:
         dropout_offsets=o.dropout_offsets,
         deterministic=o.deterministic,
     )
+
+
+def _operands(q, **others) -> tuple:
+    """q's kind, device, device index and dtype, checked, and each of ``others`` (None: absent)
+    an array of q's kind, device and dtype."""
+    kind = arrays.require_array(q, "q")
+    device, device_index = arrays.device_of(q)
+    dtype = arrays.dtype_name(q)
+    if dtype not in ALL_DTYPES:
+        raise DTypeError(f"q: expected one of {sorted(ALL_DTYPES)}, got {dtype}")
+    for name, x in others.items():
+        if x is not None:
+            _same_array_as_q(name, x, kind, device, device_index)
+            if arrays.dtype_name(x) != dtype:
+                raise DTypeError(f"{name}: expected the dtype of q ({dtype}), got {arrays.dtype_name(x)}")
+    return kind, device, device_index, dtype
 
 
 def check_like(name: str, x: Any, shape: tuple[int, ...], dtype: str, problem: Problem) -> None:
@@ -287,17 +295,8 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     causal, window, softmax_scale, num_splits, validate = map(python_scalar, (causal, window, softmax_scale,
                                                                             num_splits, validate))
     q, mask = arrays.resolved(q), None if mask is None else arrays.resolved(mask)
-    kind = arrays.require_array(q, "q")
-    device, device_index = arrays.device_of(q)
-    dtype = arrays.dtype_name(q)
-    if dtype not in ALL_DTYPES:
-        raise DTypeError(f"q: expected one of {sorted(ALL_DTYPES)}, got {dtype}")
+    kind, device, device_index, dtype = _operands(q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
     like_q = (kind, device, device_index)
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
-        if x is not None:
-            _same_array_as_q(name, x, *like_q)
-            if arrays.dtype_name(x) != dtype:
-                raise DTypeError(f"{name}: expected the dtype of q ({dtype}), got {arrays.dtype_name(x)}")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if arrays.resolved(x) is not x:
             raise DTypeError(f"{name}: expected a tensor that can be written in place, got a lazily negated view")
