@@ -23,7 +23,9 @@ from flashx_conformance import oracle, philox  # noqa: E402
 
 import flashx  # noqa: E402
 from flashx.validation import build_problem  # noqa: E402
-from flashx_triton.common import band_part, band_parts, band_tiles, dropout_keep, problem_args  # noqa: E402
+from flashx_triton.arguments import problem_args  # noqa: E402
+from flashx_triton.dropout import dropout_keep  # noqa: E402
+from flashx_triton.masking import band_part, band_parts, band_tiles  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's 1/0 on empty rows
 
@@ -218,11 +220,11 @@ def test_the_exact_forward_launch_redoes_only_the_query_tiles_that_met_a_nonfini
     """Causal, 32-row tiles, a NaN in V at key 40 of one head: the plain products of tile [32, 64)
     give NaN to rows 32-39 too, which may not read it, and tile [64, 96) reads it: those two of the
     12 programs are flagged and redone; tile [0, 32) never loads key 40."""
-    from flashx_triton import common
+    from flashx_triton import launch
 
     flags = []
-    run = common.Passes.__call__
-    monkeypatch.setattr(common.Passes, "__call__", lambda self, *tensors: flags.append(run(self, *tensors)))
+    run = launch.Passes.__call__
+    monkeypatch.setattr(launch.Passes, "__call__", lambda self, *tensors: flags.append(run(self, *tensors)))
     B, H, N, D = 1, 4, 96, 16
     q, k, v = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
     v[0, 40, 2, 3] = math.nan
@@ -237,12 +239,12 @@ def test_the_exact_gradient_launch_redoes_only_the_programs_that_met_a_nonfinite
     programs), a NaN in Q at row 40 of one head: the plain products of key tile [32, 64) give NaN
     to keys 41-63 too, which may not use that row, key tile [0, 32) and query tile [32, 64) use it:
     those three are flagged and redone; key tile [64, 96) never loads row 40."""
-    from flashx_triton import common, tuning
+    from flashx_triton import launch, tuning
 
     monkeypatch.setattr(tuning, "INTERPRETED_GRADIENTS", ["fused"])
     flags = []
-    run = common.Passes.__call__
-    monkeypatch.setattr(common.Passes, "__call__", lambda self, *tensors: flags.append(run(self, *tensors)))
+    run = launch.Passes.__call__
+    monkeypatch.setattr(launch.Passes, "__call__", lambda self, *tensors: flags.append(run(self, *tensors)))
     B, H, N, D = 1, 4, 96, 16
     q, k, v, do = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
     q[0, 40, 2, 3] = math.nan
@@ -253,12 +255,12 @@ def test_the_exact_gradient_launch_redoes_only_the_programs_that_met_a_nonfinite
 
 def test_the_exact_launch_takes_every_flagged_program_of_every_share(monkeypatch):
     """Each program of an exact launch runs the flagged ones among FLAGS_PER_PROGRAM programs of
-    the first launch (common.program_share): with 4 to a share, a NaN in V at key 40 of every
+    the first launch (launch.program_share): with 4 to a share, a NaN in V at key 40 of every
     head flags the forward programs of query tiles [32, 64) and [64, 96) of each of 6 heads, 12
     of 18, two or three in each of the five shares; the gradient launch's flags spread likewise."""
-    from flashx_triton import common
+    from flashx_triton import launch
 
-    monkeypatch.setattr(common, "FLAGS_PER_PROGRAM", tl.constexpr(4))
+    monkeypatch.setattr(launch, "FLAGS_PER_PROGRAM", tl.constexpr(4))
     B, H, N, D = 1, 6, 96, 16
     q, k, v, do = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
     v[0, 40, :, 3] = math.nan
@@ -381,13 +383,13 @@ def test_forward_and_backward_are_bitwise_reproducible():
 
 def test_unequal_head_dims_never_pair_a_narrow_tile_with_a_wide_one():
     """16- and 32-wide tiles beside wider ones miscompiled on the H100 (wrong dk, illegal accesses)."""
-    from flashx_triton.common import _tile_widths
+    from flashx_triton.arguments import tile_widths
 
-    assert _tile_widths(32, 128) == dict(BLOCK_D=64, BLOCK_DV=128)
-    assert _tile_widths(8, 64) == dict(BLOCK_D=64, BLOCK_DV=64)
-    assert _tile_widths(64, 32) == dict(BLOCK_D=64, BLOCK_DV=64)
-    assert _tile_widths(32, 32) == dict(BLOCK_D=32, BLOCK_DV=32)  # equal widths stay narrow
-    assert _tile_widths(40, 80) == dict(BLOCK_D=64, BLOCK_DV=128)
+    assert tile_widths(32, 128) == dict(BLOCK_D=64, BLOCK_DV=128)
+    assert tile_widths(8, 64) == dict(BLOCK_D=64, BLOCK_DV=64)
+    assert tile_widths(64, 32) == dict(BLOCK_D=64, BLOCK_DV=64)
+    assert tile_widths(32, 32) == dict(BLOCK_D=32, BLOCK_DV=32)  # equal widths stay narrow
+    assert tile_widths(40, 80) == dict(BLOCK_D=64, BLOCK_DV=128)
 
 
 def test_tuning_tells_a_few_heads_from_a_full_gpu_at_the_same_length():
@@ -479,7 +481,7 @@ def test_launch_hands_later_calls_the_compiled_kernel_every_argument_in_order(mo
     positional arguments and a grid of three axes (its launcher indexes all three)."""
     import triton.compiler
 
-    from flashx_triton.common import Launch
+    from flashx_triton.launch import Launch
 
     launched = []
 
@@ -523,14 +525,14 @@ def test_calls_of_one_static_problem_share_their_launches_and_bring_their_own_va
     such calls build their launches once (``per_problem`` keys on the static problem and on what
     Triton specialises on in the call's own values), and each computes with its own mask, lengths
     and seed."""
-    from flashx_triton import common
+    from flashx_triton import launch
 
     q, k, v, do = (randn(2, 48, 2, 16) for _ in range(4))
-    common._built.clear()
+    launch._built.clear()
     built = []
     # seeds 5 and 7 are specialised alike (i32, not 1, not a multiple of 16); 2**40 + 17 is an i64
     for p, n, seed in ((0.5, 40, 5), (0.8, 9, 7), (0.6, 33, 2**40 + 17)):
         check_against_oracle(q, k, v, do, mask=torch.rand(2, 1, 48, 48) < p, dropout_p=0.3, seed=seed,
                              seqlens_k=torch.tensor([n, 48 - n], dtype=torch.int32))
-        built.append(len(common._built))
+        built.append(len(launch._built))
     assert built == [2, 2, 4]  # the forward's and the backward's launches

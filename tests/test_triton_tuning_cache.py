@@ -30,7 +30,7 @@ from flashx_conformance import oracle  # noqa: E402
 
 import flashx  # noqa: E402
 from flashx import cli  # noqa: E402
-from flashx_triton import common, tuning, tuning_cache  # noqa: E402
+from flashx_triton import launch, tuning, tuning_cache  # noqa: E402
 from flashx_triton.tuning import Config  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's 1/0 on empty rows
@@ -56,7 +56,7 @@ def fresh_process(monkeypatch):
     """Forget every choice and every launch built in this process: what a new process knows."""
     monkeypatch.setattr(tuning, "_chosen", {})
     monkeypatch.setattr(tuning, "measured", {})
-    monkeypatch.setattr(common, "_built", {})
+    monkeypatch.setattr(launch, "_built", {})
 
 
 @pytest.fixture

@@ -23,12 +23,15 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (MASKED_PARTS, Launch, Passes, allow_kernel_descriptors, allowed_pairs,
-                                  any_nonfinite, band_part, band_parts, band_tiles, call_args, call_layout, dot,
-                                  dropout_keep, flag_nonfinite,
-                                  head_descriptors, last_dim_contiguous, layout, load_rows, lse_strides, masked_dot,
-                                  next_program, pair_rule, per_problem, problem_args, program_share, row_descriptors,
-                                  row_strides, sequence_bounds, tma_ready)
+from flashx_triton.arguments import problem_args
+from flashx_triton.dropout import dropout_keep, kept_scale
+from flashx_triton.launch import (Launch, Passes, call_args, call_layout, flag_nonfinite, layout, next_program,
+                                  per_problem, program_share)
+from flashx_triton.loads import (allow_kernel_descriptors, head_descriptors, last_dim_contiguous, load_rows,
+                                 lse_strides, row_descriptors, row_strides, tma_ready)
+from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, pair_rule,
+                                   sequence_bounds)
+from flashx_triton.products import any_nonfinite, dot, masked_dot
 
 
 @triton.jit
@@ -122,8 +125,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                     suspect = True
             if DROPOUT:
                 keep = dropout_keep(rows[None, :], cols[:, None], stream, dropout)
-                p_kept = tl.where(keep, p * dropout[5], 0.0)  # dropout[5]: the kept values' scale
-                dp = tl.where(keep, dp * dropout[5], 0.0)
+                p_kept = tl.where(keep, p * kept_scale(dropout), 0.0)
+                dp = tl.where(keep, dp * kept_scale(dropout), 0.0)
             else:
                 p_kept = p
             ds = p * (dp - delta[None, :])
@@ -155,13 +158,14 @@ def _dkdv_program(
 ):
     """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time.
     ``strides`` are _gradients_kernel's, in its order."""
-    stride_qb, stride_qn, stride_qh = strides[0]
-    stride_kb, stride_kn, stride_kh = strides[1]
-    stride_vb, stride_vn, stride_vh = strides[2]
-    stride_db, stride_dn, stride_dh = strides[3]
-    stride_dkb, stride_dkn, stride_dkh = strides[5]
-    stride_dvb, stride_dvn, stride_dvh = strides[6]
-    stride_lb, stride_lh = strides[7]
+    q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides, lse_strides = strides
+    stride_qb, stride_qn, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_db, stride_dn, stride_dh = do_strides
+    stride_dkb, stride_dkn, stride_dkh = dk_strides
+    stride_dvb, stride_dvn, stride_dvh = dv_strides
+    stride_lb, stride_lh = lse_strides
     padded_q, padded_k, heads_q, group = shape
     left, right = band
     softmax_scale, scale_log2 = scales
@@ -270,7 +274,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
             dp = dot(do, tl.trans(v), None, DOT_PRECISION)
             if DROPOUT:
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, dropout)
-                dp = tl.where(keep, dp * dropout[5], 0.0)
+                dp = tl.where(keep, dp * kept_scale(dropout), 0.0)
             ds = p * (dp - delta[:, None])
             if MASKED and EXACT:
                 # as in _dkdv_tiles
@@ -292,12 +296,13 @@ def _dq_program(
 ):
     """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time.
     ``strides`` are _gradients_kernel's, in its order."""
-    stride_qb, stride_qn, stride_qh = strides[0]
-    stride_kb, stride_kn, stride_kh = strides[1]
-    stride_vb, stride_vn, stride_vh = strides[2]
-    stride_db, stride_dn, stride_dh = strides[3]
-    stride_dqb, stride_dqn, stride_dqh = strides[4]
-    stride_lb, stride_lh = strides[7]
+    q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides, lse_strides = strides
+    stride_qb, stride_qn, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_db, stride_dn, stride_dh = do_strides
+    stride_dqb, stride_dqn, stride_dqh = dq_strides
+    stride_lb, stride_lh = lse_strides
     padded_q, padded_k, heads_q, group = shape
     softmax_scale, scale_log2 = scales
     b = head // heads_q

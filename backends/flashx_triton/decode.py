@@ -43,7 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashx_triton.common import Launch, _dot_precision, _tile_widths, dot, layout, masked_dot
+from flashx_triton.arguments import dot_precision, tile_widths
+from flashx_triton.launch import Launch, layout
+from flashx_triton.products import dot, masked_dot
 
 MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this per split cost more in the merge than they gain
 MAX_SPLITS = 128
@@ -364,9 +366,9 @@ def _build_split(problem, tensors, count) -> Launch:
                   new_tokens=problem.new_tokens, left=unbounded if left == -1 else left,
                   right=unbounded if right == -1 else right, scale_log2=problem.scale_log2,
                   num_splits=count, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
-                  **_tile_widths(problem.head_dim, problem.head_dim_v), BLOCK_M=tiles["BLOCK_M"],
+                  **tile_widths(problem.head_dim, problem.head_dim_v), BLOCK_M=tiles["BLOCK_M"],
                   BLOCK_N=tiles["BLOCK_N"], PAGE_SIZE=problem.page_size or 0, HAS_MASK=mask is not None,
-                  DOT_PRECISION=_dot_precision(problem.dtype))
+                  DOT_PRECISION=dot_precision(problem.dtype))
 
 
 def _build_merge(problem, tensors, count) -> Launch:
@@ -380,7 +382,7 @@ def _build_merge(problem, tensors, count) -> Launch:
     grid = (problem.batch * problem.seqlen_q * problem.heads_q,)
     return Launch(_merge_kernel, grid, dict(num_warps=4 if not _interpreting() else 1), **bound,
                   heads_q=problem.heads_q, seqlen_q=problem.seqlen_q, num_splits=count,
-                  HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=_tile_widths(problem.head_dim, problem.head_dim_v)["BLOCK_DV"],
+                  HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=tile_widths(problem.head_dim, problem.head_dim_v)["BLOCK_DV"],
                   BLOCK_S=block_s, CHUNK=min(block_s, 32))
 
 

@@ -14,10 +14,13 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.common import (MASKED_PARTS, Passes, allowed_pairs, band_part, band_parts, band_tiles, call_args,
-                                  call_layout, dot, dropout_keep, flag_nonfinite, last_dim_contiguous, layout, load_rows, lse_strides,
-                                  masked_dot, next_program, pair_rule, per_problem, problem_args, program_share,
-                                  query_tile, row_descriptors, row_strides, tma_ready)
+from flashx_triton.arguments import problem_args
+from flashx_triton.dropout import dropout_keep, kept_scale
+from flashx_triton.launch import (Passes, call_args, call_layout, flag_nonfinite, layout, next_program, per_problem,
+                                  program_share)
+from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row_descriptors, row_strides, tma_ready
+from flashx_triton.masking import MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, pair_rule, query_tile
+from flashx_triton.products import dot, masked_dot
 
 
 @triton.jit
@@ -141,7 +144,7 @@ def _forward_kernel(
 
             # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
             empty = (l_i == 0.0) | (rows >= q_len)
-            scale_out = dropout[5] / l_i if DROPOUT else 1.0 / l_i  # the kept values' scale
+            scale_out = kept_scale(dropout) / l_i if DROPOUT else 1.0 / l_i
             o = tl.where(empty[:, None], 0.0, acc * scale_out[:, None])
             lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: natural log
             dims_v = tl.arange(0, BLOCK_DV)

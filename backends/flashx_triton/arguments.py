@@ -1,0 +1,75 @@
+"""The kernel arguments that describe a static problem: shapes, band, mask layout, tile widths,
+and the constexprs the kernels are specialised on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+
+def problem_args(problem) -> dict:
+    """The kernel arguments that describe the static problem rather than one tensor or one call:
+    the groups ``shape`` (padded_q, padded_k, heads_q, group), ``band`` (left, right) and ``masks``
+    (``mask_layout``), and the constexprs."""
+    varlen = problem.varlen
+    left, right = problem.band_reach
+    args = dict(
+        shape=(problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.group),
+        band=(left, right),
+        IS_VARLEN=varlen,
+        HAS_SEQLENS_Q=problem.seqlens_q is not None,
+        HAS_SEQLENS_K=problem.seqlens_k is not None,
+        HEAD_DIM=problem.head_dim,
+        HEAD_DIM_V=problem.head_dim_v,
+        **tile_widths(problem.head_dim, problem.head_dim_v),
+        DOT_PRECISION=dot_precision(problem.dtype),
+    )
+    args.update(mask_layout(problem), DROPOUT=problem.dropout_p > 0)
+    return args
+
+
+def tile_widths(head_dim: int, head_dim_v: int) -> dict:
+    """BLOCK_D and BLOCK_DV: the head dims padded to powers of two, at least 16 (tl.dot's minimum).
+
+    Triton 3.6 miscompiles a 16- or 32-wide tile beside a wider one for sm_90: wrong dk and
+    illegal accesses in the dK/dV kernel, out-of-bounds TMA reads in the forward
+    (docs/triton-design.md, "Loads: TMA descriptors"). Equal widths, and unequal ones of 64 and
+    more, compile right; so unequal widths are padded to 64 at least.
+    """
+    block_d, block_dv = (max(16, triton.next_power_of_2(d)) for d in (head_dim, head_dim_v))
+    if block_d != block_dv:
+        block_d, block_dv = max(64, block_d), max(64, block_dv)
+    return dict(BLOCK_D=block_d, BLOCK_DV=block_dv)
+
+
+def dot_precision(dtype: str) -> str:
+    if dtype == "float32":
+        return "ieee"  # the contract's Numerics section: no TF32 unless asked
+    if dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1":
+        return "upcast"
+    return "tf32"  # ignored for 16-bit inputs
+
+
+def mask_tensors(problem) -> tuple:
+    """MASK and BLOCKS, broadcast to (B, Hq, Nq, Nk) and (B, Hq, Nq / bq, Nk / bk) (None where absent)."""
+    shape = (problem.batch, problem.heads_q)
+    mask = blocks = None
+    if problem.mask is not None:
+        mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
+    if problem.block_mask is not None:
+        bq, bk = problem.block_mask.block_size
+        blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
+    return mask, blocks
+
+
+def mask_layout(problem) -> dict:
+    """``masks``: the (batch, head, row, column) strides of MASK and BLOCKS (``mask_tensors``),
+    then the block mask's (block_q, block_k); and whether each is there. The strides are the same
+    for every call of one ``call_layout``."""
+    mask, blocks = mask_tensors(problem)
+    block_size = problem.block_mask.block_size if blocks is not None else (1, 1)
+    mask_strides, block_strides = (x.stride() if x is not None else (0, 0, 0, 0) for x in (mask, blocks))
+    return dict(masks=(*mask_strides, *block_strides, *block_size), HAS_MASK=mask is not None,
+                HAS_BLOCK_MASK=blocks is not None)

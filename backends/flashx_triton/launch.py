@@ -1,0 +1,186 @@
+"""Launches: what is built once per static problem and layout, and run on every call.
+
+``per_problem`` keeps what a call builds (tuned configurations, launches with their bound
+arguments) under the problem's static key; ``call_args`` are the values each call brings; a
+``Launch`` hands them to the compiled kernel with the bound rest; ``Passes`` runs a kernel with
+masked tiles twice, plain and then exactly where the first pass found non-finite data.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashx_triton import tuning
+from flashx_triton.arguments import mask_tensors
+from flashx_triton.dropout import dropout_args
+
+
+def layout(*tensors: torch.Tensor) -> tuple:
+    """What a launch depends on in tensors of a given problem (whose shapes and dtype are fixed):
+    their strides, and whether each is 16-byte aligned (TMA needs it; Triton specialises on it)."""
+    return tuple((x.stride(), x.data_ptr() % 16 == 0) for x in tensors)
+
+
+#: What was built for a static problem (``Problem.static_key``: what runs, not what it runs on)
+#: and a caller's key (the kernel, the layout of its tensors and of ``call_args``): a call of the
+#: same shapes and options skips everything built, whether or not it is the same Problem (calls
+#: with masks, lengths or a drawn seed are new Problems every time). Nothing built holds a Problem
+#: or a call's own values: those reach the kernels through ``call_args`` on every call.
+_built: dict[tuple, object] = {}
+
+
+_BUILT_LIMIT = 256  # past it the memory starts again empty
+
+
+def per_problem(problem, key, build):
+    """``build()``, made once per static problem and ``key``."""
+    full_key = (problem.static_key(), key)
+    found = _built.get(full_key)
+    if found is None:
+        if len(_built) >= _BUILT_LIMIT:
+            _built.clear()
+        found = _built[full_key] = build()
+    return found
+
+
+def call_args(problem) -> tuple:
+    """The kernel arguments that change from call to call of one static problem, which kernels
+    take right after their own tensors: the optional tensors CU_Q, CU_K, SEQLENS_Q, SEQLENS_K,
+    MASK and BLOCKS (None where absent; masks broadcast to (B, Hq, ., .)) and ``dropout``
+    (``dropout_args``)."""
+    mask, blocks = mask_tensors(problem)
+    return (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k, mask, blocks,
+            dropout_args(problem))
+
+
+def call_layout(values: tuple) -> tuple:
+    """What Triton specialises a kernel on in ``call_args``' values: a tensor's strides and
+    16-byte alignment, an int's type (i32, i64 or u64) and whether it is 1 or a multiple of 16.
+    A launch compiled for one call's values serves another call's only where these agree."""
+    return tuple(_specialisation(x) for x in values)
+
+
+def _specialisation(x):
+    if x is None or isinstance(x, float):
+        return x is None
+    if isinstance(x, torch.Tensor):
+        return x.stride(), x.data_ptr() % 16 == 0
+    if isinstance(x, tuple):
+        return tuple(_specialisation(item) for item in x)
+    width = "i32" if -2**31 <= x < 2**31 else "u64" if x >= 2**63 else "i64"
+    return width, x == 1, x % 16 == 0
+
+
+class Launch:
+    """A kernel launch with every argument bound but the leading ones, which each call passes:
+    one problem, tensor layout and configuration.
+
+    The first call goes through Triton's JIT, which specialises every argument and compiles.
+    Later calls hand the same argument list straight to the kernel it returned
+    (``CompiledKernel[grid]``), skipping that specialisation: tens of microseconds of host time
+    per launch, five launches in a short causal forward and backward. That is sound because
+    nothing Triton specialises on can change between the calls of one Launch: the bound values
+    are fixed, and the per-call tensors have the problem's dtype and the layout (``layout``:
+    strides, alignment) the Launch is cached under. Under the interpreter every call goes
+    through the JIT.
+    """
+
+    def __init__(self, kernel, grid: tuple[int], options: dict, **bound):
+        names = kernel.arg_names
+        leading = len(names) - len(bound)
+        self.kernel, self.options = kernel, options
+        self.grid = (*grid, 1, 1)[:3]  # a compiled kernel's launcher takes all three axes
+        self.bound = tuple(bound[name] for name in names[leading:])  # a KeyError names a missing argument
+        self.compiled = None
+
+    def __call__(self, *tensors):
+        if self.compiled is not None:
+            self.compiled(*tensors, *self.bound)
+            return
+        from triton.compiler import CompiledKernel
+
+        kernel = self.kernel[self.grid](*tensors, *self.bound, **self.options)
+        if isinstance(kernel, CompiledKernel):
+            self.compiled = kernel[self.grid]
+
+
+class Passes:
+    """A kernel with masked tiles, launched twice: first with plain products in its masked tiles,
+    then exactly (``EXACT``), only for the programs the first one flagged (``REDO``).
+
+    In a masked tile a plain product adds 0 * x for each disallowed pair, which is 0 unless x is
+    a NaN or an infinity; then it is NaN, and that shows in the program's outputs. So a program
+    whose outputs end finite has its exact result, and the others flag themselves
+    (``flag_nonfinite``) for the second launch. The first kernel carries none of the exact path's
+    code (``masked_dot``), whose registers would otherwise halve the programs that share an SM
+    (docs/triton-design.md, "Two launches for problems with masked tiles"). Dropout makes every
+    tile such a tile: a dropped pair must add 0 even where V or dO holds NaN. A kernel without
+    masked tiles or dropout runs once, exactly; its REDO is None.
+
+    The second launch has one program per FLAGS_PER_PROGRAM programs of the first, each running
+    those of its share that were flagged (``program_share``): a program for every program of the
+    first launch, nearly all returning at once, would cost a short launch a visible share of its
+    time on clean data.
+
+    In the backward's gradient kernel the plain masked tiles also keep their software pipelining,
+    which the exact ones must go without (``_dq_tiles``): that is what pays for the second launch
+    there.
+    """
+
+    def __init__(self, kernel, programs: int, options: dict, masked: bool, **bound):
+        self.programs, self.masked = programs, masked
+        shares = triton.cdiv(programs, FLAGS_PER_PROGRAM.value)
+        self.launches = [Launch(kernel, (shares if exact and masked else programs,), options, **bound,
+                                programs=programs, EXACT=exact) for exact in ((False, True) if masked else (True,))]
+
+    def __call__(self, *tensors) -> torch.Tensor | None:
+        """Both launches; returns the flags (None: one launch).
+
+        A candidate under trial (``tuning.trying_candidates``) compiles its exact kernel only
+        when a program is flagged: so a choice compiles each candidate once, not twice (compiling
+        is most of what tuning costs)."""
+        redo = torch.empty(self.programs, dtype=torch.int8, device=tensors[0].device) if self.masked else None
+        plain, *exact = self.launches
+        plain(*tensors, redo)
+        for launch in exact:
+            if launch.compiled is None and tuning.trying_candidates() and not redo.any():
+                continue
+            launch(*tensors, redo)
+        return redo
+
+
+FLAGS_PER_PROGRAM = tl.constexpr(32)
+
+
+@triton.jit
+def flag_nonfinite(REDO, total):
+    """Flag this program for the exact launch (``Passes``) unless ``total``, a sum of its outputs,
+    is finite. A sum is non-finite where a term is (or, harmlessly, where it overflows), and costs
+    fewer registers than testing every element (forward, d128: 151 against 167)."""
+    tl.store(REDO + tl.program_id(0), (tl.abs(total) < float("inf")).to(tl.int8) ^ 1)
+
+
+@triton.jit
+def program_share(REDO, programs, EXACT: tl.constexpr):
+    """The programs of the first launch that this one runs (``Passes``), as (ids, whether still to
+    run, how many), to be taken in turn by ``next_program``: in the exact launch of a kernel with
+    masked tiles, the flagged ones of its FLAGS_PER_PROGRAM consecutive ones; otherwise one,
+    itself (a literal count, so that the compiler drops the loop around it)."""
+    if EXACT and REDO is not None:
+        ids = tl.program_id(0) * FLAGS_PER_PROGRAM + tl.arange(0, FLAGS_PER_PROGRAM)
+        todo = tl.load(REDO + ids, mask=ids < programs, other=0) != 0
+        return ids, todo, tl.sum(todo.to(tl.int32))
+    else:
+        return 0, 0, 1
+
+
+@triton.jit
+def next_program(ids, todo, REDO, EXACT: tl.constexpr):
+    """The next program of ``program_share``'s share, and the share without it."""
+    if EXACT and REDO is not None:
+        pid = tl.min(tl.where(todo, ids, 2147483647))
+        return pid, todo & (ids != pid)
+    else:
+        return tl.program_id(0), todo
