@@ -14,9 +14,11 @@ None where SDPA's top-left ``is_causal`` suffices) and computes what SDPA comput
 output in the (B, N, H, D) layout transformers expects. transformers sends every implementation name
 containing "flash" to its flash-attn loader, hence the name.
 
-What flashx cannot compute raises ``UnsupportedError``: attention sinks (``s_aux``), T5-style
-position biases, and the attention weights (``output_attentions=True``). ``softcap`` is passed on to
-flashx, whose backends decline it until they implement it.
+The score modifications of current models go to flashx as its own keywords (the contract's
+"Score modifications"): gpt-oss's learned sinks (``s_aux``) as ``sinks``, Gemma 2's ``softcap`` as
+``softcap``; a backend that does not implement one declines the call with its reason. What flashx
+cannot compute raises ``UnsupportedError``: T5-style position biases, and the attention weights
+(``output_attentions=True``).
 """
 
 from __future__ import annotations
@@ -44,9 +46,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention-function contract: query (B, Hq, N, D), key and value (B, Hk, S, D)
     -> (output (B, N, Hq, Dv), None). Other keywords (sliding_window, position_ids, ...) are already
     in the mask, as they are for SDPA."""
-    for given, what in ((s_aux is not None, "s_aux: attention sinks"), (position_bias is not None,
-                        "position_bias: an additive position bias"), (output_attentions, "output_attentions: "
-                        "the attention weights, which flashx never materialises")):
+    for given, what in ((position_bias is not None, "position_bias: an additive position bias"),
+                        (output_attentions, "output_attentions: the attention weights, which flashx never materialises")):
         if given:
             raise UnsupportedError(f"{what} are not computed by flashx; use attn_implementation='eager'")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -54,6 +55,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     # mask, when there is one, already holds causality. The shape is tested first so that a
     # symbolic length under torch.compile never reaches the bool.
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    modifications = {} if s_aux is None else {"sinks": s_aux}
     output = sdpa_as_flashx(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-                            scale=scaling, enable_gqa=True, softcap=softcap)
+                            scale=scaling, enable_gqa=True, softcap=softcap, **modifications)
     return output, None
