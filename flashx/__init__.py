@@ -25,7 +25,7 @@ from flashx.errors import (
     UnsupportedError,
 )
 from flashx.kvcache import attention_with_kvcache
-from flashx.problem import BlockMask, Problem
+from flashx.problem import BlockMask, DecodeProblem, Problem
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,7 @@ __all__ = [
     "Backend",
     "BlockMask",
     "DTypeError",
+    "DecodeProblem",
     "DeviceError",
     "FlashXError",
     "OptionError",

@@ -19,10 +19,7 @@ from __future__ import annotations
 from flashx import arrays, dispatch
 from flashx.execute import run_decode
 from flashx.plan import plan_decode
-from flashx.problem import DecodeProblem
 from flashx.validation import build_decode_problem
-
-__all__ = ["DecodeProblem", "attention_with_kvcache", "explain"]
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
