@@ -18,7 +18,8 @@ would cost more than the kernel. A whole plan depends only on what its key holds
   not, and ``1 == True`` in Python),
 - the backend name once ``use_backend`` and ``FLASHX_BACKEND`` are applied, and the
   registry's version, which register, unregister and reset change. A backend's
-  ``available()`` and ``supports()`` are taken to answer alike for equal problems.
+  ``available()`` and ``supports()`` are taken to answer alike for problems of one static key:
+  they read shapes and options, never an array's contents (the contract's Backend plugins section).
 
 Only successes are stored, so a wrong call always meets every check and raises as before.
 Calls with array options (masks, seqlens, ...) are validated every time, since their
