@@ -11,7 +11,7 @@ import sys
 import time
 
 import flashx
-from flashx.devices import cuda_present
+from flashx.devices import cuda_present, cuda_refusal
 from flashx.hookspecs import Command
 
 #: The hint printed wherever a missing GPU library stops a command.
@@ -250,12 +250,9 @@ def _decode_demo(use_cuda: bool) -> int:
 
 def _cuda_refusal() -> str | None:
     """Why the demo cannot run on CUDA here (torch, a device and a backend for it), or None."""
-    try:
-        import torch
-    except ImportError:
-        return f"needs torch, which is not installed: {INSTALL_TRITON}"
-    if not cuda_present():
-        return f"torch {torch.__version__} sees no CUDA device"
+    refusal = cuda_refusal(INSTALL_TRITON)
+    if refusal:
+        return refusal
     for_cuda = [row for row in flashx.backends() if "cuda" in row.devices]
     if not any(row.available for row in for_cuda):
         reasons = "; ".join(f"{row.name}: {row.reason}" for row in for_cuda) or INSTALL_TRITON

@@ -15,3 +15,15 @@ def cuda_present() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def cuda_refusal(install_hint: str) -> str | None:
+    """Why nothing can run on CUDA here (torch missing, ``install_hint`` naming what to install,
+    or no device), or None."""
+    try:
+        import torch
+    except ImportError:
+        return f"needs torch, which is not installed: {install_hint}"
+    if not cuda_present():
+        return f"torch {torch.__version__} sees no CUDA device"
+    return None

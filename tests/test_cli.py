@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import flashx
-from flashx import cli, hookspecs
+from flashx import cli, devices, hookspecs
 from flashx.problem import FEATURES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,7 +236,7 @@ def test_demo_on_cuda_without_torch_says_what_to_install(monkeypatch, capsys):
 
 def test_demo_on_cuda_without_a_device(monkeypatch, capsys):
     pytest.importorskip("torch")
-    monkeypatch.setattr(cli, "cuda_present", lambda: False)
+    monkeypatch.setattr(devices, "cuda_present", lambda: False)
     assert "sees no CUDA device" in _cuda_refusal(capsys)
 
 
@@ -246,7 +246,7 @@ def test_demo_on_cuda_without_a_backend_for_it_gives_their_reasons(monkeypatch, 
         SimpleNamespace(name="numpy", devices=("cpu",), available=True, reason=None),
         SimpleNamespace(name="triton", devices=("cuda",), available=False, reason="cannot import triton"),
     ]
-    monkeypatch.setattr(cli, "cuda_present", lambda: True)
+    monkeypatch.setattr(devices, "cuda_present", lambda: True)
     monkeypatch.setattr(flashx, "backends", lambda: rows)
     assert "no backend can run on CUDA here (triton: cannot import triton)" in _cuda_refusal(capsys)
 

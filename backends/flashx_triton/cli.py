@@ -14,7 +14,7 @@ import time
 
 import flashx
 from flashx.cli import INSTALL_TRITON, positive_int
-from flashx.devices import cuda_present
+from flashx.devices import cuda_refusal
 from flashx.hookspecs import Command
 
 
@@ -122,10 +122,4 @@ def _choice_text(choice) -> str:
 
 def _cuda_refusal() -> str | None:
     """Why the kernels cannot be timed on CUDA here (torch, a device, the backend), or None."""
-    try:
-        import torch
-    except ImportError:
-        return f"needs torch, which is not installed: {INSTALL_TRITON}"
-    if not cuda_present():
-        return f"torch {torch.__version__} sees no CUDA device"
-    return flashx.registry.get("triton").available()
+    return cuda_refusal(INSTALL_TRITON) or flashx.registry.get("triton").available()
