@@ -3,7 +3,7 @@
 Two memories, each keyed on what its outcome depends on, never on an object's identity:
 
 - the choice of a backend, for every operation: keyed on the requested backend, the registry's
-  version and the problem's ``static_key()`` (what runs, not what it runs on: no array contents,
+  version and the problem's ``static_key`` (what runs, not what it runs on: no array contents,
   no dropout seed), so calls with masks, lengths, drawn seeds or a KV cache choose once;
 - the whole plan (problem and backend) of an attention call without array options, whose
   validation itself is skipped when it repeats.
@@ -66,7 +66,7 @@ def plan_decode(q, k_cache, v_cache, backend, keywords: dict) -> tuple[DecodePro
 
 def choose(problem: BaseProblem, backend) -> Backend:
     """``dispatch.choose``, remembered per requested backend, registry version and static key."""
-    key = (dispatch.requested(backend), registry.version(), problem.static_key())
+    key = (dispatch.requested(backend), registry.version(), problem.static_key)
     impl = _choices.get(key)
     if impl is None:
         impl = _remember(_choices, key, dispatch.choose(problem, backend))

@@ -150,9 +150,11 @@ class BaseProblem:
                 changes[name] = BlockMask(converted, value.block_size) if isinstance(value, BlockMask) else converted
         return dataclasses.replace(self, **changes) if changes else self
 
+    @functools.cached_property
     def static_key(self) -> tuple:
         """What runs, not what it runs on: every field but the per-call ones, arrays by their
-        type, shape, dtype and device. Equal keys: equal dispatch, equal launch preparation."""
+        type, shape, dtype and device. Equal keys: equal dispatch, equal launch preparation.
+        Kept on the problem: a repeated call (``flashx.plan``) reads it without walking the fields."""
         key = [self.operation]
         for name, is_array in _key_fields(type(self)):
             value = getattr(self, name)

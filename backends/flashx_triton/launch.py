@@ -36,7 +36,7 @@ _BUILT_LIMIT = 256  # past it the memory starts again empty
 
 def per_problem(problem, key, build):
     """``build()``, made once per static problem and ``key``."""
-    full_key = (problem.static_key(), key)
+    full_key = (problem.static_key, key)
     found = _built.get(full_key)
     if found is None:
         if len(_built) >= _BUILT_LIMIT:
