@@ -24,7 +24,7 @@ class TritonBackend(flashx.Backend):
     array_kind = "torch"
     dtypes = frozenset({"float16", "bfloat16", "float32"})
     max_head_dim = 256
-    features = frozenset(flashx.problem.FEATURES) - {"softcap", "alibi", "sinks"}
+    features = frozenset(flashx.problem.FEATURES)
     deterministic_backward = True
     strided_arrays = frozenset({"mask", "block_mask"})  # read through their strides: a broadcast costs nothing
 

@@ -32,12 +32,13 @@ from flashx_triton.loads import (allow_kernel_descriptors, head_descriptors, las
 from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, pair_rule,
                                    sequence_bounds)
 from flashx_triton.products import any_nonfinite, dot, masked_dot
+from flashx_triton.score_mods import modified_scores, score_mod_args, score_rule
 
 
 @triton.jit
-def _prepare_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, SEQLENS_Q, o_strides, do_strides, lse_strides, padded_q, heads_q,
-                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr):
+def _prepare_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, SEQLENS_Q, SINKS, SINK_TERMS, o_strides, do_strides, lse_strides,
+                    padded_q, heads_q, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr, HAS_SINKS: tl.constexpr):
     stride_ob, stride_on, stride_oh = o_strides
     stride_db, stride_dn, stride_dh = do_strides
     stride_lb, stride_lh = lse_strides
@@ -67,15 +68,24 @@ def _prepare_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, SEQLENS_Q, o_strides, do_stri
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(DELTA + row_offset, delta, mask=rows < rows_out)
     tl.store(LSE2 + row_offset, lse2, mask=rows < rows_out)
+    if HAS_SINKS:
+        # Each row's term of dsinks[h] (summed on the host, in a fixed order): the sink's
+        # probability times delta. A row that read no key has o = 0 and lse = the sink (NaN for
+        # a NaN sink), and adds 0 whatever its dO holds; a row that read one has lse > sink, or
+        # o != 0, or a NaN o.
+        sink = tl.load(SINKS + h)
+        no_key = ((lse == sink) | (lse != lse)) & (tl.max(tl.abs(o.to(tl.float32)), 1) == 0.0)
+        term = tl.where(no_key | (rows >= q_len), 0.0, tl.exp(sink - lse) * delta)
+        tl.store(SINK_TERMS + row_offset, term, mask=rows < rows_out)
 
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base,
-                delta_base, cols, lo, hi, first_row, end_row, pairs, scale_log2, stream, dropout,
+                delta_base, cols, lo, hi, first_row, end_row, pairs, scale_log2, rule, stream, dropout,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
+                DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
     """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries.
     MASKED tiles test every pair, and EXACT ones keep a non-finite Q or dO out of the keys that may
     not use it (``Passes``)."""
@@ -105,7 +115,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, used, HEAD_DIM_V, BLOCK_M,
                                BLOCK_DV, USE_TMA, True, False, HOST_DESCRIPTORS)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
-                p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[None, :])
+                scores, capped = modified_scores(s, rows[None, :], cols[:, None], scale_log2, rule, SOFTCAP, ALIBI)
+                p = tl.exp2(tl.where(ok, scores, float("-inf")) - lse2[None, :])
             else:
                 lse2 = tl.load(lse2_base + rows)
                 delta = tl.load(delta_base + rows)
@@ -114,7 +125,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, rows, HEAD_DIM_V, BLOCK_M,
                                BLOCK_DV, USE_TMA, False, HOST_DESCRIPTORS=HOST_DESCRIPTORS)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
-                p = tl.exp2(s * scale_log2 - lse2[None, :])
+                scores, capped = modified_scores(s, rows[None, :], cols[:, None], scale_log2, rule, SOFTCAP, ALIBI)
+                p = tl.exp2(scores - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
             if EXACT and (MASKED or DROPOUT):
                 if USE_TMA:
@@ -130,6 +142,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
             else:
                 p_kept = p
             ds = p * (dp - delta[None, :])
+            if SOFTCAP:  # through the cap, to the scaled score
+                ds = ds * (1.0 - capped * capped)
             if MASKED and EXACT:
                 # P is NaN at a disallowed pair of a row whose LSE is NaN, and dS wherever dP is
                 # non-finite (a non-finite row of V or dO): both are masked here. A dropped pair
@@ -149,12 +163,12 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
 @triton.jit
 def _dkdv_program(
     head_k, n0, Q, K, V, DO, q_desc, do_desc, DK, DV, LSE2, DELTA, REDO, strides,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, shape, band, masks, dropout, scales,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, shape, band, masks, dropout, scales, mods,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr,
-    HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time.
     ``strides`` are _gradients_kernel's, in its order."""
@@ -203,6 +217,7 @@ def _dkdv_program(
             lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
             delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
             pairs = pair_rule(b, head, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
+            rule = score_rule(SLOPES, b, head, q_len, k_len, mods, ALIBI)
             stream = b * heads_q + h
             q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
                                                  HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
@@ -212,9 +227,9 @@ def _dkdv_program(
                     lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
                     dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
                                          stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
-                                         scale_log2, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                         part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA,
-                                         HOST_DESCRIPTORS, EXACT)
+                                         scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                                         BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, ALIBI,
+                                         DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dk) + tl.sum(dv))
 
@@ -232,11 +247,11 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
-              lo, hi, first_col, end_col, pairs, scale_log2, stream, dropout,
+              lo, hi, first_col, end_col, pairs, scale_log2, rule, stream, dropout,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-              HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
+              DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
     """Add key tiles [lo, hi) into this query tile's dq; MASKED and EXACT as in _dkdv_tiles."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     # A masked loop with a branch on data around its products is not software-pipelined: Triton
@@ -262,20 +277,23 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
             v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
                           BLOCK_DV, USE_TMA, MASKED, False, HOST_DESCRIPTORS)
             s = dot(q, tl.trans(k), None, DOT_PRECISION)
+            scores, capped = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI)
             if MASKED:
                 if EXACT:
                     if USE_TMA:
                         suspect = any_nonfinite(s)  # of K (and Q)
                     else:
                         suspect = True  # as in _dkdv_tiles
-                p = tl.exp2(tl.where(ok, s * scale_log2, float("-inf")) - lse2[:, None])
+                p = tl.exp2(tl.where(ok, scores, float("-inf")) - lse2[:, None])
             else:
-                p = tl.exp2(s * scale_log2 - lse2[:, None])
+                p = tl.exp2(scores - lse2[:, None])
             dp = dot(do, tl.trans(v), None, DOT_PRECISION)
             if DROPOUT:
                 keep = dropout_keep(rows[:, None], cols[None, :], stream, dropout)
                 dp = tl.where(keep, dp * kept_scale(dropout), 0.0)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * (1.0 - capped * capped)
             if MASKED and EXACT:
                 # as in _dkdv_tiles
                 dq = masked_dot(tl.where(ok, ds, 0.0).to(k.dtype), k, ok, dq, suspect, DOT_PRECISION)
@@ -287,12 +305,12 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
 @triton.jit
 def _dq_program(
     head, m0, Q, K, V, DO, k_desc, v_desc, DQ, LSE2, DELTA, REDO, strides,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, shape, band, masks, dropout, scales,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, shape, band, masks, dropout, scales, mods,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr,
-    HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time.
     ``strides`` are _gradients_kernel's, in its order."""
@@ -334,6 +352,7 @@ def _dq_program(
         k_tiles, v_tiles = head_descriptors(k_desc, v_desc, k_base, v_base, k_len, stride_kn, stride_vn, HEAD_DIM,
                                             HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
         pairs = pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
+        rule = score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI)
         stream = b * heads_q + h
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -343,9 +362,10 @@ def _dq_program(
             if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                 lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                 dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
-                               stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, stream, dropout,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK,
-                               DROPOUT, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
+                               stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, rule, stream,
+                               dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
+                               HAS_BLOCK_MASK, DROPOUT, SOFTCAP, ALIBI, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS,
+                               EXACT)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dq))
 
@@ -358,13 +378,14 @@ def _dq_program(
 @triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _gradients_kernel(
     Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, dropout,  # each call's own (call_args)
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS, dropout,  # each call's own (call_args)
     REDO,  # Passes's flags (None: one launch)
     strides,  # (batch, row, head) of q, k, v, do, dq, dk, dv, then (batch, head) of LSE2 and DELTA
-    shape, band, masks, scales, programs,  # groups of scalars (problem_args); scales: (scale, its log2 form)
+    shape, band, masks, scales, mods, programs,  # groups of scalars (problem_args, score_mod_args); scales: (scale, its log2 form)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,  # the sink's gradient is _prepare_kernel's
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, KEY_PARTS: tl.constexpr, QUERY_PARTS: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, KEY_PROGRAMS: tl.constexpr, QUERY_PROGRAMS: tl.constexpr,
     EXACT: tl.constexpr,
@@ -388,17 +409,17 @@ def _gradients_kernel(
             keys: tl.constexpr = KEY_PROGRAMS  # known when compiling: the other part is left out
         if keys:
             _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA, REDO, strides,
-                          CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, shape, band, masks, dropout, scales,
-                          HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM, TILE, IS_VARLEN, HAS_SEQLENS_Q,
-                          HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, DOT_PRECISION, USE_TMA, KEY_PARTS,
-                          HOST_DESCRIPTORS, EXACT)
+                          CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, shape, band, masks, dropout,
+                          scales, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM, TILE, IS_VARLEN,
+                          HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, ALIBI,
+                          DOT_PRECISION, USE_TMA, KEY_PARTS, HOST_DESCRIPTORS, EXACT)
         else:
             local -= key_tiles
             _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE, Q, K, V,
                         DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO, strides, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK,
-                        BLOCKS, shape, band, masks, dropout, scales, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, TILE,
-                        STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
-                        DROPOUT, DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT)
+                        BLOCKS, SLOPES, shape, band, masks, dropout, scales, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                        BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
+                        DROPOUT, SOFTCAP, ALIBI, DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT)
 
 
 def backward(problem, q, k, v, o, lse, do):
@@ -411,14 +432,20 @@ def backward(problem, q, k, v, o, lse, do):
     alloc = torch.zeros_like if problem.varlen else torch.empty_like
     dq, dk, dv = (alloc(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    sinks = problem.sinks
+    # rows past cu_seqlens[-1] get no term: they read no key
+    sink_terms = None if sinks is None else (torch.zeros_like if problem.varlen else torch.empty_like)(lse)
     call = call_args(problem)
     prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse), call_layout(call)),
                                               lambda: _launches(problem, q, k, v, o, do, lse))
-    cu_q, _, seqlens_q, *_ = call
-    prepare(o, do, lse, delta, lse2, cu_q, seqlens_q)
+    prepare(o, do, lse, delta, lse2, problem.cu_seqlens_q, problem.seqlens_q, sinks, sink_terms)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    return gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call)
+    dq, dk, dv = gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call)
+    if sinks is None:
+        return dq, dk, dv
+    # dsinks[h] = -(sum of its rows' terms): lse's head axis is its second-to-last
+    return dq, dk, dv, -sink_terms.transpose(0, -2).reshape(problem.heads_q, -1).sum(1)
 
 
 def _launches(problem, q, k, v, o, do, lse):
@@ -430,7 +457,8 @@ def _launches(problem, q, k, v, o, do, lse):
                      o_strides=row_strides(o, varlen), do_strides=row_strides(do, varlen),
                      lse_strides=lse_strides(lse, varlen), padded_q=problem.seqlen_q,
                      heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
-                     BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"])
+                     BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"],
+                     HAS_SINKS=problem.sinks is not None)
     return prepare, tuning.Tuned("gradients", _gradients_plan), tma_ready(problem, q, k, v, do)
 
 
@@ -473,7 +501,8 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, *ca
     kernel = Passes(_gradients_kernel, problem.batch * problem.heads_k * per_head, config.options(),
                     bool((key_parts | query_parts) & MASKED_PARTS) or problem.dropout_p > 0,
                     strides=(*(row_strides(x, varlen) for x in (q, k, v, do, dq, dk, dv)), lse_strides(lse2, varlen)),
-                    **args, scales=(problem.softmax_scale, problem.scale_log2), TILE=tile, STREAM=stream,
+                    **args, scales=(problem.softmax_scale, problem.scale_log2),
+                    **score_mod_args(problem, problem.softmax_scale), TILE=tile, STREAM=stream,
                     USE_TMA=use_tma,
                     HOST_DESCRIPTORS=host, KEY_PARTS=key_parts, QUERY_PARTS=query_parts,
                     KEY_PROGRAMS=keys, QUERY_PROGRAMS=queries)

@@ -21,16 +21,19 @@ from flashx_triton.launch import (Passes, call_args, call_layout, flag_nonfinite
 from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row_descriptors, row_strides, tma_ready
 from flashx_triton.masking import MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, pair_rule, query_tile
 from flashx_triton.products import dot, masked_dot
+from flashx_triton.score_mods import LOG2E, modified_scores, score_mod_args, score_rule, with_sink
 
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
-                  lo, hi, first_col, end_col, pairs, scale_log2, stream, dropout,
+                  lo, hi, first_col, end_col, pairs, scale_log2, rule, stream, dropout,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                  DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr):
+                  DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  USE_TMA: tl.constexpr, EXACT: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair, and
-    EXACT ones keep a non-finite V out of the rows that may not use it."""
+    EXACT ones keep a non-finite V out of the rows that may not use it. Scores are modified by
+    ``rule`` (``score_rule``) under SOFTCAP and ALIBI."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
@@ -50,16 +53,17 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                           USE_TMA, MASKED, EXACT)
             v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
                           BLOCK_DV, USE_TMA, MASKED, EXACT)
-            if MASKED:
-                s = dot(q, tl.trans(k), None, DOT_PRECISION)
-                s = tl.where(ok, s * scale_log2, float("-inf"))
+            s = dot(q, tl.trans(k), None, DOT_PRECISION)
+            if MASKED or SOFTCAP or ALIBI:
+                s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI)
+                if MASKED:
+                    s = tl.where(ok, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp2(s - m_ref[:, None])
                 alpha = tl.exp2(m_i - m_ref)
-            else:
-                s = dot(q, tl.trans(k), None, DOT_PRECISION)
+            else:  # a row's max is max(q k^T) * scale: one multiply less per score
                 m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
                 p = tl.exp2(s * scale_log2 - m_new[:, None])
                 alpha = tl.exp2(m_i - m_new)
@@ -87,13 +91,14 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
 @triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _forward_kernel(
     Q, K, V, K_DESC, V_DESC, O, LSE,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, dropout,  # each call's own (call_args)
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS, dropout,  # each call's own (call_args)
     REDO,  # Passes's flags (None: one launch)
     q_strides, k_strides, v_strides, o_strides, lse_strides,  # (batch, row, head); lse: (batch, head)
-    shape, band, masks, scale_log2, programs,  # groups of scalars (problem_args)
+    shape, band, masks, scale_log2, mods, programs,  # groups of scalars (problem_args, score_mod_args)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr, EXACT: tl.constexpr,
 ):
     stride_qb, stride_qn, stride_qh = q_strides
@@ -131,22 +136,32 @@ def _forward_kernel(
                                                       HAS_MASK or HAS_BLOCK_MASK)
             stream = b * heads_q + h
             pairs = pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
+            rule = score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI)
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
                 if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
                                                   kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs,
-                                                  scale_log2, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                                                  BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                                                  DOT_PRECISION, USE_TMA, EXACT)
+                                                  scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                                  BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
+                                                  SOFTCAP, ALIBI, DOT_PRECISION, USE_TMA, EXACT)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
             # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
             empty = (l_i == 0.0) | (rows >= q_len)
-            scale_out = kept_scale(dropout) / l_i if DROPOUT else 1.0 / l_i
+            if HAS_SINKS:  # a row without keys keeps the sink alone: lse = sink exactly, o = 0
+                sink = tl.load(SINKS + h)
+                m_i, l_i, alpha = with_sink(m_i, l_i, sink * LOG2E)
+                scale_out = alpha / l_i
+                no_key_lse = sink
+            else:
+                scale_out = 1.0 / l_i
+                no_key_lse = float("-inf")
+            if DROPOUT:
+                scale_out *= kept_scale(dropout)
             o = tl.where(empty[:, None], 0.0, acc * scale_out[:, None])
-            lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: natural log
+            lse = tl.where(empty, no_key_lse, (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: natural log
             dims_v = tl.arange(0, BLOCK_DV)
             o_base = O + b64 * stride_ob + (q_start + m0).to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh
             tl.store(o_base + rows_in_tile[:, None] * stride_on + dims_v[None, :], o.to(O.dtype.element_ty),
@@ -164,6 +179,8 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     if problem.varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
         o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+        if problem.sinks is not None:
+            lse.copy_(problem.sinks[:, None].expand_as(lse))
     else:
         o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
@@ -185,8 +202,8 @@ def _launch(problem, config, q, k, v, o, lse, *call):
                     config.options(), bool(parts & MASKED_PARTS) or problem.dropout_p > 0, PARTS=parts,
                     q_strides=row_strides(q, varlen), k_strides=row_strides(k, varlen),
                     v_strides=row_strides(v, varlen), o_strides=row_strides(o, varlen),
-                    lse_strides=lse_strides(lse, varlen), **args,
-                    scale_log2=abs(problem.scale_log2), USE_TMA=use_tma, **config.tiles())
+                    lse_strides=lse_strides(lse, varlen), **args, scale_log2=abs(problem.scale_log2),
+                    **score_mod_args(problem, abs(problem.softmax_scale)), USE_TMA=use_tma, **config.tiles())
 
     def run(q, k, v, o, lse, *call):
         kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse, *call)

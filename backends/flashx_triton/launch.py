@@ -48,11 +48,11 @@ def per_problem(problem, key, build):
 def call_args(problem) -> tuple:
     """The kernel arguments that change from call to call of one static problem, which kernels
     take right after their own tensors: the optional tensors CU_Q, CU_K, SEQLENS_Q, SEQLENS_K,
-    MASK and BLOCKS (None where absent; masks broadcast to (B, Hq, ., .)) and ``dropout``
-    (``dropout_args``)."""
+    MASK, BLOCKS (None where absent; masks broadcast to (B, Hq, ., .)), SLOPES and SINKS, and
+    ``dropout`` (``dropout_args``)."""
     mask, blocks = mask_tensors(problem)
     return (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k, mask, blocks,
-            dropout_args(problem))
+            problem.alibi_slopes, problem.sinks, dropout_args(problem))
 
 
 def call_layout(values: tuple) -> tuple:

@@ -1,0 +1,84 @@
+"""The contract's score modifications (softcap, ALiBi, sinks) on the device, and their arguments.
+
+Scores stay in base 2, as everywhere in the kernels: a modified score is
+``log2(e) * (c * tanh(scale * s / c) - a * |i + Lk - Lq - j|)`` for the raw product s = q . k,
+which the softmax then treats like any scaled score. The sink joins a row once, after its last
+key tile (``with_sink``), so a row's tiles never see it. Without modifications none of this is
+compiled: each is a constexpr, and the plain kernels keep their own fast paths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+def score_mod_args(problem, scale: float) -> dict:
+    """``mods`` (softcap's factors in and out, base 2; ALiBi's stride between sequences) and the
+    constexprs SOFTCAP, ALIBI and SINKS, for kernels whose raw products are scaled by ``scale``
+    (the forward runs a negative scale as a positive one on -q)."""
+    softcap, slopes = problem.softcap, problem.alibi_slopes
+    cap = (scale / softcap, softcap * math.log2(math.e)) if softcap is not None else (1.0, 1.0)
+    slope_stride = problem.heads_q if slopes is not None and slopes.ndim == 2 else 0
+    return dict(mods=(*cap, slope_stride), SOFTCAP=softcap is not None, ALIBI=slopes is not None,
+                HAS_SINKS=problem.sinks is not None)
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 to a few ulp, on the GPU and in Triton's interpreter alike (libdevice runs in
+    neither form there): a Taylor polynomial near 0, where (e - 1) / (e + 1) with e = exp(2|x|)
+    would lose the digits of a small x, and that quotient further out; NaN stays NaN and +-inf
+    gives +-1."""
+    y = tl.abs(x)
+    y2 = x * x
+    near = x * (1.0 + y2 * (-1.0 / 3 + y2 * (2.0 / 15 + y2 * (-17.0 / 315 + y2 * (62.0 / 2835
+                                                                                 + y2 * (-1382.0 / 155925))))))
+    e = tl.exp2(tl.minimum(y, 20.0) * (2 * LOG2E))  # past 20, tanh is 1 in fp32 (and inf / inf would be NaN)
+    far = (e - 1.0) / (e + 1.0)
+    far = tl.where(x < 0, -far, far)
+    return tl.where(y < 0.25, near, tl.where(x != x, x, far))
+
+
+@triton.jit
+def score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI: tl.constexpr):
+    """What modifies the scores of sequence b, query head h, packed for ``modified_scores``:
+    softcap's factors, and ALiBi's slope in base 2 with its diagonal (Lk - Lq)."""
+    cap_in, cap_out, slope_stride = mods
+    if ALIBI:
+        slope = tl.load(SLOPES + b * slope_stride + h) * LOG2E
+    else:
+        slope = 0.0
+    return cap_in, cap_out, slope, k_len - q_len
+
+
+@triton.jit
+def modified_scores(s, i, j, scale_log2, rule, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Steps 1-3 of the contract's order, in base 2, on raw products ``s`` of query rows i and key
+    columns j (broadcastable index tensors). Returns (scores, tanh of the scaled scores over c),
+    the second only meaningful under SOFTCAP (its derivative, 1 - tanh^2, is the backward's)."""
+    cap_in, cap_out, slope, diag = rule
+    if SOFTCAP:
+        capped = tanh(s * cap_in)
+        s = capped * cap_out
+    else:
+        capped = s
+        s = s * scale_log2
+    if ALIBI:
+        s = s - slope * tl.abs(i + diag - j).to(tl.float32)
+    return s, capped
+
+
+@triton.jit
+def with_sink(m, l, sink2):
+    """A row's running (max, sum) in base 2 with the sink's column (logit ``sink2``, base 2) added,
+    and the factor its accumulator takes: exp2 is taken only of differences to the new max, so a
+    sink far above the row's scores cannot overflow. A NaN or +inf sink makes the sum NaN."""
+    m_new = tl.maximum(m, sink2)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    return m_new, l * alpha + tl.exp2(sink2 - m_ref), alpha
