@@ -73,8 +73,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         "rotary_sin": (rotary_sin is not None, "rotary embedding is not applied inside flashx; rotate q and k first"),
         "cache_batch_idx": (cache_batch_idx is not None, "flashx reads cache row b for sequence b"),
         "cache_leftpad": (cache_leftpad is not None, "flashx's caches start at slot 0"),
-        "softcap": (softcap != 0, "attention_with_kvcache has no softcap"),
-        "alibi_slopes": (alibi_slopes is not None, "attention_with_kvcache has no ALiBi"),
     }
     for name, (given, reason) in declined.items():
         if given:
@@ -84,7 +82,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = arrays.full(q, (q.shape[0],), full if cache_seqlens is None else cache_seqlens, "int32")
     return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k, v_new=v,
                                   block_table=block_table, causal=causal, window=_window(window_size),
-                                  softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_softmax_lse)
+                                  softmax_scale=softmax_scale, softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+                                  num_splits=num_splits, return_lse=return_softmax_lse)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -138,7 +137,12 @@ def sdpa_as_flashx(query, key, value, *, attn_mask=None, dropout_p=0.0, is_causa
 def _flash_keywords(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic) -> dict:
     """flash-attn 2's keywords as flashx.attention's."""
     return dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window=_window(window_size),
-                softcap=None if softcap == 0 else softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+                softcap=_softcap(softcap), alibi_slopes=alibi_slopes, deterministic=deterministic)
+
+
+def _softcap(softcap):
+    """flash-attn's softcap=0.0 means no softcap; flashx's None does."""
+    return None if softcap == 0 else softcap
 
 
 def _window(window_size):

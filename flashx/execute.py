@@ -53,7 +53,7 @@ def _empty_outputs(problem: BaseProblem, q):
     """o = 0 and lse = -inf, or the sink's logit σ_h with sinks: what a problem whose rows read no
     key returns."""
     o = arrays.full(q, problem.o_shape, 0.0, problem.dtype)
-    sinks = getattr(problem, "sinks", None)
+    sinks = problem.sinks
     if sinks is None:
         return o, arrays.full(q, problem.lse_shape, -float("inf"), problem.lse_dtype)
     # heads lead the varlen lse (Hq, Tq) and follow the batch in the padded one (B, Hq, Nq)

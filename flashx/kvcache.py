@@ -23,8 +23,8 @@ from flashx.validation import build_decode_problem
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
-                           causal=True, window=None, softmax_scale=None, mask=None, num_splits=0, validate=True,
-                           return_lse=False, backend="auto"):
+                           causal=True, window=None, softmax_scale=None, softcap=None, alibi_slopes=None, sinks=None,
+                           mask=None, num_splits=0, validate=True, return_lse=False, backend="auto"):
     """Attention of a few new query rows per sequence over a KV cache, after appending k_new, v_new.
 
     q (B, Nq, Hq, D); k_cache, v_cache (B, S, Hk, D|Dv), or (P, page_size, Hk, D|Dv) pages with
@@ -32,12 +32,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     (B, Nn, Hk, D|Dv) are written into the cache in place at positions cache_seqlens[b] onwards;
     ``cache_seqlens`` is not advanced. Returns o (B, Nq, Hq, Dv), and lse (B, Hq, Nq) with
     ``return_lse``. ``mask`` (broadcastable to (B, Hq, Nq, Nq)) applies to the last Nq keys: a
-    speculative-decoding tree. ``num_splits``: parts of each sequence's keys computed in parallel
-    (0: the backend chooses). ``validate=False``: no host synchronization (the caller promises
-    valid lengths and tables), capturable in a CUDA graph.
+    speculative-decoding tree. ``softcap``, ``alibi_slopes`` ((Hq,) or (B, Hq)) and ``sinks``
+    ((Hq,)) as in attention, query i of sequence b at key position Lk[b] - Nq + i; a split is
+    computed without the sink, which joins each row once. ``num_splits``: parts of each
+    sequence's keys computed in parallel (0: the backend chooses). ``validate=False``: no host
+    synchronization (the caller promises valid lengths and tables), capturable in a CUDA graph.
     """
     keywords = dict(cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table, causal=causal,
-                    window=window, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, validate=validate)
+                    window=window, softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
+                    sinks=sinks, mask=mask, num_splits=num_splits, validate=validate)
     if arrays.traced(q):
         from flashx.ops import attention_with_kvcache as traced_call
 

@@ -90,6 +90,10 @@ class BaseProblem:
     softmax_scale: float
     causal: bool = False
     window: tuple[int, int] | None = None  # (left, right), -1 = unbounded; causal not folded in
+    # the contract's "Score modifications", the same in both operations
+    softcap: float | None = None
+    alibi_slopes: Any = None  # (Hq,) or (B, Hq), in lse_dtype
+    sinks: Any = None  # (Hq,), in lse_dtype: one logit per query head in every row's softmax denominator
     deterministic: bool = False  # a backward whose bits do not depend on scheduling
 
     @property
@@ -134,6 +138,9 @@ class BaseProblem:
             "window": self.window is not None,
             "gqa": self.heads_q != self.heads_k,
             "dv_ne_d": self.head_dim_v != self.head_dim,
+            "softcap": self.softcap is not None,
+            "alibi": self.alibi_slopes is not None,
+            "sinks": self.sinks is not None,
         }
 
     def with_arrays(self, convert: Callable[[str, Any], Any]):
@@ -175,6 +182,7 @@ class BaseProblem:
             parts.append("causal")
         if self.window is not None:
             parts.append(f"window={self.window}")
+        parts += [name for name in ("softcap", "alibi", "sinks") if name in self.features]
         return ", ".join(parts + self._details())
 
     def _shapes(self) -> str:
@@ -201,9 +209,6 @@ class Problem(BaseProblem):
     seqlen_k: int  # padded: Nk; varlen: the longest key sequence (max_seqlen_k)
     total_q: int | None = None  # varlen: Tq rows of q; padded: None
     total_k: int | None = None
-    softcap: float | None = None
-    alibi_slopes: Any = None  # (Hq,) or (B, Hq), in lse_dtype
-    sinks: Any = None  # (Hq,), in lse_dtype: one logit per query head in every row's softmax denominator
     mask: Any = None
     block_mask: BlockMask | None = None
     seqlens_q: Any = None
@@ -236,9 +241,6 @@ class Problem(BaseProblem):
             "varlen": self.varlen,
             "dropout": self.dropout_p > 0,
             "dropout_offsets": self.dropout_p > 0 and self.dropout_offsets != (0, 0),
-            "softcap": self.softcap is not None,
-            "alibi": self.alibi_slopes is not None,
-            "sinks": self.sinks is not None,
         }
 
     # -- dropout (the contract's Dropout section), as every kernel takes it -------------------
@@ -300,7 +302,7 @@ class Problem(BaseProblem):
         return f"q{self.q_shape} k{self.k_shape} v{self.v_shape} {self.dtype} {self.array_kind}@{self.where} {layout}"
 
     def _details(self) -> list[str]:
-        parts = [name for name in ("mask", "block_mask", "seqlens", "softcap", "alibi", "sinks") if name in self.features]
+        parts = [name for name in ("mask", "block_mask", "seqlens") if name in self.features]
         if self.dropout_p:
             parts.append(f"dropout_p={self.dropout_p}")
         if "dropout_offsets" in self.features:
@@ -316,11 +318,12 @@ class DecodeProblem(BaseProblem):
 
     q (B, Nq, Hq, D); a contiguous cache (B, S, Hk, D) or a paged one (P, page_size, Hk, D);
     ``cache_seqlens`` (B,) and ``block_table`` (B, max_pages) as int32. Sequence b attends to
-    Lk[b] = cache_seqlens[b] + new_tokens keys, its query i sitting at position Lk[b] - Nq + i.
+    Lk[b] = cache_seqlens[b] + new_tokens keys, its query i sitting at position Lk[b] - Nq + i:
+    the position of causal, window and ALiBi's distance alike.
     """
 
     operation: ClassVar[str] = "decode"
-    ARRAYS: ClassVar[tuple[str, ...]] = ("cache_seqlens", "block_table", "mask")
+    ARRAYS: ClassVar[tuple[str, ...]] = ("cache_seqlens", "block_table", "mask", "alibi_slopes", "sinks")
 
     seqlen_q: int  # Nq
     new_tokens: int  # Nn: rows of k_new and v_new (0 without them)

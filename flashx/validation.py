@@ -95,14 +95,8 @@ def build_problem(q, k, v, **options) -> Problem:
         o.softmax_scale = default_scale(head_dim)
     else:
         _number("softmax_scale", o.softmax_scale, _is_real, "a finite real number or None", math.isfinite)
-    if o.softcap is not None:
-        _number("softcap", o.softcap, _is_real, "a positive number or None", lambda x: x > 0)
-    lse_dtype = "float64" if dtype == "float64" else "float32"
-    if o.alibi_slopes is not None:
-        o.alibi_slopes = _real_array("alibi_slopes", o.alibi_slopes, ((heads_q,), (batch, heads_q)), lse_dtype,
-                                     kind, device, device_index)
-    if o.sinks is not None:
-        o.sinks = _real_array("sinks", o.sinks, ((heads_q,),), lse_dtype, kind, device, device_index)
+    o.softcap, o.alibi_slopes, o.sinks = _score_modifications(o.softcap, o.alibi_slopes, o.sinks, batch, heads_q,
+                                                              dtype, kind, device, device_index)
     _number("dropout_p", o.dropout_p, _is_real, "a number in [0, 1)", lambda x: 0 <= x < 1)
     if o.seed is None:
         o.seed = _draw_seed(kind) if o.dropout_p > 0 else 0
@@ -128,7 +122,7 @@ def build_problem(q, k, v, **options) -> Problem:
         softmax_scale=float(o.softmax_scale),
         causal=o.causal,
         window=o.window,
-        softcap=None if o.softcap is None else float(o.softcap),
+        softcap=o.softcap,
         alibi_slopes=o.alibi_slopes,
         sinks=o.sinks,
         mask=o.mask,
@@ -221,6 +215,21 @@ def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
     return arrays.astype(cu, "int32"), longest if max_seqlen is None else int(max_seqlen)
 
 
+def _score_modifications(softcap, alibi_slopes, sinks, batch, heads_q, dtype, kind, device, device_index):
+    """(softcap, alibi_slopes, sinks) of the contract's "Score modifications", checked for either
+    operation: softcap as a float, slopes and sinks in the lse's dtype."""
+    if softcap is not None:
+        _number("softcap", softcap, _is_real, "a positive number or None", lambda x: x > 0)
+        softcap = float(softcap)
+    lse_dtype = "float64" if dtype == "float64" else "float32"
+    if alibi_slopes is not None:
+        alibi_slopes = _real_array("alibi_slopes", alibi_slopes, ((heads_q,), (batch, heads_q)), lse_dtype,
+                                   kind, device, device_index)
+    if sinks is not None:
+        sinks = _real_array("sinks", sinks, ((heads_q,),), lse_dtype, kind, device, device_index)
+    return softcap, alibi_slopes, sinks
+
+
 def _real_array(name, x, shapes, dtype, kind, device, device_index):
     """``x`` (slopes, sinks) checked, in ``dtype`` (the lse's): any floating dtype is taken and
     converted once here, so that a backend receives the one dtype the contract states."""
@@ -289,12 +298,12 @@ def _is_real(x) -> bool:
 
 
 def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
-                         causal=True, window=None, softmax_scale=None, mask=None, num_splits=0,
-                         validate=True) -> DecodeProblem:
+                         causal=True, window=None, softmax_scale=None, softcap=None, alibi_slopes=None, sinks=None,
+                         mask=None, num_splits=0, validate=True) -> DecodeProblem:
     """Every argument checked; lengths and tables on the host only with ``validate``."""
-    causal, window, softmax_scale, num_splits, validate = map(python_scalar, (causal, window, softmax_scale,
-                                                                            num_splits, validate))
-    q, mask = arrays.resolved(q), None if mask is None else arrays.resolved(mask)
+    causal, window, softmax_scale, softcap, num_splits, validate = map(
+        python_scalar, (causal, window, softmax_scale, softcap, num_splits, validate))
+    q, mask, alibi_slopes, sinks = (None if x is None else arrays.resolved(x) for x in (q, mask, alibi_slopes, sinks))
     kind, device, device_index, dtype = _operands(q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
     like_q = (kind, device, device_index)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -360,6 +369,7 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
         softmax_scale = default_scale(head_dim)
     else:
         _number("softmax_scale", softmax_scale, _is_real, "a finite real number or None", math.isfinite)
+    softcap, alibi_slopes, sinks = _score_modifications(softcap, alibi_slopes, sinks, batch, heads_q, dtype, *like_q)
     _number("num_splits", num_splits, _is_int, "an int >= 0 (0: the backend chooses)", lambda n: n >= 0)
     if not isinstance(validate, bool):
         raise DTypeError(f"validate: expected a bool, got {validate!r}")
@@ -386,6 +396,9 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
         block_table=arrays.astype(block_table, "int32") if paged else None,
         causal=causal,
         window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
         mask=mask,
         num_splits=int(num_splits),
         validated=validate,

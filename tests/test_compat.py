@@ -156,7 +156,14 @@ def test_flash_attn_varlen_func_matches_the_oracle():
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_flash_attn_with_kvcache_matches_the_oracle(paged):
+@pytest.mark.parametrize("keywords, options", [
+    ({}, {}),
+    ({"softcap": 1.5}, {"softcap": 1.5}),
+    ({"alibi_slopes": torch.tensor([[0.5, 0.25, 0.125, 1.0], [2.0, 0.75, 0.0625, 0.5]], dtype=torch.float32)},
+     {"alibi_slopes": np.array([[0.5, 0.25, 0.125, 1.0], [2.0, 0.75, 0.0625, 0.5]])}),
+], ids=["plain", "softcap", "alibi"])
+def test_flash_attn_with_kvcache_matches_the_oracle(paged, keywords, options):
+    """Softcap and ALiBi (per sequence and head) decode as flash-attn's do: query i at key Lk - Nq + i."""
     batch, capacity = 2, 12
     q, k_new, v_new = _randn(batch, 2, 4, 8), _randn(batch, 2, 2, 8, seed=1), _randn(batch, 2, 2, 8, seed=2)
     lengths = torch.tensor([3, 10], dtype=torch.int32)
@@ -168,9 +175,9 @@ def test_flash_attn_with_kvcache_matches_the_oracle(paged):
         block_table = None
     want_k, want_v, k, v, options = oracle.kvcache(
         *_numpy(q, k_cache, v_cache), cache_seqlens=lengths.numpy(), k_new=k_new.numpy(), v_new=v_new.numpy(),
-        block_table=None if block_table is None else block_table.numpy(), causal=True)
+        block_table=None if block_table is None else block_table.numpy(), causal=True, **options)
     o, lse = compat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
-                                            block_table=block_table, causal=True, return_softmax_lse=True)
+                                            block_table=block_table, causal=True, return_softmax_lse=True, **keywords)
     want_o, want_lse = oracle.forward(q.numpy(), k, v, **options)
     _close(o, want_o)
     _close(lse, want_lse)
@@ -187,6 +194,6 @@ def test_flash_attn_with_kvcache_defaults():
     o = compat.flash_attn_with_kvcache(q, k_cache, v_cache)  # None: the whole cache
     _close(o, oracle.forward(*_numpy(q, k_cache, v_cache))[0])
     for name, value in (("rotary_cos", torch.ones(6, 4)), ("cache_batch_idx", torch.arange(2)),
-                        ("cache_leftpad", torch.zeros(2, dtype=torch.int32)), ("softcap", 5.0)):
+                        ("cache_leftpad", torch.zeros(2, dtype=torch.int32))):
         with pytest.raises(flashx.UnsupportedError, match=name):
             compat.flash_attn_with_kvcache(q, k_cache, v_cache, **{name: value})

@@ -178,25 +178,30 @@ def test_attention_with_kvcache_compiles_and_writes_the_cache():
     k_new, v_new = k_new[:, :, :2], v_new[:, :, :2]
     k_cache, v_cache = (torch.randn(2, 16, 2, 8, generator=generator) for _ in range(2))
     lengths = torch.tensor([3, 9], dtype=torch.int32)
+    slopes, sinks = torch.tensor([0.5, 0.25, 0.125, 0.0625]), torch.tensor([0.5, -1.0, 2.0, 0.25])
 
-    def decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new):
+    def decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, alibi_slopes, sinks):
         return flashx.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
-                                             v_new=v_new, return_lse=True, backend="numpy")
+                                             v_new=v_new, softcap=2.0, alibi_slopes=alibi_slopes, sinks=sinks,
+                                             return_lse=True, backend="numpy")
 
-    explanation = torch._dynamo.explain(decode)(q, k_cache.clone(), v_cache.clone(), lengths, k_new, v_new)
+    explanation = torch._dynamo.explain(decode)(q, k_cache.clone(), v_cache.clone(), lengths, k_new, v_new, slopes,
+                                                sinks)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     caches = (k_cache.clone(), v_cache.clone())
-    o, lse = torch.compile(decode, backend="aot_eager", fullgraph=True)(q, *caches, lengths, k_new, v_new)
+    o, lse = torch.compile(decode, backend="aot_eager", fullgraph=True)(q, *caches, lengths, k_new, v_new, slopes,
+                                                                        sinks)
     want_k, want_v, k, v, options = oracle.kvcache(q.numpy(), k_cache.numpy(), v_cache.numpy(),
                                                    cache_seqlens=lengths.numpy(), k_new=k_new.numpy(),
-                                                   v_new=v_new.numpy())
+                                                   v_new=v_new.numpy(), softcap=2.0, alibi_slopes=slopes.numpy(),
+                                                   sinks=sinks.numpy())
     np.testing.assert_array_equal(caches[0].numpy(), want_k)
     np.testing.assert_array_equal(caches[1].numpy(), want_v)
     want_o, want_lse = oracle.forward(q.numpy(), k, v, **options)
     np.testing.assert_allclose(o.numpy(), want_o, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(ops.kvcache_op, (q, k_cache.clone(), v_cache.clone(), lengths, k_new, v_new, None, True,
-                                           None, None, None, 0, True, "numpy"))
+                                           None, None, 2.0, slopes, sinks, None, 0, True, "numpy"))
 
 
 @pytest.mark.parametrize("name, value, error", [("seed", -1, flashx.OptionError), ("seed", 2**64, flashx.OptionError),

@@ -12,6 +12,7 @@ import pytest
 
 import flashx
 from flashx import arrays, dispatch, kvcache, registry, validation
+from flashx.problem import FEATURES
 
 RNG = np.random.default_rng(27)
 
@@ -182,6 +183,27 @@ def test_problem_description():
     problem = validation.build_decode_problem(**paged_call(), window=(3, 2), num_splits=2)
     assert problem.band == (3, 0) and problem.features == {"causal", "window", "gqa"}
     assert "paged cache of 4 pages x 4 slots" in problem.describe() and "num_splits=2" in problem.describe()
+
+
+def test_score_modifications_reach_the_problem_and_are_declared():
+    """softcap, ALiBi slopes and sinks reach the decoding problem checked as attention checks them
+    (slopes and sinks of any floating dtype in the lse's), show in explain, and a backend that keeps
+    the default declaration declines them with one reason each; the NumPy reference declares them."""
+    call = paged_call()
+    slopes, sinks = np.array([[0.5, 0.25, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]]), np.zeros(4, np.float16)
+    registry.register(Recorder())
+    try:
+        explanation = kvcache.explain(**call, softcap=2, alibi_slopes=slopes, sinks=sinks)
+    finally:
+        registry.unregister("recorder")
+    problem = explanation.problem
+    assert problem.softcap == 2.0 and type(problem.softcap) is float
+    assert problem.alibi_slopes.dtype == np.float32 and problem.sinks.dtype == np.float32
+    assert problem.features == {"causal", "gqa", "softcap", "alibi", "sinks"}
+    assert "softcap, alibi, sinks" in problem.describe()
+    rows = {row.name: row.reasons for row in explanation.rows}
+    assert rows["recorder"] == tuple(f"does not support {FEATURES[name]}" for name in ("alibi", "sinks", "softcap"))
+    assert rows["numpy"] == () and explanation.chosen == "numpy"
 
 
 def test_numpy_declines_writing_a_torch_bfloat16_cache():

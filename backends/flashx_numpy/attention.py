@@ -240,7 +240,7 @@ def _sink_of_rows(problem: Problem, heads: slice, queries: int, dtype) -> np.nda
     return np.tile(problem.sinks[heads].astype(dtype), queries)
 
 
-def _with_sink(keys_lse: np.ndarray, sink: np.ndarray) -> np.ndarray:
+def with_sink(keys_lse: np.ndarray, sink: np.ndarray) -> np.ndarray:
     """log(exp(keys_lse) + exp(sink)) as the contract's softmax computes it: a NaN or +inf sink
     gives NaN (as such a score would), a row without keys (keys_lse = -inf) the sink itself."""
     top = np.maximum(keys_lse, sink)
@@ -352,7 +352,7 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
         out = acc[:, :-1] / (total * (1 - p))[:, None]
         row_lse = ref + np.log(total)
         if problem.sinks is not None:
-            keys_lse, row_lse = row_lse, _with_sink(row_lse, _sink_of_rows(problem, heads, i1 - i0, dtype))
+            keys_lse, row_lse = row_lse, with_sink(row_lse, _sink_of_rows(problem, heads, i1 - i0, dtype))
             out *= np.exp(keys_lse - row_lse)[:, None]  # the keys' share of the row's weight
         np.copyto(out, 0, where=(total == 0)[:, None])  # rows with no allowed key
         o[i0:i1, heads] = out.reshape(i1 - i0, group, dim_v)

@@ -7,6 +7,12 @@ tree mask over its last Nq keys), and the keys are cut into ``num_splits`` conse
 (one part when it is 0). Each part is attended to by the tiled forward (``flashx_numpy.attention``,
 which keeps masked-out NaN out of every product) and the parts are combined as the contract's
 "Merging partial results" says, through ``flashx.merge_states``.
+
+Softcap and ALiBi are the forward's own. A part's call holds the keys from its first one to the
+sequence's end, those past the part masked out, so that its bottom-right diagonal is the
+sequence's: the one ALiBi measures its distance from. The parts are computed without the sink,
+which joins each row once, after the merge (``_join_sink``): a split that holds no key adds
+nothing, the sink included.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import numpy as np
 
 import flashx
 from flashx.validation import build_problem
-from flashx_numpy.attention import forward
+from flashx_numpy.attention import forward, with_sink
 
 
 def decode(problem, q, k_cache, v_cache, k_new, v_new, *, block_q: int, block_k: int):
@@ -34,14 +40,16 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new, *, block_q: int, block_k:
         where = _slots(problem, b, np.arange(lengths[b] + problem.new_tokens))
         keys, values = k_cache[where].astype(work), v_cache[where].astype(work)
         queries = q[b].astype(work)
-        allowed = _allowed(problem, b, keys.shape[0])
-        bounds = keys.shape[0] * np.arange(parts + 1) // parts
+        length = keys.shape[0]
+        allowed = _allowed(problem, b, length)
+        bounds = length * np.arange(parts + 1) // parts
         merged = None
         for j0, j1 in zip(bounds[:-1], bounds[1:]):
-            part = _attend(problem, queries, keys[j0:j1], values[j0:j1], allowed[..., j0:j1], block_q, block_k)
+            in_part = allowed[..., j0:] & (np.arange(j0, length) < j1)
+            part = _attend(problem, b, queries, keys[j0:], values[j0:], in_part, block_q, block_k)
             with np.errstate(invalid="ignore"):  # NaN in, NaN out
                 merged = part if merged is None else flashx.merge_states(*merged, *part)
-        o[b], lse[b] = merged[0][0], merged[1][0]
+        o[b], lse[b] = _join_sink(problem, merged[0][0], merged[1][0])
     return o, lse
 
 
@@ -74,10 +82,27 @@ def _allowed(problem, b: int, length: int) -> np.ndarray:
     return allowed & full
 
 
-def _attend(problem, q, k, v, allowed, block_q, block_k):
-    """(o (1, Nq, Hq, Dv), lse (1, Hq, Nq)) of query rows q over the keys k, v of one part."""
+def _attend(problem, b, q, k, v, allowed, block_q, block_k):
+    """(o (1, Nq, Hq, Dv), lse (1, Hq, Nq)) of query rows q over the keys k, v that ``allowed``
+    lets them see, without the sink; the last key of k is the sequence's last."""
     if k.shape[0] == 0:
         return (np.zeros((1,) + q.shape[:2] + (v.shape[-1],), q.dtype),
                 np.full((1, q.shape[1], q.shape[0]), -np.inf, q.dtype))
-    part = build_problem(q[None], k[None], v[None], mask=allowed[None], softmax_scale=problem.softmax_scale)
+    slopes = problem.alibi_slopes
+    if slopes is not None and slopes.ndim == 2:
+        slopes = slopes[b]
+    part = build_problem(q[None], k[None], v[None], mask=allowed[None], softmax_scale=problem.softmax_scale,
+                         softcap=problem.softcap, alibi_slopes=slopes)
     return forward(part, q[None], k[None], v[None], block_q=block_q, block_k=block_k)
+
+
+def _join_sink(problem, o, keys_lse):
+    """(o (Nq, Hq, Dv), lse (Hq, Nq)) with the sink's column joined once, given the merged result
+    over the keys: o takes the keys' share exp(keys_lse - lse) of the row's weight; a row with
+    no key keeps o = 0 and gets lse = sink."""
+    if problem.sinks is None:
+        return o, keys_lse
+    with np.errstate(divide="ignore", invalid="ignore"):  # -inf and NaN where the contract says
+        lse = with_sink(keys_lse, problem.sinks[:, None].astype(keys_lse.dtype))
+        share = np.where(keys_lse == -np.inf, 0.0, np.exp(keys_lse - lse))
+    return o * share.T[:, :, None], lse

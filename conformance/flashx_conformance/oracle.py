@@ -427,13 +427,15 @@ def _masked_matmul(a, b, allowed):
 
 
 def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, causal=True,
-            window=None, softmax_scale=None, mask=None):
+            window=None, softmax_scale=None, softcap=None, alibi_slopes=None, sinks=None, mask=None):
     """``flashx.attention_with_kvcache`` as dense attention: (k_cache, v_cache after the append, k, v, options).
 
     The new tokens are written into copies of the caches (through ``block_table`` when paged);
     sequence b's Lk = cache_seqlens[b] + Nn keys are gathered in order into k, v (B, max Lk, Hk, D),
     zero past Lk. ``options`` (for ``forward``, ``naive``, ``term_magnitudes``, ``empty_rows``) hold
     seqlens_k = Lk and one bool mask that is the tree ``mask`` over each sequence's last Nq keys.
+    Queries keep Lq = Nq, so the dense call puts query i at key Lk - Nq + i, as decoding does: its
+    ALiBi distance, like its causal band, is decoding's. The score modifications pass through.
     """
     k_cache, v_cache = np.array(k_cache), np.array(v_cache)
     lengths = np.asarray(cache_seqlens, dtype=np.int64)
@@ -462,5 +464,6 @@ def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block
             first = total[b] - seqlen_q  # the key the tree mask's column 0 stands for
             columns = np.arange(max(first, 0), total[b])
             allowed[b][:, :, columns] = tree[b][:, :, columns - first]
-    options = dict(seqlens_k=total, causal=causal, window=window, softmax_scale=softmax_scale, mask=allowed)
+    options = dict(seqlens_k=total, causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks, mask=allowed)
     return k_cache, v_cache, k, v, options

@@ -1,12 +1,17 @@
 """Decoding with a KV cache (``flashx.attention_with_kvcache``): contiguous and paged caches, the
-in-place append, splits, tree masks, poison and malformed tables and lengths.
+in-place append, splits, tree masks, the score modifications, poison and malformed tables and lengths.
 
 Every case holds o and lse to the dense float64 oracle (``oracle.kvcache`` lays each call out as
 dense attention: the sequence's keys gathered in order, seqlens_k = Lk, the tree mask over the last
-Nq keys), rows with no allowed key to o = 0 and lse = -inf exactly, and the caches after the call to
-the caches with the new tokens written in, bit for bit: nothing is written anywhere else. Every
-slot a sequence does not hold (past its length, in pages no sequence uses) is NaN before the
-call, so a kernel that reads one leaks NaN into the outputs.
+Nq keys), rows with no allowed key to o = 0 and lse = -inf (the head's sink with sinks) exactly,
+and the caches after the call to the caches with the new tokens written in, bit for bit: nothing
+is written anywhere else. Every slot a sequence does not hold (past its length, in pages no
+sequence uses) is NaN before the call, so a kernel that reads one leaks NaN into the outputs.
+
+The score modifications run the values of ``test_score_mods`` over decoding's own contexts
+(``DECODE_CONTEXTS``), where a backend that gets one rule wrong fails: ALiBi measured from a
+split's last key instead of the sequence's, or from the top-left; the sink counted in every split,
+or not in a row without keys; the cap applied before the scale.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import pytest
 import flashx
 import flashx.kvcache
 from flashx_conformance import oracle
-from flashx_conformance.harness import full_only
+from flashx_conformance.harness import diagonal, full_only
+from flashx_conformance.test_score_mods import ALIBI, SINKS, SOFTCAPS
 from flashx_conformance.tolerance import judge, judge_exact, reference_precision, round_to
 
 AXES = {"o": "bihd", "lse": "bhi"}
@@ -39,7 +45,7 @@ class DecodeCase:
     k_new: np.ndarray | None = None
     v_new: np.ndarray | None = None
     block_table: np.ndarray | None = None  # int32; -1 in entries that hold no token
-    options: dict = field(default_factory=dict)  # causal, window, softmax_scale, mask, num_splits
+    options: dict = field(default_factory=dict)  # causal, window, softmax_scale, the modifications, mask, num_splits
 
     @property
     def arrays(self) -> dict:
@@ -123,9 +129,8 @@ def skip_unless_supported(target, q, k_cache, v_cache, **keywords):
 
 
 def _keywords(target, case, extra) -> dict:
-    keywords = {**case.options, **extra}
-    if isinstance(keywords.get("mask"), np.ndarray):  # else already the backend's array (a test's own view)
-        keywords["mask"] = target.array(keywords["mask"], case.dtype)
+    # NumPy arrays become the backend's (slopes and sinks in float32); others are a test's own views
+    keywords = target.auxiliary({**case.options, **extra}, case.dtype)
     return {**{name: target.array(x, case.dtype) for name, x in case.arrays.items()}, **keywords}
 
 
@@ -147,8 +152,10 @@ def failures(case: DecodeCase, got: dict) -> list[str]:
         found.append(judge(name, got[name], expected[n], [naive[n]], terms[n], case.dtype, AXES[name],
                            lse_magnitude=lse_magnitude))
     empty = oracle.empty_rows(case.q, k, v, **options)
+    sinks = options["sinks"]
+    empty_lse = -math.inf if sinks is None else np.asarray(sinks, dtype=np.float64)[:, None]  # lse: (B, Hq, Nq)
     found.append(judge_exact("o", got["o"], 0.0, empty.swapaxes(1, 2)[..., None], AXES["o"], "rows with no allowed key"))
-    found.append(judge_exact("lse", got["lse"], -math.inf, empty, AXES["lse"], "rows with no allowed key"))
+    found.append(judge_exact("lse", got["lse"], empty_lse, empty, AXES["lse"], "rows with no allowed key"))
     return [failure for failure in found if failure]
 
 
@@ -321,6 +328,91 @@ def test_decode_empty(flashx_target, flashx_rng, shape):
     assert got["o"].shape == case.q.shape[:3] + (case.v_cache.shape[-1],)
 
 
+# ---------------------------------------------------------------------------------- score modifications
+
+#: Where each modification must hold in decoding: name -> build(rng, dtype, mods), ``mods(batch,
+#: heads_q)`` giving the modification's keywords (``test_score_mods``'s families). GQA 2 throughout.
+DECODE_CONTEXTS = {
+    # one new token per sequence in a contiguous cache, three splits
+    "contiguous": lambda rng, dtype, mods: make_decode_case(rng, lengths=[45, 17, 3], new=1, dtype=dtype,
+                                                            num_splits=3, **mods(3, 4)),
+    # chunked prefill: Nq = Nn = 4 new tokens attended causally across a page boundary, the
+    # empty second sequence holding only them
+    "paged-causal-append": lambda rng, dtype, mods: make_decode_case(rng, lengths=[14, 0, 31], new=4, seqlen_q=4,
+                                                                     page_size=16, dtype=dtype, causal=True,
+                                                                     num_splits=2, **mods(3, 4)),
+    # a draft tree: the tree mask removes pairs, it does not move the bias
+    "tree-mask": lambda rng, dtype, mods: make_decode_case(rng, lengths=[37, 0, 20], new=len(DRAFT_TREE),
+                                                           seqlen_q=len(DRAFT_TREE), page_size=5, dtype=dtype,
+                                                           mask=draft_tree_mask(DRAFT_TREE), causal=True,
+                                                           num_splits=2, **mods(3, 4)),
+    # keys on both sides of each row's position, in pages of one slot
+    "window": lambda rng, dtype, mods: make_decode_case(rng, lengths=[60, 3, 0], new=2, seqlen_q=3, page_size=1,
+                                                        dtype=dtype, window=(9, 2), causal=False, num_splits=3,
+                                                        **mods(3, 4)),
+    # more splits than keys: an empty split adds nothing, not even the sink
+    "many-splits": lambda rng, dtype, mods: make_decode_case(rng, lengths=[70, 1, 5], seqlen_q=2, page_size=16,
+                                                             dtype=dtype, causal=False, num_splits=7, **mods(3, 4)),
+    # an empty cache without new tokens: the first sequence's rows have no key (o = 0, lse = sink)
+    "empty-cache": lambda rng, dtype, mods: make_decode_case(rng, lengths=[0, 23], seqlen_q=2, page_size=16,
+                                                             dtype=dtype, causal=True, num_splits=2, **mods(2, 4)),
+}
+
+
+@pytest.mark.parametrize("cap, context", diagonal(list(SOFTCAPS), list(DECODE_CONTEXTS)), ids=str)
+def test_decode_softcap(flashx_target, flashx_rng, cap, context):
+    """S = c * tanh(S / c) on the scaled scores of every split."""
+    check(flashx_target, DECODE_CONTEXTS[context](flashx_rng, flashx_target.dtype, SOFTCAPS[cap]))
+
+
+@pytest.mark.parametrize("slopes, context", diagonal(list(ALIBI), list(DECODE_CONTEXTS)), ids=str)
+def test_decode_alibi(flashx_target, flashx_rng, slopes, context):
+    """S -= a * |Lk - Nq + i - j|: the distance from each row's own position, whatever split holds the key."""
+    check(flashx_target, DECODE_CONTEXTS[context](flashx_rng, flashx_target.dtype, ALIBI[slopes]))
+
+
+@pytest.mark.parametrize("sinks, context", diagonal(list(SINKS), list(DECODE_CONTEXTS)), ids=str)
+def test_decode_sinks(flashx_target, flashx_rng, sinks, context):
+    """exp(sink) once in every row's denominator, however many splits; lse holds it; a row with no key
+    has o = 0 and lse = sink."""
+    check(flashx_target, DECODE_CONTEXTS[context](flashx_rng, flashx_target.dtype, SINKS[sinks]))
+
+
+def _all_three(batch, heads):
+    return {"softcap": 2.0, "alibi_slopes": 2.0 ** -np.arange(1.0, batch * heads + 1).reshape(batch, heads),
+            "sinks": np.resize([1.5, -0.5, 4.0, 0.25], heads)}
+
+
+@pytest.mark.parametrize("context", list(DECODE_CONTEXTS))
+def test_decode_score_mods_combined(flashx_target, flashx_rng, context):
+    """softcap, ALiBi per sequence and head, and sinks in one decoding call, in the contract's order."""
+    check(flashx_target, DECODE_CONTEXTS[context](flashx_rng, flashx_target.dtype, _all_three))
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=lambda p: "contiguous" if p is None else f"page{p}")
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=full_only)])
+def test_decode_score_mods_16bit(flashx_target, flashx_rng, dtype, page_size):
+    """All three in 16 bits at the benchmarks' decoding shapes (GQA 4, d64), where GPU kernels take
+    their tensor-core paths, with the backend's own choice of splits."""
+    lengths = [600, 131, 0] if flashx_target.full else [70, 33, 0]
+    case = make_decode_case(flashx_rng, lengths=lengths, heads_q=8, heads_k=2, head_dim=64, page_size=page_size,
+                            dtype=dtype, **_all_three(3, 8))
+    check(flashx_target, case)
+
+
+def test_decode_score_mods_nan_and_inf(flashx_target, flashx_rng):
+    """A NaN sink (head 0) and a +inf sink (head 1) make the rows of their head that have a key NaN;
+    the rows of the empty sequence keep o = 0 and lse = sink. A NaN slope (sequence 0, head 2) makes
+    that sequence's head NaN; head 3 is untouched. Split in three, the sink still counts once."""
+    slopes = np.full((2, 4), 0.25)
+    slopes[0, 2] = np.nan
+    case = make_decode_case(flashx_rng, lengths=[30, 0], seqlen_q=2, page_size=16, dtype=flashx_target.dtype,
+                            num_splits=3, softcap=3.0, sinks=np.array([np.nan, np.inf, 0.5, -1.0]), alibi_slopes=slopes)
+    got = check(flashx_target, case)
+    assert np.isnan(got["o"][0, :, :2]).all() and np.isnan(got["o"][0, :, 2]).all() and np.isfinite(got["o"][0, :, 3]).all()
+    assert (got["o"][1] == 0).all()
+
+
 def _wrong_table(case):
     case.block_table[1, 0] = case.k_cache.shape[0]  # past the last page
     return {}
@@ -369,6 +461,12 @@ MALFORMED = {
     "validate-int": (_set(validate=1), flashx.DTypeError, "validate"),
     "causal-int": (_set(causal=1), flashx.DTypeError, "causal"),
     "window": (_set(window=(-2, 0)), flashx.OptionError, "window"),
+    "softcap-zero": (_set(softcap=0.0), flashx.OptionError, "softcap"),
+    "softcap-string": (_set(softcap="1"), flashx.DTypeError, "softcap"),
+    "alibi-shape": (_set(alibi_slopes=np.ones((3, 2))), flashx.ShapeError, "alibi_slopes"),
+    "alibi-int": (lambda case: {"alibi_slopes": np.ones(4, np.int32)}, flashx.DTypeError, "alibi_slopes"),
+    "sinks-shape": (_set(sinks=np.ones((3, 4))), flashx.ShapeError, "sinks"),
+    "sinks-int": (lambda case: {"sinks": np.ones(4, np.int64)}, flashx.DTypeError, "sinks"),
 }
 
 
