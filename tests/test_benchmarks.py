@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashx
-from flashx_bench import cli, decode, gpu, records, report
+from flashx_bench import cli, decode, features, gpu, records, report
 from flashx_bench.implementations import Shape, causal_block_mask, implementations
 
 
@@ -128,6 +128,14 @@ def test_markdown_tables(results):
     assert "idle GPU" not in text  # this run did not rest before its timings: the header says nothing
     rested = {**results, "timing": {**results["timing"], "rest_s": 1.0}}
     assert "each timing after a first call and 1 s of idle GPU" in report.markdown(rested)
+
+
+def test_the_record_names_fa4s_version_or_why_it_is_absent(results):
+    with_fa4 = {**results, "versions": {**results["versions"], "flash-attn-4": "4.0.0b36"}}
+    assert "flashx 0.1.0, flash-attn-4 4.0.0b36, Python 3.12.3." in report.markdown(with_fa4)
+    assert "flash-attn-4" not in report.markdown(results)
+    absent = {**results, "absent": {"fa4": "`from flash_attn.cute import flash_attn_func` failed"}}
+    assert "## Not measured\n\n- fa4: absent: `from flash_attn.cute import flash_attn_func` failed\n" in report.markdown(absent)
 
 
 def test_host_table_puts_the_gpu_time_beside(results):
@@ -461,8 +469,8 @@ def test_dense_scores_are_skipped_where_they_cannot_fit(tmp_path):
     sweep = gpu.Sweep(gpu.QUICK, implementations(device, ["sdpa-math"]), device, tmp_path)
     math = sweep.impls[0]
     huge = Shape(1, 2**22, 16, 128, True)
-    assert sweep._skip_reason(math, huge, "fwd+bwd").startswith("skipped: N*N float32 scores")
-    assert sweep._skip_reason(math, Shape(1, 1024, 16, 128, True), "fwd+bwd") is None
+    assert sweep.skip_reason(math, huge, "fwd+bwd").startswith("skipped: N*N float32 scores")
+    assert sweep.skip_reason(math, Shape(1, 1024, 16, 128, True), "fwd+bwd") is None
 
 
 def test_cpu_mode_writes_one_record_and_one_honest_number(tmp_path, capsys):
@@ -484,3 +492,343 @@ def test_cpu_mode_writes_one_record_and_one_honest_number(tmp_path, capsys):
                                                                ("flashx-numpy", "peak_mib")]
     # two runs, three numbers each; a peak equal to the first run's is already in the history
     assert len(history) == (5 if peaks[0] == peaks[1] else 6)
+
+
+# FlashAttention-4 and the feature sweep --------------------------------------------------------
+
+
+def test_fa4_is_a_peer_where_flash_attn_cute_imports(monkeypatch):
+    """`fa4` joins the peers on CUDA when `from flash_attn.cute import flash_attn_func` works, and is
+    absent with the reason where not; its adapter passes causal, softcap and the sinks as FA4 names them."""
+    import sys
+    from types import ModuleType
+
+    from flashx_bench import implementations as impls
+
+    cuda = torch.device("cuda")  # a device name: nothing here runs on it
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not importable, whatever is installed
+    impls.fa4_missing.cache_clear()
+    assert "fa4" not in [impl.name for impl in implementations(cuda)]
+    assert "flash_attn.cute" in impls.absent(cuda)["fa4"] and impls.fa4_version() is None
+    assert impls.absent(torch.device("cpu")) == {}  # FA4 is a CUDA peer: on the CPU, nothing is missing
+
+    calls = []
+
+    def flash_attn_func(q, k, v, **keywords):
+        calls.append(keywords)
+        return q * 2, None  # (out, lse), as FA4 returns them
+
+    package, cute = ModuleType("flash_attn"), ModuleType("flash_attn.cute")
+    package.__version__, package.cute, cute.flash_attn_func = "4.0.0b36", cute, flash_attn_func
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    impls.fa4_missing.cache_clear()
+    try:
+        found = [impl.name for impl in implementations(cuda)]
+        assert found[found.index("fa4") + 1:] == [impl.name for impl in impls.PEERS]
+        assert impls.absent(cuda) == {} and impls.fa4_version() == "4.0.0b36"
+        assert "fa4" not in [impl.name for impl in implementations(torch.device("cpu"))]
+        sinks = torch.zeros(4)
+        q = torch.ones(1, 8, 4, 16)
+        attend = impls.FA4.build(Shape(1, 8, 4, 16, True), cuda, softcap=50.0, sinks=sinks)
+        assert torch.equal(attend(q, q, q), 2 * q)
+        assert calls[-1] == {"causal": True, "softcap": 50.0, "learnable_sink": sinks}
+        impls.FA4.build(Shape(1, 8, 4, 16, False), cuda)(q, q, q)
+        assert calls[-1] == {"causal": False, "softcap": 0.0, "learnable_sink": None}  # FA4's "no softcap"
+        assert (impls.FA4.layout, impls.FA4.features) == ("BSHD", frozenset({"softcap", "sinks"}))
+    finally:
+        impls.fa4_missing.cache_clear()
+
+
+def test_alibi_slopes_are_blooms():
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    assert features.alibi_slopes(8) == [2.0**-i for i in range(1, 9)]
+    for heads in (1, 4, 12, 16, 24, 40):
+        bloom = build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)[:, 0, 1]  # slope times position 1
+        assert features.alibi_slopes(heads) == pytest.approx(bloom.tolist(), rel=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("keywords", [
+    {},
+    {"softcap": 2.0},
+    {"alibi_slopes": [0.5, 0.125, 1.0]},
+    {"alibi_slopes": [[0.5, 0.125, 1.0], [0.25, 2.0, 0.0625]]},
+    {"sinks": [0.5, -1.0, 2.0]},
+    {"softcap": 2.0, "alibi_slopes": [0.5, 0.125, 1.0], "sinks": [0.5, -1.0, 2.0]},
+], ids=["none", "softcap", "alibi", "alibi-per-batch", "sinks", "all"])
+def test_the_feature_reference_is_the_contract(keywords, causal):
+    """The sweep's float32 reference, run in float64, against flashx's NumPy backend (the contract's
+    answer): o, dq, dk, dv and dsinks. Nq < Nk, so that ALiBi and causal are aligned bottom-right."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    q, do = (rng.standard_normal((2, 5, 3, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 9, 3, 8)) for _ in range(2))
+    options = {name: np.asarray(value, dtype=np.float64) if isinstance(value, list) else value
+               for name, value in keywords.items()}
+    o, res = flashx.attention_forward(q, k, v, causal=causal, backend="numpy", **options)
+    gradients = flashx.attention_backward(do, q, k, v, o, res, causal=causal, backend="numpy", **options)
+    expected = dict(zip(("o", "dq", "dk", "dv", "dsinks"), (o, *gradients)))
+
+    tensors = {name: torch.from_numpy(value) if isinstance(value, np.ndarray) else value for name, value in options.items()}
+    got = features.reference_outputs([torch.from_numpy(x) for x in (q, k, v, do)], causal, tensors, dtype=torch.float64)
+    assert sorted(got) == sorted(expected)
+    for name, value in got.items():
+        value = value.transpose(1, 2) if value.dim() == 4 else value  # BHSD, as the GPU outputs are compared
+        np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # flex_attention runs eagerly here, and says so
+def test_flex_score_mod_is_the_reference():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from flashx_bench.implementations import flex_score_mod
+
+    assert flex_score_mod() is None
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 8) for _ in range(3))  # BSHD
+    slopes = torch.tensor(features.alibi_slopes(4))
+    for keywords in ({"softcap": 1.5}, {"alibi_slopes": slopes}, {"softcap": 1.5, "alibi_slopes": slopes}):
+        o = flex_attention(*(x.transpose(1, 2) for x in (q, k, v)), score_mod=flex_score_mod(**keywords))
+        expected = features.reference(q, k, v, causal=False, **keywords)
+        torch.testing.assert_close(o.transpose(1, 2), expected, rtol=1e-5, atol=1e-5)
+
+
+def _feature_row(impl, feature, mode, causal, ms):
+    shape = Shape(2, 8192, 16, 128, causal)
+    return {"impl": impl, "feature": feature, "mode": mode, "batch": 2, "seqlen": 8192, "heads": 16, "head_dim": 128,
+            "causal": causal, "status": "ok", "ms": ms, "sm_mhz": 1900.0, "wall_s": 1.0,
+            "tflops": gpu.attention_flops(shape, mode) / ms / 1e9}
+
+
+@pytest.fixture
+def feature_results():
+    """A feature run as the sweep writes it. Times (ms) without a feature: triton 1.0, FA4 0.8, Flex 2.0, cuDNN 0.9;
+    triton's softcap 1.05 (0.95 of its speed), ALiBi 1.25 (0.80: misses the target) forward+backward causal, 1.0
+    elsewhere; sinks declined by triton; FA4's softcap 0.84 and sinks 0.88; Flex's ALiBi WRONG in the check."""
+    ms = {("flashx-triton", "none"): 1.0, ("flashx-triton", "softcap"): 1.05, ("flashx-triton", "alibi"): 1.0,
+          ("fa4", "none"): 0.8, ("fa4", "softcap"): 0.84, ("fa4", "sinks"): 0.88,
+          ("flex", "none"): 2.0, ("flex", "softcap"): 2.2, ("sdpa-cudnn", "none"): 0.9}
+    speed = []
+    for causal in (False, True):
+        for feature in features.FEATURES:
+            for impl in ("flashx-triton", "fa4", "flex", "sdpa-cudnn"):
+                for mode in gpu.MODES:
+                    if (impl, feature) in ms:
+                        slow = 1.25 if (impl, feature, mode, causal) == ("flashx-triton", "alibi", "fwd+bwd", True) else 1
+                        speed.append(_feature_row(impl, feature, mode, causal, ms[impl, feature] * slow))
+                    elif (impl, feature) == ("flashx-triton", "sinks"):
+                        speed.append({**_feature_row(impl, feature, mode, causal, 1.0), "status": "declined: sinks: "
+                                      "not supported", "ms": None, "tflops": None})
+                    elif (impl, feature) == ("flex", "alibi"):
+                        speed.append({**_feature_row(impl, feature, mode, causal, 1.0),
+                                      "status": "not timed: WRONG in the check", "ms": None, "tflops": None})
+
+    def check(impl, feature, causal, status="ok", error=3e-3):
+        errors = None if status.startswith("declined") else {"o": error, "dq": 4e-3}
+        return {"impl": impl, "feature": feature, "batch": 2, "seqlen": 256, "heads": 4, "head_dim": 128,
+                "causal": causal, "status": status, "errors": errors,
+                "max_abs": errors and {"o": 0.02, "dq": 0.03}}
+
+    checks = [check("flashx-triton", "softcap", False), check("flashx-triton", "sinks", False, "declined: sinks: not supported"),
+              check("flex", "alibi", False, "wrong", 0.4), check("fa4", "sinks", True)]
+    return {"kind": "features", "device": "NVIDIA H100 80GB HBM3", "device_memory_gib": 79.2, "date": "2026-11-29",
+            "versions": {"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "triton": "3.6.0", "flashx": "0.1.0",
+                         "flash-attn-4": "4.0.0b36"},
+            "absent": {}, "shape": {"dtype": "bfloat16", "batch": 2, "seqlen": 8192, "heads": 16, "head_dim": 128},
+            "check_shape": {"batch": 2, "seqlen": 256, "heads": 4, "head_dim": 128}, "softcap": 50.0,
+            "alibi_slopes": features.alibi_slopes(16),
+            "timing": {"warmup_ms": 25, "rep_ms": 100, "rest_s": 1.0, "statistic": "median", "check_tolerance": 1e-2},
+            "implementations": [
+                {"name": "flashx-triton", "label": "flashx triton", "flashx": True, "layout": "BSHD",
+                 "features": ["alibi", "sinks", "softcap"]},
+                {"name": "fa4", "label": "FlashAttention-4", "flashx": False, "layout": "BSHD", "features": ["sinks", "softcap"]},
+                {"name": "flex", "label": "FlexAttention (compiled)", "flashx": False, "layout": "BHSD",
+                 "features": ["alibi", "softcap"]},
+                {"name": "sdpa-cudnn", "label": "SDPA cuDNN", "flashx": False, "layout": "BHSD", "features": []}],
+            "checks": checks, "speed": speed}
+
+
+def test_feature_ratios_are_the_time_without_over_the_time_with(feature_results):
+    ratios = {(r["impl"], r["feature"], r["mode"], r["causal"]): r["ratio"] for r in features.feature_ratios(feature_results)}
+    assert ratios["flashx-triton", "softcap", "fwd", False] == pytest.approx(1 / 1.05)
+    assert ratios["flashx-triton", "alibi", "fwd+bwd", True] == pytest.approx(0.8)
+    assert ratios["flashx-triton", "alibi", "fwd", True] == pytest.approx(1.0)
+    assert ratios["fa4", "sinks", "fwd", False] == pytest.approx(0.8 / 0.88)
+    assert ratios["flex", "softcap", "fwd+bwd", True] == pytest.approx(2.0 / 2.2)
+    assert not any(key[1] == "sinks" and key[0] == "flashx-triton" for key in ratios)  # declined: no ratio
+    assert not any(key[0] == "flex" and key[1] == "alibi" for key in ratios)  # wrong: never timed
+    assert len(ratios) == 2 * 2 * (2 + 2 + 1)  # triton softcap, alibi; FA4 softcap, sinks; Flex softcap
+
+    versus = {(r["impl"], r["feature"], r["mode"], r["causal"]): r["ratio"] for r in features.fa4_ratios(feature_results)}
+    assert set(versus) == {("flashx-triton", feature, mode, causal) for feature in ("none", "softcap")
+                           for mode in gpu.MODES for causal in (False, True)}  # FA4 has no ALiBi; triton no sinks
+    assert versus["flashx-triton", "none", "fwd", False] == pytest.approx(0.8)
+    assert versus["flashx-triton", "softcap", "fwd+bwd", True] == pytest.approx(0.84 / 1.05)
+
+
+def test_feature_targets(feature_results):
+    found = {(t["impl"], t["feature"]): t for t in features.targets(feature_results)}
+    assert list(found) == [("flashx-triton", "softcap"), ("flashx-triton", "alibi"), ("flashx-triton", "sinks")]
+    assert found["flashx-triton", "softcap"]["met"] and found["flashx-triton", "softcap"]["measured"].startswith("worst 0.95 (fwd,")
+    assert found["flashx-triton", "alibi"] == {"impl": "flashx-triton", "feature": "alibi", "met": False,
+                                               "measured": "worst 0.80 (fwd+bwd, causal)"}
+    assert found["flashx-triton", "sinks"]["measured"] == "declined" and not found["flashx-triton", "sinks"]["met"]
+    cut = ("flashx-triton", "softcap", "fwd", True)  # one point left when the time limit struck
+    partial = {**feature_results, "speed": [
+        {**r, "status": "skipped: time limit", "ms": None} if (r["impl"], r["feature"], r["mode"], r["causal"]) == cut
+        else r for r in feature_results["speed"]]}
+    softcap = next(t for t in features.targets(partial) if t["feature"] == "softcap")
+    assert softcap["measured"].endswith("3 of 4 points measured") and not softcap["met"]
+
+
+def test_feature_markdown(feature_results):
+    text = features.markdown(feature_results)
+    assert text.startswith("# flashx features: NVIDIA H100 80GB HBM3, 2026-11-29\n")
+    assert "flash-attn-4 4.0.0b36" in text and "softcap c = 50 (Gemma 2's)" in text
+    assert "| flashx triton | softcap | worst 0.95 (fwd, not causal) | yes |" in text
+    assert "| flashx triton | alibi | worst 0.80 (fwd+bwd, causal) | **no** |" in text
+    forward = text.split("## Speed, forward: ")[1].split("##")[0]
+    plain = gpu.attention_flops(Shape(2, 8192, 16, 128, False), "fwd") / 1e9
+    assert (f"| no | none | {plain:.0f} | {plain / 0.8:.0f} | {plain / 2:.0f} | {plain / 0.9:.0f} |") in forward
+    assert f"| no | softcap | {plain / 1.05:.0f} (0.95) | {plain / 0.84:.0f} (0.95) | {plain / 2.2:.0f} (0.91) | n/a |" in forward
+    assert f"| no | alibi | {plain:.0f} (1.00) | n/a | not timed | n/a |" in forward
+    assert f"| no | sinks | declined | {plain / 0.88:.0f} (0.91) | n/a | n/a |" in forward
+    both = text.split("## Speed, forward+backward: ")[1].split("##")[0]
+    assert "(0.80) | n/a | not timed | n/a |" in both.split("| yes | alibi |")[1].splitlines()[0]
+    versus = text.split("## flashx / FA4 with the same feature (FA4's time / flashx's time)")[1].split("##")[0]
+    assert "| mode | causal | feature | flashx triton |" in versus
+    assert "| fwd | no | none | 0.80 |" in versus and "| fwd+bwd | yes | softcap | 0.80 |" in versus
+    assert "alibi" not in versus and "sinks" not in versus
+    checks = text.split("## Checks")[1].split("##")[0]
+    assert "| FlexAttention (compiled) | alibi | no | **WRONG** | 4.0e-01 (o) | 3.0e-02 (dq) |" in checks
+    assert "| flashx triton | sinks | no | declined |  |  |" in checks
+    assert "- flashx triton, sinks: declined: sinks: not supported" in text
+    assert "- FlexAttention (compiled), alibi: not timed: WRONG in the check" in text
+    for line in text.splitlines():
+        if line.startswith("|"):
+            assert line.endswith("|")
+    absent = features.markdown({**feature_results, "absent": {"fa4": "`from flash_attn.cute import ...` failed"}})
+    assert "- fa4: absent: `from flash_attn.cute import ...` failed" in absent
+
+
+def test_feature_record_and_history(feature_results, tmp_path, capsys):
+    records.publish(feature_results, tmp_path, features.markdown)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["features-h100.json", "features-h100.md", "history.csv"]
+    history = _history(tmp_path)
+    speed = [r for r in history if r["metric"] == "tflops"]
+    assert len(speed) == sum(r["status"] == "ok" for r in feature_results["speed"])
+    assert {r["mode"] for r in speed} == {"fwd", "fwd+bwd", "fwd softcap", "fwd+bwd softcap", "fwd alibi",
+                                          "fwd+bwd alibi", "fwd sinks", "fwd+bwd sinks"}
+    row = next(r for r in speed if (r["impl"], r["mode"], r["causal"]) == ("fa4", "fwd sinks", "False"))
+    assert float(row["value"]) == pytest.approx(gpu.attention_flops(Shape(2, 8192, 16, 128, False), "fwd") / 0.88e9,
+                                                rel=1e-5)
+    assert (row["dtype"], row["seqlen"], row["heads"], row["torch"]) == ("bfloat16", "8192", "16", "2.11.0")
+    errors = [(r["impl"], r["mode"], r["value"]) for r in history if r["metric"] == "rel_error"]
+    assert errors == [("flashx-triton", "fwd+bwd softcap", "0.004"), ("flex", "fwd+bwd alibi", "0.4"),
+                      ("fa4", "fwd+bwd sinks", "0.004")]  # a declined check has no number
+
+    (tmp_path / "features-h100.md").unlink()
+    assert cli.main(["features", "report", str(tmp_path / "features-h100.json")]) == 0
+    assert (tmp_path / "features-h100.md").read_text() == features.markdown(feature_results)
+    assert "## Targets (issue 40)" in capsys.readouterr().out
+
+
+def test_feature_options(capsys):
+    args = features.parse_args([])
+    assert (args.command, args.out, args.impl, args.features, args.batch, args.seqlen, args.heads, args.head_dim,
+            args.time_limit) == ("run", records.DEFAULT_OUT.resolve(), None, list(features.FEATURES), 2, 8192, 16, 128, None)
+    args = features.parse_args(["--impl", "flashx-triton", "fa4", "--features", "none", "sinks", "--seqlen", "4096",
+                                "--head-dim", "64", "--time-limit", "300", "--out", "elsewhere"])
+    assert (args.out.name, args.impl, args.features, args.seqlen, args.head_dim, args.time_limit) == (
+        "elsewhere", ["flashx-triton", "fa4"], ["none", "sinks"], 4096, 64, 300.0)
+    assert features.parse_args(["--record", "--time-limit", "500"]).out == records.CHECKOUT_RESULTS
+    for refused in (["--record", "--seqlen", "4096"], ["--record", "--features", "none"], ["--record", "--out", "x"],
+                    ["report"], ["--features", "dropout"]):
+        with pytest.raises(SystemExit):
+            features.parse_args(refused)
+    with pytest.raises(SystemExit):
+        features.parse_args(["--record", "--impl", "fa4"])
+    assert "--impl runs part of it" in capsys.readouterr().err
+
+
+def test_flashx_bench_features_fails_loudly_without_a_gpu(monkeypatch, tmp_path):
+    from flashx import cli as flashx_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit:
+        flashx_cli.main(["bench", "features", "--out", str(tmp_path)])
+    assert "no CUDA device here" in str(exit.value.code)
+    assert not any(tmp_path.iterdir())  # nothing written
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["features", "--help"])
+    assert exit.value.code == 0
+
+
+def test_feature_sweep_plumbing_on_cpu(tmp_path, monkeypatch):
+    """The whole feature sweep on tiny CPU shapes: flashx's NumPy backend with every feature, one
+    backend that declines them (flashx's reasons on its rows; it cannot run at all, an error), one
+    implementation that ignores its ALiBi slopes (WRONG in the check, never timed), SDPA math
+    without a feature; the record."""
+    import dataclasses
+
+    from flashx_bench.implementations import flashx_backend, sdpa
+    from torch.nn.attention import SDPBackend
+
+    class NoFeatures(flashx.Backend):
+        name, version, array_kind = "no-features", "0", "numpy"
+        devices, dtypes, features = frozenset({"cpu"}), frozenset({"float32"}), frozenset({"causal"})
+
+        def available(self):
+            return None
+
+        def priority(self, problem):
+            return -1
+
+    monkeypatch.setattr(gpu, "median_ms", _host_median_ms)
+    monkeypatch.setattr(features, "CHECK_SHAPE", {"batch": 1, "seqlen": 32, "heads": 2})
+    math = sdpa("sdpa-math", "SDPA math", SDPBackend.MATH)
+    ignores_alibi = dataclasses.replace(math, name="ignores-alibi", label="ignores ALiBi",
+                                        build=lambda shape, device, alibi_slopes=None: math.build(shape, device),
+                                        features=frozenset({"alibi"}))
+    impls = [flashx_backend("numpy"), flashx_backend("no-features"), ignores_alibi, math]
+    args = features.parse_args(["--out", str(tmp_path), "--batch", "1", "--seqlen", "64", "--heads", "2",
+                                "--head-dim", "16"])
+    flashx.registry.register(NoFeatures())
+    try:
+        sweep = features.FeatureSweep(args, impls, torch.device("cpu"), dtype="float32")
+        results = sweep.run()
+    finally:
+        flashx.registry.unregister("no-features")
+
+    assert sweep.path == records.partial_path(tmp_path, records.stem(results))
+    assert records.stem(results).startswith("features-")
+    checks = {(c["impl"], c["feature"], c["causal"]): c for c in results["checks"]}
+    assert len(checks) == 2 * (4 + 4 + 2 + 1)
+    assert all(checks["flashx-numpy", feature, causal]["status"] == "ok" for feature in features.FEATURES
+               for causal in (False, True))
+    assert set(checks["flashx-numpy", "sinks", True]["errors"]) == {"o", "dq", "dk", "dv", "dsinks"}
+    assert checks["flashx-numpy", "sinks", True]["errors"]["dsinks"] < 1e-5
+    assert checks["ignores-alibi", "none", True]["status"] == "ok"
+    assert checks["ignores-alibi", "alibi", True]["status"] == "wrong"
+    assert checks["ignores-alibi", "alibi", True]["errors"]["o"] > 0.1
+    declined = checks["flashx-no-features", "alibi", True]["status"]
+    assert declined == "declined: does not support ALiBi slopes"  # flashx.explain's reason
+    assert checks["flashx-no-features", "none", True]["status"].startswith("error: NotImplementedError")
+
+    rows = {(r["impl"], r["feature"], r["mode"], r["causal"]): r for r in results["speed"]}
+    assert len(rows) == 2 * 2 * (4 + 4 + 2 + 1)
+    assert all(rows["flashx-numpy", feature, mode, causal]["status"] == "ok" and rows["flashx-numpy", feature, mode,
+               causal]["tflops"] > 0 for feature in features.FEATURES for mode in gpu.MODES for causal in (False, True))
+    assert rows["flashx-no-features", "alibi", "fwd", False]["status"] == declined
+    assert rows["flashx-no-features", "none", "fwd+bwd", True]["status"].startswith("error: NotImplementedError")
+    assert rows["ignores-alibi", "alibi", "fwd+bwd", False]["status"] == "not timed: WRONG in the check"
+    assert rows["ignores-alibi", "none", "fwd+bwd", False]["status"] == "ok"
+    text = features.markdown(results)
+    assert "| ignores ALiBi | alibi | yes | **WRONG** |" in text
+    assert "| flashx numpy | flashx no-features | ignores ALiBi | SDPA math |" in text
+    records.publish(results, tmp_path, features.markdown)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [f"{records.stem(results)}.json", f"{records.stem(results)}.md", "history.csv"])

@@ -1,6 +1,8 @@
 """flashx bench (also python -m flashx_bench): the GPU sweep (default), the CPU comparison (--cpu),
 and redrawing a record's tables and plot from its JSON (table, plot, headline, merge).
-`flashx bench decode [ARGS]` runs the KV-cache decode sweep instead (`flashx bench decode --help`).
+`flashx bench decode [ARGS]` runs the KV-cache decode sweep instead (`flashx bench decode --help`);
+`flashx bench features [ARGS]` the cost of softcap, ALiBi and sinks beside FA4 and Flex
+(`flashx bench features --help`). FlashAttention-4 (`fa4`) is timed where `flash_attn.cute` imports.
 
 A run replaces its device's record (<device>.json, .md, .png) in the output directory and
 appends its numbers to history.csv there: --out DIR (default ./flashx-bench-results), or
@@ -26,6 +28,10 @@ def main(argv: list[str] | None = None, prog: str = "flashx bench") -> int:
         from flashx_bench import decode
 
         return decode.main(argv[1:])
+    if argv[:1] == ["features"]:
+        from flashx_bench import features
+
+        return features.main(argv[1:])
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the NumPy backend against torch's CPU SDPA instead")
@@ -35,7 +41,8 @@ def main(argv: list[str] | None = None, prog: str = "flashx bench") -> int:
                        help=f"directory of the records and history (default ./{records.DEFAULT_OUT})")
     where.add_argument("--record", action="store_true",
                        help="update the source checkout's benchmarks/results instead (the full sweep only)")
-    parser.add_argument("--impl", nargs="+", metavar="NAME", help="time only these (flashx-triton, sdpa-cudnn, flex, ...)")
+    parser.add_argument("--impl", nargs="+", metavar="NAME",
+                        help="time only these (flashx-triton, fa4, sdpa-cudnn, flex, ...)")
     parser.add_argument("--seqlens", type=int, nargs="+", metavar="N", help="the speed section's N (default 512 to 16k)")
     parser.add_argument("--sections", nargs="+", choices=report.SECTIONS, default=report.SECTIONS, metavar="NAME",
                         help=f"run only these of {', '.join(report.SECTIONS)} (the ceilings always run)")
@@ -113,15 +120,17 @@ def run_gpu(args, out: Path) -> int:
     if not torch.cuda.is_available():
         sys.exit("flashx bench: no CUDA device here; `flashx bench --cpu` runs the CPU comparison")
     from flashx_bench import gpu
-    from flashx_bench.implementations import implementations
+    from flashx_bench.implementations import absent, implementations
 
     import flashx
 
     started = time.perf_counter()
+    device = torch.device("cuda")
     for info in flashx.backends():
         if not info.available:
             print(f"flashx backend {info.name} is not timed: {info.reason}")
-    device = torch.device("cuda")
+    for name, reason in absent(device).items():
+        print(f"{name} is not timed: {reason}")
     plan = gpu.QUICK if args.quick else gpu.FULL
     if args.seqlens:
         plan = dataclasses.replace(plan, seqlens=tuple(args.seqlens))

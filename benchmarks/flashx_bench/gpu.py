@@ -2,7 +2,8 @@
 the host time of its calls at short sequences.
 
 Every measurement lands in one JSON document, saved after each row (``records.partial_path``),
-so that a run stopped at its time limit still leaves everything it measured.
+so that a run stopped at its time limit still leaves everything it measured. ``Runner`` runs and
+times one implementation at one shape, for this sweep and the feature sweep (``features``) alike.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from triton.testing import do_bench
 import flashx
 from flashx_bench import records
 from flashx_bench.report import MODES, SECTIONS
-from flashx_bench.implementations import Implementation, Shape, to_bhsd, to_layout
+from flashx_bench.implementations import Implementation, Shape, absent, fa4_version, to_bhsd, to_layout
 from flashx_bench.progress import Progress
 
 BACKWARD_FLOPS = 2.5  # the backward costs 2.5 forwards, as flash-attn counts (5 matmuls against 2)
@@ -152,18 +153,24 @@ def _failure(error: Exception) -> str:
     return f"error: {type(error).__name__}: {first_line[:200]}"
 
 
-class Sweep:
-    def __init__(self, plan: Plan, impls: list[Implementation], device: torch.device, out_dir: Path,
-                 time_limit_s: float | None = None, compile_budget_s: float | None = None):
-        self.plan, self.impls, self.device = plan, impls, device
-        self.dtype = getattr(torch, plan.dtype)
+class Runner:
+    """What every GPU sweep shares: one device and dtype, a time limit, a compile budget, and how one
+    implementation runs at one shape, timed in each mode (or why not)."""
+
+    def __init__(self, device: torch.device, dtype: str, time_limit_s: float | None = None,
+                 compile_budget_s: float | None = None):
+        self.device = device
+        self.dtype = getattr(torch, dtype)
         self.deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
         self.compile_budget_s = compile_budget_s
         self.compiled_s = 0.0
-        name, self.capacity = _device_facts(device)
-        self.results = {
-            "kind": "gpu",
-            "device": name,
+        self.device_name, self.capacity = _device_facts(device)
+
+    def facts(self) -> dict:
+        """A record's first fields: the device, the date, the versions, and the peers absent here."""
+        fa4 = fa4_version()
+        return {
+            "device": self.device_name,
             "device_memory_gib": round(self.capacity / 2**30, 1),
             "date": datetime.date.today().isoformat(),
             "versions": {
@@ -172,7 +179,95 @@ class Sweep:
                 "cuda": torch.version.cuda,
                 "triton": triton.__version__,
                 "flashx": flashx.__version__,
+                **({"flash-attn-4": fa4} if fa4 else {}),
             },
+            "absent": absent(self.device),
+        }
+
+    def random(self, shape: Shape) -> list[torch.Tensor]:
+        """q, k, v, do in BSHD: fresh normal samples, never zeros."""
+        size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+        return [torch.randn(size, device=self.device, dtype=self.dtype) for _ in range(4)]
+
+    def in_layout(self, impl: Implementation, inputs: list[torch.Tensor]):
+        q, k, v, do = (to_layout(x, impl.layout) for x in inputs)
+        return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+    def skip_reason(self, impl: Implementation, shape: Shape, mode: str) -> str | None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            return "skipped: time limit"
+        if impl.compiled and self.compile_budget_s is not None and self.compiled_s > self.compile_budget_s:
+            return f"skipped: compile budget ({self.compile_budget_s:.0f} s) spent"
+        if impl.dense_scores:
+            # The forward holds the float32 scores and probabilities; the backward their gradients too.
+            needed = (2 if mode == "fwd" else 4) * shape.batch * shape.heads * shape.seqlen**2 * 4
+            if needed > self.capacity:
+                return f"skipped: N*N float32 scores need ~{needed / 2**30:.0f} GiB"
+        return None
+
+    def per_mode(self, impl: Implementation, shape: Shape, inputs: list[torch.Tensor], measure,
+                 fields: tuple[str, ...], leaves: tuple[torch.Tensor, ...] = ()) -> list[dict]:
+        """One row per mode: ``measure(call, leaves)``, a dict of ``fields``, for the forward and
+        for forward+backward, or why not (its fields None). ``leaves``: the tensors other than q,
+        k, v whose gradients the backward fills (sinks)."""
+        skips = [self.skip_reason(impl, shape, mode) for mode in MODES]
+        if all(skips):
+            return [{"status": skip, **dict.fromkeys(fields), "wall_s": 0.0} for skip in skips]
+        q, k, v, do = self.in_layout(impl, inputs)
+        rows = []
+        with self.charged(impl), impl.context():
+            attend, built = attempt(lambda: impl.build(shape, self.device))
+            # The forward runs on inputs that require grad, as in training (and as flash-attn's
+            # benchmark does): one FlexAttention compile serves both modes.
+            runs = {"fwd": lambda: attend(q, k, v), "fwd+bwd": lambda: attend(q, k, v).backward(do)}
+            for mode, skip in zip(MODES, skips):
+                start = time.perf_counter()
+                values, status = None, skip or built
+                if status == "ok":
+                    values, status = attempt(lambda: measure(runs[mode], [q, k, v, *leaves]))
+                rows.append({"status": status, **(values or dict.fromkeys(fields)),
+                             "wall_s": round(time.perf_counter() - start, 2)})
+        return rows
+
+    def outputs(self, impl: Implementation, shape: Shape, inputs: list[torch.Tensor], **modifications):
+        """o, dq, dk, dv in BHSD from one forward+backward of ``impl``, and dsinks, the gradient that
+        reached ``modifications["sinks"]`` when it is given."""
+        q, k, v, do = self.in_layout(impl, inputs)
+        with impl.context():
+            o = impl.build(shape, self.device, **modifications)(q, k, v)
+            o.backward(do)
+        got = {name: to_bhsd(x, impl.layout) for name, x in (("o", o), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+        sinks = modifications.get("sinks")
+        if sinks is not None:
+            if sinks.grad is None:
+                raise RuntimeError(f"{impl.name} returned no gradient for the sinks")
+            got["dsinks"] = sinks.grad
+        return got
+
+    def speed_of(self, call, leaves) -> dict:
+        with SmClock(self.device) as clock:
+            ms = _rested_median_ms(call, leaves, self.device)
+        return {"ms": ms, "sm_mhz": clock.median_mhz()}
+
+    @contextlib.contextmanager
+    def charged(self, impl: Implementation):
+        """Adds the wall time of a compiled implementation (compiles included) to its budget."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if impl.compiled:
+                self.compiled_s += time.perf_counter() - start
+
+
+class Sweep(Runner):
+    def __init__(self, plan: Plan, impls: list[Implementation], device: torch.device, out_dir: Path,
+                 time_limit_s: float | None = None, compile_budget_s: float | None = None):
+        super().__init__(device, plan.dtype, time_limit_s, compile_budget_s)
+        self.plan, self.impls = plan, impls
+        self.results = {
+            "kind": "gpu",
+            **self.facts(),
             "plan": asdict(plan),
             "timing": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "rest_s": REST_S, "statistic": "median",
                        "check_tolerance": CHECK_TOLERANCE,
@@ -234,12 +329,12 @@ class Sweep:
     def check(self) -> None:
         shapes = self.plan.check_shapes()
         for shape in shapes:
-            inputs = self._random(shape)
+            inputs = self.random(shape)
             reference = _float32_reference(inputs, shape.causal)
             # A compile costs seconds of the budget: compiled peers are checked at one shape.
             for impl in (i for i in self.impls if not i.compiled or shape == shapes[-1]):
-                with self._charged(impl):
-                    errors, status = _attempt(lambda: self._errors(impl, shape, inputs, reference))
+                with self.charged(impl):
+                    errors, status = attempt(lambda: relative_errors(self.outputs(impl, shape, inputs), reference))
                 if status == "ok" and not all(error <= CHECK_TOLERANCE for error in errors.values()):
                     status = "wrong"
                 self.results["checks"].append({"impl": impl.name, **asdict(shape), "status": status, "errors": errors})
@@ -249,26 +344,26 @@ class Sweep:
 
     def memory(self) -> None:
         for shape in self.plan.memory_shapes():
-            inputs = self._random(shape)
+            inputs = self.random(shape)
             for impl in self.impls:
-                status = self._skip_reason(impl, shape, "fwd+bwd")
+                status = self.skip_reason(impl, shape, "fwd+bwd")
                 mib = None
                 if status is None:
-                    with self._charged(impl):
-                        mib, status = _attempt(lambda: self._peak_mib(impl, shape, inputs))
+                    with self.charged(impl):
+                        mib, status = attempt(lambda: self._peak_mib(impl, shape, inputs))
                 self.results["memory"].append({"impl": impl.name, **asdict(shape), "status": status, "mib": mib})
                 shown = f"{mib:.0f} MiB" if status == "ok" else status
                 self.progress.step(f"memory fwd+bwd N={shape.seqlen} {impl.name}: {shown}")
                 self.save()
             del inputs
-            _release_memory()
+            release_memory()
 
     def speed(self) -> None:
         matmul = self.results["ceilings"]["matmul_tflops"]
         for shape in self.plan.speed_shapes():
-            inputs = self._random(shape)
+            inputs = self.random(shape)
             for impl in self.impls:
-                for mode, row in zip(MODES, self._per_mode(impl, shape, inputs, self._speed_of, ("ms", "sm_mhz"))):
+                for mode, row in zip(MODES, self.per_mode(impl, shape, inputs, self.speed_of, ("ms", "sm_mhz"))):
                     if row["status"] == "ok":
                         row["tflops"] = attention_flops(shape, mode) / row["ms"] / 1e9
                         row["fraction"] = row["tflops"] / matmul
@@ -281,7 +376,7 @@ class Sweep:
                     self.progress.step(f"{mode:7} {_label(shape)} {impl.name:15} {shown}")
                     self.save()
             del inputs
-            _release_memory()
+            release_memory()
         spent = {}
         for row in self.results["speed"]:
             spent[row["impl"]] = spent.get(row["impl"], 0.0) + row["wall_s"]
@@ -319,94 +414,22 @@ class Sweep:
             return {"host_us": statistics.median(rounds)}
 
         for shape in self.plan.host_shapes():
-            inputs = self._random(shape)
+            inputs = self.random(shape)
             for impl in self.impls:
-                for mode, row in zip(MODES, self._per_mode(impl, shape, inputs, host_us, ("host_us",))):
+                for mode, row in zip(MODES, self.per_mode(impl, shape, inputs, host_us, ("host_us",))):
                     self.results["host"].append({"impl": impl.name, "mode": mode, **asdict(shape), **row})
                     shown = f"{row['host_us']:7.0f} us" if row["status"] == "ok" else row["status"]
                     self.progress.step(f"host {mode:7} {_label(shape)} {impl.name:15} {shown}")
                     self.save()
             del inputs
-            _release_memory()
-
-    # One implementation -----------------------------------------------------------------------
-
-    def _random(self, shape: Shape) -> list[torch.Tensor]:
-        """q, k, v, do in BSHD: fresh normal samples, never zeros."""
-        size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
-        return [torch.randn(size, device=self.device, dtype=self.dtype) for _ in range(4)]
-
-    def _in_layout(self, impl: Implementation, inputs: list[torch.Tensor]):
-        q, k, v, do = (to_layout(x, impl.layout) for x in inputs)
-        return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
-
-    def _skip_reason(self, impl: Implementation, shape: Shape, mode: str) -> str | None:
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            return "skipped: time limit"
-        if impl.compiled and self.compile_budget_s is not None and self.compiled_s > self.compile_budget_s:
-            return f"skipped: compile budget ({self.compile_budget_s:.0f} s) spent"
-        if impl.dense_scores:
-            # The forward holds the float32 scores and probabilities; the backward their gradients too.
-            needed = (2 if mode == "fwd" else 4) * shape.batch * shape.heads * shape.seqlen**2 * 4
-            if needed > self.capacity:
-                return f"skipped: N*N float32 scores need ~{needed / 2**30:.0f} GiB"
-        return None
-
-    def _per_mode(self, impl: Implementation, shape: Shape, inputs: list[torch.Tensor], measure,
-                  fields: tuple[str, ...]) -> list[dict]:
-        """One row per mode: ``measure(call, leaves)``, a dict of ``fields``, for the forward and
-        for forward+backward, or why not (its fields None)."""
-        skips = [self._skip_reason(impl, shape, mode) for mode in MODES]
-        if all(skips):
-            return [{"status": skip, **dict.fromkeys(fields), "wall_s": 0.0} for skip in skips]
-        q, k, v, do = self._in_layout(impl, inputs)
-        rows = []
-        with self._charged(impl), impl.context():
-            attend, built = _attempt(lambda: impl.build(shape, self.device))
-            # The forward runs on inputs that require grad, as in training (and as flash-attn's
-            # benchmark does): one FlexAttention compile serves both modes.
-            runs = {"fwd": lambda: attend(q, k, v), "fwd+bwd": lambda: attend(q, k, v).backward(do)}
-            for mode, skip in zip(MODES, skips):
-                start = time.perf_counter()
-                values, status = None, skip or built
-                if status == "ok":
-                    values, status = _attempt(lambda: measure(runs[mode], [q, k, v]))
-                rows.append({"status": status, **(values or dict.fromkeys(fields)),
-                             "wall_s": round(time.perf_counter() - start, 2)})
-        return rows
-
-    def _speed_of(self, call, leaves) -> dict:
-        with SmClock(self.device) as clock:
-            ms = _rested_median_ms(call, leaves, self.device)
-        return {"ms": ms, "sm_mhz": clock.median_mhz()}
+            release_memory()
 
     def _matmul_operands(self) -> list[torch.Tensor]:
         n = self.plan.matmul_size
         return [torch.randn(n, n, device=self.device, dtype=self.dtype) for _ in range(2)]
 
-    @contextlib.contextmanager
-    def _charged(self, impl: Implementation):
-        """Adds the wall time of a compiled implementation (compiles included) to its budget."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if impl.compiled:
-                self.compiled_s += time.perf_counter() - start
-
-    def _errors(self, impl: Implementation, shape: Shape, inputs, reference) -> dict[str, float]:
-        q, k, v, do = self._in_layout(impl, inputs)
-        with impl.context():
-            o = impl.build(shape, self.device)(q, k, v)
-            o.backward(do)
-        got = {"o": o, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-        return {
-            name: ((to_bhsd(got[name], impl.layout).float() - ref).norm() / ref.norm()).item()
-            for name, ref in reference.items()
-        }
-
     def _peak_mib(self, impl: Implementation, shape: Shape, inputs) -> float:
-        q, k, v, do = self._in_layout(impl, inputs)
+        q, k, v, do = self.in_layout(impl, inputs)
         with impl.context():
             attend = impl.build(shape, self.device)
             attend(q, k, v).backward(do)  # compiles, autotunes, creates workspaces
@@ -446,17 +469,22 @@ def _float32_reference(inputs: list[torch.Tensor], causal: bool) -> dict[str, to
     return {"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _attempt(measure):
+def relative_errors(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """||x - ref|| / ||ref|| of each output, as the contract's Numerics section bounds it."""
+    return {name: ((got[name].float() - ref).norm() / ref.norm()).item() for name, ref in reference.items()}
+
+
+def attempt(measure):
     """(value, "ok"), or (None, why not): one implementation's failure never ends the sweep."""
     try:
         return measure(), "ok"
     except Exception as error:  # noqa: BLE001 - recorded in the results, shown in the tables
         status = _failure(error)
-    _release_memory()  # outside the handler, once the traceback no longer holds the tensors
+    release_memory()  # outside the handler, once the traceback no longer holds the tensors
     return None, status
 
 
-def _release_memory() -> None:
+def release_memory() -> None:
     """Hand the device memory of dropped tensors back, for the next shape or implementation
     (a collection costs about half a second in a full process: done for a GPU only)."""
     if torch.cuda.is_available():

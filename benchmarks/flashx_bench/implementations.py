@@ -1,11 +1,15 @@
-"""The attention implementations under test: every flashx backend available on the device, and
-the peers PyTorch ships (SDPA's kernels, FlexAttention).
+"""The attention implementations under test: every flashx backend available on the device,
+FlashAttention-4 where it imports, and the peers PyTorch ships (SDPA's kernels, FlexAttention).
 
 A flashx backend runs through the public API with an explicit ``backend=``; a shape it cannot
 run (a dtype or head dim it does not declare) raises UnsupportedError with its reasons, which
 the sweep records as "declined" on that row. Each implementation runs in its native layout: flashx takes BSHD (B, N, H, D), as its contract says;
 the peers take BHSD, SDPA's layout. The harness makes the inputs contiguous in that layout
 before timing, so that no implementation is charged a transpose.
+
+An implementation also takes the score modifications it has (``features``: softcap, ALiBi, sinks),
+as flashx's keywords (``softcap``, ``alibi_slopes``, ``sinks``), passed to ``build``; the feature
+sweep (``flashx_bench.features``) times each beside the same implementation without it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Callable, ContextManager
 
 import torch
@@ -32,19 +37,28 @@ class Shape:
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: The score modifications, by flashx's feature names, and the keyword that carries each.
+MODIFICATIONS = {"softcap": "softcap", "alibi": "alibi_slopes", "sinks": "sinks"}
 
 
 @dataclass(frozen=True)
 class Implementation:
     name: str
     label: str
-    is_flashx: bool
     layout: str  # "BSHD" or "BHSD"
-    build: Callable[[Shape, torch.device], Attend]  # once per shape, before its first call
+    # Once per shape, before its first call: build(shape, device, **modifications), the keywords of
+    # MODIFICATIONS for the features it has.
+    build: Callable[..., Attend]
     # Entered once around a whole timing loop, so that selecting an SDPA kernel is not timed.
     context: Callable[[], ContextManager] = contextlib.nullcontext
     dense_scores: bool = False  # materialises B*H*N*N float32 scores (SDPA math)
     compiled: bool = False  # every new shape costs a compile, charged to --compile-budget
+    features: frozenset[str] = frozenset()  # of MODIFICATIONS
+    backend: str | None = None  # the flashx backend it runs
+
+    @property
+    def is_flashx(self) -> bool:
+        return self.backend is not None
 
     def describe(self) -> dict:
         return {"name": self.name, "label": self.label, "flashx": self.is_flashx, "layout": self.layout}
@@ -61,10 +75,23 @@ def to_bhsd(tensor: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def flashx_backend(name: str) -> Implementation:
-    def build(shape: Shape, device: torch.device) -> Attend:
-        return functools.partial(flashx.attention, causal=shape.causal, backend=name)
+    def build(shape: Shape, device: torch.device, **modifications) -> Attend:
+        return functools.partial(flashx.attention, causal=shape.causal, backend=name, **modifications)
 
-    return Implementation(f"flashx-{name}", f"flashx {name}", True, "BSHD", build)
+    # Every feature is flashx's to run or decline: ``refuse_unsupported`` says which and why.
+    return Implementation(f"flashx-{name}", f"flashx {name}", "BSHD", build, features=frozenset(MODIFICATIONS),
+                          backend=name)
+
+
+def refuse_unsupported(impl: Implementation, q, k, v, **options) -> None:
+    """Raise flashx.UnsupportedError with the reasons ``flashx.explain`` gives when the flashx backend
+    of ``impl`` cannot run these arguments (the sweeps record it as "declined: " and the reasons)."""
+    if not impl.is_flashx:
+        return
+    explanation = flashx.explain(q, k, v, backend=impl.backend, **options)
+    if explanation.chosen is None:
+        row = next(row for row in explanation.rows if row.name == impl.backend)
+        raise flashx.UnsupportedError("; ".join(row.reasons))
 
 
 def sdpa(name: str, label: str, backend: SDPBackend, dense_scores: bool = False) -> Implementation:
@@ -72,9 +99,7 @@ def sdpa(name: str, label: str, backend: SDPBackend, dense_scores: bool = False)
         # Equal query and key lengths: SDPA's top-left causal is the contract's bottom-right.
         return functools.partial(F.scaled_dot_product_attention, is_causal=shape.causal)
 
-    return Implementation(
-        name, label, False, "BHSD", build, functools.partial(sdpa_kernel, backend), dense_scores
-    )
+    return Implementation(name, label, "BHSD", build, functools.partial(sdpa_kernel, backend), dense_scores)
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -109,18 +134,84 @@ def causal_block_mask(seqlen: int, device: torch.device):
     )
 
 
-def _build_flex(shape: Shape, device: torch.device) -> Attend:
+def flex_score_mod(softcap: float | None = None, alibi_slopes: torch.Tensor | None = None):
+    """FlexAttention's score_mod for the contract's softcap, then ALiBi (slopes (H,)), on the scaled
+    scores; None without either. Query and key lengths are equal in every shape of the harness, so
+    the contract's distance i + Lk - Lq - j is i - j."""
+    if softcap is None and alibi_slopes is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if alibi_slopes is not None:
+            score = score - alibi_slopes[h] * (q_idx - kv_idx).abs()
+        return score
+
+    return score_mod
+
+
+def _build_flex(shape: Shape, device: torch.device, softcap=None, alibi_slopes=None) -> Attend:
     from torch.nn.attention.flex_attention import flex_attention
 
     # One compile per shape from an empty cache: static shapes, as a model would run them, and
     # dynamo's recompile limit can never send a later shape back to eager.
     torch._dynamo.reset()
     block_mask = causal_block_mask(shape.seqlen, device) if shape.causal else None
+    score_mod = flex_score_mod(softcap, alibi_slopes)
     compiled = torch.compile(flex_attention)
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    return lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
-FLEX = Implementation("flex", "FlexAttention (compiled)", False, "BHSD", _build_flex, compiled=True)
+FLEX = Implementation("flex", "FlexAttention (compiled)", "BHSD", _build_flex, compiled=True,
+                      features=frozenset({"softcap", "alibi"}))
+
+
+def _build_fa4(shape: Shape, device: torch.device, softcap=None, sinks=None) -> Attend:
+    from flash_attn.cute import flash_attn_func
+
+    def attend(q, k, v):
+        result = flash_attn_func(q, k, v, causal=shape.causal, softcap=0.0 if softcap is None else softcap,
+                                 learnable_sink=sinks)
+        # (out, lse) in the releases read; a tuple test keeps a release that returns out alone working
+        return result[0] if isinstance(result, tuple) else result
+
+    return attend
+
+
+#: FlashAttention-4 (the flash-attn-4 package, CuTe DSL): BSHD like flashx; softcap and learnable
+#: sinks (float32, with their gradient), no ALiBi. Its first call of a configuration (head dim,
+#: causal, softcap, sinks) JIT-compiles for seconds: the first call before each timing absorbs it.
+FA4 = Implementation("fa4", "FlashAttention-4", "BSHD", _build_fa4, features=frozenset({"softcap", "sinks"}))
+
+
+@functools.cache
+def fa4_missing() -> str | None:
+    """Why FA4 cannot run here, None when ``from flash_attn.cute import flash_attn_func`` works."""
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - a broken install (cutlass, CUDA bindings) is absent too
+        return (f"`from flash_attn.cute import flash_attn_func` failed ({type(error).__name__}: {error}); "
+                "pip install flash-attn-4")
+    return None
+
+
+def fa4_version() -> str | None:
+    if fa4_missing() is not None:
+        return None
+    try:
+        return metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:  # run from a source tree: the module's own version
+        import flash_attn
+
+        return getattr(flash_attn, "__version__", "unknown")
+
+
+def absent(device: torch.device) -> dict[str, str]:
+    """The peers that cannot run on ``device`` here, and why: FA4 on a CUDA device where it does not import."""
+    missing = fa4_missing() if device.type == "cuda" else None
+    return {"fa4": missing} if missing else {}
+
 
 PEERS = (
     sdpa("sdpa-cudnn", "SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
@@ -132,11 +223,12 @@ PEERS = (
 
 
 def implementations(device: torch.device, names: list[str] | None = None) -> list[Implementation]:
-    """Every registered flashx backend available on ``device``, then every peer; ``names`` keeps only those."""
+    """Every registered flashx backend available on ``device``, then FA4 (on CUDA, where it imports)
+    and every other peer; ``names`` keeps only those."""
     found = [
         flashx_backend(info.name) for info in flashx.backends() if info.available and device.type in info.devices
     ]
-    found += PEERS
+    found += ([FA4] if device.type == "cuda" and fa4_missing() is None else []) + list(PEERS)
     if names:
         unknown = set(names) - {impl.name for impl in found}
         if unknown:

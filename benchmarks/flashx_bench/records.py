@@ -11,7 +11,7 @@ source checkout's ``benchmarks/results``):
   early keeps what it measured; it becomes ``<device>.json`` when the run ends.
 
 ``<device>`` is ``cpu``, the GPU's model (``device_slug``: h100, h200, rtx4090), or for the decode
-sweep ``decode-`` and the model.
+and feature sweeps ``decode-`` or ``features-`` and the model.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ HISTORY = "history.csv"
 HISTORY_FIELDS = ("date", "device", "impl", "mode", "dtype", "batch", "seqlen", "heads", "head_dim", "causal",
                   "metric", "value", "torch", "triton", "flashx")
 SHAPE_FIELDS = ("batch", "seqlen", "heads", "head_dim", "causal")
+#: The record name's prefix for the sweeps other than the main one (kind "gpu") and the CPU's.
+PREFIXES = {"decode": "decode-", "features": "features-"}
 
 
 def checkout_results() -> Path:
@@ -51,10 +53,10 @@ def device_slug(name: str) -> str:
 
 
 def stem(results: dict) -> str:
-    """The record's name: ``cpu``, the GPU's model, or ``decode-`` and the model for the decode sweep."""
+    """The record's name: ``cpu``, the GPU's model, or its prefix (``PREFIXES``) and the model."""
     if results["kind"] == "cpu":
         return "cpu"
-    return ("decode-" if results["kind"] == "decode" else "") + device_slug(results["device"])
+    return PREFIXES.get(results["kind"], "") + device_slug(results["device"])
 
 
 def partial_path(out_dir: Path, slug: str) -> Path:
@@ -106,7 +108,9 @@ def redraw(results: dict, json_path: Path, render: Callable[[dict], str],
 
 def history_rows(results: dict) -> list[dict]:
     """The numbers of one run as history rows: speed (tflops), host time (host_us), memory
-    (peak_mib), checks (rel_error, the largest of o, dq, dk, dv), ceilings; failed rows are left out."""
+    (peak_mib), checks (rel_error, the largest of o, dq, dk, dv), ceilings; failed rows are left out.
+    The feature sweep's rows name their feature in the mode, after it ("fwd+bwd softcap"); its rows
+    without one are plain "fwd" and "fwd+bwd", the main sweep's quantity."""
     versions = results.get("versions", {})
     common = {"date": results["date"], "device": results["device"], "dtype": results.get("plan", {}).get("dtype", ""),
               **{name: versions.get(name, "") for name in ("torch", "triton", "flashx")}}
@@ -132,6 +136,16 @@ def history_rows(results: dict) -> list[dict]:
         rows = [row({}, "copy_tbps", results["copy_tbps"])] if results.get("copy_tbps") else []
         return rows + [row({**r, **decode, "seqlen": r["cache"]}, "tbps", r["tbps"], dtype=shape["dtype"])
                        for r in results["rows"] if r["status"] == "ok"]
+    if results["kind"] == "features":
+        dtype = results["shape"]["dtype"]
+
+        def featured(source: dict, mode: str) -> dict:
+            return {**source, "mode": mode if source["feature"] == "none" else f"{mode} {source['feature']}"}
+
+        return ([row(featured(r, r["mode"]), "tflops", r["tflops"], dtype=dtype)
+                 for r in results["speed"] if r["status"] == "ok"]
+                + [row(featured(r, "fwd+bwd"), "rel_error", max(r["errors"].values()), dtype=dtype)
+                   for r in results["checks"] if r["status"] in ("ok", "wrong")])
     rows = [row({}, metric, value) for metric, value in results.get("ceilings", {}).items()]
     rows += [row(r, "tflops", r["tflops"]) for r in results.get("speed", []) if r["status"] == "ok"]
     rows += [row(r, "host_us", r["host_us"]) for r in results.get("host", []) if r["status"] == "ok"]

@@ -115,7 +115,8 @@ def _title(results: dict) -> str:
     return (
         f"# flashx benchmarks: {results['device']}, {results['date']}\n\n"
         f"torch {v['torch']} (CUDA {v['cuda']}), triton {v['triton']}, flashx {v['flashx']}, "
-        f"Python {v['python']}."
+        + (f"flash-attn-4 {v['flash-attn-4']}, " if "flash-attn-4" in v else "")
+        + f"Python {v['python']}."
     )
 
 
@@ -309,12 +310,13 @@ def _not_measured(results: dict) -> list[str]:
         if row["status"] not in ("ok", "wrong"):
             where = f"check d{row['head_dim']}{' causal' if row['causal'] else ''}"
             struck.setdefault((row["impl"], row["status"]), []).append(where)
-    if not struck:
+    absent = results.get("absent", {})
+    if not struck and not absent:
         return []
     runs = {}
     for row in results["speed"] + results.get("host", []) + results["memory"] + results["checks"]:
         runs[row["impl"]] = runs.get(row["impl"], 0) + 1
-    lines = ["", "## Not measured", ""]
+    lines = ["", "## Not measured", ""] + [f"- {name}: absent: {reason}" for name, reason in absent.items()]
     for (name, status), where in struck.items():
         shown = "everywhere" if len(where) == runs[name] else "; ".join(where)
         lines.append(f"- {labels.get(name, name)}: {status} ({shown})")
