@@ -19,7 +19,8 @@ from flashx_cupy import CupyBackend, launch, unavailable_reason, variants
 
 def _problem(**changes):
     fields = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, varlen=False, seqlens_q=None, seqlens_k=None,
-                  mask=None, block_mask=None, dropout_p=0.0, deterministic=False, band=None)
+                  mask=None, block_mask=None, dropout_p=0.0, deterministic=False, band=None, softcap=None,
+                  alibi_slopes=None, sinks=None)
     return SimpleNamespace(**(fields | changes))
 
 
@@ -33,7 +34,7 @@ def test_declarations():
     backend = flashx.registry.get("cupy")
     assert isinstance(backend, CupyBackend)
     assert backend.features <= frozenset(flashx.problem.FEATURES)
-    assert {"softcap", "alibi"}.isdisjoint(backend.features)
+    assert {"softcap", "alibi", "sinks"} <= backend.features
     assert backend.deterministic_backward and backend.devices == {"cuda"}
 
 
@@ -63,6 +64,23 @@ def test_variant_follows_the_problem():
     assert featured.macros["MASK"] == featured.macros["DROPOUT"] == featured.macros["VARLEN"] == 1
     assert featured.macros["ALIGNED"] == 0 and featured.block_m == 32  # float32 at 256 wide: two warps
     assert plain.options != featured.options
+
+
+@pytest.mark.parametrize("kernel", ["forward", "forward_sm90", "dq", "dkdv", "delta"])
+def test_score_mods_are_compile_time_options(kernel):
+    """Each modification is a macro of the variants that use it, 0 for a call without it (today's
+    code); the dK/dV kernel, which sees the sink only through the LSE, is built without SINKS."""
+    plain = variants.choose(kernel, _problem(), aligned=True)
+    assert plain.macros["SOFTCAP"] == plain.macros["ALIBI"] == plain.macros["SINKS"] == 0
+    modified = variants.choose(kernel, _problem(softcap=30.0, alibi_slopes=object(), sinks=object()), aligned=True)
+    assert modified.macros["SOFTCAP"] == modified.macros["ALIBI"] == 1
+    assert modified.macros["SINKS"] == (kernel != "dkdv")
+    assert modified.options != plain.options and modified.shared_memory == plain.shared_memory
+    for one in ("softcap", "alibi", "sinks"):  # each alone, the others off
+        alone = variants.choose(kernel, _problem(**{"softcap" if one == "softcap" else f"{one}_slopes" if one == "alibi"
+                                                    else one: 1.0 if one == "softcap" else object()}), aligned=True)
+        assert [alone.macros[m] for m in ("SOFTCAP", "ALIBI", "SINKS")] == [
+            int(one == "softcap"), int(one == "alibi"), int(one == "sinks" and kernel != "dkdv")]
 
 
 def test_delta_shares_the_dq_build():
@@ -100,6 +118,8 @@ def test_tiles_fit(key, split):
     ({"mask": object()}, "90", True, "forward"),
     ({"block_mask": object()}, "90", True, "forward"),
     ({"dropout_p": 0.1}, "90", True, "forward"),
+    ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "90", True, "forward_sm90"),  # the shared softmax
+    ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "80", True, "forward"),
 ])
 def test_forward_kernel_choice(changes, capability, is_aligned, kernel):
     assert variants.forward_kernel(_problem(**changes), is_aligned, capability) == kernel
@@ -254,6 +274,66 @@ def test_pack():
     assert params["scale"] == np.float32(-0.5) and params["scale_log2"] == np.float32(-0.5 * math.log2(math.e))
     assert params["drop_scale"] == np.float32(1 / 0.75) and params["tiles_m"] == 3 and params["group"] == 4
     assert (params["drop_row0"], params["drop_col0"]) == (5, 9)
+
+
+def _torch_problem(**changes):
+    import torch
+
+    fields = dict(array_kind="torch", device="cpu", device_index=None, dtype="float32", batch=2, seqlen_q=5, seqlen_k=7,
+                  total_q=None, total_k=None, heads_q=3, heads_k=1, head_dim=8, head_dim_v=8, softmax_scale=0.5)
+    converted = {name: torch.as_tensor(value) if isinstance(value, np.ndarray) else value
+                 for name, value in changes.items()}
+    return Problem(**(fields | converted))
+
+
+def test_pack_softcap():
+    """The kernels take tanh(S / c) of S = scale * dot as tanh(dot * (scale / c)), and c in base 2."""
+    params = launch.pack(_torch_problem(softmax_scale=0.25, softcap=20.0))[0]
+    assert params["softcap_scale"] == np.float32(0.25 / 20.0)
+    assert params["softcap_log2"] == np.float32(20.0 * math.log2(math.e))
+    plain = launch.pack(_torch_problem(softmax_scale=0.25))[0]
+    assert plain["softcap_scale"] == plain["softcap_log2"] == 0
+
+
+@pytest.mark.parametrize("slopes_shape, alibi_b", [((3,), 0), ((2, 3), 3)])
+def test_auxiliary_fields_slopes_and_sinks(slopes_shape, alibi_b):
+    """Slopes per head serve every sequence (batch stride 0); per sequence and head, a row of Hq.
+    float32 contiguous arrays are read where they are."""
+    rng = np.random.default_rng(3)
+    slopes, sinks = rng.random(slopes_shape).astype(np.float32), rng.random(3).astype(np.float32)
+    problem = _torch_problem(alibi_slopes=slopes, sinks=sinks)
+    fields, keep = launch.auxiliary_fields(problem)
+    assert fields["alibi_b"] == alibi_b
+    assert fields["alibi_slopes"] == problem.alibi_slopes.data_ptr() and fields["sinks"] == problem.sinks.data_ptr()
+    assert len(keep) == 2
+    fields, _ = launch.auxiliary_fields(_torch_problem())
+    assert not {"alibi_slopes", "alibi_b", "sinks"} & fields.keys()
+
+
+def test_empty_rows_of_varlen_lse():
+    """Rows past cu_seqlens[-1] have no key: lse -inf, or the sink of their head."""
+    import torch
+
+    cu = np.array([0, 2, 4], np.int32)
+    varlen = dict(total_q=6, total_k=4, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    sinks = np.array([0.5, -np.inf, 2.0], np.float32)
+    lse = launch.empty_row_lse(_torch_problem(**varlen, sinks=sinks), "cpu")
+    assert lse.shape == (3, 6) and lse.is_contiguous()
+    assert torch.equal(lse, torch.from_numpy(sinks)[:, None].expand(3, 6))
+    assert torch.equal(launch.empty_row_lse(_torch_problem(**varlen), "cpu"), torch.full((3, 6), -math.inf))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dsinks_sums_the_rows_of_each_head(varlen):
+    import torch
+
+    cu = np.array([0, 2, 5], np.int32)
+    problem = _torch_problem(sinks=np.zeros(3, np.float32),
+                             **(dict(total_q=6, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu) if varlen else {}))
+    terms = torch.arange(math.prod(problem.lse_shape), dtype=torch.float32).reshape(problem.lse_shape)
+    heads_first = terms if varlen else terms.transpose(0, 1)
+    want = heads_first.reshape(problem.heads_q, -1).sum(dim=1)
+    assert torch.equal(launch.sum_over_rows(problem, terms), want)
 
 
 # -- the kernels, on a GPU ------------------------------------------------------------------

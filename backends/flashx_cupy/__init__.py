@@ -8,6 +8,8 @@ a mask, block mask or dropout runs on Hopper's warpgroup products instead (wgmma
 ``kernels/forward_sm90.cu``). Without a band (causal, window), the 16-bit backward
 adds dQ in its dK/dV kernel by unordered float32 reductions; with ``deterministic=True``, or a
 band, it computes dQ in a kernel of its own, without atomics, and is bitwise reproducible.
+The score modifications (softcap, ALiBi, sinks: ``kernels/score_mods.cuh``) are compile-time
+options of every kernel, so a call without them runs the code it ran before they existed.
 
 The backend takes torch tensors (``array_kind = "torch"``): CuPy has no bfloat16 dtype, so a
 bfloat16 tensor cannot become a CuPy array, while a CuPy array becomes a torch tensor through
@@ -33,7 +35,7 @@ class CupyBackend(flashx.Backend):
     dtypes = frozenset({"float16", "bfloat16", "float32"})
     max_head_dim = 256
     features = frozenset({"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "dropout_offsets",
-                          "gqa", "dv_ne_d"})
+                          "gqa", "dv_ne_d", "softcap", "alibi", "sinks"})
     deterministic_backward = True
     strided_arrays = frozenset({"mask", "block_mask"})  # read through their strides: a broadcast costs nothing
 

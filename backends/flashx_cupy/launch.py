@@ -10,6 +10,7 @@ the caller's current stream: torch's for torch callers, CuPy's for CuPy callers.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -17,16 +18,16 @@ from flashx.problem import head_dim_class
 from flashx_cupy import variants
 
 _POINTERS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "cu_q", "cu_k", "seqlens_q", "seqlens_k",
-             "mask", "blocks")
+             "mask", "blocks", "alibi_slopes", "sinks", "dsinks_rows")
 _STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n", "v_h", "v_d",
             "o_b", "o_n", "o_h", "o_d", "do_b", "do_n", "do_h", "do_d",
             "dq_b", "dq_n", "dq_h", "dk_b", "dk_n", "dk_h", "dv_b", "dv_n", "dv_h",
             "lse_b", "lse_h", "delta_b", "delta_h", "mask_b", "mask_h", "mask_i", "mask_j",
-            "blocks_b", "blocks_h", "blocks_i", "blocks_j")
+            "blocks_b", "blocks_h", "blocks_i", "blocks_j", "alibi_b")
 _INTS = ("batch", "heads_q", "heads_k", "group", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
          "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0",
          "kv_head0", "kv_heads")
-_FLOATS = ("scale", "scale_log2", "drop_scale")
+_FLOATS = ("scale", "scale_log2", "drop_scale", "softcap_scale", "softcap_log2")
 
 #: The layout of ``struct Params``.
 PARAMS = np.dtype(
@@ -72,6 +73,8 @@ def pack(problem, **fields) -> np.ndarray:
         scale_log2=problem.scale_log2,
         drop_scale=problem.dropout_scale,
     )
+    if problem.softcap is not None:  # the kernels' tanh argument and base-2 factor (score_mods.cuh)
+        values.update(softcap_scale=problem.softmax_scale / problem.softcap, softcap_log2=problem.softcap * math.log2(math.e))
     values.update(fields)
     for name, value in values.items():
         params[name] = value
@@ -94,16 +97,21 @@ def row_stat_fields(name: str, x, varlen: bool) -> dict:
 
 
 def auxiliary_fields(problem) -> dict:
-    """cu_seqlens, seqlens (as int32), the mask and the block mask, broadcast to (B, Hq, ., .)."""
+    """cu_seqlens, seqlens (as int32), ALiBi's slopes and the sinks (as float32), the mask and the
+    block mask, broadcast to (B, Hq, ., .)."""
     import torch
 
     fields, keep = {}, []
-    for name, array in (("cu_q", problem.cu_seqlens_q), ("cu_k", problem.cu_seqlens_k),
-                        ("seqlens_q", problem.seqlens_q), ("seqlens_k", problem.seqlens_k)):
+    for name, array, dtype in (("cu_q", problem.cu_seqlens_q, torch.int32), ("cu_k", problem.cu_seqlens_k, torch.int32),
+                               ("seqlens_q", problem.seqlens_q, torch.int32), ("seqlens_k", problem.seqlens_k, torch.int32),
+                               ("alibi_slopes", problem.alibi_slopes, torch.float32),
+                               ("sinks", problem.sinks, torch.float32)):
         if array is not None:
-            array = array.to(torch.int32).contiguous()
+            array = array.to(dtype).contiguous()
             keep.append(array)
             fields[name] = array.data_ptr()
+    if problem.alibi_slopes is not None:  # (Hq,) slopes serve every sequence
+        fields["alibi_b"] = problem.heads_q if problem.alibi_slopes.dim() == 2 else 0
     shape = (problem.batch, problem.heads_q)
     if problem.mask is not None:
         mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
@@ -190,7 +198,7 @@ def forward(problem, q, k, v):
     with caller_stream(problem, q) as device:
         if varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
             o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
-            lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+            lse = empty_row_lse(problem, q.device)
         else:
             o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
@@ -203,7 +211,7 @@ def forward(problem, q, k, v):
                       **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
                       **row_stat_fields("lse", lse, varlen))
         launch(variant, device, tiles_m * problem.heads_q * problem.batch, params)
-        del keep  # the int32 copies lived until the launch was queued (torch's allocator is stream-ordered)
+        del keep  # the auxiliary copies lived until the launch was queued (torch's allocator is stream-ordered)
     return o, lse
 
 
@@ -217,13 +225,16 @@ def backward(problem, q, k, v, o, lse, do):
         dk = zeros_or_empty(k.shape, dtype=k.dtype, device=k.device)
         dv = zeros_or_empty(v.shape, dtype=v.dtype, device=v.device)
         delta = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+        # the delta kernel's term of each row in dsinks, summed here in a fixed order (deterministic)
+        dsinks_rows = torch.empty_like(delta) if problem.sinks is not None else None
         is_aligned = aligned(problem, q, k, v, o, do)
         aux, keep = auxiliary_fields(problem)
         fields = dict(**aux, **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),
                       **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
                       **tensor_fields("do", do, varlen), **tensor_fields("dq", dq, varlen, 3),
                       **tensor_fields("dk", dk, varlen, 3), **tensor_fields("dv", dv, varlen, 3),
-                      **row_stat_fields("lse", lse, varlen), **row_stat_fields("delta", delta, varlen))
+                      **row_stat_fields("lse", lse, varlen), **row_stat_fields("delta", delta, varlen),
+                      **({} if dsinks_rows is None else {"dsinks_rows": dsinks_rows.data_ptr()}))
 
         variant = variants.choose("delta", problem, is_aligned)
         rows = problem.total_q if varlen else problem.batch * problem.seqlen_q
@@ -241,8 +252,9 @@ def backward(problem, q, k, v, o, lse, do):
                 tiles_m = tiles(problem.seqlen_k, variant.block_m)
                 launch(variant, device, tiles_m * problem.heads_k * problem.batch,
                        pack(problem, tiles_m=tiles_m, **fields))
+        grads = (dq, dk, dv) if dsinks_rows is None else (dq, dk, dv, sum_over_rows(problem, dsinks_rows))
         del keep
-    return dq, dk, dv
+    return grads
 
 
 def _dkdv_adding_dq(problem, device, variant, fields: dict, dq) -> None:
@@ -259,3 +271,19 @@ def _dkdv_adding_dq(problem, device, variant, fields: dict, dq) -> None:
                       **(fields | tensor_fields("dq", sums, problem.varlen, 3)))
         launch(variant, device, tiles_m * heads * problem.batch, params)
         dq[..., first * group:(first + heads) * group, :].copy_(sums[..., :problem.head_dim])
+
+
+def sum_over_rows(problem, terms):
+    """(Hq,): the sum of an lse-shaped array's rows of each head, (B, Hq, Nq) or (Hq, Tq), in torch's
+    fixed reduction order (no atomics: the same sum every run)."""
+    return terms.sum(dim=1 if problem.varlen else (0, 2))
+
+
+def empty_row_lse(problem, device):
+    """A varlen problem's lse (Hq, Tq) before the kernels write the rows of its sequences: rows past
+    cu_seqlens[-1] have no key, so -inf, or their head's sink (the contract's "Score modifications")."""
+    import torch
+
+    if problem.sinks is None:
+        return torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=device)
+    return problem.sinks.to(torch.float32)[:, None].expand(problem.lse_shape).contiguous()

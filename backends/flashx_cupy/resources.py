@@ -7,6 +7,7 @@ holding tensor-core products (the tile loops) are counted by opcode.
     python -m flashx_cupy.resources                     # shipped tiles, bf16, every kernel and head dim
     python -m flashx_cupy.resources --kernel dkdv --dim 128 --tile 64x64x4 --blocks
     python -m flashx_cupy.resources --kernel forward --features mask=1,dropout=1
+    python -m flashx_cupy.resources --kernel forward_sm90 dq dkdv --features softcap=1,alibi=1,sinks=1
 
 NVRTC 13.0 is the one CuPy 14.2 uses on the lent GPUs; cuda-bindings (numba-cuda's dependency)
 finds the wheel's library. A spill or a register count here is what the GPU will run; a block's

@@ -98,6 +98,9 @@ class Variant:
     mask: bool = False
     block_mask: bool = False
     dropout: bool = False
+    softcap: bool = False  # the score modifications (kernels/score_mods.cuh)
+    alibi: bool = False
+    sinks: bool = False
     aligned: bool = True
     dkdv_parts: int = 3  # dK/dV kernel: bit 0 dK, bit 1 dV
     dq_atomic: bool = False  # dK/dV kernel: also adds dQ to float32 sums (see ``fused_dq``)
@@ -126,6 +129,9 @@ class Variant:
             "MASK": int(self.mask),
             "BLOCK_MASK": int(self.block_mask),
             "DROPOUT": int(self.dropout),
+            "SOFTCAP": int(self.softcap),
+            "ALIBI": int(self.alibi),
+            "SINKS": int(self.sinks),
             "ALIGNED": int(self.aligned),
             "DKDV_PARTS": self.dkdv_parts,
             "DQ_ATOMIC": int(self.dq_atomic),
@@ -179,6 +185,9 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         mask=problem.mask is not None,
         block_mask=problem.block_mask is not None,
         dropout=problem.dropout_p > 0,
+        softcap=problem.softcap is not None,
+        alibi=problem.alibi_slopes is not None,
+        sinks=problem.sinks is not None and kernel != "dkdv",  # dK and dV see the sink only through the LSE
         aligned=aligned,
         dkdv_parts=dkdv_parts,
         dq_atomic=dq_atomic,
@@ -190,8 +199,9 @@ def forward_kernel(problem, aligned: bool, compute_capability: str) -> str:
 
     "forward_sm90" (wgmma, sm_90a code) runs on compute capability 9.0 for 16-bit problems whose
     operands are all ``aligned``, with head dims up to 128, and without a bool mask, a block mask or
-    dropout; it takes a band (causal, window), seqlens and varlen. "forward" (mma.sync) serves every
-    other problem, and every GPU.
+    dropout; it takes a band (causal, window), seqlens, varlen and the score modifications (its
+    softmax and epilogue are forward.cuh's). "forward" (mma.sync) serves every other problem, and
+    every GPU.
     """
     if (compute_capability == "90" and problem.dtype != "float32" and aligned
             and max(problem.head_dim, problem.head_dim_v) <= 128 and problem.mask is None

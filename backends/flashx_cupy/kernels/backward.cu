@@ -13,7 +13,10 @@
 // the call asks for determinism (flashx_cupy.variants.fused_dq).
 // P is recomputed from the LSE; with dropout, Z is drawn again from (seed, rng_offset):
 //   dV = (P Z / (1 - p))^T dO,  dS = P (Z dP / (1 - p) - D),  dP = dO V^T;
-// a dropped pair reads no dO (its dP is 0), but its dS = -P D still reaches dQ and dK.
+// a dropped pair reads no dO (its dP is 0), but its dS = -P D still reaches dQ and dK. The score
+// modifications (score_mods.cuh) recompute S as the forward did, multiply dS by the softcap's
+// derivative, and leave dsinks to flashx_delta: a term of each row, -exp(sink - lse) D where the
+// row has an allowed key, which the host sums in a fixed order.
 // DKDV_PARTS (bit 0: dK, bit 1: dV) lets the widest head dims compute dK and dV in two launches,
 // each holding one accumulator in registers.
 //
@@ -28,6 +31,7 @@
 // record of allowed pairs (a byte a pair of shared memory); it too waits and syncs once a tile.
 
 #include "common.cuh"
+#include "score_mods.cuh"
 
 #ifndef DKDV_PARTS
 #define DKDV_PARTS 3
@@ -37,6 +41,26 @@
 #endif
 #define LD_DS (BLOCK_N + CHUNK)  // dS^T in shared memory: keys x queries
 static_assert(!DQ_ATOMIC || (TENSOR_CORES && DKDV_PARTS == 3), "the fused dQ takes dS of both parts' kernel, on tensor cores");
+
+#if SINKS
+// Whether row ``row`` of the q tensor (the delta kernel's b and n) has an allowed key for head h.
+// A packed row's sequence is found by bisecting cu_seqlens_q; rows past its end have none.
+__device__ bool row_of_tensor_has_key(const Params& p, int b, int n, int h) {
+#if VARLEN
+    const int* cu_q = (const int*)p.cu_q;
+    if (n >= cu_q[p.batch]) return false;
+    int lo = 0, hi = p.batch;  // cu_q[lo] <= n < cu_q[hi]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (cu_q[mid] <= n) lo = mid; else hi = mid;
+    }
+    const Sequence s = sequence(p, lo);
+    return row_has_key(p, s, h, n - s.start_q);
+#else
+    return row_has_key(p, sequence(p, b), h, n);
+#endif
+}
+#endif
 
 extern "C" __global__ void flashx_delta(const Params p, int rows) {
     // One warp per (row of the q tensor, query head); rows counts B * Nq (padded) or Tq (varlen).
@@ -57,6 +81,16 @@ extern "C" __global__ void flashx_delta(const Params p, int rows) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) ((float*)p.delta)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] = sum;
+#if SINKS
+    // d lse / d sink = exp(sink - lse) and d o / d sink = -exp(sink - lse) o give the row's term;
+    // a row without an allowed key adds exactly 0, whatever its dO holds.
+    const bool has_key = row_of_tensor_has_key(p, b, n, h);
+    if (lane == 0) {
+        const float lse = ((const float*)p.lse)[(i64)b * p.lse_b + (i64)h * p.lse_h + n];
+        const float sink = ((const float*)p.sinks)[h];
+        ((float*)p.dsinks_rows)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] = has_key ? -expf(sink - lse) * sum : 0.f;
+    }
+#endif
 }
 
 // The LSE of query row i (within the sequence) in base 2, and D.
@@ -147,6 +181,8 @@ struct KeyCta {
         add_dq();  // the previous step's
 #endif
         const int h = head_of(step), m = row_of(step);
+        ScoreMods mods;
+        mods.load(p, s, h);
         elem_t* q_tile = sQ + buf * BLOCK_N * LD_QK;
         elem_t* do_tile = sDO + buf * BLOCK_N * LD_V;
         const float* lse = sLse + buf * BLOCK_N;
@@ -172,7 +208,8 @@ struct KeyCta {
                 for (int e = 0; e < 4; ++e) {
                     const int r = frag_row(mt, e), c = frag_col(nt, e);
                     const bool ok = allowed<MASKED>(h, m, r, c);
-                    const float pr = ok ? exp2f(fmaf(pt[mt][nt][e], p.scale_log2, -(lse[c] * LOG2E))) : 0.f;
+                    float capped;
+                    const float pr = ok ? exp2f(mods.log2_prob(p, pt[mt][nt][e], m + c, n0 + wrow + r, lse[c] * LOG2E, capped)) : 0.f;
 #if DROPOUT
                     const bool keep = kept >> e & 1;
                     pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
@@ -186,7 +223,7 @@ struct KeyCta {
 #endif
 #endif
 #if DKDV_PARTS & 1
-                    dst[mt][nt][e] = ok ? pr * (dpr - delta[c]) : 0.f;
+                    dst[mt][nt][e] = ok ? through_softcap(pr * (dpr - delta[c]), capped) : 0.f;
 #endif
                 }
             }
@@ -460,6 +497,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
 
     float dq[ATOMS][DIM_QK / 8][4];
     zero<ATOMS, DIM_QK>(dq);
+    ScoreMods mods;
+    mods.load(p, s, h);
 
     for (int buf = 0; n < end; buf ^= 1) {
         const int next = allowed_tile(n + BLOCK_N);
@@ -489,13 +528,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) 
                     const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
                     const bool ok = !masked || allowed_pair(p, s, h, m0 + r, n + c);
                     if (masked) sAllowed[r * BLOCK_N + c] = ok;
-                    const float pr = ok ? exp2f(sc[mt][nt][e] * p.scale_log2 - lse2[mt][e / 2]) : 0.f;
+                    float capped;
+                    const float pr = ok ? exp2f(mods.log2_prob(p, sc[mt][nt][e], m0 + r, n + c, lse2[mt][e / 2], capped)) : 0.f;
 #if DROPOUT
                     const float dpr = kept >> e & 1 ? dp[mt][nt][e] * p.drop_scale : 0.f;
 #else
                     const float dpr = dp[mt][nt][e];
 #endif
-                    sc[mt][nt][e] = ok ? pr * (dpr - delta[mt][e / 2]) : 0.f;
+                    sc[mt][nt][e] = ok ? through_softcap(pr * (dpr - delta[mt][e / 2]), capped) : 0.f;
                 }
             }
 

@@ -6,7 +6,8 @@
 //   DTYPE 0 float16, 1 bfloat16, 2 float32; DIM_QK, DIM_V the head-dim classes (64, 128, 256);
 //   BLOCK_M the rows a CTA owns (queries, or keys in the dK/dV kernel), split among WARPS warps;
 //   BLOCK_N the rows of the operand it streams through shared memory, two tiles in flight;
-//   VARLEN, SEQLENS_Q, SEQLENS_K, BAND, MASK, BLOCK_MASK, DROPOUT (0/1): the features used;
+//   VARLEN, SEQLENS_Q, SEQLENS_K, BAND, MASK, BLOCK_MASK, DROPOUT (0/1): the features used
+//   (SOFTCAP, ALIBI, SINKS: score_mods.cuh);
 //   ALIGNED: every operand may be read in 16-byte chunks (cp.async), else element by element.
 //
 // Every product leaves its result in the accumulator layout of mma.sync.m16n8k16: lane
@@ -47,15 +48,19 @@ typedef u16 elem_t;
 // 8-byte fields first so that no padding differs between numpy and C).
 struct Params {
     u64 q, k, v, o, lse, dout, dq, dk, dv, delta, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks;
+    u64 alibi_slopes, sinks;  // float32: slopes (Hq,) or (B, Hq), sinks (Hq,)
+    u64 dsinks_rows;          // float32, shaped and strided like delta: each row's term of dsinks
     i64 q_b, q_n, q_h, q_d, k_b, k_n, k_h, k_d, v_b, v_n, v_h, v_d;
     i64 o_b, o_n, o_h, o_d, do_b, do_n, do_h, do_d;
     i64 dq_b, dq_n, dq_h, dk_b, dk_n, dk_h, dv_b, dv_n, dv_h;
     i64 lse_b, lse_h, delta_b, delta_h, mask_b, mask_h, mask_i, mask_j, blocks_b, blocks_h, blocks_i, blocks_j;
+    i64 alibi_b;  // 0 for slopes per head, Hq for slopes per sequence and head
     u64 seed;
     int batch, heads_q, heads_k, group, seqlen_q, seqlen_k, head_dim, head_dim_v;
     int left, right, block_q, block_k, rng_offset, drop_threshold, tiles_m, drop_row0, drop_col0;
     int kv_head0, kv_heads;  // the dK/dV kernel's launch covers kv heads [kv_head0, kv_head0 + kv_heads)
     float scale, scale_log2, drop_scale;
+    float softcap_scale, softcap_log2;  // scale / c and log2(e) c (score_mods.cuh)
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -10,11 +10,13 @@
 // ones; key tiles that no row of the CTA may use are never visited, and block-mask tiles it
 // disallows are skipped unread.
 //
-// Online softmax in base 2: scores are scaled by softmax_scale * log2(e) before the row max, so
-// a negative scale takes the max of the scaled scores; the LSE leaves in natural log. O leaves
-// through shared memory in 16-byte rows.
+// Online softmax in base 2: scores are scaled by softmax_scale * log2(e) (and capped and biased,
+// score_mods.cuh) before the row max, so a negative scale takes the max of the scaled scores; the
+// LSE leaves in natural log, the sink folded in once at the end. O leaves through shared memory in
+// 16-byte rows.
 
 #include "common.cuh"
+#include "score_mods.cuh"
 
 // A CTA's query rows, the keys they use and their running softmax and output. Each warp owns
 // ATOMS atoms of 16 rows from row wrow of the tile.
@@ -28,6 +30,7 @@ struct ForwardRows {
     int rows_out, rows_end, lo, end, unmasked_lo, unmasked_hi;
     float acc[ATOMS][DIM_V / 8][4];
     float row_max[ATOMS][2], row_sum[ATOMS][2];  // per lane: its columns' share of the row sum
+    ScoreMods mods;
 
     // Whether the CTA has rows to write; if so, its key range and empty running state.
     __device__ __forceinline__ bool start() {
@@ -53,6 +56,7 @@ struct ForwardRows {
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
             for (int half = 0; half < 2; ++half) row_max[mt][half] = NEG_INF, row_sum[mt][half] = 0.f;
+        mods.load(p, s, h);
         return true;
     }
 
@@ -94,7 +98,7 @@ struct ForwardRows {
             for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float x = sc[mt][nt][e] * p.scale_log2;
+                    float x = mods.score2(p, sc[mt][nt][e], m0 + wrow + frag_row(mt, e), n + frag_col(nt, e));
                     if (MASKED && !allowed_pair(p, s, h, m0 + wrow + frag_row(mt, e), n + frag_col(nt, e))) x = NEG_INF;
                     sc[mt][nt][e] = x;
                     tile_max[mt][e / 2] = fmaxf(tile_max[mt][e / 2], x);
@@ -147,10 +151,14 @@ struct ForwardRows {
     }
 
     // O = acc / row sum and the LSE, O staged through sO (BLOCK_M rows of LD_V elements; each
-    // warp stages and stores its own rows).
+    // warp stages and stores its own rows). A row with no allowed key has o = 0 and lse = -inf, or
+    // the sink.
     __device__ __forceinline__ void store(elem_t* sO) const {
         const int lane = threadIdx.x % 32;
         float* lse = (float*)p.lse + (i64)b * p.lse_b + (i64)h * p.lse_h + s.start_q;
+#if SINKS
+        const float sink = ((const float*)p.sinks)[h];
+#endif
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
@@ -160,9 +168,16 @@ struct ForwardRows {
                 total += __shfl_xor_sync(0xffffffffu, total, 2);
                 const int r = wrow + frag_row(mt, 2 * half);
                 const bool empty = total == 0.f;
+#if SINKS
+                float keys_share;
+                const float lse2 = with_sink(row_max[mt][half], total, sink * LOG2E, keys_share);
+                const float out_scale = empty ? 0.f : p.drop_scale * keys_share;
+                if (m0 + r < rows_out && lane % 4 == 0) lse[m0 + r] = empty ? sink : lse2 * LN2;
+#else
                 const float out_scale = empty ? 0.f : p.drop_scale / total;
                 if (m0 + r < rows_out && lane % 4 == 0)
                     lse[m0 + r] = empty ? NEG_INF : (row_max[mt][half] + log2f(total)) * LN2;
+#endif
 #pragma unroll
                 for (int nt = 0; nt < DIM_V / 8; ++nt)
                     store_pair(sO + r * LD_V + frag_col(nt, 0), empty ? 0.f : acc[mt][nt][2 * half] * out_scale,
