@@ -15,6 +15,15 @@ a pair the band keeps apart is skipped, and with it whole steps of a causal cont
 Dropout is drawn at sequence positions (the ``dropout_offsets`` option), so the mask is the one
 ``flashx.attention`` draws on the whole sequence, bit for bit.
 
+Score modifications. A softcap acts on each score alone, so every step's call takes it. The sink
+belongs to no step: the steps are computed without it, and each rank joins the sink's state
+(o = 0, lse = σ) into its rows once, after the last step (``_join_sink``), so the lse the
+backward recomputes from holds it and dq, dk, dv need nothing more. dsinks is each rank's own
+rows' terms (``_sink_gradient``), reaching the caller's ``sinks`` through autograd; the ranks'
+parts add up to the whole sequence's, as the parts of every parameter's gradient do under
+context parallelism (the contract's Ring attention section says why no all-reduce). ALiBi is
+declined: a step's call measures its distance from the call's own diagonal, not the sequence's.
+
 ``simulate_ring_attention`` runs the steps of all W ranks in one process, without a process
 group, to check the kernels and the merging on one device.
 
@@ -34,7 +43,7 @@ import torch.distributed as dist
 
 from flashx import arrays
 from flashx.api import merge_states
-from flashx.errors import DTypeError, ShapeError
+from flashx.errors import DTypeError, ShapeError, UnsupportedError
 from flashx.execute import run_backward, run_forward
 from flashx.options import complete
 from flashx.plan import plan
@@ -46,7 +55,8 @@ LAYOUTS = {"contiguous": 1, "zigzag": 2}
 
 
 def ring_attention(q, k, v, *, group=None, layout="zigzag", causal=False, window=None, softmax_scale=None,
-                   dropout_p=0.0, seed=None, rng_offset=0, return_lse=False, backend="auto"):
+                   softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, rng_offset=0,
+                   return_lse=False, backend="auto"):
     """Attention over a sequence sharded across the ranks of ``group`` (default: the whole world).
 
     q (B, N/W, Hq, D), k (B, N/W, Hk, D), v (B, N/W, Hk, Dv): this rank's shard in ``layout``
@@ -54,36 +64,42 @@ def ring_attention(q, k, v, *, group=None, layout="zigzag", causal=False, window
     ``flashx.attention`` on the whole sequence with the same keywords: o (B, N/W, Hq, Dv), and
     with ``return_lse`` lse (B, Hq, N/W). Differentiable through torch autograd; every rank of
     the group must make the call, with equal shapes and keywords, and run its backward. With
-    ``seed=None`` and dropout, rank 0 draws the seed and sends it to the others.
+    ``seed=None`` and dropout, rank 0 draws the seed and sends it to the others. ``sinks`` (Hq,),
+    equal on every rank, receives the dsinks terms of this rank's rows: the ranks' sum is the
+    whole sequence's. ``alibi_slopes`` is declined (``UnsupportedError``, with the reason).
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise ShapeError("group: expected a process group this process belongs to")
-    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
-                   rng_offset=rng_offset)
+    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed, rng_offset=rng_offset)
     problem = _shard_problem(q, k, v, layout, options)
     if seed is None and problem.dropout_p > 0:
         problem = dataclasses.replace(problem, seed=_broadcast_seed(problem.seed, group, q.device))
-    ring = _Ring([_Rank(rank, world_size, layout, problem, backend)], _p2p_shift(group, world_size, rank))
-    o, lse = _RingAttention.apply(ring, q, k, v)
+    ring = _Ring([_Rank(rank, world_size, layout, problem, backend)], _p2p_shift(group, world_size, rank),
+                 problem.sinks)
+    o, lse = _RingAttention.apply(ring, _caller_sinks(sinks), q, k, v)
     return (o, lse) if return_lse else o
 
 
 def simulate_ring_attention(q, k, v, world_size, *, layout="zigzag", causal=False, window=None, softmax_scale=None,
-                            dropout_p=0.0, seed=None, rng_offset=0, return_lse=False, backend="auto"):
+                            softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, rng_offset=0,
+                            return_lse=False, backend="auto"):
     """``ring_attention`` of ``world_size`` ranks in one process, without a process group.
 
     q, k, v hold the whole sequence, (B, N, H, D); each rank's shard is cut by ``shard``, the
     ranks run the very steps and merges of ``ring_attention`` in turn, and "sending" a shard
-    hands it to the next rank's step. Returns the whole-sequence o (and lse), differentiable.
+    hands it to the next rank's step. Returns the whole-sequence o (and lse), differentiable;
+    ``sinks``, one tensor for every rank, receives the sum of their dsinks.
     """
-    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
-                   rng_offset=rng_offset)
+    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, seed=seed, rng_offset=rng_offset)
     _require_torch(q)
     shards = [[shard(x, world_size, rank, layout) for rank in range(world_size)] for x in (q, k, v)]
     problem = _shard_problem(shards[0][0], shards[1][0], shards[2][0], layout, options)
     ranks = [_Rank(rank, world_size, layout, problem, backend) for rank in range(world_size)]
-    outputs = _RingAttention.apply(_Ring(ranks, _rotate), *shards[0], *shards[1], *shards[2])
+    outputs = _RingAttention.apply(_Ring(ranks, _rotate, problem.sinks), _caller_sinks(sinks), *shards[0],
+                                   *shards[1], *shards[2])
     o = unshard(outputs[:world_size], layout)
     lse = unshard(outputs[world_size:], layout, dim=2)
     return (o, lse) if return_lse else o
@@ -133,6 +149,11 @@ def _chunks(layout: str, world_size: int, rank: int, size: int) -> list[tuple[in
 def _shard_problem(q, k, v, layout: str, options: dict) -> Problem:
     """One shard's keywords and shapes checked, as a ``Problem`` (band, scale and seed drawn)."""
     _require_torch(q)
+    if options["alibi_slopes"] is not None:
+        raise UnsupportedError(
+            "alibi_slopes: ring attention does not take ALiBi. Each ring step is a backend call on a pair of "
+            "chunks, which measures ALiBi's distance from its own bottom-right diagonal, not the whole "
+            "sequence's, and no backend takes ALiBi at offset positions (as dropout_offsets does for dropout)")
     chunks = _chunks_per_rank(layout)
     problem = build_problem(q, k, v, **complete("ring_attention", options))
     if problem.seqlen_k != problem.seqlen_q:
@@ -142,6 +163,11 @@ def _shard_problem(q, k, v, layout: str, options: dict) -> Problem:
         raise ShapeError(f"q: layout {layout!r} holds {chunks} equal chunks per rank: expected a shard length "
                          f"divisible by {chunks}, got shape {tuple(q.shape)}")
     return problem
+
+
+def _caller_sinks(sinks):
+    """The caller's sinks as autograd's input (the problem holds a detached copy for the steps)."""
+    return None if sinks is None else arrays.resolved(sinks)
 
 
 def _require_torch(q) -> None:
@@ -202,8 +228,8 @@ class _Rank:
         self.index, self.backend = index, backend
         size = problem.seqlen_q // LAYOUTS[layout]
         mine = _chunks(layout, world_size, index, size)
-        common = dict(softmax_scale=problem.softmax_scale, dropout_p=problem.dropout_p, seed=problem.seed,
-                      rng_offset=problem.rng_offset)
+        common = dict(softmax_scale=problem.softmax_scale, softcap=problem.softcap, dropout_p=problem.dropout_p,
+                      seed=problem.seed, rng_offset=problem.rng_offset)
         self.calls = []
         for source in range(world_size):
             theirs = _chunks(layout, world_size, source, size)
@@ -245,12 +271,13 @@ Shift = Callable[[list], Callable[[], list]]
 
 
 class _Ring:
-    """The ranks this process runs (one, or all of them in a simulation) and how shards move
-    between them: ``shift(items)`` sends item r to rank r + 1 and returns the wait for the
-    items received, item r then coming from rank r - 1."""
+    """The ranks this process runs (one, or all of them in a simulation), how shards move
+    between them (``shift(items)`` sends item r to rank r + 1 and returns the wait for the
+    items received, item r then coming from rank r - 1), and the sinks every row joins once
+    (None: none), in the lse's dtype."""
 
-    def __init__(self, ranks: list[_Rank], shift: Shift):
-        self.ranks, self.shift = ranks, shift
+    def __init__(self, ranks: list[_Rank], shift: Shift, sinks):
+        self.ranks, self.shift, self.sinks = ranks, shift, sinks
         self.world_size = len(ranks[0].calls)
 
     def forward(self, qs, ks, vs):
@@ -265,7 +292,9 @@ class _Ring:
                 rank.forward_step(q, k, v, (rank.index - step) % self.world_size, o, lse)
             if arriving is not None:
                 shards = arriving()
-        return [o.to(q.dtype) for o, q in zip(os, qs)], lses
+        if self.sinks is not None:
+            os, lses = zip(*(_join_sink(o, lse, self.sinks) for o, lse in zip(os, lses)))
+        return [o.to(q.dtype) for o, q in zip(os, qs)], list(lses)
 
     def backward(self, qs, ks, vs, os, lses, dos):
         accumulate = _accumulation_dtype(qs[0])
@@ -284,8 +313,28 @@ class _Ring:
             if arriving is not None:
                 shards = arriving()
         dkvs = travelling()
+        dsinks = None if self.sinks is None else sum(map(_sink_gradient, os, lses, dos, itertools.repeat(self.sinks)))
         return ([dq.to(q.dtype) for dq, q in zip(dqs, qs)], [dk.to(k.dtype) for (dk, _), k in zip(dkvs, ks)],
-                [dv.to(v.dtype) for (_, dv), v in zip(dkvs, vs)])
+                [dv.to(v.dtype) for (_, dv), v in zip(dkvs, vs)], dsinks)
+
+
+def _join_sink(o, lse, sinks):
+    """A rank's (o, lse) over every key, with the sink's state (o = 0, lse = σ) merged in once
+    (the contract's "Merging partial results"), as the contract's softmax computes it: a NaN or
+    +inf sink gives NaN rows, a row without keys keeps o = 0 and gets lse = σ."""
+    sink = sinks[None, :, None]
+    top = torch.maximum(lse, sink)
+    top = torch.where(top == -math.inf, 0.0, top)
+    joined = torch.where(lse == -math.inf, sink, top + torch.log(torch.exp(lse - top) + torch.exp(sink - top)))
+    share = torch.where(lse == -math.inf, 0.0, torch.exp(lse - joined))  # the keys' part of each row's weight
+    return o * share.transpose(1, 2)[..., None], joined
+
+
+def _sink_gradient(o, lse, do, sinks):
+    """dsinks of one rank's rows: -sum over them of exp(σ_h - lse_i) * dot(o_i, do_i). Every row of
+    a ring call has a key (the band always holds its own position), so every row's term counts."""
+    delta = (o.to(lse.dtype) * do.to(lse.dtype)).sum(-1)  # (B, N/W, Hq)
+    return -(torch.exp(sinks[None, :, None] - lse) * delta.transpose(1, 2)).sum((0, 2))
 
 
 def _accumulation_dtype(q) -> torch.dtype:
@@ -324,15 +373,16 @@ def _p2p_shift(group, world_size: int, rank: int) -> Shift:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Inputs: the ring, then the q shards of its ranks, their k shards, their v shards.
-    Outputs: the o shards, then the lse shards (not differentiable)."""
+    """Inputs: the ring, the caller's sinks (or None: their values are the ring's), then the q
+    shards of its ranks, their k shards, their v shards. Outputs: the o shards, then the lse
+    shards (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, ring: _Ring, *tensors):
+    def forward(ctx, ring: _Ring, sinks, *tensors):
         count = len(ring.ranks)
         qs, ks, vs = tensors[:count], tensors[count : 2 * count], tensors[2 * count :]
         os, lses = ring.forward(qs, ks, vs)
-        ctx.ring = ring
+        ctx.ring, ctx.sinks_dtype = ring, None if sinks is None else sinks.dtype
         ctx.save_for_backward(*tensors, *os, *lses)
         ctx.mark_non_differentiable(*lses)
         ctx.set_materialize_grads(False)  # no zero tensor made for the lse's gradient
@@ -345,5 +395,6 @@ class _RingAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         qs, ks, vs, os, lses = (saved[i * count : (i + 1) * count] for i in range(5))
         dos = [torch.zeros_like(o) if do is None else do for do, o in zip(grads[:count], os)]
-        dqs, dks, dvs = ctx.ring.backward(qs, ks, vs, os, lses, dos)
-        return (None, *dqs, *dks, *dvs)
+        dqs, dks, dvs, dsinks = ctx.ring.backward(qs, ks, vs, os, lses, dos)
+        dsinks = dsinks.to(ctx.sinks_dtype) if ctx.needs_input_grad[1] else None
+        return (None, dsinks, *dqs, *dks, *dvs)

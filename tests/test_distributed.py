@@ -2,7 +2,8 @@
 
 The process-group tests start 2, 3 and 4 processes of a gloo group on CPU, once per size, and
 run every case in them: each rank runs the ring forward and backward on its shards, the shards
-of o, lse, dq, dk and dv are gathered, and one rank grades them by the contract's exactness rule
+of o, lse, dq, dk and dv are gathered (and each rank's dsinks, its rows' part, summed), and one
+rank grades them by the contract's exactness rule
 against the float64 oracle on the whole sequence (``harness.conformance_failures``), compares
 float64 results with ``flashx.attention`` on the whole sequence, and reads the dropout mask out
 bit for bit. Ranks collect failures and report them at the end, so that no rank leaves the
@@ -27,11 +28,11 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from flashx_conformance import oracle  # noqa: E402
-from flashx_conformance.harness import OUTPUTS, Case, conformance_failures, make_case  # noqa: E402
+from flashx_conformance.harness import OUTPUTS, Case, conformance_failures, make_case, outputs_of  # noqa: E402
 
 import flashx  # noqa: E402
 from flashx.distributed import _pair, ring_attention, shard, simulate_ring_attention, unshard  # noqa: E402
-from flashx.errors import DTypeError, OptionError, ShapeError  # noqa: E402
+from flashx.errors import DTypeError, OptionError, ShapeError, UnsupportedError  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag")
 SEQLEN = 24  # divisible by 2W for W = 2, 3, 4: every layout fits every group size
@@ -145,6 +146,12 @@ def test_bad_arguments_are_refused():
         simulate_ring_attention(torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8), 2)
     with pytest.raises(OptionError, match="window: expected"):
         simulate_ring_attention(q, q, q, 2, window=(-2, 0))
+    with pytest.raises(UnsupportedError, match="^alibi_slopes: ring attention does not take ALiBi. Each ring step is a "
+                                               "backend call on a pair of chunks, which measures ALiBi's distance from "
+                                               "its own bottom-right diagonal"):
+        simulate_ring_attention(q, q, q, 2, alibi_slopes=torch.ones(2))
+    with pytest.raises(ShapeError, match="sinks: expected shape"):
+        simulate_ring_attention(q, q, q, 2, sinks=torch.ones(3))
 
 
 # ---------------------------------------------------------------- ring cases
@@ -203,16 +210,44 @@ def ring_cases(world_size: int) -> list[RingCase]:
             RingCase(layout, {"window": (4, 4), "dropout_p": 0.25, "seed": 77, "rng_offset": 2**33 + 1},
                      read_mask=True),
             RingCase(layout, {"causal": True, "window": (6, -1)}, heads_k=2, poison=True),
+            RingCase(layout, {"causal": True, "softcap": 0.5}, heads_k=2),
+            RingCase(layout, {"window": (3, 2), "sinks": SINKS}, heads_k=2),
+            RingCase(layout, {"causal": True, "window": (5, -1), "softcap": 2.0, "sinks": SINKS, "dropout_p": 0.3,
+                              "seed": 2**40 + 3}, heads_k=1, read_mask=True),
         ]
     cases += [
         RingCase("zigzag", {"causal": True}, heads_k=2, dtype="float32"),
         RingCase("contiguous", {"window": (5, 1)}, dtype="bfloat16"),
         RingCase("zigzag", {"causal": True, "dropout_p": 0.2, "seed": None}, heads_k=2),
+        RingCase("zigzag", {"causal": True, "softcap": 1.0, "softmax_scale": 2.0, "sinks": SINKS}, dtype="float32"),
+        RingCase("contiguous", {"sinks": np.array([-np.inf, 1.0, np.nan, np.inf])}, heads_k=2),
     ]
     if world_size == 2:  # Triton's kernels, interpreted: slow, so one small case
         cases.append(RingCase("zigzag", {"causal": True, "dropout_p": 0.3, "seed": 123}, heads_k=1, dtype="float32",
                               backend="triton", read_mask=True, seqlen=8, batch=1, heads_q=2))
+        cases.append(RingCase("zigzag", {"causal": True, "softcap": 2.0, "sinks": SINKS[:2]}, heads_k=1,
+                              dtype="float32", backend="triton", seqlen=8, batch=1, heads_q=2))
     return cases
+
+
+#: Sinks of the four query heads: beside the scores, far above them, far below, and exactly none.
+SINKS = np.array([0.75, 6.5, -45.0, -np.inf])
+
+
+def _torch_options(options: dict, dtype: str) -> dict:
+    """A case's keywords for torch calls: sinks as a tensor in the lse's dtype (float64 for float64
+    inputs, else float32), so that the gradient it receives is dsinks in the contract's precision."""
+    sinks = options.get("sinks")
+    if sinks is None:
+        return options
+    precision = torch.float64 if dtype == "float64" else torch.float32
+    return {**options, "sinks": torch.tensor(sinks, dtype=precision, requires_grad=True)}
+
+
+def _gradients(o, x: dict, options: dict) -> tuple:
+    """dq, dk, dv (and dsinks, with sinks) of ``o`` for the upstream gradient x["do"]."""
+    leaves = [x["q"], x["k"], x["v"]] + ([options["sinks"]] if options.get("sinks") is not None else [])
+    return torch.autograd.grad(o, leaves, x["do"])
 
 
 def _tensor(x: np.ndarray, dtype: str) -> torch.Tensor:
@@ -226,12 +261,11 @@ def run_ring_case(ring: RingCase, rank: int, world_size: int, run) -> dict[str, 
     x = {name: _tensor(value, ring.dtype) for name, value in case.rounded().items()}
     mine = {name: shard(value, world_size, rank, ring.layout).detach().requires_grad_(name != "do")
             for name, value in x.items()}
-    options = {**case.options, "seed": None} if drawn else case.options
+    options = _torch_options({**case.options, "seed": None} if drawn else case.options, ring.dtype)
     if drawn:
         torch.manual_seed(1000 + rank)  # every rank would draw another seed
     o, lse = run(mine["q"], mine["k"], mine["v"], layout=ring.layout, return_lse=True, backend=ring.backend, **options)
-    grads = torch.autograd.grad(o, (mine["q"], mine["k"], mine["v"]), mine["do"])
-    return dict(zip(OUTPUTS, (o.detach(), lse, *grads)))
+    return dict(zip(outputs_of(case), (o.detach(), lse, *_gradients(o, mine, options))))
 
 
 def grade(ring: RingCase, got: dict[str, torch.Tensor]) -> list[str]:
@@ -245,10 +279,10 @@ def grade(ring: RingCase, got: dict[str, torch.Tensor]) -> list[str]:
     got = {name: value.double().numpy() for name, value in got.items()}
     failures = conformance_failures(case, got)
     x = {name: _tensor(value, ring.dtype).requires_grad_(name != "do") for name, value in case.rounded().items()}
-    o, lse = flashx.attention(x["q"], x["k"], x["v"], return_lse=True, backend="numpy", **case.options)
+    options = _torch_options(case.options, ring.dtype)
+    o, lse = flashx.attention(x["q"], x["k"], x["v"], return_lse=True, backend="numpy", **options)
     if ring.dtype == "float64":
-        grads = torch.autograd.grad(o, (x["q"], x["k"], x["v"]), x["do"])
-        for name, single in zip(OUTPUTS, (o, lse, *grads)):
+        for name, single in zip(outputs_of(case), (o, lse, *_gradients(o, x, options))):
             single = single.detach().numpy()
             if not np.allclose(got[name], single, rtol=1e-12, atol=1e-12, equal_nan=True):
                 failures.append(f"{name}: {np.nanmax(np.abs(got[name] - single)):.3g} from flashx.attention")
@@ -275,10 +309,16 @@ def _ranks(rank: int, world_size: int, init_file: str):
             ring_attention(odd, odd, odd)
         with pytest.raises(ShapeError, match="k: expected a shard as long as q's"):
             ring_attention(odd[:, :4], odd, odd, layout="contiguous")
+        with pytest.raises(UnsupportedError, match="^alibi_slopes: ring attention does not take ALiBi"):
+            ring_attention(odd[:, :4], odd[:, :4], odd[:, :4], alibi_slopes=torch.ones(2))
         for index, ring in enumerate(ring_cases(world_size)):
             mine = run_ring_case(ring, rank, world_size, ring_attention)
             gathered = {}
             for name, x in mine.items():
+                if name == "dsinks":  # each rank's rows' part: their sum is the whole sequence's
+                    dist.all_reduce(x)
+                    gathered[name] = x
+                    continue
                 parts = [torch.empty_like(x) for _ in range(world_size)]
                 dist.all_gather(parts, x.contiguous())
                 gathered[name] = unshard(parts, ring.layout, dim=2 if name == "lse" else 1)
@@ -299,9 +339,11 @@ def test_ring_attention_over_gloo(world_size, tmp_path):
 
 
 @pytest.mark.parametrize("world_size, layout", [(1, "zigzag"), (3, "contiguous"), (8, "zigzag")])
-def test_simulated_ring_equals_single_device(world_size, layout):
-    ring = RingCase(layout, {"causal": True, "window": (9, 2), "dropout_p": 0.2, "seed": 3}, heads_k=2, read_mask=True,
-                    seqlen=6 * world_size)
+@pytest.mark.parametrize("mods", [{}, {"softcap": 1.5, "sinks": SINKS}], ids=["plain", "softcap-sinks"])
+def test_simulated_ring_equals_single_device(world_size, layout, mods):
+    """One sinks tensor serves every simulated rank: it receives the sum of their dsinks."""
+    ring = RingCase(layout, {"causal": True, "window": (9, 2), "dropout_p": 0.2, "seed": 3, **mods}, heads_k=2,
+                    read_mask=True, seqlen=6 * world_size)
     got = run_ring_case(ring, 0, 1, lambda *xs, **kw: simulate_ring_attention(*xs, world_size, **kw))
     assert not grade(ring, got)
 
