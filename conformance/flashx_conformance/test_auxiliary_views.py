@@ -123,6 +123,10 @@ DECODE = {
     "cache_seqlens": Family(_decode, 0, FLAT_VIEWS),
     "block_table": Family(_shared_table, SPARE_PAGE, ALL_VIEWS),
     "mask": Family(_tree, True, ALL_VIEWS),
+    "alibi_slopes": Family(lambda rng, dtype, uniform: _decode(
+        rng, dtype, False, alibi_slopes=_uniform(2.0 ** -np.arange(1.0, 13.0).reshape(3, 4), uniform)), np.nan, ALL_VIEWS),
+    "sinks": Family(lambda rng, dtype, uniform: _decode(
+        rng, dtype, False, sinks=_uniform(np.array([0.75, -1.5, 2.5, 0.25]), uniform)), np.nan, FLAT_VIEWS),
 }
 
 
@@ -175,7 +179,7 @@ def test_decode_auxiliary_views(flashx_target, flashx_rng, name, view):
     call, bit for bit, and meet the oracle: the new tokens are written into their slots, nowhere else."""
     family = DECODE[name]
     case = family.build(flashx_rng, flashx_target.dtype, view == "broadcast")
-    array = case.options["mask"] if name == "mask" else getattr(case, name)
+    array = case.options[name] if name in case.options else getattr(case, name)
     fill = _spare_page(case) if family.fill == SPARE_PAGE else family.fill
     contiguous = check(flashx_target, case)
     viewed = call(flashx_target, case, **{name: _viewed(flashx_target, array, view, fill, case.dtype)})
