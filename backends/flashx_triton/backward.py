@@ -84,8 +84,9 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 delta_base, cols, lo, hi, first_row, end_row, pairs, scale_log2, rule, stream, dropout,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
+                DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
+                EXACT: tl.constexpr):
     """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries.
     MASKED tiles test every pair, and EXACT ones keep a non-finite Q or dO out of the keys that may
     not use it (``Passes``)."""
@@ -115,7 +116,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, used, HEAD_DIM_V, BLOCK_M,
                                BLOCK_DV, USE_TMA, True, False, HOST_DESCRIPTORS)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
-                scores, capped = modified_scores(s, rows[None, :], cols[:, None], scale_log2, rule, SOFTCAP, ALIBI)
+                scores, capped = modified_scores(s, rows[None, :], cols[:, None], scale_log2, rule, SOFTCAP, ALIBI,
+                                                 FAST_TANH)
                 p = tl.exp2(tl.where(ok, scores, float("-inf")) - lse2[None, :])
             else:
                 lse2 = tl.load(lse2_base + rows)
@@ -125,7 +127,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, rows, HEAD_DIM_V, BLOCK_M,
                                BLOCK_DV, USE_TMA, False, HOST_DESCRIPTORS=HOST_DESCRIPTORS)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
-                scores, capped = modified_scores(s, rows[None, :], cols[:, None], scale_log2, rule, SOFTCAP, ALIBI)
+                scores, capped = modified_scores(s, rows[None, :], cols[:, None], scale_log2, rule, SOFTCAP, ALIBI,
+                                                 FAST_TANH)
                 p = tl.exp2(scores - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
             if EXACT and (MASKED or DROPOUT):
@@ -167,8 +170,8 @@ def _dkdv_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time.
     ``strides`` are _gradients_kernel's, in its order."""
@@ -228,8 +231,8 @@ def _dkdv_program(
                     dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
                                          stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
                                          scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                                         BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, ALIBI,
-                                         DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
+                                         BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH,
+                                         ALIBI, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dk) + tl.sum(dv))
 
@@ -250,8 +253,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
               lo, hi, first_col, end_col, pairs, scale_log2, rule, stream, dropout,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-              DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr):
+              DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
+              EXACT: tl.constexpr):
     """Add key tiles [lo, hi) into this query tile's dq; MASKED and EXACT as in _dkdv_tiles."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     # A masked loop with a branch on data around its products is not software-pipelined: Triton
@@ -277,7 +281,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
             v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
                           BLOCK_DV, USE_TMA, MASKED, False, HOST_DESCRIPTORS)
             s = dot(q, tl.trans(k), None, DOT_PRECISION)
-            scores, capped = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI)
+            scores, capped = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI,
+                                             FAST_TANH)
             if MASKED:
                 if EXACT:
                     if USE_TMA:
@@ -309,8 +314,8 @@ def _dq_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time.
     ``strides`` are _gradients_kernel's, in its order."""
@@ -364,8 +369,8 @@ def _dq_program(
                 dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
                                stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, rule, stream,
                                dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
-                               HAS_BLOCK_MASK, DROPOUT, SOFTCAP, ALIBI, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS,
-                               EXACT)
+                               HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
+                               HOST_DESCRIPTORS, EXACT)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dq))
 
@@ -381,11 +386,12 @@ def _gradients_kernel(
     CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS, dropout,  # each call's own (call_args)
     REDO,  # Passes's flags (None: one launch)
     strides,  # (batch, row, head) of q, k, v, do, dq, dk, dv, then (batch, head) of LSE2 and DELTA
-    shape, band, masks, scales, mods, programs,  # groups of scalars (problem_args, score_mod_args); scales: (scale, its log2 form)
+    shape, band, masks, scales, mods, programs,  # scalars (problem_args, score_mod_args); scales: (scale, in log2)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,  # the sink's gradient is _prepare_kernel's
+    # HAS_SINKS changes nothing here (the sink's gradient is _prepare_kernel's): it comes with the others
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, KEY_PARTS: tl.constexpr, QUERY_PARTS: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, KEY_PROGRAMS: tl.constexpr, QUERY_PROGRAMS: tl.constexpr,
     EXACT: tl.constexpr,
@@ -411,7 +417,7 @@ def _gradients_kernel(
             _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA, REDO, strides,
                           CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, shape, band, masks, dropout,
                           scales, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM, TILE, IS_VARLEN,
-                          HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, ALIBI,
+                          HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI,
                           DOT_PRECISION, USE_TMA, KEY_PARTS, HOST_DESCRIPTORS, EXACT)
         else:
             local -= key_tiles
@@ -419,7 +425,8 @@ def _gradients_kernel(
                         DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO, strides, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK,
                         BLOCKS, SLOPES, shape, band, masks, dropout, scales, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                         BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
-                        DROPOUT, SOFTCAP, ALIBI, DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT)
+                        DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS,
+                        EXACT)
 
 
 def backward(problem, q, k, v, o, lse, do):

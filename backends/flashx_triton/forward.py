@@ -29,8 +29,8 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                   lo, hi, first_col, end_col, pairs, scale_log2, rule, stream, dropout,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
-                  DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  USE_TMA: tl.constexpr, EXACT: tl.constexpr):
+                  DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair, and
     EXACT ones keep a non-finite V out of the rows that may not use it. Scores are modified by
     ``rule`` (``score_rule``) under SOFTCAP and ALIBI."""
@@ -55,7 +55,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                           BLOCK_DV, USE_TMA, MASKED, EXACT)
             s = dot(q, tl.trans(k), None, DOT_PRECISION)
             if MASKED or SOFTCAP or ALIBI:
-                s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI)
+                s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI, FAST_TANH)
                 if MASKED:
                     s = tl.where(ok, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -98,7 +98,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr, EXACT: tl.constexpr,
 ):
     stride_qb, stride_qn, stride_qh = q_strides
@@ -144,7 +144,7 @@ def _forward_kernel(
                                                   kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs,
                                                   scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                                                   BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                                                  SOFTCAP, ALIBI, DOT_PRECISION, USE_TMA, EXACT)
+                                                  SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, EXACT)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 

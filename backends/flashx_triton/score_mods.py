@@ -14,6 +14,8 @@ import math
 import triton
 import triton.language as tl
 
+from flashx_triton import tuning
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -24,24 +26,31 @@ def score_mod_args(problem, scale: float) -> dict:
     softcap, slopes = problem.softcap, problem.alibi_slopes
     cap = (scale / softcap, softcap * math.log2(math.e)) if softcap is not None else (1.0, 1.0)
     slope_stride = problem.heads_q if slopes is not None and slopes.ndim == 2 else 0
-    return dict(mods=(*cap, slope_stride), SOFTCAP=softcap is not None, ALIBI=slopes is not None,
+    return dict(mods=(*cap, slope_stride), SOFTCAP=softcap is not None,
+                FAST_TANH=problem.dtype != "float32" and not tuning.interpreting(), ALIBI=slopes is not None,
                 HAS_SINKS=problem.sinks is not None)
 
 
 @triton.jit
-def tanh(x):
-    """tanh in fp32 to a few ulp, on the GPU and in Triton's interpreter alike (libdevice runs in
-    neither form there): a Taylor polynomial near 0, where (e - 1) / (e + 1) with e = exp(2|x|)
-    would lose the digits of a small x, and that quotient further out; NaN stays NaN and +-inf
-    gives +-1."""
-    y = tl.abs(x)
-    y2 = x * x
-    near = x * (1.0 + y2 * (-1.0 / 3 + y2 * (2.0 / 15 + y2 * (-17.0 / 315 + y2 * (62.0 / 2835
-                                                                                 + y2 * (-1382.0 / 155925))))))
-    e = tl.exp2(tl.minimum(y, 20.0) * (2 * LOG2E))  # past 20, tanh is 1 in fp32 (and inf / inf would be NaN)
-    far = (e - 1.0) / (e + 1.0)
-    far = tl.where(x < 0, -far, far)
-    return tl.where(y < 0.25, near, tl.where(x != x, x, far))
+def tanh(x, FAST: tl.constexpr):
+    """tanh in fp32. FAST: the GPU's tanh.approx (one special-function op, relative error under
+    2^-10.9), for 16-bit inputs, whose own rounding of a score (2^-9 for bfloat16, 2^-11 for
+    float16, relative) is no smaller. Otherwise to a few ulp, on the GPU and in Triton's
+    interpreter alike (libdevice runs in neither form there): a Taylor polynomial near 0, where
+    (e - 1) / (e + 1) with e = exp(2|x|) would lose the digits of a small x, and that quotient
+    further out; NaN stays NaN and +-inf gives +-1."""
+    if FAST:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        y = tl.abs(x)
+        y2 = x * x
+        near = x * (1.0 + y2 * (-1.0 / 3 + y2 * (2.0 / 15 + y2 * (-17.0 / 315 + y2 * (62.0 / 2835
+                                                                                     + y2 * (-1382.0 / 155925))))))
+        e = tl.exp2(tl.minimum(y, 20.0) * (2 * LOG2E))  # past 20, tanh is 1 in fp32 (and inf / inf would be NaN)
+        far = (e - 1.0) / (e + 1.0)
+        far = tl.where(x < 0, -far, far)
+        return tl.where(y < 0.25, near, tl.where(x != x, x, far))
 
 
 @triton.jit
@@ -57,19 +66,23 @@ def score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI: tl.constexpr):
 
 
 @triton.jit
-def modified_scores(s, i, j, scale_log2, rule, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+def modified_scores(s, i, j, scale_log2, rule, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FAST_TANH: tl.constexpr):
     """Steps 1-3 of the contract's order, in base 2, on raw products ``s`` of query rows i and key
     columns j (broadcastable index tensors). Returns (scores, tanh of the scaled scores over c),
-    the second only meaningful under SOFTCAP (its derivative, 1 - tanh^2, is the backward's)."""
+    the second only meaningful under SOFTCAP (its derivative, 1 - tanh^2, is the backward's).
+
+    ALiBi's distance is taken in fp32 (exact below 2^24) from the positions converted per row
+    and per column: one subtraction per score, where integer ones need a conversion each, which
+    runs at the special-function units' rate."""
     cap_in, cap_out, slope, diag = rule
     if SOFTCAP:
-        capped = tanh(s * cap_in)
+        capped = tanh(s * cap_in, FAST_TANH)
         s = capped * cap_out
     else:
         capped = s
         s = s * scale_log2
     if ALIBI:
-        s = s - slope * tl.abs(i + diag - j).to(tl.float32)
+        s = s - slope * tl.abs((i + diag).to(tl.float32) - j.to(tl.float32))
     return s, capped
 
 
