@@ -19,6 +19,12 @@ call with ``validate=False`` can be captured in a CUDA graph):
    splits' normalised outputs and LSEs as "Merging partial results" says, an empty split (LSE
    -inf) weighing exactly 0. With one split the split kernel writes o and lse itself.
 
+The score modifications are the prefill kernels' own (``flashx_triton.score_mods``): softcap and
+ALiBi modify each tile's scores, ALiBi's distance measured from each row's position Lk - Nq + i
+whatever split holds the key. A split is computed without the sink, which joins each row once, in
+the merge's logsumexp (``with_sink``), or, with one split, after the split's last tile
+(``_outputs``, which both kernels end with): an empty split adds nothing, the sink included.
+
 A split covers a fixed share of the key tiles its rows may see, computed on the device from the
 sequence's length, so a fixed ``num_splits`` gives bitwise the same result on every call.
 ``num_splits=0`` takes ``choose_splits``: as many splits as fit the (sequence, kv head, row tile)
@@ -46,11 +52,13 @@ import triton.language as tl
 from flashx_triton.arguments import dot_precision, tile_widths
 from flashx_triton.launch import Launch, layout
 from flashx_triton.products import dot, masked_dot
+from flashx_triton.score_mods import LOG2E, modified_scores, score_mod_args, score_rule, with_sink
 
 MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this per split cost more in the merge than they gain
 MAX_SPLITS = 128
 INTERPRETED_SMS = 4  # the stand-in SM count under TRITON_INTERPRET, so that tiny problems split too
 _LIMIT = 256  # launches remembered; past it the memory starts again empty
+LN2 = tl.constexpr(0.6931471805599453)  # base-2 logarithms to natural ones
 
 
 @triton.jit
@@ -73,12 +81,14 @@ def _slot_rows(TABLE_ROW, stride_tj, start, cols, used, PAGE_SIZE: tl.constexpr,
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, t_hi, lo, hi, diag, i, valid, left,
-                  right, scale_log2, stride_tj, stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
-                  stride_mj, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  right, scale_log2, rule, stride_tj, stride_kp, stride_ks, stride_kd, stride_vp, stride_vs,
+                  stride_vd, stride_mj, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FAST_TANH: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """Fold key tiles [t_lo, t_hi) into the running (acc, m_i, l_i). MASKED tiles load only the keys
-    in [lo, hi) and test every pair; the others lie wholly inside every valid row's band."""
+    in [lo, hi) and test every pair; the others lie wholly inside every valid row's band. Scores
+    are modified by ``rule`` (``score_rule``) under SOFTCAP and ALIBI."""
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     for t in range(t_lo, t_hi):
@@ -99,7 +109,9 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
                 tree = column >= 0
                 allowed = tl.load(mask_rows[:, None] + column[None, :] * stride_mj, mask=ok & tree[None, :], other=0)
                 ok &= ~tree[None, :] | (allowed != 0)
-            s = tl.where(ok, dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2, float("-inf"))
+            s, _ = modified_scores(dot(q, tl.trans(k), None, DOT_PRECISION), i[:, None], cols[None, :], scale_log2,
+                                   rule, SOFTCAP, ALIBI, FAST_TANH)
+            s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -110,7 +122,8 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
         else:
             k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
             v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
-            s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+            s, _ = modified_scores(dot(q, tl.trans(k), None, DOT_PRECISION), i[:, None], cols[None, :], scale_log2,
+                                   rule, SOFTCAP, ALIBI, FAST_TANH)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
@@ -121,18 +134,38 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
 
 
 @triton.jit
+def _outputs(m, l, SINKS, h, HAS_SINKS: tl.constexpr):
+    """(the factor that turns a row's accumulator into o, its lse in natural log) from its running
+    max ``m`` and sum ``l`` in base 2, with the sink's column of query head ``h`` joined once under
+    HAS_SINKS. l = 0 only where no key was allowed (a row's maximum contributes 1): o = 0 there,
+    and lse = the sink, or -inf. NaN rows stay NaN."""
+    empty = l == 0.0
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h)
+        m, l, alpha = with_sink(m, l, sink * LOG2E)
+        no_key = sink
+    else:
+        alpha = 1.0
+        no_key = float("-inf")
+    l_safe = tl.where(empty, 1.0, l)
+    return tl.where(empty, 0.0, alpha / l_safe), tl.where(empty, no_key, (m + tl.log2(l_safe)) * LN2)
+
+
+@triton.jit
 def _split_kernel(
-    Q, K, V, SEQLENS, TABLE, MASK, O, LSE,
+    Q, K, V, SEQLENS, TABLE, MASK, SLOPES, SINKS, O, LSE,
     stride_qb, stride_qn, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd, stride_tb, stride_tj, stride_mb, stride_mh, stride_mi, stride_mj,
     stride_os, stride_ob, stride_on, stride_oh, stride_od, stride_ls, stride_lb, stride_lh, stride_ln,
-    heads_k, seqlen_q, group, new_tokens, left, right, scale_log2, num_splits,
+    heads_k, seqlen_q, group, new_tokens, left, right, scale_log2, num_splits, mods,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One split of one (sequence, kv head, row tile): its normalised o and its lse (natural log),
-    into O and LSE at index ``split`` of their leading axis (stride 0 without splits)."""
+    into O and LSE at index ``split`` of their leading axis (stride 0 without splits). HAS_SINKS
+    only where the split is the only one: then its rows are whole and take the sink."""
     rows_total = seqlen_q * group
     row_tiles = tl.cdiv(rows_total, BLOCK_M)
     tile = tl.program_id(0)
@@ -177,6 +210,7 @@ def _split_kernel(
         V_HEAD = V + kv_head.to(tl.int64) * stride_vh
         TABLE_ROW = TABLE + b64 * stride_tb
     mask_rows = MASK + b64 * stride_mb + (h * stride_mh + i * stride_mi).to(tl.int64) if HAS_MASK else 0
+    rule = score_rule(SLOPES, b, h[:, None], seqlen_q, length, mods, ALIBI)  # slopes per row: rows mix heads
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -189,15 +223,13 @@ def _split_kernel(
         else:
             a, z = f_hi, s_hi
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, a, z, lo, hi, diag, i,
-                                      valid, left, right, scale_log2, stride_tj, stride_kp, stride_ks, stride_kd,
-                                      stride_vp, stride_vs, stride_vd, stride_mj, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                      BLOCK_DV, BLOCK_N, PAGE_SIZE, HAS_MASK, part != 1, DOT_PRECISION)
+                                      valid, left, right, scale_log2, rule, stride_tj, stride_kp, stride_ks,
+                                      stride_kd, stride_vp, stride_vs, stride_vd, stride_mj, HEAD_DIM, HEAD_DIM_V,
+                                      BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, HAS_MASK, part != 1, SOFTCAP, ALIBI,
+                                      FAST_TANH, DOT_PRECISION)
 
-    # l_i == 0 only where no key was allowed (a row's maximum contributes 1); NaN rows stay NaN.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln 2: natural log
+    factor, lse = _outputs(m_i, l_i, SINKS, h, HAS_SINKS)
+    o = acc * factor[:, None]
     dims_v = tl.arange(0, BLOCK_DV)
     rows_out = split.to(tl.int64) * stride_os + b64 * stride_ob + (i * stride_on + h * stride_oh).to(tl.int64)
     tl.store(O + rows_out[:, None] + dims_v[None, :] * stride_od, o.to(O.dtype.element_ty),
@@ -207,40 +239,40 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    O_PART, LSE_PART, O, LSE,
+    O_PART, LSE_PART, SINKS, O, LSE,
     stride_ps, stride_pb, stride_pn, stride_ph, stride_pd, stride_qs, stride_qb, stride_qh, stride_qn,
     stride_ob, stride_on, stride_oh, stride_od, stride_lb, stride_lh, stride_ln,
     heads_q, seqlen_q, num_splits,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """One (sequence, query row, head): lse = logsumexp of the splits' lse, o = their outputs
-    weighted by exp(lse_split - lse). Splits with lse -inf weigh exactly 0; NaN propagates."""
+    """One (sequence, query row, head): lse = logsumexp of the splits' lse (and of the sink under
+    HAS_SINKS), o = their outputs weighted by exp(lse_split - lse). Splits with lse -inf weigh
+    exactly 0; NaN propagates. In base 2, as the split kernel's running sums."""
     pid = tl.program_id(0)
     h = pid % heads_q
     i = (pid // heads_q) % seqlen_q
     b = (pid // (heads_q * seqlen_q)).to(tl.int64)
     lse_row = LSE_PART + b * stride_qb + h * stride_qh + i * stride_qn
     splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_row + splits * stride_qs, mask=splits < num_splits, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp(lse - top), 0)
+    lse = tl.load(lse_row + splits * stride_qs, mask=splits < num_splits, other=float("-inf")) * LOG2E
+    m = tl.max(lse, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(lse - m_ref), 0)
     dims = tl.arange(0, BLOCK_DV)
     o_row = O_PART + b * stride_pb + i * stride_pn + h * stride_ph
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     for first in range(0, num_splits, CHUNK):
         chunk = first + tl.arange(0, CHUNK)
         inside = chunk < num_splits
-        weight = tl.exp(tl.load(lse_row + chunk * stride_qs, mask=inside, other=float("-inf")) - top)
+        weight = tl.exp2(tl.load(lse_row + chunk * stride_qs, mask=inside, other=float("-inf")) * LOG2E - m_ref)
         part = tl.load(o_row + chunk[:, None].to(tl.int64) * stride_ps + dims[None, :] * stride_pd,
                        mask=inside[:, None] & (dims[None, :] < HEAD_DIM_V), other=0.0)
         acc += tl.sum(tl.where(weight[:, None] == 0.0, 0.0, weight[:, None] * part), 0)
-    empty = total == 0.0
-    total_safe = tl.where(empty, 1.0, total)
-    o = tl.where(empty, 0.0, acc / total_safe)
-    tl.store(O + b * stride_ob + i * stride_on + h * stride_oh + dims * stride_od, o.to(O.dtype.element_ty),
+    factor, lse_out = _outputs(m, total, SINKS, h, HAS_SINKS)
+    tl.store(O + b * stride_ob + i * stride_on + h * stride_oh + dims * stride_od, (acc * factor).to(O.dtype.element_ty),
              mask=dims < HEAD_DIM_V)
-    tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_ln, tl.where(empty, float("-inf"), top + tl.log(total_safe)))
+    tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_ln, lse_out)
 
 
 @triton.jit
@@ -318,13 +350,14 @@ def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return o, lse
     count = splits(problem, q.device)
     mask = None if problem.mask is None else problem.mask.expand(*problem.lse_shape, problem.seqlen_q)
+    reads = (q, k_cache, v_cache, seqlens, table, mask, problem.alibi_slopes, problem.sinks)
     if count == 1:
-        _launch("split", problem, (q, k_cache, v_cache, seqlens, table, mask, o[None], lse[None]), count)
+        _launch("split", problem, (*reads, o[None], lse[None]), count)
         return o, lse
     o_part = torch.empty((count, *problem.o_shape), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((count, *problem.lse_shape), dtype=torch.float32, device=q.device)
-    _launch("split", problem, (q, k_cache, v_cache, seqlens, table, mask, o_part, lse_part), count)
-    _launch("merge", problem, (o_part, lse_part, o, lse), count)
+    _launch("split", problem, (*reads, o_part, lse_part), count)
+    _launch("merge", problem, (o_part, lse_part, problem.sinks, o, lse), count)
     return o, lse
 
 
@@ -348,7 +381,7 @@ def _strides(x, count: int) -> tuple:
 
 
 def _build_split(problem, tensors, count) -> Launch:
-    q, k_cache, v_cache, _, table, mask, o, lse = tensors
+    q, k_cache, v_cache, _, table, mask, _, _, o, lse = tensors
     tiles = config(problem)
     left, right = problem.band or (-1, -1)
     unbounded = problem.capacity + problem.seqlen_q  # a reach past every key: one compare serves both sides
@@ -361,7 +394,10 @@ def _build_split(problem, tensors, count) -> Launch:
          0 if count == 1 else o.stride(0), *o.stride()[1:], 0 if count == 1 else lse.stride(0), *lse.stride()[1:]),
     ))
     grid = (problem.batch * problem.heads_k * _row_tiles(problem, tiles), count)
+    mods = score_mod_args(problem, problem.softmax_scale)
+    mods["HAS_SINKS"] &= count == 1  # with splits, the merge joins the sink
     return Launch(_split_kernel, grid, dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]), **bound,
+                  **mods,
                   heads_k=problem.heads_k, seqlen_q=problem.seqlen_q, group=problem.group,
                   new_tokens=problem.new_tokens, left=unbounded if left == -1 else left,
                   right=unbounded if right == -1 else right, scale_log2=problem.scale_log2,
@@ -372,7 +408,7 @@ def _build_split(problem, tensors, count) -> Launch:
 
 
 def _build_merge(problem, tensors, count) -> Launch:
-    o_part, lse_part, o, lse = tensors
+    o_part, lse_part, _, o, lse = tensors
     block_s = triton.next_power_of_2(count)
     bound = dict(zip(
         ("stride_ps", "stride_pb", "stride_pn", "stride_ph", "stride_pd", "stride_qs", "stride_qb", "stride_qh",
@@ -383,7 +419,7 @@ def _build_merge(problem, tensors, count) -> Launch:
     return Launch(_merge_kernel, grid, dict(num_warps=4 if not _interpreting() else 1), **bound,
                   heads_q=problem.heads_q, seqlen_q=problem.seqlen_q, num_splits=count,
                   HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=tile_widths(problem.head_dim, problem.head_dim_v)["BLOCK_DV"],
-                  BLOCK_S=block_s, CHUNK=min(block_s, 32))
+                  BLOCK_S=block_s, CHUNK=min(block_s, 32), HAS_SINKS=problem.sinks is not None)
 
 
 def _build_append(problem, tensors, count) -> Launch:
