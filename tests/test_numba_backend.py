@@ -52,7 +52,7 @@ def test_declarations():
     assert isinstance(backend, flashx_numba.NumbaBackend)
     assert backend.array_kind == "torch" and backend.devices == {"cuda", "cpu"}
     assert backend.features == {"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout",
-                                "dropout_offsets", "gqa", "dv_ne_d"}
+                                "dropout_offsets", "gqa", "dv_ne_d", "softcap", "alibi", "sinks"}
     assert backend.available() is None
 
 
@@ -374,12 +374,13 @@ launched = []
 attention._launch = lambda kernel, *arguments: launched.append(kernel)
 attention._launching = lambda x: contextlib.nullcontext(0)
 attention._device_array = lambda x: x
-for dtype in (torch.float16, torch.bfloat16, torch.float32):
-    for dim in (64, 128, 256):
-        q, k, v = (torch.zeros(1, 8, 2, dim, dtype=dtype) for _ in range(3))
-        problem = build_problem(q, k, v, causal=True)
-        o, lse = attention.forward(problem, q, k, v)
-        attention.backward(problem, q, k, v, o, lse, o)
+for mods in ({}, {"softcap": 2.0, "sinks": torch.zeros(2)}):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for dim in (64, 128, 256):
+            q, k, v = (torch.zeros(1, 8, 2, dim, dtype=dtype) for _ in range(3))
+            problem = build_problem(q, k, v, causal=True, **mods)
+            o, lse = attention.forward(problem, q, k, v)
+            attention.backward(problem, q, k, v, o, lse, o)
 print(json.dumps({"dtypes": ["float16", "bfloat16", "float32"], "launches": [
     {"kernel": kernel.py_func.__qualname__.split(".")[0], "dispatcher": id(kernel), "specialized": kernel.specialized,
      "cache": type(caches[id(kernel)]).__name__, "path": caches[id(kernel)].cache_path,
@@ -388,22 +389,27 @@ print(json.dumps({"dtypes": ["float16", "bfloat16", "float32"], "launches": [
 
 
 def test_every_kernel_launched_is_compiled_through_the_disk_cache(tmp_path):
-    """Each launch of a forward and a backward, for every dtype and head-dim class, goes to a
-    kernel whose compile consults a ``KernelCache`` in FLASHX_CACHE_DIR, specialized as
-    ``cuda.jit(signature)`` leaves a kernel, and keyed by its factory's arguments: one key, one
-    compiled kernel."""
+    """Each launch of a forward and a backward, for every dtype and head-dim class, plain and with
+    a softcap and sinks, goes to a kernel whose compile consults a ``KernelCache`` in
+    FLASHX_CACHE_DIR, specialized as ``cuda.jit(signature)`` leaves a kernel, and keyed by its
+    factory's arguments: one key, one compiled kernel."""
     found = _outside_the_simulator(_LAUNCHES, tmp_path)
     launches = found["launches"]
-    assert len(launches) == 4 * 3 * 3  # forward, delta, dK/dV, dQ for 3 dtypes x 3 head-dim classes
+    assert len(launches) == 2 * 4 * 3 * 3  # forward, delta, dK/dV, dQ for 3 dtypes x 3 head-dim classes, twice
     assert [launch["kernel"] for launch in launches[:4]] == ["forward_kernel", "delta_kernel", "dkdv_kernel",
                                                             "dq_kernel"]
     for number, launch in enumerate(launches):
         assert launch["cache"] == "KernelCache" and launch["specialized"], launch
         assert launch["path"] == str(tmp_path / "numba-kernels")
-        assert repr(found["dtypes"][number // 12]) in launch["specialization"], launch
+        assert repr(found["dtypes"][number % 36 // 12]) in launch["specialization"], launch
     assert launches[1]["specialization"] == "('float16',)"
+    # score modifications: forward and dK/dV compiled with them, dQ with them and the terms of dsinks
+    assert [launch["specialization"].endswith(", False)") for launch in launches[:4]] == [True, False, True, True]
+    assert launches[3]["specialization"].endswith(", False, False)")
+    assert launches[36]["specialization"].endswith(", True)") and launches[38]["specialization"].endswith(", True)")
+    assert launches[39]["specialization"].endswith(", True, True)")
     keys = {(launch["kernel"], launch["specialization"]): launch["dispatcher"] for launch in launches}
-    assert len(keys) == len({launch["dispatcher"] for launch in launches}) == 30
+    assert len(keys) == len({launch["dispatcher"] for launch in launches}) == 30 + 27  # the delta kernels shared
     assert all(keys[launch["kernel"], launch["specialization"]] == launch["dispatcher"] for launch in launches)
 
 

@@ -36,7 +36,7 @@ class NumbaBackend(flashx.Backend):
     dtypes = frozenset({"float16", "bfloat16", "float32"})
     max_head_dim = 256
     features = frozenset({"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "dropout_offsets",
-                          "gqa", "dv_ne_d"})
+                          "gqa", "dv_ne_d", "softcap", "alibi", "sinks"})
     deterministic_backward = True
     strided_arrays = frozenset({"mask", "block_mask"})  # read through their strides: a broadcast costs nothing
 

@@ -67,16 +67,20 @@ def tiles(kernel: str, problem) -> Tiles:
     return Tiles(rows, cols, row_groups, lanes, width)
 
 
+def score_mods(problem) -> bool:
+    """Whether the scores take a softcap or ALiBi: kernels compiled with their code (``kernels``)."""
+    return problem.softcap is not None or problem.alibi_slopes is not None
+
+
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     dtype = q.dtype
-    if problem.varlen:  # rows after the last sequence belong to none: empty rows
-        o = torch.zeros(problem.o_shape, dtype=dtype, device=q.device)
-        lse = torch.full(problem.lse_shape, -math.inf, dtype=torch.float32, device=q.device)
-    else:
-        o = torch.empty(problem.o_shape, dtype=dtype, device=q.device)
-        lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    o = torch.empty(problem.o_shape, dtype=dtype, device=q.device)
+    lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    if problem.varlen:  # rows after the last sequence belong to none: empty rows (lse: the sink's, or -inf)
+        o.zero_()
+        lse[...] = -math.inf if problem.sinks is None else problem.sinks[:, None]
     shape, fragments = tiles("forward", problem), tensor_cores("forward", problem)
-    kernel = forward_kernel(shape, problem.dtype, fragments)
+    kernel = forward_kernel(shape, problem.dtype, fragments, score_mods(problem))
     blocks = -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q
     inputs = [_pairs(x) for x in (q, k, v)] if fragments else (q, k, v)
     with _launching(q) as stream:
@@ -86,26 +90,35 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def backward(problem, q, k, v, o, lse, do):
+    """(dq, dk, dv), and dsinks with sinks: the dQ kernel's term of each row (0 for a row without
+    an allowed key), summed over sequences and rows by torch (a reduction without atomics: the
+    same bits every run)."""
     make = torch.zeros if problem.varlen else torch.empty  # varlen: rows after the last sequence get 0
     dq, dk, dv = (make(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     delta = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    sinks = problem.sinks is not None
+    terms_shape = problem.lse_shape if sinks else (1,) * len(problem.lse_shape)  # a placeholder without sinks
+    sink_terms = torch.zeros(terms_shape, dtype=torch.float32, device=q.device)
     arguments = _arguments(problem)
-    shape, fragments = tiles("backward", problem), tensor_cores("backward", problem)
+    shape, fragments, mods = tiles("backward", problem), tensor_cores("backward", problem), score_mods(problem)
     inputs = [_pairs(x) for x in (q, k, v, do)] if fragments else (q, k, v, do)
     q_, k_, v_, do_ = _rows(problem, *inputs)
     o_, do_stored, dq_, dk_, dv_ = _rows(problem, o, do, dq, dk, dv)
-    lse_, delta_ = _lse(problem, lse), _lse(problem, delta)
+    lse_, delta_, sink_terms_ = (_lse(problem, x) for x in (lse, delta, sink_terms))
     with _launching(q) as stream:
         rows = o.shape[0] * o.shape[1] * o.shape[2]
         _launch(delta_kernel(problem.dtype), -(-rows // DELTA_THREADS), DELTA_THREADS, stream, o_, do_stored, delta_,
                 problem.head_dim_v)
-        _launch(dkdv_kernel(shape, problem.dtype, fragments),
+        _launch(dkdv_kernel(shape, problem.dtype, fragments, mods),
                 -(-problem.seqlen_k // shape.rows) * problem.batch * problem.heads_k, shape.threads, stream, q_, k_, v_,
                 do_, lse_, delta_, dk_, dv_, *arguments)
-        _launch(dq_kernel(shape, problem.dtype, fragments),
+        _launch(dq_kernel(shape, problem.dtype, fragments, mods, sinks),
                 -(-problem.seqlen_q // shape.rows) * problem.batch * problem.heads_q, shape.threads, stream, q_, k_, v_,
-                do_, lse_, delta_, dq_, *arguments)
-    return dq, dk, dv
+                do_, lse_, delta_, dq_, sink_terms_, *arguments)
+    if not sinks:
+        return dq, dk, dv
+    by_head = sink_terms.unsqueeze(0) if problem.varlen else sink_terms  # (B, Hq, N)
+    return dq, dk, dv, by_head.sum(dim=(0, 2))
 
 
 def _launch(kernel, blocks: int, threads: int, stream, *arguments):
@@ -167,16 +180,17 @@ def _rows(problem, *xs):
 
 
 def _lse(problem, x):
-    """lse or delta as a contiguous (B, H, N) array: varlen (H, T) as (1, H, T)."""
+    """lse, delta or the dsinks terms as a contiguous (B, H, N) array: varlen (H, T) as (1, H, T)."""
     return _device_array((x.unsqueeze(0) if problem.varlen else x).contiguous())
 
 
 def _arguments(problem) -> tuple:
     """The kernels' arguments after their arrays (see ``kernels``), placeholders for absent arrays."""
     device = torch.device(problem.device, problem.device_index)
-    index, flag = _placeholders(device)
+    index, flag, reals = _placeholders(device)
     shape = (problem.batch, problem.heads_q)
     mask = blocks = flag
+    slopes, sinks = reals, reals[0]
     block_q = block_k = 1
     if problem.mask is not None:
         mask = _broadcast(problem.mask, (*shape, problem.seqlen_q, problem.seqlen_k))
@@ -184,6 +198,10 @@ def _arguments(problem) -> tuple:
         block_q, block_k = problem.block_mask.block_size
         blocks = _broadcast(problem.block_mask.blocks,
                             (*shape, -(-problem.seqlen_q // block_q), -(-problem.seqlen_k // block_k)))
+    if problem.alibi_slopes is not None:
+        slopes = _broadcast(problem.alibi_slopes, shape)
+    if problem.sinks is not None:
+        sinks = problem.sinks
     reach = problem.seqlen_q + problem.seqlen_k + 1  # an unbounded side of the band: beyond any length
     left, right = (reach if side == -1 else side for side in (problem.band or (-1, -1)))
     lengths = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k)
@@ -195,6 +213,8 @@ def _arguments(problem) -> tuple:
         problem.block_mask is not None, block_q, block_k, left, right, np.float32(problem.softmax_scale),
         problem.dropout_p > 0, problem.dropout_threshold, *problem.seed_words, problem.rng_offset_words[0],
         np.float32(problem.dropout_scale), *problem.dropout_offsets,
+        np.float32(problem.softcap or 0), _device_array(slopes), problem.alibi_slopes is not None, _device_array(sinks),
+        problem.sinks is not None,
     )
 
 
@@ -205,5 +225,8 @@ def _broadcast(x: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 @functools.cache
 def _placeholders(device: torch.device):
-    """Arrays passed for absent options (never read): an int32 index and a bool (1, 1, 1, 1) flag."""
-    return torch.zeros(1, dtype=torch.int32, device=device), torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
+    """Arrays passed for absent options (never read): an int32 index, a bool (1, 1, 1, 1) flag
+    and float32 (1, 1) reals (slopes; a row of them for sinks)."""
+    return (torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device),
+            torch.zeros((1, 1), dtype=torch.float32, device=device))

@@ -78,11 +78,11 @@ def _kernels():
     """The four kernels the timed call launched (the factories return the ones they built)."""
     from flashx_numba import attention, kernels
 
-    problem = SimpleNamespace(head_dim=D, head_dim_v=D, dtype="bfloat16")
-    forward = attention.tiles("forward", problem), "bfloat16", attention.tensor_cores("forward", problem)
-    backward = attention.tiles("backward", problem), "bfloat16", attention.tensor_cores("backward", problem)
+    problem = SimpleNamespace(head_dim=D, head_dim_v=D, head_dim_class=D, dtype="bfloat16")
+    forward = attention.tiles("forward", problem), "bfloat16", attention.tensor_cores("forward", problem), False
+    backward = attention.tiles("backward", problem), "bfloat16", attention.tensor_cores("backward", problem), False
     return (kernels.forward_kernel(*forward), kernels.delta_kernel("bfloat16"), kernels.dkdv_kernel(*backward),
-            kernels.dq_kernel(*backward))
+            kernels.dq_kernel(*backward, False))
 
 
 def main(budget: float) -> int:

@@ -27,10 +27,18 @@ A pair that adds nothing (disallowed, or dropped) gets the weight SKIP, whose te
 products leave out: NaN or inf that only such pairs read never reaches an output, while NaN
 in data an allowed pair reads propagates.
 
-The kernels are compiled once per ``Tiles`` (compile-time tile shapes) and dtype (bfloat16
-travels as int16 bit patterns, and to the tensor cores as int32 words of feature pairs), on
-first use, and kept on disk (``disk_cache``): a later process loads them, compiled; head dims,
-lengths, layouts and options are run-time arguments.
+The score modifications (``score_mods``): softcap and ALiBi where the scores are scaled, in the
+forward and in both backward kernels' recomputed scores, whose dS then goes through the
+softcap's derivative; a sink joins each row once, after its last key tile, and the dQ kernel,
+which visits every key tile of its rows, writes each row's term of dsinks (0 for a row with no
+allowed key), summed on the host in a fixed order.
+
+The kernels are compiled once per ``Tiles`` (compile-time tile shapes), dtype (bfloat16
+travels as int16 bit patterns, and to the tensor cores as int32 words of feature pairs) and
+whether the scores take a softcap or ALiBi (``score_mods``: without, the kernels hold none of
+their code; the dQ kernel also by whether it writes the terms of dsinks), on first use, and
+kept on disk (``disk_cache``): a later process loads them, compiled; head dims, lengths,
+layouts and options, the softcap, slopes and sinks among them, are run-time arguments.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from flashx_numba.fragments import micro_tile_form, tensor_core_form
 from flashx_numba.philox import dropout_keep
 from flashx_numba.primitives import (NEG_INF, SIMULATOR, SKIP, device_function, exp2, lanes_max, lanes_sum, load,
                                      max_nan, store)
+from flashx_numba.score_mods import modify, sink_term, through_softcap, with_sink
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,11 @@ STORAGE = {"float16": types.float16, "bfloat16": types.int16, "float32": types.f
 _ROWS = types.Array(types.float32, 3, "C")  # lse, delta: contiguous, so a thread's rows lie at constant offsets
 _INDEX = types.Array(types.int32, 1, "A")  # cu_seqlens, seqlens
 _FLAGS = types.Array(types.boolean, 4, "A")  # mask, block mask
+_SLOPES = types.Array(types.float32, 2, "A")  # ALiBi's slopes, (B, Hq): (Hq,) ones broadcast
+_SINKS = types.Array(types.float32, 1, "A")
 _i, _b, _f = types.int64, types.boolean, types.float32
 _COMMON = (_INDEX, _INDEX, _INDEX, _INDEX, _FLAGS, _FLAGS, _i, _i, _i, _i, _i, _i, _b, _b, _b, _b, _b, _i, _i, _i, _i,
-           _f, _b, _i, _i, _i, _i, _f, _i, _i)
+           _f, _b, _i, _i, _i, _i, _f, _i, _i, _f, _SLOPES, _b, _SINKS, _b)
 
 
 def _tensor(dtype: str):
@@ -221,29 +232,34 @@ def _pair_flags(form):
 #   (broadcast views; placeholders when absent), nq, nk (padded or longest lengths), heads_q,
 #   group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q,
 #   block_k, left, right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale,
-#   row_offset, key_offset (dropout_offsets: the draw's positions of query 0 and key 0).
+#   row_offset, key_offset (dropout_offsets: the draw's positions of query 0 and key 0), softcap
+#   (0: none), slopes (B, Hq) and has_alibi, sinks (Hq,) and has_sinks (placeholders when absent;
+#   the dQ kernel, compiled with or without its sink terms, reads the sinks only where it has them).
 
 
 @functools.cache
-def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
+def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool, score_mods: bool):
     """The forward: (o, lse) for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``.
 
     ``tensor_cores``: float16 or bfloat16 on m16n8k16 fragments, q, k, v arriving as int32 words
-    of feature pairs; otherwise float32 micro-tiles (see ``fragments``)."""
+    of feature pairs; otherwise float32 micro-tiles (see ``fragments``). ``score_mods``: the
+    scores take a softcap or ALiBi."""
     bf16 = dtype == "bfloat16"
     ROWS, COLS = tiles.rows, tiles.cols
     form, inputs = _form(tiles, dtype, tensor_cores)
     R, C, A, ROW_LANES, TILE = form.held_rows, form.held_cols, form.held_features, form.row_lanes, form.tile_dtype
     Q_SHAPE, K_SHAPE, V_SHAPE, P_SHAPE, FRAG = form.q_shape, form.k_shape, form.v_shape, form.p_shape, form.frag_words
-    row_of, feature_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, share_weights, pv = (
-        form.row_of, form.feature_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
-        form.share_weights, form.pv)
+    row_of, col_of, feature_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, share_weights, pv = (
+        form.row_of, form.col_of, form.feature_of, form.stage_queries, form.start_tile, form.wait_tiles,
+        form.has_nonfinite, form.qk, form.share_weights, form.pv)
     pair_flags = _pair_flags(form)
 
-    @cached_kernel(types.void(inputs, inputs, inputs, _tensor(dtype), _ROWS, *_COMMON), tiles, dtype, tensor_cores)
+    @cached_kernel(types.void(inputs, inputs, inputs, _tensor(dtype), _ROWS, *_COMMON), tiles, dtype, tensor_cores,
+                   score_mods)
     def kernel(q, k, v, o, lse, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group, dim,
                dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
-               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
+               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset,
+               softcap, slopes, has_alibi, sinks, has_sinks):
         tid = cuda.threadIdx.x
         query_tiles = (nq + ROWS - 1) // ROWS
         pid = cuda.blockIdx.x
@@ -258,6 +274,7 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         batch = 0 if varlen else b
         kv_head = h // group
         stream = b * heads_q + h
+        slope = slopes[b, h] if has_alibi else np.float32(0)
 
         q_tile = cuda.shared.array(Q_SHAPE, TILE, alignment=ALIGNED)
         k_tile = cuda.shared.array(K_SHAPE, TILE, alignment=ALIGNED)
@@ -293,12 +310,16 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                                          blocks, has_blocks, block_q, block_k, dropout, row_offset, key_offset, stream,
                                          rng_offset, seed_low, seed_high, threshold)
             qk(s, q_frag, q_tile, k_tile, dim, tid)
-            # Each row of this thread: scaled and masked scores, then P (SKIP where disallowed or
-            # dropped; a -inf score reads as disallowed).
+            # Each row of this thread: scaled, modified and masked scores, then P (SKIP where
+            # disallowed or dropped; a -inf score reads as disallowed).
+            distance = i0 + lk - lq - j0  # ALiBi's, of the tile's first query and first key
             for i in range(R):
                 tile_max = NEG_INF
                 for c in range(C):
-                    s[i, c] = NEG_INF if (masked >> (i * C + c)) & 1 else s[i, c] * scale
+                    score = s[i, c] * scale
+                    if score_mods:
+                        score, _ = modify(score, softcap, slope, distance + row_of(tid, i) - col_of(tid, c))
+                    s[i, c] = NEG_INF if (masked >> (i * C + c)) & 1 else score
                     tile_max = max_nan(tile_max, s[i, c])
                 new_max = max_nan(row_max[i], lanes_max(tile_max, ROW_LANES))
                 reference = np.float32(0) if new_max == NEG_INF else new_max  # no key yet: exp(-inf - 0) = 0
@@ -326,18 +347,21 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                 start_tile(k_tile, k, batch, k_start + next_j0, min(next_j0 + COLS, lk) - next_j0, kv_head, dim, tid)
             j0 = next_j0
 
+        sink = sinks[h] if has_sinks else NEG_INF  # -inf: exactly no sink
         for i in range(R):
             row = i0 + row_of(tid, i)
             total = lanes_sum(row_sum[i], ROW_LANES)
             if row < rows_out:
                 empty = row >= lq or total == 0  # no allowed key (NaN rows stay NaN)
-                factor = np.float32(0) if empty else drop_scale / total
+                row_lse, factor = sink, np.float32(0)  # an empty row's: the logsumexp of the sink alone
+                if not empty:
+                    row_lse, factor = with_sink(row_max[i], total, sink, drop_scale)
                 for a in range(A):
                     d = feature_of(tid, a)
                     if d < dim_v:
                         store(o, batch, q_start + row, h, d, np.float32(0) if empty else acc[i, a] * factor, bf16)
                 if feature_of(tid, 0) == 0:
-                    lse[batch, h, q_start + row] = NEG_INF if empty else row_max[i] + math.log(total)
+                    lse[batch, h, q_start + row] = row_lse
 
     return kernel
 
@@ -372,37 +396,50 @@ def gradient_pair(p, dp, delta, keep, drop_scale):
 
 
 @functools.cache
-def _gradient_weights(form, keys_are_rows: bool):
+def _gradient_weights(form, keys_are_rows: bool, score_mods: bool):
     """``gradient_weights`` for a form's held elements, the tile's queries along its columns
-    (dK/dV: ``keys_are_rows``) or its rows (dQ)."""
+    (dK/dV: ``keys_are_rows``) or its rows (dQ); ``score_mods``: the scores take a softcap or ALiBi."""
     R, C, row_of, col_of = form.held_rows, form.held_cols, form.row_of, form.col_of
 
     @device_function
-    def gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, first_query, tid, scale_log2,
-                         drop_scale):
-        """s <- the weights of dO in dV, dp <- dS (``gradient_pair``), from the scores s and dP
-        dp, of the held pairs (flags as ``pair_flags`` gives them; a query is ``first_query`` +
-        its place in the tile). A tile without disallowed pairs or dropout takes a copy of the
-        loop given literal zeros as the flags and 1 as ``drop_scale``: its tests and scalings
-        fold away, and with them the branches that kept each query's lse and delta from being
-        loaded once."""
+    def gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, first_query, tid, scale, scale_log2,
+                         drop_scale, softcap, slope, distance):
+        """s <- the weights of dO in dV, dp <- dS (``gradient_pair``; through the softcap, dS of
+        the scaled score), from the scores s and dP dp, of the held pairs (flags as ``pair_flags``
+        gives them; a query is ``first_query`` + its place in the tile, ``distance`` ALiBi's of
+        the tile's first query and first key). A tile without disallowed pairs or dropout takes a
+        copy of the loop given literal zeros as the flags and 1 as ``drop_scale``: its tests and
+        scalings fold away, and with them the branches that kept each query's lse and delta from
+        being loaded once."""
         if masked or dropout:
-            weights_of_pairs(s, dp, masked, dropped, lse, delta, batch, h, first_query, tid, scale_log2, drop_scale)
+            weights_of_pairs(s, dp, masked, dropped, lse, delta, batch, h, first_query, tid, scale, scale_log2,
+                             drop_scale, softcap, slope, distance)
         else:
-            weights_of_pairs(s, dp, 0, 0, lse, delta, batch, h, first_query, tid, scale_log2, np.float32(1))
+            weights_of_pairs(s, dp, 0, 0, lse, delta, batch, h, first_query, tid, scale, scale_log2, np.float32(1),
+                             softcap, slope, distance)
 
     @device_function
-    def weights_of_pairs(s, dp, masked, dropped, lse, delta, batch, h, first_query, tid, scale_log2, drop_scale):
-        """``gradient_weights``' loop. P = 2^(S scale log2(e) - lse log2(e)): an FMA and an ex2 a pair."""
+    def weights_of_pairs(s, dp, masked, dropped, lse, delta, batch, h, first_query, tid, scale, scale_log2,
+                         drop_scale, softcap, slope, distance):
+        """``gradient_weights``' loop. P = 2^(S scale log2(e) - lse log2(e)): an FMA and an ex2 a
+        pair; with score modifications, 2^(S' log2(e) - lse log2(e)) of the modified score S'."""
         for i in range(R):
             for c in range(C):
+                query_in_tile = col_of(tid, c) if keys_are_rows else row_of(tid, i)
+                key_in_tile = row_of(tid, i) if keys_are_rows else col_of(tid, c)
                 # unsigned: no wraparound test, and the thread's queries lie at constant offsets
-                query = np.uint64(first_query + (col_of(tid, c) if keys_are_rows else row_of(tid, i)))
+                query = np.uint64(first_query + query_in_tile)
                 weight_v, weight_q = SKIP, SKIP
                 if not (masked >> (i * C + c)) & 1:  # a masked pair's query may lie past the sequence: no lse read
-                    p = exp2(s[i, c] * scale_log2 - lse[batch, h, query] * LOG2E)
+                    score, log2_factor = s[i, c], scale_log2
+                    if score_mods:
+                        score, capped = modify(score * scale, softcap, slope, distance + query_in_tile - key_in_tile)
+                        log2_factor = LOG2E
+                    p = exp2(score * log2_factor - lse[batch, h, query] * LOG2E)
                     weight_v, weight_q = gradient_pair(p, dp[i, c], delta[batch, h, query],
                                                        not (dropped >> (i * C + c)) & 1, drop_scale)
+                    if score_mods:
+                        weight_q = through_softcap(weight_q, capped, softcap)
                 s[i, c] = weight_v
                 dp[i, c] = weight_q
 
@@ -420,7 +457,7 @@ def _gradient_weights(form, keys_are_rows: bool):
 
 
 @functools.cache
-def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
+def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool, score_mods: bool):
     """dK and dV for a grid of ceil(nk / rows) * B * Hk blocks of ``tiles.threads``: its rows are
     keys, its streamed tiles query rows of each head in the key/value head's group. Per tile,
     S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q."""
@@ -433,14 +470,15 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
     row_of, feature_of, start_tile, wait_tiles, has_nonfinite, qk_shared, share_weights, pv = (
         form.row_of, form.feature_of, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk_shared,
         form.share_weights, form.pv)
-    pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, True)
+    pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, True, score_mods)
     assert ROWS <= COLS  # the own operands in shared memory take a streamed tile's shape
 
     @cached_kernel(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), _tensor(dtype), *_COMMON),
-                   tiles, dtype, tensor_cores)
+                   tiles, dtype, tensor_cores, score_mods)
     def kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q,
                group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left,
-               right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
+               right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset,
+               softcap, slopes, has_alibi, sinks, has_sinks):
         tid = cuda.threadIdx.x
         key_tiles = (nk + ROWS - 1) // ROWS
         heads_k = heads_q // group
@@ -482,6 +520,7 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         lo, hi = queries_seeing(j0, j1, lq, lk, left, right) if j0 < lk else (np.int64(0), np.int64(0))
         for h in range(kv_head * group, (kv_head + 1) * group):
             stream = b * heads_q + h
+            slope = slopes[b, h] if has_alibi else np.float32(0)
             for i0 in range(lo - lo % COLS, hi, COLS):
                 i1 = min(i0 + COLS, lq)
                 if has_blocks and not any_block(blocks, b, h, i0, i1, j0, j1, block_q, block_k):
@@ -498,8 +537,8 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                                              stream, rng_offset, seed_low, seed_high, threshold)
                 qk_shared(s, k_own, q_rows, dim, tid)  # S^T
                 qk_shared(dp, v_own, do_rows, dim_v, tid)  # dP^T before dropout
-                gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, q_start + i0, tid, scale_log2,
-                                 drop_scale)
+                gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, q_start + i0, tid, scale,
+                                 scale_log2, drop_scale, softcap, slope, i0 + lk - lq - j0)
                 share_weights(p_tile, s, tid)
                 share_weights(ds_tile, dp, tid)
                 cuda.syncthreads()
@@ -523,25 +562,31 @@ def dkdv_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
 
 
 @functools.cache
-def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
+def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool, score_mods: bool, dsinks: bool):
     """dQ for a grid of ceil(nq / rows) * B * Hq blocks of ``tiles.threads``. Per key tile,
-    S = Q K^T and dP = dO V^T, then dQ += dS K."""
+    S = Q K^T and dP = dO V^T, then dQ += dS K. ``dsinks`` (calls with sinks): also each row's
+    term of dsinks into ``sink_terms`` (B, Hq, Nq), where the row has an allowed key (the others
+    are left as they are: zeros). A compile-time choice: its tracking of the rows, though small,
+    took 40 more registers a thread from the float16 and bfloat16 kernel at d64 as a run-time one."""
     bf16 = dtype == "bfloat16"
     ROWS, COLS = tiles.rows, tiles.cols
     form, inputs = _form(tiles, dtype, tensor_cores)
-    R, C, A, TILE, FRAG = form.held_rows, form.held_cols, form.held_features, form.tile_dtype, form.frag_words
+    R, C, A, ROW_LANES, TILE, FRAG = (form.held_rows, form.held_cols, form.held_features, form.row_lanes,
+                                      form.tile_dtype, form.frag_words)
     OWN_SHAPE, ROWS_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.p_shape
     row_of, feature_of, stage_queries, start_tile, wait_tiles, has_nonfinite, qk, qk_shared, share_weights, pv = (
         form.row_of, form.feature_of, form.stage_queries, form.start_tile, form.wait_tiles, form.has_nonfinite, form.qk,
         form.qk_shared, form.share_weights, form.pv)
-    pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, False)
+    pair_flags, gradient_weights = _pair_flags(form), _gradient_weights(form, False, score_mods)
+    ROW_PAIRS = (ONE_PAIR << C) - ONE_PAIR  # the pair flags of a held row, bits 0:C
     assert ROWS <= COLS  # the own operand in shared memory takes a streamed tile's shape
 
-    @cached_kernel(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), *_COMMON), tiles, dtype,
-                   tensor_cores)
-    def kernel(q, k, v, do, lse, delta, dq, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk, heads_q, group,
-               dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q, block_k, left, right,
-               scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale, row_offset, key_offset):
+    @cached_kernel(types.void(inputs, inputs, inputs, inputs, _ROWS, _ROWS, _tensor(dtype), _ROWS, *_COMMON), tiles,
+                   dtype, tensor_cores, score_mods, dsinks)
+    def kernel(q, k, v, do, lse, delta, dq, sink_terms, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks, nq, nk,
+               heads_q, group, dim, dim_v, varlen, has_seqlens_q, has_seqlens_k, has_mask, has_blocks, block_q,
+               block_k, left, right, scale, dropout, threshold, seed_low, seed_high, rng_offset, drop_scale,
+               row_offset, key_offset, softcap, slopes, has_alibi, sinks, has_sinks):
         tid = cuda.threadIdx.x
         query_tiles = (nq + ROWS - 1) // ROWS
         pid = cuda.blockIdx.x
@@ -557,6 +602,7 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         kv_head = h // group
         stream = b * heads_q + h
         scale_log2 = scale * LOG2E
+        slope = slopes[b, h] if has_alibi else np.float32(0)
 
         q_own = cuda.shared.array(OWN_SHAPE, TILE, alignment=ALIGNED)
         do_own = cuda.shared.array(ROWS_SHAPE, TILE, alignment=ALIGNED)
@@ -567,9 +613,12 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
         s = cuda.local.array((R, C), np.float32)
         dp = cuda.local.array((R, C), np.float32)
         dq_acc = cuda.local.array((R, A), np.float32)
+        reads_a_key = cuda.local.array(R, np.float32)  # 1 where a held row has an allowed pair: its dsinks term counts
         for i in range(R):
             for a in range(A):
                 dq_acc[i, a] = 0
+        for i in range(R):
+            reads_a_key[i] = 0
 
         i1 = min(i0 + ROWS, lq)
         stage_queries(q_frag, q_own, k_rows, q, batch, q_start + i0, i1 - i0, h, dim, tid)
@@ -591,8 +640,12 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                                          rng_offset, seed_low, seed_high, threshold)
             qk(s, q_frag, q_own, k_rows, dim, tid)
             qk_shared(dp, do_own, v_rows, dim_v, tid)  # dP before dropout
-            gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, q_start + i0, tid, scale_log2,
-                             drop_scale)
+            if dsinks:
+                for i in range(R):
+                    if (~masked >> (i * C)) & ROW_PAIRS:
+                        reads_a_key[i] = 1
+            gradient_weights(s, dp, masked, dropped, dropout, lse, delta, batch, h, q_start + i0, tid, scale,
+                             scale_log2, drop_scale, softcap, slope, i0 + lk - lq - j0)
             share_weights(ds_tile, dp, tid)
             cuda.syncthreads()
             pv(dq_acc, dp, v_rows, k_rows, ds_tile, dim, tid, exact)  # V's row tile is free: dS may pass through it
@@ -604,5 +657,10 @@ def dq_kernel(tiles: Tiles, dtype: str, tensor_cores: bool):
                     d = feature_of(tid, a)
                     if d < dim:
                         store(dq, batch, q_start + row, h, d, dq_acc[i, a] * scale, bf16)
+        if dsinks:  # a row without an allowed key adds nothing, whatever its delta (its do may be NaN)
+            for i in range(R):
+                query = q_start + i0 + row_of(tid, i)
+                if lanes_max(reads_a_key[i], ROW_LANES) > 0 and feature_of(tid, 0) == 0:
+                    sink_terms[batch, h, query] = sink_term(sinks[h], lse[batch, h, query], delta[batch, h, query])
 
     return kernel
