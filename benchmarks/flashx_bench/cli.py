@@ -120,17 +120,11 @@ def run_gpu(args, out: Path) -> int:
     if not torch.cuda.is_available():
         sys.exit("flashx bench: no CUDA device here; `flashx bench --cpu` runs the CPU comparison")
     from flashx_bench import gpu
-    from flashx_bench.implementations import absent, implementations
-
-    import flashx
+    from flashx_bench.implementations import implementations, say_what_is_not_timed
 
     started = time.perf_counter()
     device = torch.device("cuda")
-    for info in flashx.backends():
-        if not info.available:
-            print(f"flashx backend {info.name} is not timed: {info.reason}")
-    for name, reason in absent(device).items():
-        print(f"{name} is not timed: {reason}")
+    say_what_is_not_timed(device)
     plan = gpu.QUICK if args.quick else gpu.FULL
     if args.seqlens:
         plan = dataclasses.replace(plan, seqlens=tuple(args.seqlens))

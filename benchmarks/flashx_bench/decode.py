@@ -75,32 +75,17 @@ TARGET_PAGED = {"flashx-page256": 1.10, "flashx-page16": 1.10, "flashx-page1": 1
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The sweep's options; ``args.out`` is where the record goes (``--record``: the checkout's)."""
     parser = argparse.ArgumentParser(prog="flashx bench decode", description=__doc__.split("\n")[0])
-    parser.add_argument("command", nargs="?", choices=("run", "report"), default="run")
-    parser.add_argument("results", nargs="?", type=Path, help="report: the record's JSON to draw again")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--out", type=Path, default=records.DEFAULT_OUT,
-                       help=f"directory of the records and history (default ./{records.DEFAULT_OUT})")
-    where.add_argument("--record", action="store_true",
-                       help="update the source checkout's benchmarks/results instead (the full sweep only)")
+    records.add_sweep_arguments(parser)
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--caches", type=int, nargs="+", default=list(CACHES))
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--scan-splits", action="store_true", help="also time every power-of-two num_splits")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds; what is left is marked skipped")
     args = parser.parse_args(argv)
-    if args.command == "report" and args.results is None:
-        parser.error("report needs the record's JSON")
-    if args.record:
-        partial = [flag for flag, used in (("--batches", args.batches != list(BATCHES)),
-                                           ("--caches", args.caches != list(CACHES)),
-                                           ("--max-tokens", args.max_tokens != MAX_TOKENS)) if used]
-        if partial:
-            parser.error(f"--record keeps the full sweep as the device's decode record, and {', '.join(partial)} "
-                         "runs part of it: pass --out DIR instead")
-        args.out = records.checkout_results()
-    args.out = args.out.resolve()
-    return args
-
+    partial = [flag for flag, used in (("--batches", args.batches != list(BATCHES)),
+                                       ("--caches", args.caches != list(CACHES)),
+                                       ("--max-tokens", args.max_tokens != MAX_TOKENS)) if used]
+    return records.resolve_sweep_arguments(parser, args, partial, "decode")
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)

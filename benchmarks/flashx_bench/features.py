@@ -66,14 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The sweep's options; ``args.out`` is where the record goes (``--record``: the checkout's)."""
     parser = argparse.ArgumentParser(prog="flashx bench features", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", choices=("run", "report"), default="run",
-                        help="run the sweep (default), or report: rewrite a record's markdown from its JSON")
-    parser.add_argument("results", nargs="?", type=Path, help="report: the record's JSON")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--out", type=Path, default=records.DEFAULT_OUT,
-                       help=f"directory of the record and history (default ./{records.DEFAULT_OUT})")
-    where.add_argument("--record", action="store_true",
-                       help="update the source checkout's benchmarks/results instead (the full sweep only)")
+    records.add_sweep_arguments(parser)
     parser.add_argument("--impl", nargs="+", metavar="NAME",
                         help=f"only these implementations (default: every flashx backend, {', '.join(PEERS)})")
     parser.add_argument("--features", nargs="+", choices=FEATURES, default=list(FEATURES), metavar="NAME",
@@ -83,19 +76,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--time-limit", type=float, metavar="S",
                         help="after S seconds, skip what is left (marked in the record) and write the record")
     args = parser.parse_args(argv)
-    if args.command == "report" and args.results is None:
-        parser.error("report needs the record's JSON")
-    if args.record:
-        partial = [flag for flag, used in (("--impl", args.impl), ("--features", args.features != list(FEATURES)),
-                                           *((f"--{name.replace('_', '-')}", getattr(args, name) != value)
-                                             for name, value in SHAPE.items())) if used]
-        if partial:
-            parser.error(f"--record keeps the full sweep as the device's feature record, and {', '.join(partial)} "
-                         "runs part of it: pass --out DIR instead")
-        args.out = records.checkout_results()
-    args.out = args.out.resolve()
-    return args
-
+    partial = [flag for flag, used in (("--impl", args.impl), ("--features", args.features != list(FEATURES)),
+                                       *((f"--{name.replace('_', '-')}", getattr(args, name) != value)
+                                         for name, value in SHAPE.items())) if used]
+    return records.resolve_sweep_arguments(parser, args, partial, "feature")
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -121,15 +105,10 @@ def run(args) -> tuple[dict, list[Path]]:
     if not torch.cuda.is_available():
         raise SystemExit("flashx bench features: no CUDA device here; this sweep times GPU kernels and "
                          "runs on a CUDA machine only (`flashx bench features report FILE.json` redraws a record anywhere)")
-    import flashx
-    from flashx_bench.implementations import absent, implementations
+    from flashx_bench.implementations import implementations, say_what_is_not_timed
 
     device = torch.device("cuda")
-    for info in flashx.backends():
-        if not info.available:
-            print(f"flashx backend {info.name} is not timed: {info.reason}")
-    for name, reason in absent(device).items():
-        print(f"{name} is not timed: {reason}")
+    say_what_is_not_timed(device)
     impls = [impl for impl in implementations(device, args.impl) if args.impl or impl.is_flashx or impl.name in PEERS]
     sweep = FeatureSweep(args, impls, device)
     print(f"the record goes to {args.out}: {sweep.path.name.replace('.partial', '')} and .md replaced; "

@@ -213,6 +213,15 @@ def absent(device: torch.device) -> dict[str, str]:
     return {"fa4": missing} if missing else {}
 
 
+def say_what_is_not_timed(device: torch.device) -> None:
+    """One line for each flashx backend and each peer that cannot run here, with its reason."""
+    for info in flashx.backends():
+        if not info.available:
+            print(f"flashx backend {info.name} is not timed: {info.reason}")
+    for name, reason in absent(device).items():
+        print(f"{name} is not timed: {reason}")
+
+
 PEERS = (
     sdpa("sdpa-cudnn", "SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
     FLEX,

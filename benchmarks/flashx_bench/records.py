@@ -16,6 +16,7 @@ and feature sweeps ``decode-`` or ``features-`` and the model.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -23,6 +24,33 @@ from pathlib import Path
 from typing import Callable
 
 DEFAULT_OUT = Path("flashx-bench-results")
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """A sub-sweep's ``run | report FILE.json`` and where its record goes: ``--out DIR`` or ``--record``."""
+    parser.add_argument("command", nargs="?", choices=("run", "report"), default="run",
+                        help="run the sweep (default), or report: rewrite a record's markdown from its JSON")
+    parser.add_argument("results", nargs="?", type=Path, help="report: the record's JSON")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                       help=f"directory of the record and history (default ./{DEFAULT_OUT})")
+    where.add_argument("--record", action="store_true",
+                       help="update the source checkout's benchmarks/results instead (the full sweep only)")
+
+
+def resolve_sweep_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, partial: list[str],
+                            record: str) -> argparse.Namespace:
+    """``args`` with ``out`` resolved, after refusing a report without its JSON and a ``--record``
+    of a partial run (``partial``: the flags that made it one) as the device's ``record``."""
+    if args.command == "report" and args.results is None:
+        parser.error("report needs the record's JSON")
+    if args.record:
+        if partial:
+            parser.error(f"--record keeps the full sweep as the device's {record} record, and {', '.join(partial)} "
+                         "runs part of it: pass --out DIR instead")
+        args.out = checkout_results()
+    args.out = args.out.resolve()
+    return args
 #: benchmarks/results of a source checkout (this package is benchmarks/flashx_bench there)
 CHECKOUT_RESULTS = Path(__file__).resolve().parent.parent / "results"
 HISTORY = "history.csv"
