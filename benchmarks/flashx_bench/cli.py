@@ -2,7 +2,9 @@
 and redrawing a record's tables and plot from its JSON (table, plot, headline, merge).
 `flashx bench decode [ARGS]` runs the KV-cache decode sweep instead (`flashx bench decode --help`);
 `flashx bench features [ARGS]` the cost of softcap, ALiBi and sinks beside FA4 and Flex
-(`flashx bench features --help`). FlashAttention-4 (`fa4`) is timed where `flash_attn.cute` imports.
+(`flashx bench features --help`); `flashx bench model [ARGS]` the training step of GPT-2 and a
+Llama-shaped model through transformers' attention implementations (`flashx bench model --help`).
+FlashAttention-4 (`fa4`) is timed where `flash_attn.cute` imports.
 
 A run replaces its device's record (<device>.json, .md, .png) in the output directory and
 appends its numbers to history.csv there: --out DIR (default ./flashx-bench-results), or
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -20,18 +23,14 @@ from pathlib import Path
 from flashx_bench import records, report
 
 INSTALL = "pip install 'flashx-attention[triton,plot]'"
+#: `flashx bench NAME ARGS`: the module flashx_bench.NAME, whose main(ARGS) parses its own options.
+SUB_SWEEPS = ("decode", "features", "model")
 
 
 def main(argv: list[str] | None = None, prog: str = "flashx bench") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["decode"]:
-        from flashx_bench import decode
-
-        return decode.main(argv[1:])
-    if argv[:1] == ["features"]:
-        from flashx_bench import features
-
-        return features.main(argv[1:])
+    if argv[:1] and argv[0] in SUB_SWEEPS:
+        return importlib.import_module(f"flashx_bench.{argv[0]}").main(argv[1:])
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the NumPy backend against torch's CPU SDPA instead")

@@ -10,8 +10,8 @@ source checkout's ``benchmarks/results``):
 - ``<device>.partial.json``: the run in progress, saved after each row so that a run stopped
   early keeps what it measured; it becomes ``<device>.json`` when the run ends.
 
-``<device>`` is ``cpu``, the GPU's model (``device_slug``: h100, h200, rtx4090), or for the decode
-and feature sweeps ``decode-`` or ``features-`` and the model.
+``<device>`` is ``cpu``, the GPU's model (``device_slug``: h100, h200, rtx4090), or for the decode,
+feature and model sweeps ``decode-``, ``features-`` or ``model-`` and the GPU's model.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ HISTORY_FIELDS = ("date", "device", "impl", "mode", "dtype", "batch", "seqlen", 
                   "metric", "value", "torch", "triton", "flashx")
 SHAPE_FIELDS = ("batch", "seqlen", "heads", "head_dim", "causal")
 #: The record name's prefix for the sweeps other than the main one (kind "gpu") and the CPU's.
-PREFIXES = {"decode": "decode-", "features": "features-"}
+PREFIXES = {"decode": "decode-", "features": "features-", "model": "model-"}
 
 
 def checkout_results() -> Path:
@@ -138,7 +138,8 @@ def history_rows(results: dict) -> list[dict]:
     """The numbers of one run as history rows: speed (tflops), host time (host_us), memory
     (peak_mib), checks (rel_error, the largest of o, dq, dk, dv), ceilings; failed rows are left out.
     The feature sweep's rows name their feature in the mode, after it ("fwd+bwd softcap"); its rows
-    without one are plain "fwd" and "fwd+bwd", the main sweep's quantity."""
+    without one are plain "fwd" and "fwd+bwd", the main sweep's quantity. The model sweep's name
+    their model ("train gpt2-small"): tokens_per_s and peak_mib, and max_seqlen (B = 1, no N)."""
     versions = results.get("versions", {})
     common = {"date": results["date"], "device": results["device"], "dtype": results.get("plan", {}).get("dtype", ""),
               **{name: versions.get(name, "") for name in ("torch", "triton", "flashx")}}
@@ -174,6 +175,15 @@ def history_rows(results: dict) -> list[dict]:
                  for r in results["speed"] if r["status"] == "ok"]
                 + [row(featured(r, "fwd+bwd"), "rel_error", max(r["errors"].values()), dtype=dtype)
                    for r in results["checks"] if r["status"] in ("ok", "wrong")])
+    if results["kind"] == "model":
+        dtype = results["plan"]["precision"]
+        models = {m["name"]: {"mode": f"train {m['name']}", "heads": m["heads"], "head_dim": m["head_dim"],
+                              "causal": True} for m in results["models"]}
+        return ([row({**r, **models[r["model"]]}, metric, r[metric], dtype=dtype)
+                 for r in results["rows"] if r["status"] == "ok" for metric in ("tokens_per_s", "peak_mib")
+                 if r[metric] is not None]
+                + [row({**s, **models[s["model"]], "batch": 1}, "max_seqlen", s["longest"], dtype=dtype)
+                   for s in results["searches"] if s["longest"] is not None])
     rows = [row({}, metric, value) for metric, value in results.get("ceilings", {}).items()]
     rows += [row(r, "tflops", r["tflops"]) for r in results.get("speed", []) if r["status"] == "ok"]
     rows += [row(r, "host_us", r["host_us"]) for r in results.get("host", []) if r["status"] == "ok"]
