@@ -49,20 +49,22 @@ def _band_allowed(band, i, j):
 @pytest.mark.parametrize("band", [None, (-1, 0), (3, 0), (0, 0), (2, 5), (0, -1), (7, 1), (1, 9)], ids=str)
 def test_pair_call_reads_exactly_the_pairs_the_band_allows(band):
     """The rows, keys and window of ``_pair``, read with the contract's bottom-right band, allow
-    exactly the pairs the whole sequence's band allows between the two chunks."""
-    for size, query_start, key_start in itertools.product((1, 3, 5), range(0, 16, 1), range(0, 16, 1)):
-        i, j = np.arange(size)[:, None], np.arange(size)[None, :]
-        expected = _band_allowed(band, query_start + i, key_start + j) & np.ones((size, size), bool)
-        found = _pair(band, size, query_start, key_start)
+    exactly the pairs the whole sequence's band allows between the query and key positions given
+    (of one length, as the chunks of a ring, or of two, as a document's fragments)."""
+    lengths = [(1, 1), (3, 3), (5, 5), (2, 5), (5, 1), (4, 7)]
+    for (rows_in, keys_in), query_start, key_start in itertools.product(lengths, range(16), range(16)):
+        i, j = np.arange(rows_in)[:, None], np.arange(keys_in)[None, :]
+        expected = _band_allowed(band, query_start + i, key_start + j) & np.ones((rows_in, keys_in), bool)
+        found = _pair(band, query_start, rows_in, key_start, keys_in)
         if found is None:
-            assert not expected.any(), (size, query_start, key_start)
+            assert not expected.any(), (rows_in, keys_in, query_start, key_start)
             continue
         rows, keys, window, offsets = found
         local_i, local_j = np.arange(rows.stop - rows.start)[:, None], np.arange(keys.stop - keys.start)[None, :]
         diagonal = (keys.stop - keys.start) - (rows.stop - rows.start)
-        allowed = np.zeros((size, size), bool)
+        allowed = np.zeros((rows_in, keys_in), bool)
         allowed[rows, keys] = _band_allowed(window, local_i + diagonal, local_j)
-        assert (allowed == expected).all(), (size, query_start, key_start, found)
+        assert (allowed == expected).all(), (rows_in, keys_in, query_start, key_start, found)
         assert offsets == (query_start + rows.start, key_start + keys.start)
         assert expected[rows].any(axis=1).all() and expected[:, keys].any(axis=0).all()  # nothing read in vain
 
