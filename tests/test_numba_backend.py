@@ -53,6 +53,7 @@ def test_declarations():
     assert backend.array_kind == "torch" and backend.devices == {"cuda", "cpu"}
     assert backend.features == {"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout",
                                 "dropout_offsets", "gqa", "dv_ne_d", "softcap", "alibi", "sinks"}
+    assert backend.operations == {"attention", "decode"}
     assert backend.available() is None
 
 
@@ -73,8 +74,9 @@ def test_tiles_fit_shared_memory_on_a_gpu():
         return 4 * shape[0] * shape[1]
 
     for kind, width, form in _gpu_micro_tiles():
-        if kind == "forward":  # Q, K, V, P
+        if kind in ("forward", "decode"):  # Q, K, V, P; decoding's rows also found through int64 triples
             total = size(form.q_shape) + size(form.k_shape) + size(form.v_shape) + size(form.p_shape)
+            total += 8 * 3 * (form.q_shape[0] + form.k_shape[0]) if kind == "decode" else 0
         else:  # dK/dV: K, V, Q, dO, P^T, dS^T (dQ: Q, dO, K, V, dS)
             total = 4 * size(form.k_shape) + 2 * size(form.p_shape)
         assert total <= 48 * 1024, (kind, width)

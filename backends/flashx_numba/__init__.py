@@ -60,6 +60,11 @@ class NumbaBackend(flashx.Backend):
 
         return backward(problem, q, k, v, o, lse, do)
 
+    def decode(self, problem, q, k_cache, v_cache, k_new, v_new):
+        from flashx_numba.decode import decode
+
+        return decode(problem, q, k_cache, v_cache, k_new, v_new)
+
 
 @functools.cache
 def _unavailable(simulating: bool) -> str | None:

@@ -187,6 +187,27 @@ def key_tile_from(j0, hi, cols, lk, i0, i1, b, h, blocks, has_blocks, block_q, b
     return j0
 
 
+@device_function
+def fold_row(s, i, tile_max, row_max, row_sum, acc, dropped, row_lanes):
+    """Row i of a tile's scores ``s`` (-inf where disallowed; ``tile_max`` this thread's maximum
+    of them) into the online softmax's running maximum, sum and accumulator; s[i] becomes the
+    row's P, SKIP where disallowed or dropped (bit i * C + c of ``dropped``, C the held columns)."""
+    C, A = s.shape[1], acc.shape[1]
+    new_max = max_nan(row_max[i], lanes_max(tile_max, row_lanes))
+    reference = np.float32(0) if new_max == NEG_INF else new_max  # no key yet: exp(-inf - 0) = 0
+    rescale = math.exp(row_max[i] - reference)
+    tile_sum = np.float32(0)
+    for c in range(C):
+        score = s[i, c]
+        p = math.exp(score - reference)
+        tile_sum += p  # dropped pairs count here too
+        s[i, c] = SKIP if score == NEG_INF or (dropped >> (i * C + c)) & 1 else p
+    row_sum[i] = row_sum[i] * rescale + tile_sum
+    row_max[i] = new_max
+    for a in range(A):
+        acc[i, a] *= rescale
+
+
 #: Pair flags (``pair_flags``): bit i * held_cols + c for a thread's held element (i, c), an
 #: int64 on a GPU; the simulator's one thread a block holds a whole tile, its flags Python integers.
 ONE_PAIR = 1 if SIMULATOR else np.int64(1)
@@ -321,19 +342,7 @@ def forward_kernel(tiles: Tiles, dtype: str, tensor_cores: bool, score_mods: boo
                         score, _ = modify(score, softcap, slope, distance + row_of(tid, i) - col_of(tid, c))
                     s[i, c] = NEG_INF if (masked >> (i * C + c)) & 1 else score
                     tile_max = max_nan(tile_max, s[i, c])
-                new_max = max_nan(row_max[i], lanes_max(tile_max, ROW_LANES))
-                reference = np.float32(0) if new_max == NEG_INF else new_max  # no key yet: exp(-inf - 0) = 0
-                rescale = math.exp(row_max[i] - reference)
-                tile_sum = np.float32(0)
-                for c in range(C):
-                    score = s[i, c]
-                    p = math.exp(score - reference)
-                    tile_sum += p  # dropped pairs count here too
-                    s[i, c] = SKIP if score == NEG_INF or (dropped >> (i * C + c)) & 1 else p
-                row_sum[i] = row_sum[i] * rescale + tile_sum
-                row_max[i] = new_max
-                for a in range(A):
-                    acc[i, a] *= rescale
+                fold_row(s, i, tile_max, row_max, row_sum, acc, dropped, ROW_LANES)
             share_weights(p_tile, s, tid)
             wait_tiles()
             # V is in, and every reader is done with K

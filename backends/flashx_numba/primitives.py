@@ -179,10 +179,26 @@ if SIMULATOR:
         if tid != 0:
             return
         rows = max(0, min(rows, tile.shape[0]))
-        block = np.asarray(x[b, row0 : row0 + rows, h, :width])
-        tile[:rows, :width] = (block.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if bf16 else block
+        tile[:rows, :width] = _floats(x[b, row0 : row0 + rows, h, :width], bf16)
         tile[rows:, :width] = 0
         tile[:, width:filled] = 0
+
+    def gather_tile(tile, x, where, width, filled, tid, threads, bf16):
+        """tile[r, :filled] = x[where[r, 0], where[r, 1], where[r, 2], :width], zeros past
+        ``width``, for the rows r with where[r, 0] >= 0; 0 in the tile's other rows.
+
+        One thread copies with NumPy, as ``load_tile``."""
+        if tid != 0:
+            return
+        used = np.flatnonzero(where[: tile.shape[0], 0] >= 0)
+        tile[:, :filled] = 0
+        rows = where[used]
+        tile[used, :width] = _floats(x[rows[:, 0], rows[:, 1], rows[:, 2], :width], bf16)
+
+    def _floats(block, bf16):
+        """A block of x as float32 (``bf16``: x holds bfloat16 bit patterns)."""
+        block = np.asarray(block)
+        return (block.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if bf16 else block
 
     def has_nonfinite_floats(tile, width, tid, threads):
         """Whether this thread's share of ``tile`` holds a NaN or an infinity: never asked here,
@@ -246,12 +262,32 @@ else:
         first, lane = tid // row_lanes, tid % row_lanes
         for k in range(tile.shape[0] // passes):
             r = first + k * passes
-            inside = r < rows
-            line = x[b, row0 + r, h, lane:]  # read only where inside
-            for m in range(filled // row_lanes):
-                d = lane + m * row_lanes
-                inside_row = inside and d < width
-                tile[r, d] = load_element(line, np.uint64(m * row_lanes), bf16) if inside_row else np.float32(0)
+            copy_row(tile, r, x[b, row0 + r, h, lane:], r < rows, lane, row_lanes, width, filled, bf16)
+
+    @device_function
+    def gather_tile(tile, x, where, width, filled, tid, threads, bf16):
+        """tile[r, :filled] = x[where[r, 0], where[r, 1], where[r, 2], :width], zeros past
+        ``width``, for the rows r with where[r, 0] >= 0; 0 in the tile's other rows.
+
+        ``load_tile``'s copy, each row found through ``where`` (a shared array the block wrote
+        before its last barrier): rows of a paged cache, or query rows of several heads."""
+        row_lanes = min(32, threads)
+        passes = threads // row_lanes
+        first, lane = tid // row_lanes, tid % row_lanes
+        for k in range(tile.shape[0] // passes):
+            r = first + k * passes
+            inside = where[r, 0] >= 0
+            line = x[max(where[r, 0], 0), where[r, 1], where[r, 2], lane:]
+            copy_row(tile, r, line, inside, lane, row_lanes, width, filled, bf16)
+
+    @device_function
+    def copy_row(tile, r, line, inside, lane, row_lanes, width, filled, bf16):
+        """This lane's features of tile row r from ``line`` (the source row from this lane's
+        first feature on, read only where ``inside``), zeros past ``width`` and where not inside."""
+        for m in range(filled // row_lanes):
+            d = lane + m * row_lanes
+            inside_row = inside and d < width
+            tile[r, d] = load_element(line, np.uint64(m * row_lanes), bf16) if inside_row else np.float32(0)
 
     @device_function
     def has_nonfinite_floats(tile, width, tid, threads):
