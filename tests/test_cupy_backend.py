@@ -14,7 +14,7 @@ import pytest
 import flashx
 from flashx.problem import Problem
 from flashx_conformance import oracle
-from flashx_cupy import CupyBackend, launch, unavailable_reason, variants
+from flashx_cupy import CupyBackend, decode, launch, unavailable_reason, variants
 
 
 def _problem(**changes):
@@ -334,6 +334,156 @@ def test_dsinks_sums_the_rows_of_each_head(varlen):
     heads_first = terms if varlen else terms.transpose(0, 1)
     want = heads_first.reshape(problem.heads_q, -1).sum(dim=1)
     assert torch.equal(launch.sum_over_rows(problem, terms), want)
+
+
+# -- decoding (host side) -------------------------------------------------------------------
+
+def _decode_problem(batch=2, seqlen_q=1, heads_q=8, heads_k=2, head_dim=128, head_dim_v=None, dtype="bfloat16",
+                    page_size=None, slots=4096, new=0, **keywords):
+    """A DecodeProblem on CPU torch tensors (the host side reads only their shapes and strides)."""
+    import torch
+
+    from flashx.validation import build_decode_problem
+
+    head_dim_v = head_dim_v or head_dim
+    element = getattr(torch, dtype)
+    rows = batch if page_size is None else batch * -(-slots // page_size)
+    width = slots if page_size is None else page_size
+    caches = (torch.zeros(rows, width, heads_k, head_dim, dtype=element),
+              torch.zeros(rows, width, heads_k, head_dim_v, dtype=element))
+    table = None if page_size is None else torch.arange(rows, dtype=torch.int64).reshape(batch, -1)
+    tokens = {} if not new else {"k_new": torch.zeros(batch, new, heads_k, head_dim, dtype=element),
+                                 "v_new": torch.zeros(batch, new, heads_k, head_dim_v, dtype=element)}
+    q = torch.zeros(batch, seqlen_q, heads_q, head_dim, dtype=element)
+    keywords = {name: torch.as_tensor(x) if isinstance(x, np.ndarray) else x for name, x in keywords.items()}
+    problem = build_decode_problem(q, *caches, cache_seqlens=torch.zeros(batch, dtype=torch.int64), block_table=table,
+                                   validate=False, **tokens, **keywords)
+    return problem, q, caches, tokens
+
+
+def test_decode_is_an_operation():
+    backend = flashx.registry.get("cupy")
+    assert backend.operations == {"attention", "decode"}
+    problem, *_ = _decode_problem(page_size=16, mask=np.ones((1, 1), bool), window=(100, -1), softcap=30.0,
+                                  alibi_slopes=np.ones(8, np.float32), sinks=np.zeros(8, np.float32), head_dim_v=64)
+    reasons = backend.supports(dataclasses_replace(problem, device="cuda"))
+    assert reasons == []
+
+
+def dataclasses_replace(problem, **changes):
+    import dataclasses
+
+    return dataclasses.replace(problem, **changes)
+
+
+@pytest.mark.parametrize("rows, widest, block_m", [(1, 128, 16), (4, 128, 16), (17, 64, 32), (33, 64, 64), (100, 64, 64),
+                                                   (33, 128, 32), (8, 256, 16), (64, 256, 16)])
+def test_decode_rows_per_cta(rows, widest, block_m):
+    """The fewest rows that hold the group's, within the accumulators' bound."""
+    assert variants.decode_block_m(rows, widest) == block_m
+    assert block_m * widest <= variants.DECODE_ROW_ELEMENTS
+
+
+@pytest.mark.parametrize("key", sorted(variants.DECODE_TILES))
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_tiles_fit(key, paged):
+    """Each warp takes whole 16-key products; the thread per row of the join exists; Q, the stages,
+    the pages and the staging fit the H100's shared memory; the join fits the K/V stages (the
+    kernel's static_assert); a 16-bit CTA of 16 rows up to d128 leaves room for two per SM."""
+    width, dim = key
+    block_n, warps, stages = variants.DECODE_TILES[key]
+    assert block_n % (16 * warps) == 0 and block_n // warps <= 64 and stages >= 2
+    dtype = "float32" if width == "32" else "bfloat16"
+    for block_m in (16, 32, 64):
+        if block_m * dim > variants.DECODE_ROW_ELEMENTS:
+            continue
+        variant = variants.Variant("decode", dtype, dim, dim, block_m, block_n, warps, stages=stages, paged=paged)
+        assert variant.threads >= block_m and variant.shared_memory <= 227 * 1024
+        size, pad = variants.ELEMENT_SIZES[dtype], 16 // variants.ELEMENT_SIZES[dtype]
+        join = (block_m * dim + (2 * warps + 1) * block_m) * 4
+        assert join <= stages * block_n * 2 * (dim + pad) * size
+        if width == "16" and dim <= 128 and block_m == 16:
+            assert decode.ctas_per_sm(variant, 228 * 1024) >= 2
+
+
+def test_decode_kernels_share_one_build():
+    """The append, split and merge kernels of a problem are one module: the same text and macros."""
+    problem, *_ = _decode_problem(page_size=16, seqlen_q=4, mask=np.ones((4, 4), bool), softcap=5.0)
+    built = [variants.choose_decode(kernel, problem, aligned=True) for kernel in variants.DECODE_KERNELS]
+    assert len({variant.options for variant in built}) == 1
+    assert {variant.entry_point for variant in built} == {"flashx_decode", "flashx_decode_merge", "flashx_decode_append"}
+    split = built[0]
+    assert (split.block_m, split.dim_qk, split.dim_v) == (16, 128, 128)
+    assert split.macros["PAGED"] == split.macros["MASK"] == split.macros["SOFTCAP"] == 1
+    assert split.macros["STAGES"] == variants.DECODE_TILES["16", 128][2] and split.macros["ALIBI"] == 0
+    assert "STAGES" not in variants.choose("forward", _problem(), aligned=True).macros  # no rebuild of the others
+    text = variants.source("decode.cu")
+    assert not re.search(r'^#include "', text, re.MULTILINE) and text.count("struct Params {") == 1
+    contiguous, *_ = _decode_problem(dtype="float32", head_dim=256, head_dim_v=64, seqlen_q=3)
+    variant = variants.choose_decode("decode", contiguous, aligned=False)
+    assert variant.macros["PAGED"] == variant.macros["ALIGNED"] == 0 and variant.macros["DTYPE"] == 2
+    assert (variant.dim_qk, variant.dim_v, variant.block_m, variant.block_n) == (256, 64, 16, 32)
+
+
+@pytest.mark.parametrize("ctas, key_tiles, resident, splits", [
+    (8, 1024, 264, 33),  # B=1, Hk=8, a long cache: one wave of splits
+    (512, 1024, 264, 1),  # B=64: the sequences alone fill the GPU
+    (8, 4, 264, 1),  # a short cache: a split keeps MIN_TILES_PER_SPLIT tiles
+    (8, 13, 264, 4),
+    (1, 10**6, 10**6, decode.MAX_SPLITS),
+    (0, 10, 264, 3),  # no rows: never a division by zero
+])
+def test_choose_splits(ctas, key_tiles, resident, splits):
+    assert decode.choose_splits(ctas, key_tiles, resident) == splits
+
+
+def test_count_splits():
+    """num_splits as asked, never more than the capacity's key tiles; 0 chooses from the capacity
+    (the lengths live on the device), the CTAs resident per SM and the rows' tiles."""
+    problem, *_ = _decode_problem(batch=1, heads_k=8, heads_q=32, slots=65536)
+    variant = variants.choose_decode("decode", problem, aligned=True)
+    assert decode.count_splits(problem, variant, 132, 228 * 1024) == 132 * 2 // 8
+    assert decode.count_splits(dataclasses_replace(problem, num_splits=5), variant, 132, 228 * 1024) == 5
+    short, *_ = _decode_problem(batch=1, slots=100, num_splits=64)
+    assert decode.count_splits(short, variants.choose_decode("decode", short, aligned=True), 132, 228 * 1024) == 2
+    big_group, *_ = _decode_problem(batch=2, heads_k=2, heads_q=32, seqlen_q=4, slots=65536)  # 64 rows: 2 CTAs of 32
+    variant = variants.choose_decode("decode", big_group, aligned=True)
+    assert variant.block_m == 32 and decode.count_splits(big_group, variant, 132, 228 * 1024) == 132 * 2 // 8
+
+
+def test_pack_decode():
+    """The band's unbounded sides become a reach past every key; the cache's geometry and the new
+    tokens travel; the scale and softcap are the attention kernels' fields."""
+    problem, *_ = _decode_problem(page_size=16, slots=64, seqlen_q=3, new=2, window=(7, -1), softcap=10.0)
+    params = decode.pack_decode(problem, splits=3)[0]
+    assert (params["left"], params["right"]) == (7, 0)  # causal folds into the right side
+    assert (params["page_size"], params["new_tokens"], params["splits"], params["seqlen_q"]) == (16, 2, 3, 3)
+    assert params["group"] == 4 and params["softcap_scale"] == np.float32(problem.softmax_scale / 10.0)
+    unbounded, *_ = _decode_problem(slots=64, causal=False)
+    params = decode.pack_decode(unbounded)[0]
+    assert params["left"] == params["right"] == 64 + 1 and params["page_size"] == 0
+
+
+def test_decode_fields():
+    """Caches by their (page or sequence, slot, head, dim) strides, whatever their layout; the
+    new tokens', the table's row and the tree mask's broadcast strides."""
+    import torch
+
+    problem, q, (k_cache, v_cache), tokens = _decode_problem(batch=3, seqlen_q=4, page_size=16, slots=64, new=4,
+                                                             mask=np.ones((4, 4), bool), head_dim_v=64)
+    v_cache = v_cache.transpose(0, 1).contiguous().transpose(0, 1)  # slots outermost
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    problem = dataclasses_replace(problem, mask=mask)
+    o = torch.empty(problem.o_shape)
+    lse = torch.empty(problem.lse_shape)
+    fields, keep = decode.decode_fields(problem, q, k_cache, v_cache, tokens["k_new"], tokens["v_new"], o, lse)
+    assert [fields[f"v_{axis}"] for axis in "bnhd"] == list(v_cache.stride()) and fields["v_n"] > fields["v_b"]
+    assert [fields[f"kn_{axis}"] for axis in "bnhd"] == list(tokens["k_new"].stride())
+    assert fields["table_b"] == 4 and fields["block_table"] == problem.block_table.data_ptr()
+    assert [fields[f"mask_{axis}"] for axis in "bhij"] == [0, 0, 4, 1]
+    assert (fields["lse_b"], fields["lse_h"]) == (8 * 4, 4) and keep == []
+    params = decode.pack_decode(problem, **fields)[0]
+    assert params["k"] == k_cache.data_ptr() and params["cache_seqlens"] == problem.cache_seqlens.data_ptr()
 
 
 # -- the kernels, on a GPU ------------------------------------------------------------------

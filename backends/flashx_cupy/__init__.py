@@ -10,6 +10,8 @@ adds dQ in its dK/dV kernel by unordered float32 reductions; with ``deterministi
 band, it computes dQ in a kernel of its own, without atomics, and is bitwise reproducible.
 The score modifications (softcap, ALiBi, sinks: ``kernels/score_mods.cuh``) are compile-time
 options of every kernel, so a call without them runs the code it ran before they existed.
+Decoding with a KV cache (``attention_with_kvcache``) is split-KV attention over contiguous or
+paged caches (``kernels/decode.cu``, host side in ``decode.py``).
 
 The backend takes torch tensors (``array_kind = "torch"``): CuPy has no bfloat16 dtype, so a
 bfloat16 tensor cannot become a CuPy array, while a CuPy array becomes a torch tensor through
@@ -54,6 +56,20 @@ class CupyBackend(flashx.Backend):
         from flashx_cupy.launch import backward
 
         return backward(problem, q, k, v, o, lse, do)
+
+    def decode(self, problem, q, k_cache, v_cache, k_new, v_new):
+        from flashx_cupy.decode import decode
+
+        return decode(problem, q, k_cache, v_cache, k_new, v_new)
+
+    def decode_splits(self, problem) -> int:
+        """How many parts of each sequence's keys ``decode`` computes in parallel for ``problem``:
+        its ``num_splits``, or this backend's own choice for ``num_splits=0`` on the problem's GPU."""
+        from flashx_cupy import variants
+        from flashx_cupy.decode import count_splits, device_size
+
+        variant = variants.choose_decode("decode", problem, aligned=True)  # alignment picks no tile
+        return count_splits(problem, variant, *device_size(problem.device_index or 0))
 
 
 def unavailable_reason() -> str | None:

@@ -18,15 +18,17 @@ from flashx.problem import head_dim_class
 from flashx_cupy import variants
 
 _POINTERS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "cu_q", "cu_k", "seqlens_q", "seqlens_k",
-             "mask", "blocks", "alibi_slopes", "sinks", "dsinks_rows")
+             "mask", "blocks", "alibi_slopes", "sinks", "dsinks_rows", "cache_seqlens", "block_table", "k_new", "v_new",
+             "o_part", "lse_part")
 _STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n", "v_h", "v_d",
             "o_b", "o_n", "o_h", "o_d", "do_b", "do_n", "do_h", "do_d",
             "dq_b", "dq_n", "dq_h", "dk_b", "dk_n", "dk_h", "dv_b", "dv_n", "dv_h",
             "lse_b", "lse_h", "delta_b", "delta_h", "mask_b", "mask_h", "mask_i", "mask_j",
-            "blocks_b", "blocks_h", "blocks_i", "blocks_j", "alibi_b")
+            "blocks_b", "blocks_h", "blocks_i", "blocks_j", "alibi_b",
+            "table_b", "kn_b", "kn_n", "kn_h", "kn_d", "vn_b", "vn_n", "vn_h", "vn_d")
 _INTS = ("batch", "heads_q", "heads_k", "group", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
          "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0",
-         "kv_head0", "kv_heads")
+         "kv_head0", "kv_heads", "new_tokens", "page_size", "splits")
 _FLOATS = ("scale", "scale_log2", "drop_scale", "softcap_scale", "softcap_log2")
 
 #: The layout of ``struct Params``.
@@ -45,19 +47,11 @@ OPAQUE = np.dtype((np.void, PARAMS.itemsize))
 
 
 def pack(problem, **fields) -> np.ndarray:
-    """A one-element ``PARAMS`` array for ``problem``; ``fields`` give the tensors' addresses and
-    strides (names of ``PARAMS``). Unnamed pointers are null, unnamed strides 0."""
+    """A one-element ``PARAMS`` array for the attention ``problem``; ``fields`` give the tensors'
+    addresses and strides (names of ``PARAMS``). Unnamed pointers are null, unnamed strides 0."""
     left, right = problem.band_reach
-    params = np.zeros(1, dtype=PARAMS)
-    values = dict(
-        batch=problem.batch,
-        heads_q=problem.heads_q,
-        heads_k=problem.heads_k,
-        group=problem.group,
-        seqlen_q=problem.seqlen_q,
+    return record(problem, dict(
         seqlen_k=problem.seqlen_k,
-        head_dim=problem.head_dim,
-        head_dim_v=problem.head_dim_v,
         left=left,
         right=right,
         block_q=problem.block_mask.block_size[0] if problem.block_mask is not None else 1,
@@ -69,14 +63,28 @@ def pack(problem, **fields) -> np.ndarray:
         drop_col0=problem.dropout_offsets[1],
         kv_head0=0,
         kv_heads=problem.heads_k,
+        drop_scale=problem.dropout_scale,
+    ) | fields)
+
+
+def record(problem, values: dict) -> np.ndarray:
+    """A one-element ``PARAMS`` array holding what every operation's problem derives (heads, head
+    dims, the scale, softcap's factors), then ``values``."""
+    params = np.zeros(1, dtype=PARAMS)
+    shared = dict(
+        batch=problem.batch,
+        heads_q=problem.heads_q,
+        heads_k=problem.heads_k,
+        group=problem.group,
+        seqlen_q=problem.seqlen_q,
+        head_dim=problem.head_dim,
+        head_dim_v=problem.head_dim_v,
         scale=problem.softmax_scale,
         scale_log2=problem.scale_log2,
-        drop_scale=problem.dropout_scale,
     )
     if problem.softcap is not None:  # the kernels' tanh argument and base-2 factor (score_mods.cuh)
-        values.update(softcap_scale=problem.softmax_scale / problem.softcap, softcap_log2=problem.softcap * math.log2(math.e))
-    values.update(fields)
-    for name, value in values.items():
+        shared.update(softcap_scale=problem.softmax_scale / problem.softcap, softcap_log2=problem.softcap * math.log2(math.e))
+    for name, value in (shared | values).items():
         params[name] = value
     return params
 
@@ -96,22 +104,18 @@ def row_stat_fields(name: str, x, varlen: bool) -> dict:
     return {name: x.data_ptr(), f"{name}_b": b, f"{name}_h": h}
 
 
-def auxiliary_fields(problem) -> dict:
+def auxiliary_fields(problem) -> tuple[dict, list]:
     """cu_seqlens, seqlens (as int32), ALiBi's slopes and the sinks (as float32), the mask and the
     block mask, broadcast to (B, Hq, ., .)."""
     import torch
 
-    fields, keep = {}, []
-    for name, array, dtype in (("cu_q", problem.cu_seqlens_q, torch.int32), ("cu_k", problem.cu_seqlens_k, torch.int32),
-                               ("seqlens_q", problem.seqlens_q, torch.int32), ("seqlens_k", problem.seqlens_k, torch.int32),
-                               ("alibi_slopes", problem.alibi_slopes, torch.float32),
-                               ("sinks", problem.sinks, torch.float32)):
+    fields, keep = score_mod_fields(problem)
+    for name, array in (("cu_q", problem.cu_seqlens_q), ("cu_k", problem.cu_seqlens_k),
+                        ("seqlens_q", problem.seqlens_q), ("seqlens_k", problem.seqlens_k)):
         if array is not None:
-            array = array.to(dtype).contiguous()
+            array = array.to(torch.int32).contiguous()
             keep.append(array)
             fields[name] = array.data_ptr()
-    if problem.alibi_slopes is not None:  # (Hq,) slopes serve every sequence
-        fields["alibi_b"] = problem.heads_q if problem.alibi_slopes.dim() == 2 else 0
     shape = (problem.batch, problem.heads_q)
     if problem.mask is not None:
         mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
@@ -121,6 +125,21 @@ def auxiliary_fields(problem) -> dict:
         blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
         fields.update(blocks=blocks.data_ptr(),
                       **dict(zip(("blocks_b", "blocks_h", "blocks_i", "blocks_j"), blocks.stride())))
+    return fields, keep
+
+
+def score_mod_fields(problem) -> tuple[dict, list]:
+    """ALiBi's slopes and the sinks as float32 (the arrays to keep until the launch is queued)."""
+    import torch
+
+    fields, keep = {}, []
+    for name, array in (("alibi_slopes", problem.alibi_slopes), ("sinks", problem.sinks)):
+        if array is not None:
+            array = array.to(torch.float32).contiguous()
+            keep.append(array)
+            fields[name] = array.data_ptr()
+    if problem.alibi_slopes is not None:  # (Hq,) slopes serve every sequence
+        fields["alibi_b"] = problem.heads_q if problem.alibi_slopes.dim() == 2 else 0
     return fields, keep
 
 

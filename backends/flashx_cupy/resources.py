@@ -8,6 +8,7 @@ holding tensor-core products (the tile loops) are counted by opcode.
     python -m flashx_cupy.resources --kernel dkdv --dim 128 --tile 64x64x4 --blocks
     python -m flashx_cupy.resources --kernel forward --features mask=1,dropout=1
     python -m flashx_cupy.resources --kernel forward_sm90 dq dkdv --features softcap=1,alibi=1,sinks=1
+    python -m flashx_cupy.resources --kernel decode decode_merge decode_append --features paged=1,mask=1
 
 NVRTC 13.0 is the one CuPy 14.2 uses on the lent GPUs; cuda-bindings (numba-cuda's dependency)
 finds the wheel's library. A spill or a register count here is what the GPU will run; a block's
@@ -81,7 +82,8 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
         stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", entry).groups()
         print(f"{variant.kernel:8} {variant.dtype:9} d{variant.dim_qk}/{variant.dim_v} "
               f"{variant.block_m}x{variant.block_n}x{variant.warps}: {registers} registers, spills {stores}/{loads} B "
-              f"(stores/loads), shared {variant.shared_memory} B")
+              f"(stores/loads), shared {variant.shared_memory} B"
+              + (f", {variant.stages} stages{', paged' if variant.paged else ''}" if variant.stages else ""))
         for line in built.splitlines():  # e.g. wgmma serialized by ptxas, which costs the overlap
             if "warning" in line.lower():
                 print(f"    {line}")
@@ -96,13 +98,22 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
                     print(f"    block of {sum(counts.values())}: {top}")
 
 
+def decode_variants(kernel: str, dtype: str, dim: int, rows: list[int], features: dict) -> list[variants.Variant]:
+    """The shipped decoding variants of ``kernel`` at head dim ``dim``, one per CTA row count."""
+    block_n, warps, stages = variants.DECODE_TILES["32" if dtype == "float32" else "16", dim]
+    return [variants.Variant(kernel, dtype, dim, dim, block_m, block_n, warps, stages=stages, **features)
+            for block_m in rows if block_m <= variants.DECODE_ROW_ELEMENTS // dim]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m flashx_cupy.resources", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", nargs="+", default=["forward", "dq", "dkdv"],
-                        choices=["forward", "forward_sm90", "dq", "dkdv"])
+                        choices=["forward", "forward_sm90", "dq", "dkdv", *variants.DECODE_KERNELS])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=list(variants.DTYPE_CODES))
     parser.add_argument("--dim", nargs="+", type=int, default=list(variants.HEAD_DIM_CLASSES))
     parser.add_argument("--tile", help="BLOCK_MxBLOCK_NxWARPS instead of the shipped tiles")
+    parser.add_argument("--rows", nargs="+", type=int, default=[16, 32, 64],
+                        help="decoding: each CTA row count (BLOCK_M) to build, up to the head dim's most")
     parser.add_argument("--features", default="", help="Variant fields, e.g. mask=1,dropout=1,aligned=0")
     parser.add_argument("--arch", default="90")
     parser.add_argument("--blocks", action="store_true", help="opcode counts of the tile loops' basic blocks")
@@ -111,6 +122,10 @@ def main() -> None:
     for kernel in args.kernel:
         for dtype in args.dtype:
             for dim in args.dim:
+                if kernel in variants.DECODE_KERNELS:
+                    for variant in decode_variants(kernel, dtype, dim, args.rows, features):
+                        report(variant, args.arch, args.blocks)
+                    continue
                 width = "32" if dtype == "float32" else "16"
                 table = "dkdv_dq" if features.get("dq_atomic") else kernel
                 if not args.tile and (table, width, dim) not in variants.TILES:

@@ -67,10 +67,27 @@ TILES = {
     ("forward_sm90", "16", 64): (128, 128, 8),
     ("forward_sm90", "16", 128): (128, 128, 8),
 }
+#: Decoding (``kernels/decode.cu``): (16-bit or float32, head-dim class) -> (BLOCK_N, WARPS, STAGES):
+#: BLOCK_N keys a tile, WARPS warps taking 16 of them each, STAGES tiles in flight. The rows a CTA
+#: holds (BLOCK_M) follow the problem (``decode_block_m``). Sized so that a 16-bit CTA of 16 rows
+#: and head dims up to 128 leaves room for two per H100 SM (two tiles in flight each).
+DECODE_TILES = {
+    ("16", 64): (64, 4, 3),
+    ("16", 128): (64, 4, 3),
+    ("16", 256): (64, 4, 2),
+    ("32", 64): (64, 4, 3),
+    ("32", 128): (64, 4, 2),
+    ("32", 256): (32, 2, 2),
+}
+#: BLOCK_M x the wider head-dim class of a decoding CTA: every warp holds the output rows of all
+#: of the CTA's rows (BLOCK_M * DIM_V / 32 float32 registers a thread).
+DECODE_ROW_ELEMENTS = 4096
+DECODE_KERNELS = ("decode", "decode_merge", "decode_append")
 FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "dq": "backward.cu", "dkdv": "backward.cu",
-         "delta": "backward.cu"}
+         "delta": "backward.cu", **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
 ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm90", "dq": "flashx_dq",
-                "dkdv": "flashx_dkdv", "delta": "flashx_delta"}
+                "dkdv": "flashx_dkdv", "delta": "flashx_delta", "decode": "flashx_decode",
+                "decode_merge": "flashx_decode_merge", "decode_append": "flashx_decode_append"}
 #: Kernels built for one architecture: wgmma exists only in sm_90a code. CuPy appends its own
 #: ``-arch=sm_XX`` after these options; NVRTC keeps the architecture-specific target.
 ARCHITECTURES = {"forward_sm90": "sm_90a"}
@@ -85,7 +102,7 @@ DELTA_WARPS = 8
 class Variant:
     """One kernel specialised for a problem's dtype, head dims, tiles and features."""
 
-    kernel: str  # "forward" | "dq" | "dkdv" | "delta"
+    kernel: str  # "forward" | "forward_sm90" | "dq" | "dkdv" | "delta" | one of DECODE_KERNELS
     dtype: str
     dim_qk: int  # head-dim classes
     dim_v: int
@@ -104,6 +121,8 @@ class Variant:
     aligned: bool = True
     dkdv_parts: int = 3  # dK/dV kernel: bit 0 dK, bit 1 dV
     dq_atomic: bool = False  # dK/dV kernel: also adds dQ to float32 sums (see ``fused_dq``)
+    stages: int = 0  # decoding: key tiles in flight
+    paged: bool = False  # decoding: the cache is paged (block_table)
 
     @property
     def threads(self) -> int:
@@ -135,6 +154,7 @@ class Variant:
             "ALIGNED": int(self.aligned),
             "DKDV_PARTS": self.dkdv_parts,
             "DQ_ATOMIC": int(self.dq_atomic),
+            **({"STAGES": self.stages, "PAGED": int(self.paged)} if self.kernel in DECODE_KERNELS else {}),
         }
 
     @property
@@ -146,9 +166,15 @@ class Variant:
     @property
     def shared_memory(self) -> int:
         """Dynamic shared memory of one CTA in bytes: the carving at the top of each kernel."""
-        if self.kernel == "delta":
+        if self.kernel in ("delta", "decode_merge", "decode_append"):
             return 0
         size = ELEMENT_SIZES[self.dtype]
+        if self.kernel == "decode":  # Q, the K/V stages, two tiles' (page, slot), the float32 products' staging
+            pad = 16 // size
+            keys = self.stages * self.block_n * (self.dim_qk + self.dim_v + 2 * pad) * size
+            pages = 2 * self.block_n * 8 if self.paged else 0
+            stage = self.block_m * self.block_n * 4 if self.dtype == "float32" else 0
+            return self.block_m * (self.dim_qk + pad) * size + keys + pages + stage
         if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles, three V tiles, zeros; barriers
             return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 4 * self.dim_v)) + 128
         pad = 16 // size
@@ -192,6 +218,39 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         dkdv_parts=dkdv_parts,
         dq_atomic=dq_atomic,
     )
+
+
+def choose_decode(kernel: str, problem, aligned: bool) -> Variant:
+    """The variant of decoding kernel ``kernel`` (one of DECODE_KERNELS) for the DecodeProblem
+    ``problem``; the three of one problem have one set of macros, so one build."""
+    dim_qk, dim_v = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
+    widest = max(dim_qk, dim_v)
+    block_n, warps, stages = DECODE_TILES["32" if problem.dtype == "float32" else "16", widest]
+    return Variant(
+        kernel=kernel,
+        dtype=problem.dtype,
+        dim_qk=dim_qk,
+        dim_v=dim_v,
+        block_m=decode_block_m(problem.seqlen_q * problem.group, widest),
+        block_n=block_n,
+        warps=warps,
+        mask=problem.mask is not None,
+        softcap=problem.softcap is not None,
+        alibi=problem.alibi_slopes is not None,
+        sinks=problem.sinks is not None,
+        aligned=aligned,
+        stages=stages,
+        paged=problem.paged,
+    )
+
+
+def decode_block_m(rows: int, widest: int) -> int:
+    """The rows of a decoding CTA for a GQA group of ``rows`` query rows (Nq x group): 16, 32 or
+    64, the fewest that hold them, at most DECODE_ROW_ELEMENTS / widest (more take several CTAs)."""
+    wanted = 16
+    while wanted < rows:
+        wanted *= 2
+    return min(wanted, DECODE_ROW_ELEMENTS // widest)
 
 
 def forward_kernel(problem, aligned: bool, compute_capability: str) -> str:

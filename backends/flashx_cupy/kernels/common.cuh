@@ -50,15 +50,20 @@ struct Params {
     u64 q, k, v, o, lse, dout, dq, dk, dv, delta, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks;
     u64 alibi_slopes, sinks;  // float32: slopes (Hq,) or (B, Hq), sinks (Hq,)
     u64 dsinks_rows;          // float32, shaped and strided like delta: each row's term of dsinks
+    // decoding (decode.cu): int32 cache_seqlens (B,) and block_table (B, max_pages); the new tokens;
+    // float32 partial results of the splits, (splits, B * Nq * Hq, DIM_V) and (splits, B * Nq * Hq)
+    u64 cache_seqlens, block_table, k_new, v_new, o_part, lse_part;
     i64 q_b, q_n, q_h, q_d, k_b, k_n, k_h, k_d, v_b, v_n, v_h, v_d;
     i64 o_b, o_n, o_h, o_d, do_b, do_n, do_h, do_d;
     i64 dq_b, dq_n, dq_h, dk_b, dk_n, dk_h, dv_b, dv_n, dv_h;
     i64 lse_b, lse_h, delta_b, delta_h, mask_b, mask_h, mask_i, mask_j, blocks_b, blocks_h, blocks_i, blocks_j;
     i64 alibi_b;  // 0 for slopes per head, Hq for slopes per sequence and head
+    i64 table_b, kn_b, kn_n, kn_h, kn_d, vn_b, vn_n, vn_h, vn_d;  // block_table's row, k_new's and v_new's strides
     u64 seed;
     int batch, heads_q, heads_k, group, seqlen_q, seqlen_k, head_dim, head_dim_v;
     int left, right, block_q, block_k, rng_offset, drop_threshold, tiles_m, drop_row0, drop_col0;
     int kv_head0, kv_heads;  // the dK/dV kernel's launch covers kv heads [kv_head0, kv_head0 + kv_heads)
+    int new_tokens, page_size, splits;  // decoding: Nn, page_size (0: a contiguous cache), splits of each sequence's keys
     float scale, scale_log2, drop_scale;
     float softcap_scale, softcap_log2;  // scale / c and log2(e) c (score_mods.cuh)
 };
@@ -331,6 +336,21 @@ __device__ __forceinline__ void reduce_add_pair(float* dst, float lo, float hi) 
 // Row (0 .. 16 * MT) and column of element e of atom (mt, nt) of this lane.
 __device__ __forceinline__ int frag_row(int mt, int e) { return mt * 16 + (threadIdx.x % 32) / 4 + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int frag_col(int nt, int e) { return nt * 8 + 2 * (threadIdx.x % 4) + (e & 1); }
+
+// The online softmax's step for a row meeting a new key tile whose scores this lane's columns max
+// to ``lane_max`` (the row's quad of lanes shares the max): the row's max moves and its sum is
+// rescaled. Returns the shift of the tile's exponents, 0 for a row with no allowed key so far, so
+// that exp2(-inf) gives 0, not NaN; ``alpha`` is the move's factor, which the output owes too.
+__device__ __forceinline__ float move_row_max(float& row_max, float& row_sum, float lane_max, float& alpha) {
+    float mx = fmaxf(lane_max, __shfl_xor_sync(0xffffffffu, lane_max, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(row_max, mx);
+    const float m_ref = m_new == NEG_INF ? 0.f : m_new;
+    alpha = exp2f(row_max - m_ref);
+    row_max = m_new;
+    row_sum *= alpha;
+    return m_ref;
+}
 
 template <int MT, int N>
 __device__ __forceinline__ void zero(float (&c)[MT][N / 8][4]) {

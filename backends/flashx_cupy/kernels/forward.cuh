@@ -113,15 +113,7 @@ struct ForwardRows {
 #endif
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                float mx = tile_max[mt][half];
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(row_max[mt][half], mx);
-                // A row with no allowed key so far shifts by 0, so that exp2(-inf) gives 0, not NaN.
-                const float m_ref = m_new == NEG_INF ? 0.f : m_new;
-                alpha[mt][half] = exp2f(row_max[mt][half] - m_ref);
-                row_max[mt][half] = m_new;
-                row_sum[mt][half] *= alpha[mt][half];
+                const float m_ref = move_row_max(row_max[mt][half], row_sum[mt][half], tile_max[mt][half], alpha[mt][half]);
                 if constexpr (!DEFERRED)
 #pragma unroll
                     for (int nt = 0; nt < DIM_V / 8; ++nt) acc[mt][nt][2 * half] *= alpha[mt][half], acc[mt][nt][2 * half + 1] *= alpha[mt][half];

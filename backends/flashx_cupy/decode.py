@@ -1,0 +1,120 @@
+"""Decoding with a KV cache (``flashx.attention_with_kvcache``) on the CuPy backend: the host side
+of ``kernels/decode.cu``.
+
+Up to three launches on the caller's stream: the new tokens into the cache, the splits, and (with
+more than one split) their merge. Nothing reads a device value on the host, and the only
+allocations are torch's (o, lse, the splits' partial results), so a call with ``validate=False``
+can be captured in a CUDA graph.
+
+``num_splits=0`` takes ``choose_splits``: as many splits as fill one wave of the CTAs the GPU holds
+at once, none when the (sequence, kv head, row tile) CTAs alone fill it, each split keeping at
+least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. It is chosen from the capacity (S,
+or max_pages x page_size), not from the lengths, which only the device holds, so the choice is
+the same with and without ``validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from flashx_cupy import variants
+from flashx_cupy.launch import aligned, caller_stream, launch, record, row_stat_fields, score_mod_fields, tiles
+
+MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this a split cost more in the merge than they gain
+MAX_SPLITS = 128
+#: Shared memory the driver keeps per CTA beside its dynamic shared memory.
+RESERVED_SHARED_PER_CTA = 1024
+MAX_THREADS_PER_SM = 2048
+
+
+def decode(problem, q, k_cache, v_cache, k_new, v_new):
+    """(o, lse) after the new tokens are written into the caches; o in q's dtype, lse float32."""
+    import torch
+
+    with caller_stream(problem, q) as device:
+        o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+        variant = variants.choose_decode("decode", problem, aligned(problem, q, k_cache, v_cache))
+        splits = count_splits(problem, variant, *device_size(device.id))
+        fields, keep = decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse)
+        rows = problem.batch * problem.seqlen_q * problem.heads_q
+        if splits > 1 and rows:
+            o_part = torch.empty((splits, rows, variant.dim_v), dtype=torch.float32, device=q.device)
+            lse_part = torch.empty((splits, rows), dtype=torch.float32, device=q.device)
+            fields.update(o_part=o_part.data_ptr(), lse_part=lse_part.data_ptr())
+            keep += [o_part, lse_part]
+        row_tiles = tiles(problem.seqlen_q * problem.group, variant.block_m)
+        params = pack_decode(problem, splits=splits, tiles_m=row_tiles, **fields)
+        same_build = {kernel: dataclasses.replace(variant, kernel=kernel) for kernel in variants.DECODE_KERNELS}
+        launch(same_build["decode_append"], device, problem.batch * problem.new_tokens, params)
+        if rows:
+            launch(variant, device, problem.batch * problem.heads_k * row_tiles * splits, params)
+            if splits > 1:
+                launch(same_build["decode_merge"], device, tiles(rows, variant.warps), params)
+        del keep  # lived until the launches were queued (torch's allocator is stream-ordered)
+    return o, lse
+
+
+def pack_decode(problem, **fields):
+    """The ``PARAMS`` record of a DecodeProblem: the band's sides with an unbounded one as a reach
+    past every key (so that a kernel tests each side with one compare), the cache's geometry."""
+    reach = problem.capacity + problem.seqlen_q
+    assert reach < 2**29, "positions plus the band's reach must stay within int32"
+    left, right = problem.band or (-1, -1)
+    return record(problem, dict(left=reach if left == -1 else left, right=reach if right == -1 else right,
+                                new_tokens=problem.new_tokens, page_size=problem.page_size or 0) | fields)
+
+
+def decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse) -> tuple[dict, list]:
+    """The tensors' addresses and strides for ``pack_decode``, and the arrays to keep alive until
+    the launches are queued. A cache's strides are (page or sequence, slot, head, dim)."""
+    fields, keep = score_mod_fields(problem)
+    for name, x in (("q", q), ("k", k_cache), ("v", v_cache), ("o", o)):
+        fields[name] = x.data_ptr()
+        fields.update({f"{name}_{axis}": stride for axis, stride in zip("bnhd", x.stride())})
+    fields.update(row_stat_fields("lse", lse, varlen=False))
+    for name, x in (("kn", k_new), ("vn", v_new)):
+        if x is not None:
+            fields["k_new" if name == "kn" else "v_new"] = x.data_ptr()
+            fields.update({f"{name}_{axis}": stride for axis, stride in zip("bnhd", x.stride())})
+    fields["cache_seqlens"] = problem.cache_seqlens.data_ptr()  # int32, contiguous: the core's
+    if problem.paged:
+        fields.update(block_table=problem.block_table.data_ptr(), table_b=problem.block_table.stride(0))
+    if problem.mask is not None:
+        mask = problem.mask.expand(*problem.lse_shape, problem.seqlen_q)
+        fields.update(mask=mask.data_ptr(), **dict(zip(("mask_b", "mask_h", "mask_i", "mask_j"), mask.stride())))
+    return fields, keep
+
+
+def count_splits(problem, variant, sm_count: int, shared_per_sm: int) -> int:
+    """How many splits a call runs: ``num_splits``, or ``choose_splits``'s count, never more than
+    the cache's key tiles (more would only add empty splits)."""
+    key_tiles = max(1, -(-problem.capacity // variant.block_n))
+    if problem.num_splits:
+        return min(problem.num_splits, key_tiles)
+    ctas = problem.batch * problem.heads_k * tiles(problem.seqlen_q * problem.group, variant.block_m)
+    return choose_splits(ctas, key_tiles, sm_count * ctas_per_sm(variant, shared_per_sm))
+
+
+def choose_splits(ctas: int, key_tiles: int, resident: int) -> int:
+    """The split count of ``num_splits=0`` for ``ctas`` (sequence, kv head, row tile) CTAs over a
+    cache of ``key_tiles`` tiles, on a GPU that holds ``resident`` CTAs at once (see the module
+    docstring)."""
+    most = max(1, -(-key_tiles // MIN_TILES_PER_SPLIT))
+    return max(1, min(resident // max(ctas, 1), most, MAX_SPLITS))
+
+
+def ctas_per_sm(variant, shared_per_sm: int) -> int:
+    """How many CTAs of the split kernel an SM holds by their shared memory and threads."""
+    by_shared = shared_per_sm // (variant.shared_memory + RESERVED_SHARED_PER_CTA)
+    return max(1, min(by_shared, MAX_THREADS_PER_SM // variant.threads))
+
+
+@functools.cache
+def device_size(device_id: int) -> tuple[int, int]:
+    """(SMs, shared memory per SM in bytes) of a GPU."""
+    import cupy
+
+    attributes = cupy.cuda.Device(device_id).attributes
+    return attributes["MultiProcessorCount"], attributes["MaxSharedMemoryPerMultiprocessor"]
