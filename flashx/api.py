@@ -32,6 +32,7 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     """
     options = complete("attention", options)
     return_lse = _checked_bool("return_lse", return_lse)
+    q, k, v = arrays.under_autocast(q, k, v)
     if arrays.traced(q):
         from flashx.ops import attention as traced_attention
 

@@ -74,6 +74,22 @@ def traced(x: Any) -> bool:
     return torch.compiler.is_compiling()
 
 
+def under_autocast(*xs: Any) -> tuple:
+    """``xs`` (torch tensors) in torch.autocast's dtype where autocast is on for their device, as
+    SDPA takes them: a model under autocast (``Trainer(bf16=True)``) can hand attention q and k
+    in float32 beside a bfloat16 v. Other arrays, and tensors outside autocast, as they are."""
+    first = xs[0]
+    if kind_of(first) != "torch":
+        return xs
+    import torch  # a plain import: Dynamo traces it (importlib would break the graph here)
+
+    device = first.device.type
+    if not torch.is_autocast_enabled(device):
+        return xs
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if kind_of(x) == "torch" and x.is_floating_point() else x for x in xs)
+
+
 def module(kind: str):
     return importlib.import_module(kind)
 

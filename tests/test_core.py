@@ -737,6 +737,24 @@ def test_torch_autograd_gradcheck_float64_with_score_modifications():
     assert sinks.grad is not None and q.grad is None  # only what requires grad receives one
 
 
+def test_autocast_takes_mixed_dtypes_as_sdpa_does():
+    """Under torch.autocast, float32 q and k beside a bfloat16 v run in bfloat16, as SDPA's do; the
+    gradients return in each input's own dtype; outside autocast the mix is a DTypeError."""
+    q, k, v = (torch.from_numpy(x) for x in qkv(seqlen_q=9, seqlen_k=11))
+    q, k, v = q.requires_grad_(), k.requires_grad_(), v.to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = flashx.attention(q, k, v, backend="numpy")
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o, expected, atol=2e-2, rtol=2e-2)
+    o.float().sum().backward()
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (torch.float32, torch.float32, torch.bfloat16)
+    assert q.grad.abs().sum() > 0
+    with pytest.raises(flashx.DTypeError, match="v: expected the dtype of q"):
+        flashx.attention(q, k, v, backend="numpy")
+
+
 def test_autograd_agrees_with_attention_backward():
     q, k, v = (torch.from_numpy(x).requires_grad_() for x in qkv(seqlen_q=9, seqlen_k=11))
     do = torch.from_numpy(randn(2, 9, 4, 8))
