@@ -183,8 +183,8 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
         raise OptionError(f"exchange: expected one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
     terms = {"q, o, do, k, v (the caller's)": q + 2 * o + kv, "dq summed": wide * q,
              "a call's dq, dk, dv parts": (q + kv) / _chunks_per_rank(layout)}
-    if exchange == "ring":
-        terms["K/V held and arriving"] = 2 * kv
+    if exchange == "ring":  # two ranks: the second shard arrives while the rank's own is read, then is read alone
+        terms["K/V held and arriving"] = min(world_size - 1, 2) * kv
         terms["dK/dV arriving and sent on (two sets)"] = 2 * wide * kv
     else:
         terms["K/V of every shard, gathered"] = world_size * kv
@@ -503,8 +503,8 @@ class _GroupMessages:
     def all_gather(self, items: list) -> Callable[[], list]:
         (tensors,) = items
         gathered = [torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device) for x in tensors]
-        works = [dist.all_gather_into_tensor(out, x.contiguous(), group=self.group, async_op=True)
-                 for out, x in zip(gathered, tensors)]
+        works = [dist.all_gather_into_tensor(out.flatten(0, 1), x.contiguous(), group=self.group, async_op=True)
+                 for out, x in zip(gathered, tensors)]  # the ranks' shards one after another on the batch axis
 
         def wait() -> list:
             for work in works:
@@ -517,7 +517,7 @@ class _GroupMessages:
         (stacked,) = items
         mine = tuple(torch.empty(x.shape[1:], dtype=x.dtype, device=x.device) for x in stacked)
         for out, x in zip(mine, stacked):
-            dist.reduce_scatter_tensor(out, x, group=self.group)
+            dist.reduce_scatter_tensor(out, x.flatten(0, 1), group=self.group)
         return [mine]
 
 
@@ -535,7 +535,9 @@ class _Ring:
         self.world_size = len(ranks[0].calls)
 
     def key_values(self, shards: list) -> Iterator[list]:
-        """Each step's K/V shard of every rank, the next one's already on its way."""
+        """Each step's K/V shard of every rank, the next one's already on its way. Two shards per
+        rank are held, the one read and the one arriving, if the caller drops each step's shards
+        before asking for the next (``_step``)."""
         if self.exchange == "all_gather":
             gathered = self.messages.all_gather(shards)
             yield shards  # every rank's own shard while the others are gathered
@@ -547,16 +549,17 @@ class _Ring:
             arriving = self.messages.shift(shards) if step + 1 < self.world_size else None
             yield shards
             if arriving is not None:
-                shards = arriving()
+                shards, arriving = arriving(), None  # the wait done, nothing holds the shards sent
 
     def forward(self, qs, ks, vs):
         accumulate = _accumulation_dtype(qs[0])
         os = [torch.zeros(*q.shape[:-1], v.shape[-1], dtype=accumulate, device=q.device) for q, v in zip(qs, vs)]
         lses = [torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=accumulate, device=q.device)
                 for q in qs]
-        for step, shards in enumerate(self.key_values([(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)])):
-            for rank, q, (k, v), o, lse in zip(self.ranks, qs, shards, os, lses):
-                rank.forward_step(q, k, v, (rank.index - step) % self.world_size, o, lse)
+        for step, shards in _step(self.key_values([(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)])):
+            for rank, q, kv, o, lse in zip(self.ranks, qs, shards, os, lses):
+                rank.forward_step(q, *kv, (rank.index - step) % self.world_size, o, lse)
+            kv = None
         keyless = [lse == -math.inf for lse in lses]
         if self.sinks is not None:
             os, lses = zip(*(_join_sink(o, lse, self.sinks) for o, lse in zip(os, lses)))
@@ -566,14 +569,14 @@ class _Ring:
         accumulate = _accumulation_dtype(qs[0])
         dqs = [torch.zeros(q.shape, dtype=accumulate, device=q.device) for q in qs]
         gradients = _RingGradients(self, ks, vs) if self.exchange == "ring" else _GatheredGradients(self, ks, vs)
-        for step, shards in enumerate(self.key_values([(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)])):
-            calls = [rank.backward_parts(q, k, v, o, lse, do, (rank.index - step) % self.world_size, dq)
-                     for rank, q, (k, v), o, lse, do, dq in zip(self.ranks, qs, shards, os, lses, dos, dqs)]
+        for step, shards in _step(self.key_values([(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)])):
+            calls = [rank.backward_parts(q, *kv, o, lse, do, (rank.index - step) % self.world_size, dq)
+                     for rank, q, kv, o, lse, do, dq in zip(self.ranks, qs, shards, os, lses, dos, dqs)]
             firsts = [next(parts, None) for parts in calls]  # computed while the step's dK/dV still arrive
             sums = gradients.arrived(step)
             for first, parts, sum_ in zip(firsts, calls, sums):
                 _add_parts(sum_, itertools.chain([first] if first else [], parts))
-            firsts = None
+            firsts = calls = None
             gradients.pass_on(sums)
         dkvs = gradients.finish()
         dsinks = None
@@ -581,6 +584,14 @@ class _Ring:
             dsinks = sum(map(_sink_gradient, os, lses, dos, keyless, itertools.repeat(self.sinks)))
         return ([dq.to(q.dtype) for dq, q in zip(dqs, qs)], [dk.to(k.dtype) for (dk, _), k in zip(dkvs, ks)],
                 [dv.to(v.dtype) for (_, dv), v in zip(dkvs, vs)], dsinks)
+
+
+def _step(key_values: Iterator[list]) -> Iterator[tuple[int, list]]:
+    """(step, shards) of ``key_values``, the list of shards emptied once its step is done: the
+    caller's loop variable would otherwise hold them while the next shards arrive (a third set)."""
+    for step, shards in enumerate(key_values):
+        yield step, shards
+        shards.clear()
 
 
 class _RingGradients:

@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import itertools
 import os
+import weakref
 import zlib
 
 import numpy as np
@@ -26,12 +27,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from flashx_conformance import oracle  # noqa: E402
-from flashx_conformance.harness import OUTPUTS, Case, conformance_failures, make_case, outputs_of  # noqa: E402
+from flashx_conformance.harness import (OUTPUTS, Case, conformance_failures, make_case,  # noqa: E402
+                                        make_varlen_case, outputs_of)
 
 import flashx  # noqa: E402
-from flashx.distributed import _pair, ring_attention, shard, simulate_ring_attention, unshard  # noqa: E402
+from flashx.distributed import (_pair, peak_bytes_per_token, ring_attention, shard,  # noqa: E402
+                                simulate_ring_attention, unshard)
 from flashx.errors import DTypeError, OptionError, ShapeError, UnsupportedError  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -162,7 +167,9 @@ def test_bad_arguments_are_refused():
 @dataclasses.dataclass(frozen=True)
 class RingCase:
     """One ring call: its keywords, shapes and what else is checked. ``seed=None`` with dropout
-    checks that rank 0's drawn seed reaches every rank."""
+    checks that rank 0's drawn seed reaches every rank. ``documents`` packs documents of these
+    lengths into ``seqlen`` rows (the rest padding; ``batch`` unused); ``seqlens`` gives the
+    padded layout's lengths."""
 
     layout: str
     options: dict
@@ -175,10 +182,20 @@ class RingCase:
     batch: int = 2
     heads_q: int = 4
     poison: bool = False  # NaN in one key of k and another of v
+    documents: tuple[int, ...] | None = None
+    seqlens: tuple[int, ...] | None = None
+    exchange: str = "ring"
 
     def __str__(self):
         extras = [name for name in ("read_mask", "poison") if getattr(self, name)]
-        return f"{self.layout} {self.options} Hk={self.heads_k} {self.dtype} {self.backend} {' '.join(extras)}"
+        extras += [f"{name}={getattr(self, name)}" for name in ("documents", "seqlens") if getattr(self, name)]
+        return (f"{self.layout} {self.exchange} {self.options} Hk={self.heads_k} {self.dtype} {self.backend} "
+                f"{' '.join(extras)}")
+
+    @property
+    def axis(self) -> int:
+        """The sequence axis of q, k, v and o (lse's is the next)."""
+        return 0 if self.documents else 1
 
     def case(self, seed: int) -> Case:
         options = dict(self.options)
@@ -186,16 +203,24 @@ class RingCase:
             options["seed"] = seed  # the seed rank 0 drew, found by the caller
         head_dim_v = self.seqlen if self.read_mask else self.head_dim_v
         rng = np.random.default_rng(zlib.crc32(str(self).encode()))  # the same inputs in every process
-        case = make_case(rng, batch=self.batch, seqlen_q=self.seqlen, heads_q=self.heads_q, heads_k=self.heads_k,
-                         head_dim=8, head_dim_v=head_dim_v, dtype=self.dtype, **options)
+        shapes = dict(heads_q=self.heads_q, heads_k=self.heads_k, head_dim=8, head_dim_v=head_dim_v, dtype=self.dtype)
+        if self.documents:
+            case = make_varlen_case(rng, lengths_q=list(self.documents), lengths_k=list(self.documents),
+                                    spare_rows=self.seqlen - sum(self.documents), **shapes, **options)
+        else:
+            if self.seqlens:
+                options.update(seqlens_q=np.array(self.seqlens), seqlens_k=np.array(self.seqlens))
+            case = make_case(rng, batch=self.batch, seqlen_q=self.seqlen, **shapes, **options)
+        before = (None,) * self.axis  # the batch axis, padded
         if self.read_mask:
-            one_hot = np.broadcast_to(np.eye(self.seqlen)[None, :, None, :], case.inputs["v"].shape)
+            one_hot = np.broadcast_to(np.eye(self.seqlen)[(*before, slice(None), None, slice(None))], case.inputs["v"].shape)
             case = dataclasses.replace(case, inputs={**case.inputs, "v": one_hot.copy()})
         if self.poison:
             key = np.zeros(self.seqlen, bool)
             key[self.seqlen // 2 + 1] = True
-            case = case.with_poison("k", key[None, :, None, None])
-            case = case.with_poison("v", np.roll(key, -5)[None, :, None, None])
+            where = (*before, slice(None), None, None)
+            case = case.with_poison("k", key[where])
+            case = case.with_poison("v", np.roll(key, -5)[where])
         return case
 
 
@@ -217,7 +242,19 @@ def ring_cases(world_size: int) -> list[RingCase]:
             RingCase(layout, {"causal": True, "window": (5, -1), "softcap": 2.0, "sinks": SINKS, "dropout_p": 0.3,
                               "seed": 2**40 + 3}, heads_k=1, read_mask=True),
         ]
+    documents = [(5, 0, 9, 1, 6), (17, 2, 0, 5)]  # spanning ranks, empty, and (the first) padding rows
     cases += [
+        RingCase("zigzag", {"causal": True}, heads_k=2, documents=documents[0], poison=True),
+        RingCase("contiguous", {"window": (3, 2)}, heads_k=1, documents=documents[1]),
+        RingCase("zigzag", {"causal": True, "dropout_p": 0.3, "seed": 2**50 + 1}, heads_k=2, read_mask=True,
+                 documents=documents[1]),
+        RingCase("zigzag", {"causal": True, "window": (5, -1), "softcap": 2.0, "sinks": SINKS, "dropout_p": 0.3,
+                            "seed": 4}, heads_k=1, read_mask=True, documents=documents[0], exchange="all_gather"),
+        RingCase("contiguous", {}, heads_k=2, documents=documents[0], exchange="all_gather", dtype="float32"),
+        RingCase("zigzag", {"causal": True, "window": (6, 1)}, heads_k=2, seqlens=(24, 0, 13), batch=3),
+        RingCase("contiguous", {"window": (4, 4), "dropout_p": 0.25, "seed": 8}, read_mask=True, seqlens=(7, 24),
+                 exchange="all_gather"),
+        RingCase("zigzag", {"causal": True, "sinks": SINKS}, heads_k=2, seqlens=(19, 2), exchange="all_gather"),
         RingCase("zigzag", {"causal": True}, heads_k=2, dtype="float32"),
         RingCase("contiguous", {"window": (5, 1)}, dtype="bfloat16"),
         RingCase("zigzag", {"causal": True, "dropout_p": 0.2, "seed": None}, heads_k=2),
@@ -237,13 +274,27 @@ SINKS = np.array([0.75, 6.5, -45.0, -np.inf])
 
 
 def _torch_options(options: dict, dtype: str) -> dict:
-    """A case's keywords for torch calls: sinks as a tensor in the lse's dtype (float64 for float64
-    inputs, else float32), so that the gradient it receives is dsinks in the contract's precision."""
+    """A case's keywords for torch calls: lengths as tensors, sinks as a tensor in the lse's dtype
+    (float64 for float64 inputs, else float32), so that the gradient it receives is dsinks in the
+    contract's precision."""
+    lengths = {name: torch.from_numpy(np.asarray(options[name])) for name in LENGTHS if options.get(name) is not None}
     sinks = options.get("sinks")
     if sinks is None:
-        return options
+        return {**options, **lengths}
     precision = torch.float64 if dtype == "float64" else torch.float32
-    return {**options, "sinks": torch.tensor(sinks, dtype=precision, requires_grad=True)}
+    return {**options, **lengths, "sinks": torch.tensor(sinks, dtype=precision, requires_grad=True)}
+
+
+LENGTHS = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def _ring_options(options: dict) -> dict:
+    """flashx.attention's keywords as ring attention takes them: one array of lengths for both sides."""
+    ring = {name: value for name, value in options.items() if name not in LENGTHS}
+    for name in ("seqlens", "cu_seqlens"):
+        if options.get(f"{name}_q") is not None:
+            ring[name] = options[f"{name}_q"]
+    return ring
 
 
 def _gradients(o, x: dict, options: dict) -> tuple:
@@ -261,12 +312,13 @@ def run_ring_case(ring: RingCase, rank: int, world_size: int, run) -> dict[str, 
     drawn = ring.options.get("seed", 0) is None and ring.options.get("dropout_p", 0) > 0
     case = ring.case(seed=0)
     x = {name: _tensor(value, ring.dtype) for name, value in case.rounded().items()}
-    mine = {name: shard(value, world_size, rank, ring.layout).detach().requires_grad_(name != "do")
+    mine = {name: shard(value, world_size, rank, ring.layout, dim=ring.axis).detach().requires_grad_(name != "do")
             for name, value in x.items()}
     options = _torch_options({**case.options, "seed": None} if drawn else case.options, ring.dtype)
     if drawn:
         torch.manual_seed(1000 + rank)  # every rank would draw another seed
-    o, lse = run(mine["q"], mine["k"], mine["v"], layout=ring.layout, return_lse=True, backend=ring.backend, **options)
+    o, lse = run(mine["q"], mine["k"], mine["v"], layout=ring.layout, exchange=ring.exchange, return_lse=True,
+                 backend=ring.backend, **_ring_options(options))
     return dict(zip(outputs_of(case), (o.detach(), lse, *_gradients(o, mine, options))))
 
 
@@ -291,11 +343,23 @@ def grade(ring: RingCase, got: dict[str, torch.Tensor]) -> list[str]:
     if ring.read_mask:
         shapes = {name: case.rounded()[name] for name in ("q", "k", "v")}
         kept = oracle.keep_mask(**shapes, **case.options) & oracle.allowed(**shapes, **case.options)
-        single = o.detach().numpy().transpose(0, 2, 1, 3) != 0
-        for name, read in (("the oracle's", kept), ("flashx.attention's", single)):
-            if not np.array_equal(got["o"].transpose(0, 2, 1, 3) != 0, read):
+        for name, read in (("the oracle's", kept), ("flashx.attention's", _pairs_read(case, o.detach().numpy()))):
+            if not np.array_equal(_pairs_read(case, got["o"]), read):
                 failures.append(f"dropout mask differs from {name}")
     return failures
+
+
+def _pairs_read(case: Case, o: np.ndarray) -> np.ndarray:
+    """Which keys an o of one-hot values read, on the oracle's score grid (B, Hq, Nq, Nk): packed,
+    one entry per document, positions within it."""
+    if not case.varlen:
+        return o.transpose(0, 2, 1, 3) != 0
+    cu = case.options["cu_seqlens_q"]
+    longest = int(np.diff(cu).max())
+    read = np.zeros((len(cu) - 1, o.shape[1], longest, longest), bool)
+    for document, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        read[document, :, : end - start, : end - start] = o[start:end, :, start:end].transpose(1, 0, 2) != 0
+    return read
 
 
 def _ranks(rank: int, world_size: int, init_file: str):
@@ -323,12 +387,60 @@ def _ranks(rank: int, world_size: int, init_file: str):
                     continue
                 parts = [torch.empty_like(x) for _ in range(world_size)]
                 dist.all_gather(parts, x.contiguous())
-                gathered[name] = unshard(parts, ring.layout, dim=2 if name == "lse" else 1)
+                gathered[name] = unshard(parts, ring.layout, dim=ring.axis + (name == "lse"))
             if index % world_size == rank:
                 failures += [f"W={world_size} {ring}: {failure}" for failure in grade(ring, gathered)]
+        failures += ring_memory_failures(world_size, rank)
     finally:
         dist.destroy_process_group()
     assert not failures, "\n".join(failures)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of torch storage that ops allocate while the mode is on, live and at their peak.
+    A storage counts from the op that makes it to the death of the tensor it was made for (the
+    ring keeps no view of a buffer past its base). Arrays a NumPy backend allocates are not torch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x._base is None and x.untyped_storage().data_ptr() not in given:
+                size = x.untyped_storage().nbytes()
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(x, self._freed, size)
+        return out
+
+
+def ring_memory_failures(world_size: int, rank: int) -> list[str]:
+    """The bytes per token the backward allocates beyond the caller's tensors, against the count of
+    ``peak_bytes_per_token`` (its terms but the caller's tensors and the backend's parts, which are
+    the NumPy backend's arrays here): two dK/dV sets in flight, not three."""
+    failures = []
+    tokens, heads, heads_k, dim = 512, 4, 2, 16
+    generator = torch.Generator().manual_seed(rank)
+    q, k, v, do = (torch.randn(1, tokens, h, dim, generator=generator).requires_grad_(i < 3)
+                   for i, h in enumerate((heads, heads_k, heads_k, heads)))
+    for exchange, layout in (("ring", "zigzag"), ("ring", "contiguous"), ("all_gather", "zigzag")):
+        o = ring_attention(q, k, v, causal=True, layout=layout, exchange=exchange, backend="numpy")
+        with _LiveBytes() as allocated:
+            torch.autograd.grad(o, (q, k, v), do)
+        count = peak_bytes_per_token(heads, heads_k, dim, torch.float32, world_size=world_size, layout=layout,
+                                     exchange=exchange)
+        expected = count["ring"] - count["terms"]["q, o, do, k, v (the caller's)"] \
+            - count["terms"]["a call's dq, dk, dv parts"]
+        if allocated.peak / tokens != expected:
+            failures.append(f"W={world_size} {exchange} {layout}: the backward allocated {allocated.peak / tokens} "
+                            f"bytes per token at its peak, counted {expected}")
+    return failures
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the Triton interpreter's 1/0 on empty rows
