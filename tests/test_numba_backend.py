@@ -415,6 +415,58 @@ def test_every_kernel_launched_is_compiled_through_the_disk_cache(tmp_path):
     assert all(keys[launch["kernel"], launch["specialization"]] == launch["dispatcher"] for launch in launches)
 
 
+_DECODE_LAUNCHES = """
+import contextlib, json
+import torch
+from numba.cuda.dispatcher import CUDADispatcher
+from flashx.validation import build_decode_problem
+from flashx_numba import decode
+
+caches = {}
+def compile_here(self, argtypes):  # no GPU: the cache a compile would consult is what matters
+    caches[id(self)] = self._cache
+CUDADispatcher.compile = compile_here
+CUDADispatcher.disable_compile = lambda self, val=True: None
+launched = []
+decode._launch = lambda kernel, *arguments: launched.append(kernel)
+decode._launching = lambda x: contextlib.nullcontext(0)
+decode._device_array = lambda x: x
+decode._sm_count = lambda index: 132
+for mods in ({}, {"softcap": 2.0, "sinks": torch.zeros(4)}):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for dim in (64, 128, 256):
+            q = torch.zeros(2, 1, 4, dim, dtype=dtype)
+            k_cache, v_cache, k_new, v_new = (torch.zeros(2, n, 2, dim, dtype=dtype) for n in (16, 16, 1, 1))
+            problem = build_decode_problem(q, k_cache, v_cache, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
+                                           k_new=k_new, v_new=v_new, **mods)
+            decode.decode(problem, q, k_cache, v_cache, k_new, v_new)
+print(json.dumps({"launches": [
+    {"kernel": kernel.py_func.__qualname__.split(".")[0], "dispatcher": id(kernel), "specialized": kernel.specialized,
+     "cache": type(caches[id(kernel)]).__name__, "path": caches[id(kernel)].cache_path,
+     "specialization": repr(getattr(caches[id(kernel)], "_specialization", None))} for kernel in launched]}))
+"""
+
+
+def test_every_decoding_kernel_is_compiled_through_the_disk_cache(tmp_path):
+    """Each launch of a decoding call (append, split, merge), for every dtype and head-dim class,
+    plain and with a softcap and sinks, goes to a specialized kernel whose compile consults a
+    ``KernelCache`` in FLASHX_CACHE_DIR, keyed by its factory's arguments: the append and merge
+    kernels by dtype, the split kernel by tiles, dtype and whether the scores are modified."""
+    launches = _outside_the_simulator(_DECODE_LAUNCHES, tmp_path)["launches"]
+    assert len(launches) == 2 * 3 * 3 * 3
+    assert [launch["kernel"] for launch in launches[:3]] == ["append_kernel", "split_kernel", "merge_kernel"]
+    for launch in launches:
+        assert launch["cache"] == "KernelCache" and launch["specialized"], launch
+        assert launch["path"] == str(tmp_path / "numba-kernels")
+    assert launches[0]["specialization"] == launches[2]["specialization"] == "('float16',)"
+    assert launches[1]["specialization"].startswith("(Tiles(rows=16, cols=64, row_groups=16")
+    assert launches[1]["specialization"].endswith("'float16', False)")
+    assert launches[28]["specialization"].endswith("'float16', True)")  # the second pass: softcap
+    keys = {(launch["kernel"], launch["specialization"]): launch["dispatcher"] for launch in launches}
+    assert len(keys) == len({launch["dispatcher"] for launch in launches}) == 3 + 3 + 3 * 3 * 2
+    assert all(keys[launch["kernel"], launch["specialization"]] == launch["dispatcher"] for launch in launches)
+
+
 _CACHE_STAND_INS = """
 import json, os, shutil, uuid, warnings
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""flashx's Numba backend: FlashAttention-2 written in Python with numba-cuda, readable kernel by kernel.
+"""flashx's Numba backend: FlashAttention-2 written in Python with numba-cuda, readable kernel by kernel,
+and split-KV decoding over contiguous and paged KV caches (``decode``).
 
 It takes torch tensors on a CUDA device (CuPy arrays reach it through DLPack, without copies)
 and runs on the caller's current stream. Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)

@@ -31,8 +31,9 @@ from flashx_numba.primitives import SIMULATOR
 GPU_TILES = {
     "forward": {64: (64, 32, 16, 8), 128: (32, 16, 8, 8), 256: (16, 8, 8, 8)},
     "backward": {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 4, 8)},
-    # decoding's rows are a GQA group's query rows (Nq x group, often 4 to 16); its columns keys
-    "decode": {64: (16, 64, 8, 8), 128: (16, 32, 8, 8), 256: (8, 16, 8, 8)},
+    # Decoding's rows are a GQA group's query rows (Nq x group, often 4 to 16), its columns keys.
+    # It reads far more than it computes: 128 threads a block share each tile's loads.
+    "decode": {64: (16, 64, 16, 8), 128: (16, 32, 16, 8), 256: (8, 16, 8, 16)},
 }
 TENSOR_CORE_TILES = {
     "forward": {64: (64, 64), 128: (64, 64), 256: (32, 32)},

@@ -53,7 +53,7 @@ from flashx_numba.score_mods import modify, with_sink
 
 MIN_TILES_PER_SPLIT = 4  # fewer key tiles a split would cost more in the merge than they gain
 MAX_SPLITS = 128
-RESIDENT_BLOCKS = 4  # split blocks an SM holds at once: about 45 KiB of shared memory each
+RESIDENT_BLOCKS = 4  # split blocks an SM holds at once: about 45 KiB of shared memory and 128 threads each
 SIMULATED_SMS = 4  # the stand-in SM count in the simulator, so that small problems split too
 THREADS = 1 if SIMULATOR else 64  # of the append and merge kernels (the simulator runs each as a Python thread)
 
@@ -95,7 +95,7 @@ def split_kernel(shape: Tiles, dtype: str, score_mods: bool):
     x = _tensor(dtype)
 
     @cached_kernel(types.void(x, x, x, _PARTS, _PART_LSE, _INDEX, _TABLE, _FLAGS, _SLOPES, _i, _i, _i, _i, _i, _i, _i,
-                              _i, _i, _b, _i, _i, _f, _f, _b), "split", shape, dtype, score_mods)
+                              _i, _i, _b, _i, _i, _f, _f, _b), shape, dtype, score_mods)
     def kernel(q, k_cache, v_cache, o_part, lse_part, cache_seqlens, block_table, mask, slopes, nq, new_tokens,
                heads_q, group, dim, dim_v, row_tiles, num_splits, page_size, has_mask, left, right, scale, softcap,
                has_alibi):
@@ -208,7 +208,7 @@ def merge_kernel(dtype: str):
     sink once."""
     bf16 = dtype == "bfloat16"
 
-    @cached_kernel(types.void(_PARTS, _PART_LSE, _tensor(dtype), _LSE, _SINKS, _b, _i), "merge", dtype)
+    @cached_kernel(types.void(_PARTS, _PART_LSE, _tensor(dtype), _LSE, _SINKS, _b, _i), dtype)
     def kernel(o_part, lse_part, o, lse, sinks, has_sinks, num_splits):
         index = cuda.grid(1)
         batch, nq, heads_q, dim_v = o.shape[0], o.shape[1], o.shape[2], o.shape[3]
@@ -245,7 +245,7 @@ def append_kernel(dtype: str):
 
     x = _tensor(dtype)
 
-    @cached_kernel(types.void(x, x, x, x, _INDEX, _TABLE, _i), "append", dtype)
+    @cached_kernel(types.void(x, x, x, x, _INDEX, _TABLE, _i), dtype)
     def kernel(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, page_size):
         index = cuda.grid(1)
         batch, new_tokens, heads_k = k_new.shape[0], k_new.shape[1], k_new.shape[2]
