@@ -471,7 +471,8 @@ class _SimulatedMessages:
 
     def all_gather(self, items: list) -> Callable[[], list]:
         """Every rank gets every rank's items, in rank order."""
-        return lambda: [items] * len(items)
+        everything = list(items)
+        return lambda: [everything] * len(everything)
 
     def reduce_scatter(self, items: list) -> list:
         """Rank r gets, of each tensor of its items, the sum over the ranks of its r-th slice."""

@@ -159,6 +159,18 @@ def test_bad_arguments_are_refused():
         simulate_ring_attention(q, q, q, 2, alibi_slopes=torch.ones(2))
     with pytest.raises(ShapeError, match="sinks: expected shape"):
         simulate_ring_attention(q, q, q, 2, sinks=torch.ones(3))
+    with pytest.raises(OptionError, match="exchange: expected one of 'ring', 'all_gather', got 'ring_of_rings'"):
+        simulate_ring_attention(q, q, q, 2, exchange="ring_of_rings")
+    with pytest.raises(ShapeError, match="seqlens: indexes the padded layout and cannot be combined with cu_seqlens"):
+        simulate_ring_attention(q[0], q[0], q[0], 2, seqlens=torch.tensor([4]), cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ShapeError, match=r"^cu_seqlens: expected offsets starting at 0, non-decreasing, ending at "
+                                         r"most at 12"):
+        simulate_ring_attention(q[0], q[0], q[0], 2, cu_seqlens=torch.tensor([0, 5, 13]))
+    with pytest.raises(ShapeError, match=r"^seqlens: expected lengths in \[0, 12\]"):
+        simulate_ring_attention(q, q, q, 2, seqlens=torch.tensor([13]))
+    with pytest.raises(ShapeError, match=r"q: expected a shard of shape \(T/W, H, D\) with cu_seqlens"):
+        simulate_ring_attention(q.expand(4, -1, -1, -1), q.expand(4, -1, -1, -1), q.expand(4, -1, -1, -1), 2,
+                                cu_seqlens=torch.tensor([0, 4]))
 
 
 # ---------------------------------------------------------------- ring cases
@@ -459,6 +471,16 @@ def test_simulated_ring_equals_single_device(world_size, layout, mods):
     ring = RingCase(layout, {"causal": True, "window": (9, 2), "dropout_p": 0.2, "seed": 3, **mods}, heads_k=2,
                     read_mask=True, seqlen=6 * world_size)
     got = run_ring_case(ring, 0, 1, lambda *xs, **kw: simulate_ring_attention(*xs, world_size, **kw))
+    assert not grade(ring, got)
+
+
+@pytest.mark.parametrize("exchange", ["ring", "all_gather"])
+def test_simulated_ring_of_eight_on_packed_documents(exchange):
+    """Eight ranks, chunks of 3 rows: documents of 1 to 21 rows, one across six chunks."""
+    ring = RingCase("zigzag", {"causal": True, "window": (9, -1), "dropout_p": 0.2, "seed": 3, "softcap": 1.5,
+                               "sinks": SINKS}, heads_k=2, read_mask=True, seqlen=48,
+                    documents=(1, 21, 0, 4, 3, 2, 11, 5), exchange=exchange)
+    got = run_ring_case(ring, 0, 1, lambda *xs, **kw: simulate_ring_attention(*xs, 8, **kw))
     assert not grade(ring, got)
 
 
