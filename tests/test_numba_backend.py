@@ -360,34 +360,43 @@ def _outside_the_simulator(script: str, cache: Path) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-_LAUNCHES = """
+def _launches(module: str, calls: str) -> str:
+    """A script that runs ``calls`` with the launches of ``flashx_numba.<module>`` recorded (the
+    kernels built, not run) and prints each launch's kernel and the cache its compile consults."""
+    return f"""
 import contextlib, json
 import torch
 from numba.cuda.dispatcher import CUDADispatcher
-from flashx.validation import build_problem
-from flashx_numba import attention
+from flashx_numba import {module} as launcher
 
-caches = {}
+caches = {{}}
 def compile_here(self, argtypes):  # no GPU: the cache a compile would consult is what matters
     caches[id(self)] = self._cache
 CUDADispatcher.compile = compile_here
 CUDADispatcher.disable_compile = lambda self, val=True: None
 launched = []
-attention._launch = lambda kernel, *arguments: launched.append(kernel)
-attention._launching = lambda x: contextlib.nullcontext(0)
-attention._device_array = lambda x: x
+launcher._launch = lambda kernel, *arguments: launched.append(kernel)
+launcher._launching = lambda x: contextlib.nullcontext(0)
+launcher._device_array = lambda x: x
+{calls}
+print(json.dumps({{"launches": [
+    {{"kernel": kernel.py_func.__qualname__.split(".")[0], "dispatcher": id(kernel), "specialized": kernel.specialized,
+     "cache": type(caches[id(kernel)]).__name__, "path": caches[id(kernel)].cache_path,
+     "specialization": repr(getattr(caches[id(kernel)], "_specialization", None))}} for kernel in launched]}}))
+"""
+
+
+DTYPES = ["float16", "bfloat16", "float32"]
+_LAUNCHES = _launches("attention", """
+from flashx.validation import build_problem
 for mods in ({}, {"softcap": 2.0, "sinks": torch.zeros(2)}):
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for dim in (64, 128, 256):
             q, k, v = (torch.zeros(1, 8, 2, dim, dtype=dtype) for _ in range(3))
             problem = build_problem(q, k, v, causal=True, **mods)
-            o, lse = attention.forward(problem, q, k, v)
-            attention.backward(problem, q, k, v, o, lse, o)
-print(json.dumps({"dtypes": ["float16", "bfloat16", "float32"], "launches": [
-    {"kernel": kernel.py_func.__qualname__.split(".")[0], "dispatcher": id(kernel), "specialized": kernel.specialized,
-     "cache": type(caches[id(kernel)]).__name__, "path": caches[id(kernel)].cache_path,
-     "specialization": repr(getattr(caches[id(kernel)], "_specialization", None))} for kernel in launched]}))
-"""
+            o, lse = launcher.forward(problem, q, k, v)
+            launcher.backward(problem, q, k, v, o, lse, o)
+""")
 
 
 def test_every_kernel_launched_is_compiled_through_the_disk_cache(tmp_path):
@@ -395,15 +404,14 @@ def test_every_kernel_launched_is_compiled_through_the_disk_cache(tmp_path):
     a softcap and sinks, goes to a kernel whose compile consults a ``KernelCache`` in
     FLASHX_CACHE_DIR, specialized as ``cuda.jit(signature)`` leaves a kernel, and keyed by its
     factory's arguments: one key, one compiled kernel."""
-    found = _outside_the_simulator(_LAUNCHES, tmp_path)
-    launches = found["launches"]
+    launches = _outside_the_simulator(_LAUNCHES, tmp_path)["launches"]
     assert len(launches) == 2 * 4 * 3 * 3  # forward, delta, dK/dV, dQ for 3 dtypes x 3 head-dim classes, twice
     assert [launch["kernel"] for launch in launches[:4]] == ["forward_kernel", "delta_kernel", "dkdv_kernel",
                                                             "dq_kernel"]
     for number, launch in enumerate(launches):
         assert launch["cache"] == "KernelCache" and launch["specialized"], launch
         assert launch["path"] == str(tmp_path / "numba-kernels")
-        assert repr(found["dtypes"][number % 36 // 12]) in launch["specialization"], launch
+        assert repr(DTYPES[number % 36 // 12]) in launch["specialization"], launch
     assert launches[1]["specialization"] == "('float16',)"
     # score modifications: forward and dK/dV compiled with them, dQ with them and the terms of dsinks
     assert [launch["specialization"].endswith(", False)") for launch in launches[:4]] == [True, False, True, True]
@@ -415,23 +423,9 @@ def test_every_kernel_launched_is_compiled_through_the_disk_cache(tmp_path):
     assert all(keys[launch["kernel"], launch["specialization"]] == launch["dispatcher"] for launch in launches)
 
 
-_DECODE_LAUNCHES = """
-import contextlib, json
-import torch
-from numba.cuda.dispatcher import CUDADispatcher
+_DECODE_LAUNCHES = _launches("decode", """
 from flashx.validation import build_decode_problem
-from flashx_numba import decode
-
-caches = {}
-def compile_here(self, argtypes):  # no GPU: the cache a compile would consult is what matters
-    caches[id(self)] = self._cache
-CUDADispatcher.compile = compile_here
-CUDADispatcher.disable_compile = lambda self, val=True: None
-launched = []
-decode._launch = lambda kernel, *arguments: launched.append(kernel)
-decode._launching = lambda x: contextlib.nullcontext(0)
-decode._device_array = lambda x: x
-decode._sm_count = lambda index: 132
+launcher._sm_count = lambda index: 132
 for mods in ({}, {"softcap": 2.0, "sinks": torch.zeros(4)}):
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for dim in (64, 128, 256):
@@ -439,12 +433,8 @@ for mods in ({}, {"softcap": 2.0, "sinks": torch.zeros(4)}):
             k_cache, v_cache, k_new, v_new = (torch.zeros(2, n, 2, dim, dtype=dtype) for n in (16, 16, 1, 1))
             problem = build_decode_problem(q, k_cache, v_cache, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
                                            k_new=k_new, v_new=v_new, **mods)
-            decode.decode(problem, q, k_cache, v_cache, k_new, v_new)
-print(json.dumps({"launches": [
-    {"kernel": kernel.py_func.__qualname__.split(".")[0], "dispatcher": id(kernel), "specialized": kernel.specialized,
-     "cache": type(caches[id(kernel)]).__name__, "path": caches[id(kernel)].cache_path,
-     "specialization": repr(getattr(caches[id(kernel)], "_specialization", None))} for kernel in launched]}))
-"""
+            launcher.decode(problem, q, k_cache, v_cache, k_new, v_new)
+""")
 
 
 def test_every_decoding_kernel_is_compiled_through_the_disk_cache(tmp_path):
