@@ -10,7 +10,8 @@ call with ``validate=False`` makes no host synchronization):
    and values are read once for the whole GQA group. A key tile's rows are gathered into shared
    memory through the block table (``gather_tile``: any page size, a page per row), and folded
    into the forward's online softmax in float32 (``kernels.fold_row``) with the forward's
-   micro-tile products (``fragments.micro_tile_form``). Only keys that some row of the tile may
+   micro-tile products (``fragments.micro_tile_form``, float32 FMA in every dtype: decoding reads
+   far more than it computes, and its tiles have no tensor-core or ``cp.async`` form yet). Only keys that some row of the tile may
    see are loaded, so neither stale slots, unused pages nor table entries past a sequence are
    ever read; every pair is tested (band at the sequence's own length, the tree mask over its last
    Nq keys), and a tile whose rows do not all see all its keys multiplies V term by term where V
@@ -47,11 +48,11 @@ from numba import cuda, types
 from flashx_numba.attention import (_broadcast, _device_array, _launch, _launching, _placeholders, tiles)
 from flashx_numba.disk_cache import cached_kernel
 from flashx_numba.fragments import micro_tile_form
-from flashx_numba.kernels import ALIGNED, STORAGE, Tiles, fold_row
+from flashx_numba.kernels import ALIGNED, Tiles, _tensor, fold_row
 from flashx_numba.primitives import (NEG_INF, SIMULATOR, device_function, gather_tile, lanes_sum, max_nan, store)
 from flashx_numba.score_mods import modify, with_sink
 
-MIN_TILES_PER_SPLIT = 4  # fewer key tiles a split would cost more in the merge than they gain
+MIN_TILES_PER_SPLIT = 4  # a split of fewer key tiles would cost more in the merge than it gains
 MAX_SPLITS = 128
 RESIDENT_BLOCKS = 4  # split blocks an SM holds at once: about 45 KiB of shared memory and 128 threads each
 SIMULATED_SMS = 4  # the stand-in SM count in the simulator, so that small problems split too
@@ -66,10 +67,6 @@ _PARTS = types.Array(types.float32, 4, "C")  # the splits' o: (splits x B, Nq, H
 _PART_LSE = types.Array(types.float32, 3, "C")  # the splits' lse: (splits x B, Hq, Nq)
 _LSE = types.Array(types.float32, 3, "A")
 _i, _b, _f = types.int64, types.boolean, types.float32
-
-
-def _tensor(dtype: str):
-    return types.Array(STORAGE[dtype], 4, "A")
 
 
 @device_function
