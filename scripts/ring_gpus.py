@@ -1,6 +1,6 @@
 """Ring attention on the GPUs of one host, through NCCL: correctness, scaling, overlap, longest context.
 
-    python3 scripts/ring_gpus.py [--out DIR]          # the driver: every part on 1, 2, 4 (8) GPUs, then a table
+    python3 scripts/ring_gpus.py [--out DIR] [--parts check,packed]   # the driver: 1, 2, 4 (8) GPUs, then a table
     torchrun --nproc-per-node W scripts/ring_gpus.py PART ARGS...   # one part on W GPUs (the driver's child)
 
 Parts (each rank prints one JSON line per result; rank 0's lines are the part's results):
@@ -14,8 +14,15 @@ Parts (each rank prints one JSON line per result; rank 0's lines are the part's 
   trace N F    one profiled fwd+bwd on rank 0: its Chrome trace, gzipped to F, and the share of the ring's
                transfer time (NCCL SendRecv kernels) during which a compute kernel ran: the overlap of
                communication with computation.
+  packed T R   causal fwd+bwd on documents of mixed lengths (1k to 64k, drawn once with a fixed seed)
+               packed into T tokens, bf16, H=16, D=128, Hk = 16 and 4, zigzag, each exchange (ring and
+               all_gather): the median of R steps, TFLOP/s per GPU, per-GPU efficiency against one GPU's
+               flashx.attention on the same documents, peak memory per token per GPU measured beside the
+               count of flashx.distributed.peak_bytes_per_token, and the longest context it predicts.
+               With one rank it times flashx.attention, the baseline.
 
-The driver writes ring-<device>.json and .md under --out (default /tmp/flashx-out), keeping what it has
+The check part grades packed documents too (documents spanning ranks, both exchanges). The driver
+writes ring-<device>.json and .md under --out (default $OUT, else /tmp/flashx-out), keeping what it has
 after each part, so a run cut short still reports, and appends the steps' rows to history.csv there:
 copy the record into benchmarks/results and append the rows to its history.csv. RING_SMOKE=1 runs
 every part on tiny float32 shapes on the CPU (gloo, the numpy backend), to check the script itself.
@@ -30,8 +37,10 @@ import argparse
 import datetime
 import gzip
 import importlib.metadata
+import itertools
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -44,20 +53,43 @@ SIZES = (256, 512) if SMOKE else (131072, 524288)  # tokens in all, for the scal
 HEADS, HEAD_DIM = (4, 16) if SMOKE else (16, 128)
 CHECK_SEQLENS = (64, 128) if SMOKE else (2048, 32768)  # graded by the oracle; compared with single-GPU flashx
 DEVICE, DTYPE, BACKEND = ("cpu", "float32", "numpy") if SMOKE else ("cuda", "bfloat16", "auto")
+#: (layout, exchange, keywords, packed documents): documents of 1/64 to 1/2 of the sequence when packed
 CHECK_CASES = [
-    ("zigzag", {"causal": True}),
-    ("zigzag", {}),
-    ("zigzag", {"window": (300, 0)}),
-    ("zigzag", {"causal": True, "dropout_p": 0.1, "seed": 1234}),
-    ("contiguous", {"causal": True}),
-    ("contiguous", {}),
-    ("contiguous", {"causal": True, "dropout_p": 0.1, "seed": 1234}),
+    ("zigzag", "ring", {"causal": True}, False),
+    ("zigzag", "ring", {}, False),
+    ("zigzag", "ring", {"window": (300, 0)}, False),
+    ("zigzag", "ring", {"causal": True, "dropout_p": 0.1, "seed": 1234}, False),
+    ("contiguous", "ring", {"causal": True}, False),
+    ("contiguous", "ring", {}, False),
+    ("contiguous", "ring", {"causal": True, "dropout_p": 0.1, "seed": 1234}, False),
+    ("zigzag", "ring", {"causal": True}, True),
+    ("zigzag", "ring", {"causal": True, "window": (300, 0), "dropout_p": 0.1, "seed": 1234}, True),
+    ("zigzag", "all_gather", {"causal": True}, True),
 ]
+PACKED_LENGTHS = (8, 64) if SMOKE else (1024, 65536)  # the shortest and longest documents timed
+PACKED_TOKENS = 512 if SMOKE else 262144
+PACKED_HEADS_K = (HEADS, HEADS // 4)  # without and with grouped-query attention
+PARTS = ("check", "packed", "trace", "time")
 
 
 def flops(seqlen: int, causal: bool = True) -> float:
     forward = 4 * HEADS * seqlen * seqlen * HEAD_DIM / (2 if causal else 1)
     return forward * 3.5
+
+
+def document_lengths(tokens: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
+    """Documents of log-uniform lengths in [shortest, longest] (one of each bound first) packed into
+    ``tokens``, the last cut to fit: the same list on every rank and every run."""
+    draw = random.Random(seed)
+    lengths = [longest, shortest]
+    while sum(lengths) < tokens:
+        lengths.append(int(shortest * (longest / shortest) ** draw.random()))
+    lengths[-1] -= sum(lengths) - tokens
+    return [length for length in lengths if length]
+
+
+def offsets(lengths: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(lengths)]
 
 
 # ---------------------------------------------------------------- the parts, one process per GPU
@@ -88,7 +120,7 @@ def _synchronize(torch) -> None:
 
 def part_check() -> None:
     import numpy as np
-    from flashx_conformance.harness import OUTPUTS, conformance_failures, make_case
+    from flashx_conformance.harness import OUTPUTS, conformance_failures, make_case, make_varlen_case
 
     import flashx
     import flashx.distributed as fxd
@@ -96,12 +128,12 @@ def part_check() -> None:
     torch, dist, rank, world = _start()
     dtype = getattr(torch, DTYPE)
 
-    def gathered(shards: dict, layout: str) -> dict:
+    def gathered(shards: dict, layout: str, axis: int) -> dict:
         out = {}
         for name, x in shards.items():
             parts = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(parts, x.contiguous())
-            out[name] = fxd.unshard(parts, layout, dim=2 if name == "lse" else 1)
+            out[name] = fxd.unshard(parts, layout, dim=axis + (name == "lse"))
         return out
 
     def run(call, x: dict, options: dict) -> dict:
@@ -110,30 +142,49 @@ def part_check() -> None:
         grads = torch.autograd.grad(o, (inputs["q"], inputs["k"], inputs["v"]), inputs["do"])
         return dict(zip(OUTPUTS, (o.detach(), lse, *grads)))
 
-    def ring(x: dict, layout: str, options: dict) -> dict:
-        mine = {name: fxd.shard(value, world, rank, layout) for name, value in x.items()}
-        return run(lambda *qkv, **kw: fxd.ring_attention(*qkv, layout=layout, **kw), mine, options)
+    def ring(x: dict, layout: str, exchange: str, options: dict) -> dict:
+        axis = 0 if "cu_seqlens_q" in options else 1
+        mine = {name: fxd.shard(value, world, rank, layout, dim=axis) for name, value in x.items()}
+        ring_options = {name: value for name, value in options.items() if name != "cu_seqlens_k"}
+        if axis == 0:
+            ring_options["cu_seqlens"] = ring_options.pop("cu_seqlens_q")
+        return run(lambda *qkv, **kw: fxd.ring_attention(*qkv, layout=layout, exchange=exchange, **kw), mine,
+                   ring_options)
+
+    def packed(lengths: list[int]) -> dict:
+        cu = torch.tensor(offsets(lengths), dtype=torch.int32, device=DEVICE)
+        return {"cu_seqlens_q": cu, "cu_seqlens_k": cu}
 
     graded, compared = CHECK_SEQLENS
-    for index, (layout, options) in enumerate(CHECK_CASES):
+    for index, (layout, exchange, options, documents) in enumerate(CHECK_CASES):
         # the oracle's grade, on a sequence the float64 oracle computes in seconds
-        case = make_case(np.random.default_rng(index), batch=1, seqlen_q=graded, heads_q=4, heads_k=2,
-                         head_dim=HEAD_DIM, dtype=DTYPE, **options)
+        rng = np.random.default_rng(index)
+        shapes = dict(heads_q=4, heads_k=2, head_dim=HEAD_DIM, dtype=DTYPE, **options)
+        if documents:
+            lengths = document_lengths(graded, graded // 64, graded // 2, seed=index)
+            case = make_varlen_case(rng, lengths_q=lengths, lengths_k=lengths, **shapes)
+        else:
+            case = make_case(rng, batch=1, seqlen_q=graded, **shapes)
         x = {name: torch.from_numpy(np.ascontiguousarray(value)).to(DEVICE, dtype)
              for name, value in case.rounded().items()}
-        got = gathered(ring(x, layout, options), layout)
+        lengths_given = packed(lengths) if documents else {}
+        axis = 0 if documents else 1
+        got = gathered(ring(x, layout, exchange, {**options, **lengths_given}), layout, axis)
         failures = []
         if index % world == rank:
             failures = conformance_failures(case, {n: t.double().cpu().numpy() for n, t in got.items()})
         # single-GPU flashx on a longer sequence, the same inputs on every rank
         generator = torch.Generator(DEVICE).manual_seed(index)
         heads = {"q": HEADS, "k": HEADS // 4, "v": HEADS // 4, "do": HEADS}
-        x = {name: torch.randn((1, compared, h, HEAD_DIM), generator=generator, device=DEVICE, dtype=dtype)
+        batch = () if documents else (1,)
+        x = {name: torch.randn((*batch, compared, h, HEAD_DIM), generator=generator, device=DEVICE, dtype=dtype)
              for name, h in heads.items()}
-        reference, mine = run(flashx.attention, x, options), ring(x, layout, options)
+        if documents:
+            options = {**options, **packed(document_lengths(compared, compared // 64, compared // 2, seed=index))}
+        reference, mine = run(flashx.attention, x, options), ring(x, layout, exchange, options)
         difference = {}
         for name in OUTPUTS:
-            expected = fxd.shard(reference[name], world, rank, layout, dim=2 if name == "lse" else 1).float()
+            expected = fxd.shard(reference[name], world, rank, layout, dim=axis + (name == "lse")).float()
             scale = reference[name].float().abs().max().item()
             difference[name] = (mine[name].float() - expected).abs().max().item() / scale
         everything = [None] * world  # every rank's failures and differences, on rank 0
@@ -143,8 +194,9 @@ def part_check() -> None:
         bound = 2.0**-7  # one bfloat16 step at the output's largest magnitude
         failures += [f"{name}: {value:.3g} of its largest magnitude from single-GPU flashx at N={compared}"
                      for name, value in difference.items() if value > bound]
-        _emit(rank, part="check", world=world, layout=layout, options=_describe(options),
-              relative_difference=difference, failures=failures)
+        options = {name: value for name, value in options.items() if not name.startswith("cu_seqlens")}
+        _emit(rank, part="check", world=world, layout=layout, exchange=exchange, documents=documents,
+              options=_describe(options), relative_difference=difference, failures=failures)
     dist.destroy_process_group()
 
 
@@ -152,29 +204,39 @@ def _describe(options: dict) -> str:
     return ", ".join(f"{name}={value}" for name, value in options.items()) or "full"
 
 
-def _step(torch, seqlen: int, world: int, rank: int):
-    """A causal fwd+bwd on this rank's shards of a whole sequence of ``seqlen`` tokens, made on its
-    GPU without the whole sequence: a function returning its seconds, the slowest rank's."""
-    import torch.distributed as dist
+def _inputs(torch, rank: int, rows: tuple, heads_k: int = HEADS):
+    """This rank's q, k, v (requiring grad) and do of ``rows`` (the shape's leading axes), made on
+    its GPU without the whole sequence."""
+    generator = torch.Generator(DEVICE).manual_seed(rank)
+    q, k, v, do = (torch.randn((*rows, heads, HEAD_DIM), generator=generator, device=DEVICE,
+                               dtype=getattr(torch, DTYPE)) for heads in (HEADS, heads_k, heads_k, HEADS))
+    for x in (q, k, v):
+        x.requires_grad_()
+    return q, k, v, do
 
+
+def _step(torch, seqlen: int, world: int, rank: int):
+    """A causal fwd+bwd on this rank's shards of a whole sequence of ``seqlen`` tokens: a function
+    returning its seconds, the slowest rank's."""
     import flashx
     import flashx.distributed as fxd
 
-    generator = torch.Generator(DEVICE).manual_seed(rank)
-    shape = (1, seqlen // world, HEADS, HEAD_DIM)
-    q, k, v, do = (torch.randn(shape, generator=generator, device=DEVICE, dtype=getattr(torch, DTYPE))
-                   for _ in range(4))
-    for x in (q, k, v):
-        x.requires_grad_()
+    q, k, v, do = _inputs(torch, rank, (1, seqlen // world))
     if world == 1:
         def forward():
             return flashx.attention(q, k, v, causal=True, backend=BACKEND)
     else:
         def forward():
             return fxd.ring_attention(q, k, v, layout="zigzag", causal=True, backend=BACKEND)
+    return _timer(torch, (q, k, v), do, forward)
+
+
+def _timer(torch, inputs: tuple, do, forward):
+    """A function that runs ``forward().backward(do)`` once and returns its seconds."""
+    import torch.distributed as dist
 
     def step() -> float:
-        for x in (q, k, v):
+        for x in inputs:
             x.grad = None
         _synchronize(torch)
         dist.barrier()
@@ -186,9 +248,9 @@ def _step(torch, seqlen: int, world: int, rank: int):
     return step
 
 
-def part_time(seqlen: int, repeats: int) -> None:
-    torch, dist, rank, world = _start()
-    step = _step(torch, seqlen, world, rank)
+def _measure(torch, dist, step, repeats: int) -> dict:
+    """One warm-up step, then the median of ``repeats`` (or the warm-up's time alone, where 0), and the
+    peak memory from before the warm-up: the slowest rank's, the fullest GPU's."""
     cuda = DEVICE == "cuda"
     inputs = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
@@ -199,10 +261,51 @@ def part_time(seqlen: int, repeats: int) -> None:
     slowest = torch.tensor([seconds, first, peak / 2**20], dtype=torch.float64, device=DEVICE)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     seconds, first, peak = slowest.tolist()
-    _emit(rank, part="time", world=world, seqlen=seqlen, repeats=repeats, seconds=seconds, first_seconds=first,
-          tflops_per_gpu=flops(seqlen) / world / seconds / 1e12, peak_mib=peak, inputs_mib=inputs / 2**20,
-          capacity_mib=torch.cuda.mem_get_info()[1] / 2**20 if cuda else 0)
+    return dict(repeats=repeats, seconds=seconds, first_seconds=first, peak_mib=peak, inputs_mib=inputs / 2**20,
+                capacity_mib=torch.cuda.mem_get_info()[1] / 2**20 if cuda else 0)
+
+
+def part_time(seqlen: int, repeats: int) -> None:
+    torch, dist, rank, world = _start()
+    measured = _measure(torch, dist, _step(torch, seqlen, world, rank), repeats)
+    _emit(rank, part="time", world=world, seqlen=seqlen, tflops_per_gpu=flops(seqlen) / world / measured["seconds"]
+          / 1e12, **measured)
     dist.destroy_process_group()
+
+
+def part_packed(tokens: int, repeats: int) -> None:
+    """Packed documents: one GPU's flashx.attention, or the ring with each exchange, at each Hk."""
+    import flashx.distributed as fxd
+
+    torch, dist, rank, world = _start()
+    lengths = document_lengths(tokens, *PACKED_LENGTHS)
+    cu = torch.tensor(offsets(lengths), dtype=torch.int32, device=DEVICE)
+    work = 3.5 * sum(2 * HEADS * length * length * HEAD_DIM for length in lengths)  # causal, as ``flops``
+    for heads_k, exchange in itertools.product(PACKED_HEADS_K, ("ring", "all_gather") if world > 1 else ("one GPU",)):
+        measured = _measure(torch, dist, _packed_step(torch, rank, world, tokens, heads_k, cu, exchange), repeats)
+        counted = fxd.peak_bytes_per_token(HEADS, heads_k, HEAD_DIM, getattr(torch, DTYPE), world_size=world,
+                                           exchange="ring" if world == 1 else exchange)
+        _emit(rank, part="packed", world=world, exchange=exchange, heads_k=heads_k, tokens=tokens,
+              documents=len(lengths), shortest=min(lengths), longest=max(lengths),
+              tflops_per_gpu=work / world / measured["seconds"] / 1e12,
+              counted_kib_per_token=(counted["single"] if world == 1 else counted["ring"]) / 1024, **measured)
+    dist.destroy_process_group()
+
+
+def _packed_step(torch, rank: int, world: int, tokens: int, heads_k: int, cu, exchange: str):
+    """A causal fwd+bwd on this rank's shard of ``tokens`` packed rows of documents ``cu``: flashx.attention
+    on one GPU, else ring attention with ``exchange``; its inputs live as long as the function returned."""
+    import flashx
+    import flashx.distributed as fxd
+
+    q, k, v, do = _inputs(torch, rank, (tokens // world,), heads_k)
+    if world == 1:
+        def forward():
+            return flashx.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=BACKEND)
+    else:
+        def forward():
+            return fxd.ring_attention(q, k, v, causal=True, cu_seqlens=cu, exchange=exchange, backend=BACKEND)
+    return _timer(torch, (q, k, v), do, forward)
 
 
 def part_trace(seqlen: int, trace: str) -> None:
@@ -279,18 +382,20 @@ def _longest(times: list[dict], world: int) -> dict | None:
     return dict(world=world, mib_per_token_per_rank=per_token, longest_tokens=tokens, verified_tokens=verified)
 
 
-def _plan(worlds: list[int], trace: Path) -> list[tuple[int, list[str]]]:
-    """(ranks, part arguments) in the order run: correctness, the overlap trace, the scaling table with
-    its single-GPU baselines, then one longer step per group size toward the longest context."""
+def _plan(worlds: list[int], trace: Path, parts: set[str]) -> list[tuple[int, list[str]]]:
+    """(ranks, part arguments) in the order run: correctness, packed documents with their single-GPU
+    baseline, the overlap trace, the scaling table with its single-GPU baselines, then one longer step
+    per group size toward the longest context; only ``parts``."""
     widest = worlds[-1]
     plan = [(w, ["check"]) for w in reversed(worlds)]
+    plan += [(w, ["packed", str(PACKED_TOKENS), "3"]) for w in [1, *reversed(worlds)]]
     plan.append((widest, ["trace", str(SIZES[0]), str(trace)]))
     for seqlen in SIZES:
         plan += [(w, ["time", str(seqlen), "3"]) for w in reversed(worlds)]
     singles = sorted({seqlen // w for seqlen in SIZES for w in [1, *worlds]})
     plan += [(1, ["time", str(n), "3"]) for n in singles]
     plan.append((widest, ["time", str(SIZES[-1] * widest), "0"]))  # as many tokens per GPU as SIZES[-1] on one
-    return plan
+    return [(w, args) for w, args in plan if args[0] in parts]
 
 
 def history_rows(results: dict) -> list[dict]:
@@ -314,7 +419,7 @@ def _version(distribution: str) -> str:
         return "none"
 
 
-def driver(out: Path, budget: float) -> None:
+def driver(out: Path, budget: float, parts: set[str]) -> None:
     import torch
     from flashx_bench.records import append_rows, device_slug
 
@@ -331,7 +436,7 @@ def driver(out: Path, budget: float) -> None:
     slug = "ring-" + (device_slug(device) if DEVICE == "cuda" else "cpu")
     deadline = time.monotonic() + budget
     with open(out / f"{slug}.log", "w") as log:
-        for world, args in _plan(worlds, out / f"{slug}-trace.json.gz"):
+        for world, args in _plan(worlds, out / f"{slug}-trace.json.gz", parts):
             left = deadline - time.monotonic()
             if left < 30:
                 results["rows"].append({"part": "error", "world": world, "args": args + ["(not run: time box)"]})
@@ -358,14 +463,16 @@ def render(results: dict) -> str:
                   f"Each case, forward and backward: graded by the contract's rule against the float64 oracle on the "
                   f"gathered sequence (N = {graded}, Hq = 4, Hk = 2), and the largest difference from single-GPU "
                   f"flashx at N = {compared} (Hq = {HEADS}, Hk = {HEADS // 4}), relative to the output's largest "
-                  f"magnitude (bound: 2^-7, one bfloat16 step).", "",
-                  "| W | layout | options | o | lse | dq | dk | dv | result |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  f"magnitude (bound: 2^-7, one bfloat16 step). Packed: documents of N/64 to N/2 tokens.", "",
+                  "| W | layout | exchange | packed | options | o | lse | dq | dk | dv | result |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in checks:
             difference = " | ".join(f"{r['relative_difference'][n]:.2g}" for n in ("o", "lse", "dq", "dk", "dv"))
             verdict = "FAIL: " + "; ".join(r["failures"]) if r["failures"] else "pass"
-            lines.append(f"| {r['world']} | {r['layout']} | {r['options']} | {difference} | {verdict} |")
+            lines.append(f"| {r['world']} | {r['layout']} | {r['exchange']} | {'yes' if r['documents'] else ''} | "
+                         f"{r['options']} | {difference} | {verdict} |")
         lines.append("")
+    lines += render_packed([r for r in rows if r["part"] == "packed"])
     times = [r for r in rows if r["part"] == "time"]
     single = {r["seqlen"]: r for r in times if r["world"] == 1}
     if times:
@@ -404,12 +511,50 @@ def render(results: dict) -> str:
     return "\n".join(lines + ([f"Parts that did not finish: {'; '.join(errors)}.", ""] if errors else []))
 
 
+def render_packed(rows: list[dict]) -> list[str]:
+    """The packed documents' table: efficiency against one GPU on the same documents and Hk, peak
+    memory per token per GPU measured and counted, and the longest context that peak predicts."""
+    if not rows:
+        return []
+    one = {r["heads_k"]: r for r in rows if r["world"] == 1}
+    first = rows[0]
+    lines = ["## Packed documents: causal fwd+bwd, zigzag", "",
+             f"{first['tokens']:,} tokens in {first['documents']} documents of {first['shortest']:,} to "
+             f"{first['longest']:,} tokens (log-uniform, fixed seed). Efficiency: one GPU's time on the same "
+             f"documents over W times the ring's. Memory: the peak per token of a GPU's shard, measured "
+             f"(inputs and gradients included) and counted by peak_bytes_per_token (the contract's table); "
+             f"x one GPU: measured over one GPU's measured. Longest context: the GPU's memory less 2 GiB over "
+             f"the measured peak per token, times W.", "",
+             "| W | exchange | Hk | step (s) | TFLOP/s per GPU | efficiency | KiB/token/GPU | counted | x one GPU "
+             "| longest context |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["heads_k"], r["world"], r["exchange"])):
+        base, per_token = one.get(r["heads_k"]), packed_kib_per_token(r)
+        efficiency = f"{base['seconds'] / (r['world'] * r['seconds']):.2f}" if base and r["world"] > 1 else ""
+        ratio = f"{per_token / packed_kib_per_token(base):.2f}" if base and per_token else ""
+        longest = f"{longest_packed(r):,}" if per_token else ""
+        lines.append(f"| {r['world']} | {r['exchange']} | {r['heads_k']} | {r['seconds']:.3f} | "
+                     f"{r['tflops_per_gpu']:.0f} | {efficiency} | {per_token:.1f} | {r['counted_kib_per_token']:.1f} | "
+                     f"{ratio} | {longest} |")
+    return lines + [""]
+
+
+def packed_kib_per_token(row: dict) -> float:
+    return row["peak_mib"] * 1024 / (row["tokens"] / row["world"])
+
+
+def longest_packed(row: dict) -> int:
+    """The tokens whose peak fills each GPU but 2 GiB, at the measured peak per token."""
+    return int((row["capacity_mib"] - 2048) * 1024 / packed_kib_per_token(row)) * row["world"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", nargs="?", choices=("check", "time", "trace"))
+    parser.add_argument("part", nargs="?", choices=PARTS)
     parser.add_argument("args", nargs="*")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/flashx-out")))
     parser.add_argument("--budget", type=float, default=500, help="seconds for the whole driver run")
+    parser.add_argument("--parts", default=",".join(PARTS), help="the driver's parts, comma-separated")
     options = parser.parse_args()
     if options.part == "check":
         part_check()
@@ -417,8 +562,10 @@ def main() -> None:
         part_time(int(options.args[0]), int(options.args[1]))
     elif options.part == "trace":
         part_trace(int(options.args[0]), options.args[1])
+    elif options.part == "packed":
+        part_packed(int(options.args[0]), int(options.args[1]))
     else:
-        driver(options.out, options.budget)
+        driver(options.out, options.budget, set(options.parts.split(",")))
 
 
 if __name__ == "__main__":
