@@ -168,19 +168,18 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
     """The bytes a rank holds per token of its shard at the peak of a forward and backward, as the
     contract's "Ring attention" section counts them, beside one device's ``flashx.attention``.
 
-    Returns {"single": ..., "ring": ..., "terms": {buffer: bytes}}: the ring's buffers at its peak,
-    the backward's first call of a middle step. A row of q (and o, do, dq) is ``a`` bytes in the
-    input dtype, a row of k (and v, dk, dv) ``b``; sums are in the LSE's precision (``f`` times as
-    wide). One call reads a chunk of the shard's rows and keys (half of it in the zigzag layout).
-    Kernels' own workspace is left out (a backend's, alike on one device and in the ring).
+    Returns {"single": ..., "ring": ..., "terms": {buffer: bytes}}: one device's q, k, v, o, do and
+    their gradients, and the ring's buffers at its peak, the backward's first call of a middle step
+    (``exchange`` "ring" or "all_gather"). Rows are in the input dtype ``dtype``, sums in the LSE's
+    precision. One call reads a chunk of the shard's rows and keys (half of it in the zigzag
+    layout). Kernels' own workspace is left out (a backend's, alike on one device and in the ring).
     """
     size = torch.empty((), dtype=dtype).element_size()
     wide = _accumulation_dtype(torch.empty((), dtype=dtype)).itemsize / size
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     q, o = heads_q * head_dim * size, heads_q * head_dim_v * size  # a row of q (and dq), of o (and do)
     kv = heads_k * (head_dim + head_dim_v) * size  # a row of k and of v (and of dk and dv)
-    if exchange not in EXCHANGES:
-        raise OptionError(f"exchange: expected one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
+    _check_exchange(exchange)
     terms = {"q, o, do, k, v (the caller's)": q + 2 * o + kv, "dq summed": wide * q,
              "a call's dq, dk, dv parts": (q + kv) / _chunks_per_rank(layout)}
     if exchange == "ring":  # two ranks: the second shard arrives while the rank's own is read, then is read alone
@@ -190,6 +189,11 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
         terms["K/V of every shard, gathered"] = world_size * kv
         terms["dK/dV of every shard, summed"] = world_size * wide * kv
     return {"single": 2 * (q + o + kv), "ring": sum(terms.values()), "terms": terms}
+
+
+def _check_exchange(exchange) -> None:
+    if exchange not in EXCHANGES:
+        raise OptionError(f"exchange: expected one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
 
 
 def _chunks_per_rank(layout) -> int:
@@ -219,8 +223,7 @@ def _shard_problem(q, k, v, layout: str, exchange: str, world_size: int, options
             "alibi_slopes: ring attention does not take ALiBi. Each ring step is a backend call on a pair of "
             "chunks, which measures ALiBi's distance from its own bottom-right diagonal, not the whole "
             "sequence's, and no backend takes ALiBi at offset positions (as dropout_offsets does for dropout)")
-    if exchange not in EXCHANGES:
-        raise OptionError(f"exchange: expected one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
+    _check_exchange(exchange)
     if seqlens is not None and cu_seqlens is not None:
         raise ShapeError("seqlens: indexes the padded layout and cannot be combined with cu_seqlens, got both")
     chunks = _chunks_per_rank(layout)

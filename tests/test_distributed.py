@@ -422,6 +422,8 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":  # messages write into buffers made before them, and keep work objects
+            return out
         given = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
         for x in tree_leaves(out):
             if isinstance(x, torch.Tensor) and x._base is None and x.untyped_storage().data_ptr() not in given:
