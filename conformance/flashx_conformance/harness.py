@@ -335,6 +335,20 @@ def conformance_failures(case: Case, got: dict[str, np.ndarray], relative_norm: 
     return [failure for failure in failures if failure]
 
 
+def merged_failures(case: Case, o: np.ndarray, lse: np.ndarray) -> list[str]:
+    """What breaks the contract in (o, lse) of a padded ``case`` (float64 arrays) that were joined
+    from parts by ``flashx.merge_states``: graded as the forward's outputs are."""
+    rounded = case.rounded()
+    inputs = [rounded[name] for name in ("do", "q", "k", "v")]
+    expected = oracle.forward_backward(*inputs, **case.options)
+    naive = [oracle.naive(*inputs, case.dtype, backward=backward, **case.options) for backward in ("autograd", "rowsum")]
+    terms = oracle.term_magnitudes(*inputs, **case.options)
+    failures = [judge(name, x, expected[n], [baseline[n] for baseline in naive], terms[n], case.dtype,
+                      AXES["padded"][name])
+                for n, (name, x) in enumerate((("o", o), ("lse", lse)))]
+    return [failure for failure in failures if failure]
+
+
 def _poison_free_memory(like):
     """On a GPU, leave NaN in the allocator's free blocks of the outputs' sizes: an output
     element a kernel never writes then reads NaN instead of stale, plausible values."""

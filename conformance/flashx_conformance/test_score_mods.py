@@ -19,10 +19,8 @@ import numpy as np
 import pytest
 
 import flashx
-from flashx_conformance import oracle
 from flashx_conformance.harness import (Case, conformance_failures, diagonal, full_only, make_case, make_varlen_case,
-                                       outputs_of)
-from flashx_conformance.tolerance import AXES, judge
+                                       merged_failures, outputs_of)
 
 
 def _padding(lengths, n):
@@ -198,18 +196,8 @@ def test_score_mods_sinks_merge_once(flashx_target, flashx_rng, softcap):
     sink_state = (flashx_target.array(np.zeros(np.shape(o)), dtype), flashx_target.array(sink_lse, dtype, element=lse_dtype))
     merged = {"the sink in the first part": flashx.merge_states(*part(keys_a, True), *second),
               "the sink's state merged": flashx.merge_states(o, lse, *sink_state)}
-    rounded = case.rounded()
-    inputs = [rounded[n] for n in ("do", "q", "k", "v")]
-    expected = oracle.forward_backward(*inputs, **case.options)
-    naive = [oracle.naive(*inputs, dtype, backward=b, **case.options) for b in ("autograd", "rowsum")]
-    terms = oracle.term_magnitudes(*inputs, **case.options)
-    failures = [
-        f"{how}: {failure}"
-        for how, outputs in merged.items()
-        for n, (name, x) in enumerate(zip(("o", "lse"), outputs))
-        if (failure := judge(name, flashx_target.numpy(x), expected[n], [b[n] for b in naive], terms[n], dtype,
-                             AXES["padded"][name]))
-    ]
+    failures = [f"{how}: {failure}" for how, (o, lse) in merged.items()
+                for failure in merged_failures(case, flashx_target.numpy(o), flashx_target.numpy(lse))]
     assert not failures, case.describe() + "\n" + "\n".join(failures)
 
 
