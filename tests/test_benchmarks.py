@@ -206,14 +206,13 @@ def test_publish_replaces_the_record_and_appends_the_history(results, tmp_path):
 def test_the_decode_sweep_keeps_a_record_of_its_own(tmp_path):
     decode = {"kind": "decode", "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-26", "versions": {"torch": "2.11.0"},
               "shape": {"heads_q": 32, "heads_k": 8, "head_dim": 128, "dtype": "bfloat16", "seqlen_q": 1},
-              "copy_tbps": 3.0, "rows": [{"impl": "flashx", "batch": 1, "cache": 16384, "status": "ok", "tbps": 2.7},
+              "copy_tbps": 3.0, "rows": [{"impl": "triton", "batch": 1, "cache": 16384, "status": "ok", "tbps": 2.7},
                                          {"impl": "sdpa-flash", "batch": 1, "cache": 16384, "status": "OOM"}]}
     records.publish(decode, tmp_path, lambda results: "decode table\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["decode-h100.json", "decode-h100.md", "history.csv"]
     rows = [(r["impl"], r["mode"], r["batch"], r["seqlen"], r["heads"], r["head_dim"], r["metric"], r["value"])
             for r in _history(tmp_path)]
-    assert rows == [("", "", "", "", "", "", "copy_tbps", "3"), ("flashx", "decode", "1", "16384", "32", "128", "tbps", "2.7")]
-
+    assert rows == [("", "", "", "", "", "", "copy_tbps", "3"), ("triton", "decode", "1", "16384", "32", "128", "tbps", "2.7")]
 
 
 def _decode_row(impl, batch, cache, tbps):
@@ -224,11 +223,14 @@ def _decode_row(impl, batch, cache, tbps):
 
 @pytest.fixture
 def decode_results():
-    """Two points of the decode sweep on a 3.0 TB/s device: flashx behind cuDNN at B=1, ahead at B=4;
-    pages of 16 out of memory at B=4."""
-    speeds = {(1, 16384): {"flashx": 2.7, "flashx-page256": 2.25, "flashx-page16": 2.6, "flashx-page1": 2.5,
-                           "sdpa-cudnn": 3.0, "sdpa-flash": 2.4},
-              (4, 65536): {"flashx": 3.0, "flashx-page256": 2.0, "flashx-page16": None, "flashx-page1": 2.9,
+    """Two points of the decode sweep, every backend, on a 3.0 TB/s device: triton ahead of the peers
+    but its pages of 16 slow at B=1; cupy behind the peers, its pages of 16 out of memory at B=1;
+    numba at B=16, L=8k only, at 60% of triton's rate."""
+    speeds = {(1, 65536): {"triton": 2.8, "triton-page256": 2.7, "triton-page16": 2.6, "triton-page1": 2.5,
+                           "cupy": 2.6, "cupy-page256": 2.5, "cupy-page16": None, "cupy-page1": 2.4,
+                           "sdpa-cudnn": 2.9, "sdpa-flash": 2.5},
+              (16, 8192): {"triton": 3.0, "triton-page256": 2.9, "triton-page16": 2.88, "triton-page1": 2.7,
+                           "cupy": 2.9, "cupy-page256": 2.8, "cupy-page16": 2.8, "cupy-page1": 2.7, "numba": 1.8,
                            "sdpa-cudnn": 2.9, "sdpa-flash": 2.8}}
     rows = [_decode_row(impl, batch, cache, tbps) if tbps else
             {"impl": impl, "batch": batch, "cache": cache, "status": "error: OutOfMemoryError: CUDA out of memory"}
@@ -237,31 +239,64 @@ def decode_results():
             "versions": {"torch": "2.11.0", "triton": "3.6.0", "flashx": "0.1.0"},
             "shape": {**decode.SHAPE, "dtype": "bfloat16", "seqlen_q": 1}, "labels": decode.LABELS, "copy_tbps": 3.0,
             "rows": rows, "notes": ["Measured with tiles since replaced."],
-            "splits_scan": [{"batch": 1, "cache": 16384, "chosen": 16, "tbps": {"0": 2.7, "1": 0.2, "16": 2.7}}]}
+            "splits_scan": [{"backend": "triton", "batch": 1, "cache": 16384, "chosen": 16,
+                             "tbps": {"0": 2.7, "1": 0.2, "16": 2.7}}]}
 
 
-def test_decode_options():
+def test_decode_options(monkeypatch):
+    monkeypatch.setattr(decode, "cuda_backends", lambda: ["triton", "cupy", "numba"])
     args = decode.parse_args([])
-    assert (args.command, args.out, args.batches, args.caches, args.scan_splits, args.time_limit) == (
-        "run", records.DEFAULT_OUT.resolve(), list(decode.BATCHES), list(decode.CACHES), False, None)
+    assert (args.command, args.out, args.backends, args.batches, args.caches, args.numba_max_tokens,
+            args.scan_splits, args.time_limit) == (
+        "run", records.DEFAULT_OUT.resolve(), ["triton", "cupy", "numba"], list(decode.BATCHES), list(decode.CACHES),
+        2**17, False, None)
     args = decode.parse_args(["--scan-splits", "--batches", "1", "4", "--caches", "1024", "--max-tokens", "4096",
-                              "--time-limit", "60", "--out", "elsewhere"])
-    assert (args.out.name, args.batches, args.caches, args.max_tokens, args.scan_splits, args.time_limit) == (
-        "elsewhere", [1, 4], [1024], 4096, True, 60.0)
+                              "--time-limit", "60", "--out", "elsewhere", "--backends", "numba", "triton",
+                              "--numba-max-tokens", "1024"])
+    assert (args.out.name, args.backends, args.batches, args.caches, args.max_tokens, args.numba_max_tokens,
+            args.scan_splits, args.time_limit) == ("elsewhere", ["triton", "numba"], [1, 4], [1024], 4096, 1024, True, 60.0)
     assert decode.parse_args(["--record", "--scan-splits"]).out == records.CHECKOUT_RESULTS
-    for refused in (["--record", "--caches", "1024"], ["--record", "--out", "elsewhere"], ["report"]):
+    assert decode.parse_args(["--record", "--backends", "cupy", "numba", "triton"]).backends == ["triton", "cupy", "numba"]
+    for refused in (["--record", "--caches", "1024"], ["--record", "--out", "elsewhere"], ["report"],
+                    ["--record", "--backends", "triton"], ["--record", "--numba-max-tokens", "4096"],
+                    ["--backends", "numpy"]):
         with pytest.raises(SystemExit):
             decode.parse_args(refused)
+    monkeypatch.setattr(decode, "cuda_backends", lambda: ["triton"])
+    assert decode.parse_args([]).backends == ["triton"]
+    with pytest.raises(SystemExit):  # cupy does not run on CUDA here
+        decode.parse_args(["--backends", "triton", "cupy"])
 
 
-def test_decode_rows_name_the_split_count_the_triton_backend_reports():
+def test_decode_backends_are_those_flashx_runs_on_cuda(monkeypatch):
+    from types import SimpleNamespace
+
+    def info(name, available, devices):
+        return SimpleNamespace(name=name, available=available, devices=devices)
+
+    monkeypatch.setattr(flashx, "backends", lambda: [
+        info("cupy", True, ("cuda",)), info("numba", False, ("cuda",)), info("numpy", True, ("cpu",)),
+        info("triton", True, ("cpu", "cuda"))])
+    assert decode.cuda_backends() == ["triton", "cupy"]
+
+
+def test_decode_implementations_per_backend():
+    assert list(decode.layouts("triton").items()) == [
+        ("triton", None), ("triton-page256", 256), ("triton-page16", 16), ("triton-page1", 1)]
+    assert decode.layouts("numba") == {"numba": None}
+    assert decode.FLASHX["cupy-page16"] == ("cupy", 16)
+    assert (decode.LABELS["triton"], decode.LABELS["cupy-page16"], decode.LABELS["numba"]) == (
+        "flashx triton, contiguous cache", "flashx cupy, pages of 16", "flashx numba, contiguous cache")
+
+
+def test_decode_rows_name_the_split_count_the_backend_reports():
     q = torch.zeros(2, 1, 8, 128, dtype=torch.bfloat16)
     keys, values = (torch.zeros(2, 1024, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     lengths = torch.full((2,), 1000, dtype=torch.int32)
-    assert decode._chosen_splits(q, keys, values, lengths, num_splits=3) == 3
+    assert decode._chosen_splits("triton", q, keys, values, lengths, num_splits=3) == 3
     table = torch.arange(2 * 64, dtype=torch.int32).view(2, 64)
     k_pages, v_pages = (torch.zeros(2 * 64, 16, 2, 128, dtype=torch.bfloat16) for _ in range(2))
-    assert decode._chosen_splits(q, k_pages, v_pages, lengths, block_table=table, num_splits=5) == 5
+    assert decode._chosen_splits("triton", q, k_pages, v_pages, lengths, block_table=table, num_splits=5) == 5
 
 
 def test_decode_record_is_the_device_record(decode_results, tmp_path, monkeypatch):
@@ -281,24 +316,65 @@ def test_decode_record_is_the_device_record(decode_results, tmp_path, monkeypatc
     assert sorted(path.name for path in tmp_path.iterdir()) == ["decode-h100.json", "decode-h100.md", "history.csv"]
     assert records.load_json(tmp_path / "decode-h100.json") == decode_results
     history = _history(tmp_path)
-    assert len(history) == 1 + 11  # the copy bandwidth, and every row but the out-of-memory one
+    assert len(history) == 1 + 20  # the copy bandwidth, and every row but the out-of-memory one
     assert [(r["impl"], r["batch"], r["seqlen"], r["metric"], r["value"]) for r in history[:2]] == [
-        ("", "", "", "copy_tbps", "3"), ("flashx", "1", "16384", "tbps", "2.7")]
+        ("", "", "", "copy_tbps", "3"), ("triton", "1", "65536", "tbps", "2.8")]
+
+
+def test_decode_targets(decode_results):
+    """Issue 42's targets, each met, not met, or not measured."""
+    found = {t["target"]: (t["measured"], t["met"]) for t in decode.targets(decode_results)}
+    peers = "the faster of cuDNN and FA2, every B in 1..64 and L in 4k..128k"
+    copy = "90% of the copy rate (3.00 TB/s) at B=1, L >= 32k"
+    paged = "of its contiguous rate from B·L >= 64k tokens"
+    assert found == {
+        f"flashx triton, contiguous: >= 0.95x {peers}": ("lowest 0.97x at B=1, L=64k (of 2 points)", True),
+        f"flashx triton, contiguous: >= {copy}": ("93.3% at B=1, L=64k", True),
+        f"flashx triton, pages of 256: >= 95% {paged}": ("lowest 96.4% at B=1, L=64k (of 2 points)", True),
+        f"flashx triton, pages of 16: >= 95% {paged}": ("lowest 92.9% at B=1, L=64k (of 2 points)", False),
+        f"flashx cupy, contiguous: >= 0.95x {peers}": ("lowest 0.90x at B=1, L=64k (of 2 points)", False),
+        f"flashx cupy, contiguous: >= {copy}": ("86.7% at B=1, L=64k", False),
+        f"flashx cupy, pages of 256: >= 95% {paged}": ("lowest 96.2% at B=1, L=64k (of 2 points)", True),
+        # out of memory at B=1: the point that ran meets it, which does not make the target met
+        f"flashx cupy, pages of 16: >= 95% {paged}": ("lowest 96.6% at B=16, L=8k (1 of 2 points measured)", None),
+        "flashx numba, contiguous: >= 50% of triton's rate at B=16, L=8k": ("60% at B=16, L=8k", True),
+    }
+    triton_only = {**decode_results, "rows": [r for r in decode_results["rows"] if not r["impl"].startswith(("cupy", "numba"))]}
+    unmeasured = [t["target"] for t in decode.targets(triton_only) if t["met"] is None]
+    assert len(unmeasured) == 5 and all(t.startswith(("flashx cupy", "flashx numba")) for t in unmeasured)
+    assert {t["measured"] for t in decode.targets(triton_only) if t["met"] is None} == {"no rows"}
 
 
 def test_decode_markdown(decode_results):
+    checks = {("cupy-page16", 16): {"num_splits": 4, "max_diff_vs_fa2": 2**-10, "max_diff_vs_contiguous": 0.0},
+              ("numba", 16): {"max_diff_vs_fa2": 2**-10}}  # numba reports no split count
+    for row in decode_results["rows"]:
+        row.update(checks.get((row["impl"], row["batch"]), {}))
     text = decode.markdown(decode_results)
     assert "**Note.** Measured with tiles since replaced.\n" in text
-    assert "| B=1, L=16k: >= 85% of copy bandwidth | 90.0% (2.70 of 3.00 TB/s) | yes |" in text
-    assert "| >= 1.0x the faster of cuDNN and FA2 at every point | lowest 0.90x (B=1, L=16k) | **no** |" in text
-    assert "| flashx, pages of 256: time <= 1.10x contiguous at every point | worst 1.50x (B=4, L=64k) | **no** |" in text
-    assert "| flashx, pages of 16: time <= 1.10x contiguous at every point | worst 1.04x (B=1, L=16k) | yes |" in text
-    assert "| 4 | 64k | 3.00 (100%) | 2.00 (67%) | error | 2.90 (97%) | 2.90 (97%) | 2.80 (93%) | 1.03x |" in text
-    assert "- flashx-page16: error: OutOfMemoryError: CUDA out of memory" in text
-    assert "| 1 | 16k | 16 | 2.70 | 0.20 | 2.70 |" in text  # the num_splits scan
+    assert ("| flashx triton, contiguous: >= 0.95x the faster of cuDNN and FA2, every B in 1..64 and L in 4k..128k "
+            "| lowest 0.97x at B=1, L=64k (of 2 points) | yes |") in text
+    assert ("| flashx cupy, contiguous: >= 90% of the copy rate (3.00 TB/s) at B=1, L >= 32k | 86.7% at B=1, L=64k "
+            "| **no** |") in text
+    assert "(1 of 2 points measured) | not measured |" in text
+    header = next(line for line in text.splitlines() if line.startswith("| B | L | flashx triton"))
+    assert header.endswith("| SDPA cuDNN | SDPA FlashAttention-2 | triton / faster peer | cupy / faster peer "
+                           "| numba / faster peer |")
+    assert ("| 1 | 64k | 2.80 (93%) | 2.70 (90%) | 2.60 (87%) | 2.50 (83%) | 2.60 (87%) | 2.50 (83%) | error "
+            "| 2.40 (80%) |  | 2.90 (97%) | 2.50 (83%) | 0.97x | 0.90x |  |") in text
+    assert "| 16 | 8k | cupy-page16 | 4 | 9.77e-04 | 0.00e+00 |" in text
+    assert "| 16 | 8k | numba |  | 9.77e-04 |  |" in text
+    assert "- cupy-page16: error: OutOfMemoryError: CUDA out of memory" in text
+    assert "| triton | 1 | 16k | 16 | 2.70 | 0.20 | 2.70 |" in text  # the num_splits scan
     for line in text.splitlines():
         if line.startswith("|"):
             assert line.endswith("|")
+
+
+def test_decode_plot_draws_every_backend(decode_results, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = decode.plot(decode_results, tmp_path / "decode-h100.png")
+    assert path.stat().st_size > 10_000
 
 
 def test_flashx_bench_decode_runs_the_decode_sweep(decode_results, tmp_path):

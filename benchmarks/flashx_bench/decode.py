@@ -1,7 +1,8 @@
-"""flashx bench decode: ``flashx.attention_with_kvcache`` against SDPA's cuDNN and FlashAttention-2 kernels.
+"""flashx bench decode: ``flashx.attention_with_kvcache`` on each GPU backend against SDPA's cuDNN and FA2 kernels.
 
-    flashx bench decode [--out DIR | --record] [--batches 1 4 16 64] [--caches 1024 ... 131072]
-                        [--max-tokens N] [--scan-splits] [--time-limit S]
+    flashx bench decode [--out DIR | --record] [--backends triton cupy numba] [--batches 1 4 16 64]
+                        [--caches 1024 ... 131072] [--max-tokens N] [--numba-max-tokens N]
+                        [--scan-splits] [--time-limit S]
     flashx bench decode report FILE.json     # FILE.md and FILE.png again, from the JSON
 
 One decoding step per point: B sequences with L cached tokens each, one query row per sequence,
@@ -11,11 +12,14 @@ are left out (their caches would not fit beside the peers' copies).
 - **What is reported.** TB/s of K/V read, B * L * Hk * (D + Dv) * 2 bytes over the time of one
   step, and that as a fraction of the device-to-device copy bandwidth measured at the start of
   the run ((bytes read + bytes written) / time of copying 2 GiB, as the main sweep counts it).
-- **Implementations.** flashx (its Triton backend, ``validate=False``) on a contiguous cache
-  (B, L, Hk, D) and on paged caches of 256, 16 and 1 slots per page, the same tokens in pages
-  handed out in a random order; SDPA forced to its cuDNN or FlashAttention-2 kernel
-  (``enable_gqa=True``), which need the cache materialised as contiguous (B, Hk, L, D) tensors of
-  exactly L keys (done once per point, not timed).
+- **Implementations.** Each flashx backend of ``--backends`` (by default every one of triton,
+  cupy and numba that runs on CUDA here; ``validate=False``), named after it: on a contiguous
+  cache (B, L, Hk, D), ``triton``, and on paged caches of 256, 16 and 1 slots per page,
+  ``triton-page256`` ..., the same tokens in pages handed out in a random order. Numba gets the
+  contiguous cache alone, at points of at most ``--numba-max-tokens`` tokens (``NUMBA_MAX_TOKENS``
+  says why). SDPA forced to its cuDNN or FlashAttention-2 kernel (``enable_gqa=True``), which need
+  the cache materialised as contiguous (B, Hk, L, D) tensors of exactly L keys (done once per
+  point, not timed).
 - **Timing.** Each implementation's step is captured once in a CUDA graph and its replays are
   timed with CUDA events, the median of REP_MS of replays after WARMUP_MS of them, after a first
   call and REST_S of idle GPU: the way a serving engine runs decoding, and no implementation is
@@ -26,10 +30,18 @@ are left out (their caches would not fit beside the peers' copies).
   of K/V, for every implementation alike: B = 1 at 16k tokens read at 1.5 TB/s instead of 2.2).
   The copy bandwidth is timed the same way, as an eager ``copy_`` (in a graph it becomes a copy
   engine's memcpy node, which ran at 2.4 TB/s against 3.0 for the copy kernel).
-- **Checks.** Each flashx output against SDPA FlashAttention-2's and against flashx's on the
-  contiguous cache (max |difference|: 0 where the paged kernel tiles the keys as the contiguous one).
-- ``--scan-splits``: at a few points, flashx on the contiguous cache at every power-of-two
-  ``num_splits`` beside its own choice (``num_splits=0``), the table behind that choice.
+- **Checks.** Each flashx output against SDPA FlashAttention-2's and against the same backend's
+  on the contiguous cache (max |difference|: 0 where the paged kernel tiles the keys as the
+  contiguous one). Rows of the backends that report their split count (``SPLIT_REPORTERS``) carry
+  the ``num_splits`` they ran.
+- **Targets** (``targets``): issue 42's, on an H100. Triton and CuPy on the contiguous cache at
+  least 0.95x the faster of cuDNN and FA2 at every B in 1..64 and L in 4k..128k, and at least 90%
+  of the copy rate at B = 1 from L = 32k; their pages of 16 and 256 within 5% of their contiguous
+  rate from B * L = 64k tokens; Numba at least half Triton's rate at B = 16, L = 8k. A target whose
+  rows are missing is reported as not measured.
+- ``--scan-splits``: at a few points, each backend that reports its split count on the contiguous
+  cache at every power-of-two ``num_splits`` beside its own choice (``num_splits=0``), the table
+  behind that choice.
 
 The run is the device's decode record (``flashx_bench.records``): ``decode-<device>.partial.json``
 saved after every row, then ``decode-<device>.json``, ``.md`` and ``.png`` replaced and its numbers
@@ -42,6 +54,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import importlib
 import platform
 import time
 from pathlib import Path
@@ -50,42 +64,88 @@ from flashx_bench import records
 
 SHAPE = dict(heads_q=32, heads_k=8, head_dim=128)
 BATCHES = (1, 4, 16, 64)
-CACHES = (1024, 4096, 16384, 65536, 131072)
+CACHES = (1024, 4096, 8192, 16384, 32768, 65536, 131072)  # 8k and 32k: where targets start or sit
 MAX_TOKENS = 2**21  # B * L: the caches of one point then take 4 GiB per copy
-FLASHX = ("flashx", "flashx-page256", "flashx-page16", "flashx-page1")
+BACKENDS = ("triton", "cupy", "numba")  # the flashx backends the sweep can time, in the order it times them
+#: The library each backend's kernels are written with, whose version the record keeps.
+KERNEL_LIBRARIES = {"triton": "triton", "cupy": "cupy", "numba": "numba_cuda"}
+PAGE_SIZES = (256, 16, 1)
+#: Numba's decode is the slow one (untuned float32 FMA tiles, no tensor cores or cp.async:
+#: flashx_numba.decode) and one target reads it, at B = 16, L = 8k (2**17 tokens): it gets the
+#: contiguous cache alone, at points of B * L up to this, which keeps its share of the run small.
+NUMBA_MAX_TOKENS = 2**17
+#: The backends whose plugin reports the split count it runs (``decode_splits``); numba's does not.
+SPLIT_REPORTERS = ("triton", "cupy")
 PEERS = ("sdpa-cudnn", "sdpa-flash")
-LABELS = {
-    "flashx": "flashx, contiguous cache",
-    "flashx-page256": "flashx, pages of 256",
-    "flashx-page16": "flashx, pages of 16",
-    "flashx-page1": "flashx, pages of 1",
-    "sdpa-cudnn": "SDPA cuDNN",
-    "sdpa-flash": "SDPA FlashAttention-2",
-}
 SCAN_POINTS = ((1, 1024), (1, 4096), (1, 16384), (1, 131072), (4, 1024), (4, 16384), (16, 8192), (64, 4096))
 COPY_BYTES = 2**31
 FLUSH_BYTES = 2**28
 WARMUP_MS, REP_MS, REST_S = 25, 100, 0.25
-#: The issue's targets: B = 1 at these caches reaches this fraction of the copy bandwidth; flashx's
-#: time at most the faster peer's everywhere; paged at most these times the contiguous time.
-TARGET_FRACTION, TARGET_CACHES = 0.85, (16384, 65536, 131072)
-TARGET_PAGED = {"flashx-page256": 1.10, "flashx-page16": 1.10, "flashx-page1": 1.25}
+#: Issue 42's targets, on an H100. For each backend of TARGET_BACKENDS, on the contiguous cache: at
+#: least TARGET_PEER_RATIO times the faster peer's rate at every B and L in these ranges, and at
+#: least TARGET_COPY_FRACTION of the copy rate at B = 1 from L = TARGET_COPY_CACHE; its pages of
+#: TARGET_PAGE_SIZES at least TARGET_PAGED_RATIO of its contiguous rate from B * L = TARGET_PAGED_TOKENS.
+#: Numba at least TARGET_NUMBA_RATIO of Triton's rate at TARGET_NUMBA_POINT (B, L), contiguous.
+TARGET_BACKENDS = ("triton", "cupy")
+TARGET_PEER_RATIO, TARGET_PEER_BATCHES, TARGET_PEER_CACHES = 0.95, (1, 64), (4096, 131072)
+TARGET_COPY_FRACTION, TARGET_COPY_CACHE = 0.90, 32768
+TARGET_PAGE_SIZES, TARGET_PAGED_RATIO, TARGET_PAGED_TOKENS = (256, 16), 0.95, 65536
+TARGET_NUMBA_RATIO, TARGET_NUMBA_POINT = 0.50, (16, 8192)
+
+
+def layouts(backend: str) -> dict[str, int | None]:
+    """The implementations of one flashx backend: name -> page size (None: the contiguous cache)."""
+    pages = () if backend == "numba" else PAGE_SIZES  # NUMBA_MAX_TOKENS says why
+    return {backend: None, **{f"{backend}-page{size}": size for size in pages}}
+
+
+#: flashx implementation -> (its backend, its page size or None)
+FLASHX = {name: (backend, page) for backend in BACKENDS for name, page in layouts(backend).items()}
+LABELS = {
+    **{name: f"flashx {backend}, " + ("contiguous cache" if page is None else f"pages of {page}")
+       for name, (backend, page) in FLASHX.items()},
+    "sdpa-cudnn": "SDPA cuDNN",
+    "sdpa-flash": "SDPA FlashAttention-2",
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The sweep's options; ``args.out`` is where the record goes (``--record``: the checkout's)."""
+    """The sweep's options; ``args.out`` is where the record goes (``--record``: the checkout's);
+    for a run, ``args.backends`` is the backends to time, in BACKENDS' order."""
     parser = argparse.ArgumentParser(prog="flashx bench decode", description=__doc__.split("\n")[0])
     records.add_sweep_arguments(parser)
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS,
+                        help="flashx backends to time (default: each of them that runs on CUDA here)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--caches", type=int, nargs="+", default=list(CACHES))
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--numba-max-tokens", type=int, default=NUMBA_MAX_TOKENS,
+                        help=f"numba runs at points of B * L up to this (default {NUMBA_MAX_TOKENS})")
     parser.add_argument("--scan-splits", action="store_true", help="also time every power-of-two num_splits")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds; what is left is marked skipped")
     args = parser.parse_args(argv)
-    partial = [flag for flag, used in (("--batches", args.batches != list(BATCHES)),
-                                       ("--caches", args.caches != list(CACHES)),
-                                       ("--max-tokens", args.max_tokens != MAX_TOKENS)) if used]
+    partial = []
+    if args.command == "run":
+        runnable = cuda_backends()
+        args.backends = runnable if args.backends is None else [name for name in BACKENDS if name in args.backends]
+        refused = [name for name in args.backends if name not in runnable]
+        if refused:
+            parser.error(f"--backends: {', '.join(refused)} cannot run on CUDA here (`flashx info` says why)")
+        partial = ["--backends"] if args.backends != runnable else []
+    partial += [flag for flag, used in (("--batches", args.batches != list(BATCHES)),
+                                        ("--caches", args.caches != list(CACHES)),
+                                        ("--max-tokens", args.max_tokens != MAX_TOKENS),
+                                        ("--numba-max-tokens", args.numba_max_tokens != NUMBA_MAX_TOKENS)) if used]
     return records.resolve_sweep_arguments(parser, args, partial, "decode")
+
+
+def cuda_backends() -> list[str]:
+    """The backends of BACKENDS that flashx can run on CUDA here, in that order."""
+    import flashx
+
+    runnable = {info.name for info in flashx.backends() if info.available and "cuda" in info.devices}
+    return [name for name in BACKENDS if name in runnable]
+
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -94,14 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             import torch
-            import triton  # noqa: F401  (flashx's decode kernels)
         except ImportError as error:
             raise SystemExit(f"flashx bench decode: needs {error.name}: pip install 'flashx-attention[bench]'")
         if not torch.cuda.is_available():
             raise SystemExit("flashx bench decode: no CUDA device here")
+        if not args.backends:
+            raise SystemExit("flashx bench decode: no flashx backend runs on CUDA here (`flashx info` says why)")
         sweep = Sweep(args)
         print(f"the record goes to {args.out}: {sweep.path.name.replace('.partial', '')}, .md, .png replaced; "
-              f"{records.HISTORY} appended")
+              f"{records.HISTORY} appended; backends {', '.join(args.backends)}")
         written = records.publish(sweep.run(), args.out, markdown, plot)
     for path in written:
         print(f"wrote {path}")
@@ -111,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
 class Sweep:
     def __init__(self, args):
         import torch
-        import triton
 
         import flashx
 
@@ -120,13 +180,15 @@ class Sweep:
         self.deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
         name = torch.cuda.get_device_name(self.device)
         today = datetime.date.today().isoformat()
+        libraries = {KERNEL_LIBRARIES[backend]: importlib.import_module(KERNEL_LIBRARIES[backend]).__version__
+                     for backend in args.backends}
         self.results = {
             "kind": "decode",
             "device": name,
             "sm_count": torch.cuda.get_device_properties(self.device).multi_processor_count,
             "date": today,
             "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "triton": triton.__version__, "flashx": flashx.__version__},
+                         **libraries, "flashx": flashx.__version__},
             "shape": {**SHAPE, "dtype": "bfloat16", "seqlen_q": 1},
             "timing": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "rest_s": REST_S, "statistic": "median",
                        "l2_flush": f"read {FLUSH_BYTES} bytes before each step"},
@@ -183,13 +245,17 @@ class Sweep:
                 step = steps[name] = None  # this implementation's caches are freed before the next one's are built
                 torch.cuda.empty_cache()
             self.results["rows"].append(row)
-        for row in self.results["rows"][-len(steps):]:
+        point_rows = self.results["rows"][-len(steps):]
+        for row in point_rows:
             got = outputs.get(row["impl"])
-            for field, reference in (("max_diff_vs_fa2", "sdpa-flash"), ("max_diff_vs_contiguous", "flashx")):
-                if got is not None and reference in outputs and row["impl"] != reference and row["impl"] in FLASHX:
+            if got is None or row["impl"] not in FLASHX:
+                continue
+            contiguous = FLASHX[row["impl"]][0]  # the backend's contiguous implementation bears its name
+            for field, reference in (("max_diff_vs_fa2", "sdpa-flash"), ("max_diff_vs_contiguous", contiguous)):
+                if reference in outputs and reference != row["impl"]:
                     row[field] = float((got - outputs[reference]).abs().max())
         shown = "  ".join(f"{row['impl']} {row['tbps']:.2f}" if row.get("status") == "ok" else f"{row['impl']} {row['status']}"
-                          for row in self.results["rows"][-len(steps):])
+                          for row in point_rows)
         print(f"B={batch:<3} L={cache:<7} TB/s: {shown}", flush=True)
         self._save()
 
@@ -206,13 +272,18 @@ class Sweep:
         values = torch.randn(batch, cache, heads_k, dim, device=self.device, dtype=bf16)
         lengths = torch.full((batch,), cache, dtype=torch.int32, device=self.device)
 
-        def contiguous():
+        def on(backend, k, v, **paging):
             def step():
-                return flashx.attention_with_kvcache(q, keys, values, cache_seqlens=lengths, validate=False,
-                                                     backend="triton")
-            return step, {"num_splits": _chosen_splits(q, keys, values, lengths)}
+                return flashx.attention_with_kvcache(q, k, v, cache_seqlens=lengths, validate=False, backend=backend,
+                                                     **paging)
+            splits = ({"num_splits": _chosen_splits(backend, q, k, v, lengths, **paging)}
+                      if backend in SPLIT_REPORTERS else {})
+            return step, splits
 
-        def paged(page_size):
+        def contiguous(backend):
+            return lambda: on(backend, keys, values)
+
+        def paged(backend, page_size):
             def make():
                 pages = batch * cache // page_size
                 order = torch.randperm(pages, device=self.device)
@@ -221,12 +292,8 @@ class Sweep:
                                     for _ in range(2))
                 k_pages[order] = keys.view(pages, page_size, heads_k, dim)
                 v_pages[order] = values.view(pages, page_size, heads_k, dim)
-
-                def step():
-                    return flashx.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table,
-                                                         validate=False, backend="triton")
-                return step, {"page_size": page_size,
-                              "num_splits": _chosen_splits(q, k_pages, v_pages, lengths, block_table=table)}
+                step, splits = on(backend, k_pages, v_pages, block_table=table)
+                return step, {"page_size": page_size, **splits}
             return make
 
         def sdpa(kernel):
@@ -245,12 +312,20 @@ class Sweep:
                 return step, {}
             return make
 
-        steps = {"flashx": contiguous}
-        steps.update({f"flashx-page{p}": paged(p) for p in (256, 16, 1) if cache % p == 0})
+        steps = {}
+        for backend in self.args.backends:
+            if backend == "numba" and batch * cache > self.args.numba_max_tokens:
+                continue
+            for name, page_size in layouts(backend).items():
+                if page_size is None:
+                    steps[name] = contiguous(backend)
+                elif cache % page_size == 0:
+                    steps[name] = paged(backend, page_size)
         steps.update({name: sdpa(name) for name in PEERS})
         return steps
 
     def _scan(self, batch: int, cache: int) -> None:
+        """Each backend of SPLIT_REPORTERS timed at every power-of-two ``num_splits`` (0: its own choice)."""
         import torch
 
         import flashx
@@ -260,21 +335,23 @@ class Sweep:
         keys, values = (torch.randn(batch, cache, heads_k, dim, device=self.device, dtype=torch.bfloat16)
                         for _ in range(2))
         lengths = torch.full((batch,), cache, dtype=torch.int32, device=self.device)
-        times = {}
-        for splits in (0, 1, 2, 4, 8, 16, 32, 64, 128):
-            if self._out_of_time():
-                break
-            ms, _ = self._time(lambda: flashx.attention_with_kvcache(q, keys, values, cache_seqlens=lengths,
-                                                                     num_splits=splits, validate=False,
-                                                                     backend="triton"))
-            times[splits] = ms
-        row = {"batch": batch, "cache": cache, "chosen": _chosen_splits(q, keys, values, lengths),
-               "tbps": {str(n): _kv_bytes(batch, cache) / ms / 1e9 for n, ms in times.items()}}
-        self.results["splits_scan"].append(row)
-        print(f"splits B={batch} L={cache}: " + "  ".join(f"{n}: {t:.2f}" for n, t in row["tbps"].items()), flush=True)
+        for backend in (name for name in self.args.backends if name in SPLIT_REPORTERS):
+            times = {}
+            for splits in (0, 1, 2, 4, 8, 16, 32, 64, 128):
+                if self._out_of_time():
+                    break
+                step = functools.partial(flashx.attention_with_kvcache, q, keys, values, cache_seqlens=lengths,
+                                         num_splits=splits, validate=False, backend=backend)
+                times[splits], _ = self._time(step)
+            row = {"backend": backend, "batch": batch, "cache": cache,
+                   "chosen": _chosen_splits(backend, q, keys, values, lengths),
+                   "tbps": {str(n): _kv_bytes(batch, cache) / ms / 1e9 for n, ms in times.items()}}
+            self.results["splits_scan"].append(row)
+            shown = "  ".join(f"{n}: {t:.2f}" for n, t in row["tbps"].items())
+            print(f"splits {backend} B={batch} L={cache}: {shown}", flush=True)
+            self._save()
         del q, keys, values
         torch.cuda.empty_cache()
-        self._save()
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -341,12 +418,12 @@ def _kv_bytes(batch: int, cache: int) -> int:
     return batch * cache * SHAPE["heads_k"] * 2 * SHAPE["head_dim"] * 2
 
 
-def _chosen_splits(q, keys, values, lengths, **keywords) -> int:
-    """The split count the Triton backend runs for this call (``num_splits=0``), as the backend reports it."""
+def _chosen_splits(backend: str, q, keys, values, lengths, **keywords) -> int:
+    """The split count ``backend`` (one of SPLIT_REPORTERS) runs for this call (``num_splits=0``), as it reports it."""
     import flashx
 
     problem = flashx.kvcache.explain(q, keys, values, cache_seqlens=lengths, validate=False, **keywords).problem
-    return flashx.registry.get("triton").decode_splits(problem)
+    return flashx.registry.get(backend).decode_splits(problem)
 
 
 # -- the report (from the JSON alone) ------------------------------------------------------------
@@ -364,46 +441,79 @@ def _cache(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def _at_least(target: str, limit: float, values: dict[tuple[int, int], float | None], shown) -> dict:
+    """A target met where every point's value (None: its rows are missing) is at least ``limit``: met
+    (True), not (False), or not measured (None) when no point has its rows, or when the points that
+    have them meet it and others have none."""
+    measured = {point: value for point, value in values.items() if value is not None}
+    if not measured:
+        return {"target": target, "measured": "no rows", "met": None}
+    (batch, cache), lowest = min(measured.items(), key=lambda item: item[1])
+    text = f"{shown(lowest)} at B={batch}, L={_cache(cache)}"
+    missing = len(values) - len(measured)
+    if missing:
+        text = f"lowest {text} ({len(measured)} of {len(values)} points measured)"
+    elif len(values) > 1:
+        text = f"lowest {text} (of {len(values)} points)"
+    return {"target": target, "measured": text, "met": False if lowest < limit else None if missing else True}
+
+
 def targets(results: dict) -> list[dict]:
-    """Each target of the decode issue: what was asked, what was measured, met or not."""
-    rows, copy = _rows(results), results["copy_tbps"]
+    """Each target of issue 42: what was asked, what was measured, and met (True, False, or None:
+    not measured)."""
+    rows, points, copy = _rows(results), _points(results), results["copy_tbps"]
 
     def ok(impl, b, n):
         row = rows.get((impl, b, n))
         return row if row and row.get("status") == "ok" else None
 
-    found = []
-    for n in TARGET_CACHES:
-        row = ok("flashx", 1, n)
-        if row:
-            found.append({"target": f"B=1, L={_cache(n)}: >= {TARGET_FRACTION:.0%} of copy bandwidth",
-                          "measured": f"{row['copy_fraction']:.1%} ({row['tbps']:.2f} of {copy:.2f} TB/s)",
-                          "met": row["copy_fraction"] >= TARGET_FRACTION})
-    worst = None
-    for b, n in _points(results):
-        mine, peers = ok("flashx", b, n), [ok(p, b, n) for p in PEERS]
+    def rate_ratio(impl, reference, b, n):
+        """``impl``'s rate over ``reference``'s at (b, n), None where either has no row."""
+        mine, theirs = ok(impl, b, n), ok(reference, b, n)
+        return mine["tbps"] / theirs["tbps"] if mine and theirs else None
+
+    def over_faster_peer(impl, b, n):
+        mine, peers = ok(impl, b, n), [ok(p, b, n) for p in PEERS]
         peers = [p for p in peers if p]
-        if mine and peers:
-            ratio = min(p["ms"] for p in peers) / mine["ms"]
-            if worst is None or ratio < worst[0]:
-                worst = (ratio, b, n)
-    if worst:
-        found.append({"target": ">= 1.0x the faster of cuDNN and FA2 at every point",
-                      "measured": f"lowest {worst[0]:.2f}x (B={worst[1]}, L={_cache(worst[2])})", "met": worst[0] >= 1.0})
-    for impl, limit in TARGET_PAGED.items():
-        ratios = [(ok(impl, b, n)["ms"] / ok("flashx", b, n)["ms"], b, n) for b, n in _points(results)
-                  if ok(impl, b, n) and ok("flashx", b, n)]
-        if ratios:
-            ratio, b, n = max(ratios)
-            found.append({"target": f"{LABELS[impl]}: time <= {limit:.2f}x contiguous at every point",
-                          "measured": f"worst {ratio:.2f}x (B={b}, L={_cache(n)})", "met": ratio <= limit})
+        return min(p["ms"] for p in peers) / mine["ms"] if mine and peers else None
+
+    (low_b, high_b), (low_n, high_n) = TARGET_PEER_BATCHES, TARGET_PEER_CACHES
+    peer_points = [(b, n) for b, n in points if low_b <= b <= high_b and low_n <= n <= high_n]
+    found = []
+    for backend in TARGET_BACKENDS:
+        contiguous = f"flashx {backend}, contiguous"
+        found.append(_at_least(
+            f"{contiguous}: >= {TARGET_PEER_RATIO:.2f}x the faster of cuDNN and FA2, every B in {low_b}..{high_b} "
+            f"and L in {_cache(low_n)}..{_cache(high_n)}", TARGET_PEER_RATIO,
+            {(b, n): over_faster_peer(backend, b, n) for b, n in peer_points},
+            lambda ratio: f"{ratio:.2f}x"))
+        found.append(_at_least(
+            f"{contiguous}: >= {TARGET_COPY_FRACTION:.0%} of the copy rate ({copy:.2f} TB/s) at B=1, "
+            f"L >= {_cache(TARGET_COPY_CACHE)}", TARGET_COPY_FRACTION,
+            {(b, n): (ok(backend, b, n) or {}).get("copy_fraction") for b, n in points
+             if b == 1 and n >= TARGET_COPY_CACHE},
+            lambda fraction: f"{fraction:.1%}"))
+        for size in TARGET_PAGE_SIZES:
+            found.append(_at_least(
+                f"flashx {backend}, pages of {size}: >= {TARGET_PAGED_RATIO:.0%} of its contiguous rate from "
+                f"B·L >= {_cache(TARGET_PAGED_TOKENS)} tokens", TARGET_PAGED_RATIO,
+                {(b, n): rate_ratio(f"{backend}-page{size}", backend, b, n) for b, n in points
+                 if b * n >= TARGET_PAGED_TOKENS},
+                lambda ratio: f"{ratio:.1%}"))
+    batch, cache = TARGET_NUMBA_POINT
+    found.append(_at_least(
+        f"flashx numba, contiguous: >= {TARGET_NUMBA_RATIO:.0%} of triton's rate at B={batch}, L={_cache(cache)}",
+        TARGET_NUMBA_RATIO, {TARGET_NUMBA_POINT: rate_ratio("numba", "triton", batch, cache)},
+        lambda ratio: f"{ratio:.0%}"))
     return found
 
 
 def markdown(results: dict) -> str:
     rows, impls = _rows(results), [name for name in LABELS if any(r["impl"] == name for r in results["rows"])]
+    backends = [name for name in BACKENDS if name in impls]
     versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
     shape = results["shape"]
+    met = {True: "yes", False: "**no**", None: "not measured"}
     lines = [
         f"# Decoding with a KV cache: {results['device']}, {results['date']}",
         "",
@@ -420,10 +530,11 @@ def markdown(results: dict) -> str:
         "| target | measured | met |",
         "| --- | --- | --- |",
     ]
-    lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |" for t in targets(results)]
+    lines += [f"| {t['target']} | {t['measured']} | {met[t['met']]} |" for t in targets(results)]
     lines += ["", "## TB/s of K/V read (fraction of copy bandwidth)", "",
-              "| B | L | " + " | ".join(LABELS[i] for i in impls) + " | flashx / faster peer |",
-              "| --- | --- | " + " | ".join("---" for _ in impls) + " | --- |"]
+              "| B | L | " + " | ".join(LABELS[i] for i in impls)
+              + "".join(f" | {backend} / faster peer" for backend in backends) + " |",
+              "| --- | --- | " + " | ".join("---" for _ in impls + backends) + " |"]
     for b, n in _points(results):
         cells = []
         for impl in impls:
@@ -435,14 +546,14 @@ def markdown(results: dict) -> str:
             else:
                 mark = "" if row.get("timing") == "graph" else " (eager)"
                 cells.append(f"{row['tbps']:.2f} ({row['copy_fraction']:.0%}){mark}")
-        mine = rows.get(("flashx", b, n))
         peers = [rows.get((p, b, n)) for p in PEERS]
-        peers = [p for p in peers if p and p.get("status") == "ok"]
-        ratio = (f"{min(p['ms'] for p in peers) / mine['ms']:.2f}x" if mine and mine.get("status") == "ok" and peers
-                 else "")
-        lines.append(f"| {b} | {_cache(n)} | " + " | ".join(cells) + f" | {ratio} |")
+        faster = min((p["ms"] for p in peers if p and p.get("status") == "ok"), default=None)
+        for backend in backends:
+            mine = rows.get((backend, b, n))
+            cells.append(f"{faster / mine['ms']:.2f}x" if faster and mine and mine.get("status") == "ok" else "")
+        lines.append(f"| {b} | {_cache(n)} | " + " | ".join(cells) + " |")
     lines += ["", "## Checks (max |difference| of o)", "",
-              "| B | L | impl | splits | vs FA2 | vs flashx contiguous |", "| --- | --- | --- | --- | --- | --- |"]
+              "| B | L | impl | splits | vs FA2 | vs its contiguous cache |", "| --- | --- | --- | --- | --- | --- |"]
     for row in results["rows"]:
         if row["impl"] in FLASHX and row.get("status") == "ok":
             diffs = [f"{row[f]:.2e}" if f in row else "" for f in ("max_diff_vs_fa2", "max_diff_vs_contiguous")]
@@ -453,12 +564,19 @@ def markdown(results: dict) -> str:
         lines += ["", "Not measured:", ""] + [f"- {impl}: {status}" for impl, status in errors]
     if results.get("splits_scan"):
         counts = list(results["splits_scan"][0]["tbps"])
-        lines += ["", "## flashx TB/s by num_splits (contiguous cache; 0 = its own choice)", "",
-                  "| B | L | chosen | " + " | ".join(counts) + " |", "| --- | --- | --- | " + " | ".join("---" for _ in counts) + " |"]
+        lines += ["", "## TB/s by num_splits (contiguous cache; 0 = the backend's own choice)", "",
+                  "| backend | B | L | chosen | " + " | ".join(counts) + " |",
+                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in counts) + " |"]
         for row in results["splits_scan"]:
-            lines.append(f"| {row['batch']} | {_cache(row['cache'])} | {row['chosen']} | "
+            lines.append(f"| {row['backend']} | {row['batch']} | {_cache(row['cache'])} | {row['chosen']} | "
                          + " | ".join(f"{row['tbps'][c]:.2f}" if c in row["tbps"] else "" for c in counts) + " |")
     return "\n".join(lines) + "\n"
+
+
+#: The plot's line colour per backend (the peers are grey), and its style per page size (None: contiguous).
+COLOURS = {"triton": "tab:blue", "cupy": "tab:orange", "numba": "tab:green"}
+STYLES = {None: "-o", 256: "--s", 16: "--^", 1: "--v"}
+PEER_STYLES = {"sdpa-cudnn": ("-x", "black"), "sdpa-flash": ("-+", "tab:gray")}
 
 
 def plot(results: dict, path: Path) -> Path:
@@ -468,29 +586,32 @@ def plot(results: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     batches = sorted({row["batch"] for row in results["rows"]})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), sharey=True, squeeze=False)
-    styles = {"flashx": "-o", "flashx-page256": "--s", "flashx-page16": "--^", "flashx-page1": ":v",
-              "sdpa-cudnn": "-x", "sdpa-flash": "-+"}
+    caches = sorted({row["cache"] for row in results["rows"]})
+    styles = {**{name: (STYLES[page], COLOURS[backend]) for name, (backend, page) in FLASHX.items()}, **PEER_STYLES}
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 4.2), sharey=True, squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        for impl, style in styles.items():
+        for impl, (style, colour) in styles.items():
             points = sorted((r["cache"], r["tbps"]) for r in results["rows"]
                             if r["impl"] == impl and r["batch"] == batch and r.get("status") == "ok")
             if points:
-                ax.plot(*zip(*points), style, label=LABELS[impl], markersize=4)
+                ax.plot(*zip(*points), style, color=colour, label=LABELS[impl], markersize=4)
         ax.axhline(results["copy_tbps"], color="gray", linestyle="--", linewidth=1, label="device copy")
-        ax.axhline(TARGET_FRACTION * results["copy_tbps"], color="gray", linestyle=":", linewidth=1,
-                   label=f"{TARGET_FRACTION:.0%} of copy")
+        ax.axhline(TARGET_COPY_FRACTION * results["copy_tbps"], color="gray", linestyle=":", linewidth=1,
+                   label=f"{TARGET_COPY_FRACTION:.0%} of copy")
         ax.set_xscale("log", base=2)
-        caches = sorted({r["cache"] for r in results["rows"]})
-        ax.set_xticks(caches, [_cache(n) for n in caches])
+        ax.set_xticks(caches, [_cache(n) for n in caches], fontsize=7)
         ax.set_title(f"B = {batch}")
         ax.set_xlabel("cached tokens per sequence")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("TB/s of K/V read")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    legend = {}  # label -> line, from every panel: a backend may run at some batches only (NUMBA_MAX_TOKENS)
+    for ax in axes[0]:
+        for line, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, line)
+    columns = 5
+    fig.legend(legend.values(), legend.keys(), fontsize=7, loc="lower center", ncol=min(len(legend), columns))
     fig.suptitle(f"Decoding, {results['device']} ({results['date']}): bf16, Hq=32, Hk=8, d=128, one query row", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 * -(-len(legend) // columns), 1, 1))  # room for the legend's rows
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
