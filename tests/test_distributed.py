@@ -35,9 +35,10 @@ from flashx_conformance.harness import (OUTPUTS, Case, conformance_failures, mak
                                         make_varlen_case, outputs_of)
 
 import flashx  # noqa: E402
-from flashx.distributed import (_pair, peak_bytes_per_token, ring_attention, shard,  # noqa: E402
+from flashx.distributed import (peak_bytes_per_token, ring_attention, shard,  # noqa: E402
                                 simulate_ring_attention, unshard)
 from flashx.errors import DTypeError, OptionError, ShapeError, UnsupportedError  # noqa: E402
+from flashx.ring.sequences import pair_call  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag")
 SEQLEN = 24  # divisible by 2W for W = 2, 3, 4: every layout fits every group size
@@ -53,14 +54,14 @@ def _band_allowed(band, i, j):
 
 @pytest.mark.parametrize("band", [None, (-1, 0), (3, 0), (0, 0), (2, 5), (0, -1), (7, 1), (1, 9)], ids=str)
 def test_pair_call_reads_exactly_the_pairs_the_band_allows(band):
-    """The rows, keys and window of ``_pair``, read with the contract's bottom-right band, allow
+    """The rows, keys and window of ``pair_call``, read with the contract's bottom-right band, allow
     exactly the pairs the whole sequence's band allows between the query and key positions given
     (of one length, as the chunks of a ring, or of two, as a document's fragments)."""
     lengths = [(1, 1), (3, 3), (5, 5), (2, 5), (5, 1), (4, 7)]
     for (rows_in, keys_in), query_start, key_start in itertools.product(lengths, range(16), range(16)):
         i, j = np.arange(rows_in)[:, None], np.arange(keys_in)[None, :]
         expected = _band_allowed(band, query_start + i, key_start + j) & np.ones((rows_in, keys_in), bool)
-        found = _pair(band, query_start, rows_in, key_start, keys_in)
+        found = pair_call(band, query_start, rows_in, key_start, keys_in)
         if found is None:
             assert not expected.any(), (rows_in, keys_in, query_start, key_start)
             continue
