@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from flashx import arrays, dispatch, registry
-from flashx.errors import DTypeError, ShapeError
+from flashx.errors import DTypeError, ShapeError, UnsupportedError
 from flashx.execute import run_backward, run_forward
 from flashx.options import complete, python_scalar, signature
 from flashx.plan import plan
@@ -33,6 +33,10 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     options = complete("attention", options)
     return_lse = _checked_bool("return_lse", return_lse)
     q, k, v = arrays.under_autocast(q, k, v)
+    if _is_fp8(q) and _wants_grad(q, k, v, options["sinks"]):
+        raise UnsupportedError(f"q, k, v: FP8 attention is forward only (the contract's FP8 section), got "
+                               f"{arrays.dtype_name(q)} tensors that require grad with grad mode on; call it "
+                               f"under torch.no_grad() or on detached tensors")
     if arrays.traced(q):
         from flashx.ops import attention as traced_attention
 
@@ -70,6 +74,9 @@ def attention_backward(do, q, k, v, o, res: Residuals, *, return_lse=True, backe
             raise ShapeError(f"{name}: the backward regenerates dropout from res.{name}={getattr(res, name)}, got {given}")
     options = complete("attention_backward", {**options, "seed": res.seed, "rng_offset": res.rng_offset})
     _checked_bool("return_lse", return_lse)
+    if _is_fp8(q):
+        raise UnsupportedError(f"attention_backward: FP8 attention is forward only (the contract's FP8 section): "
+                               f"no backend computes gradients of {arrays.dtype_name(q)} inputs")
     q, k, v, o, lse = map(arrays.resolved, (q, k, v, o, res.lse))
     problem, impl = plan(q, k, v, backend, options)
     check_like("o", o, problem.o_shape, problem.dtype, problem)
@@ -127,6 +134,11 @@ def _checked_bool(name, value) -> bool:
     if not isinstance(value, bool):
         raise DTypeError(f"{name}: expected a bool, got {value!r}")
     return value
+
+
+def _is_fp8(q) -> bool:
+    """Whether q is an FP8 array: the contract's FP8 section, forward only."""
+    return arrays.kind_of(q) is not None and arrays.dtype_name(q) in arrays.FP8_DTYPES
 
 
 def _wants_grad(*tensors) -> bool:

@@ -3,7 +3,9 @@
 flashx never imports an array library to inspect an array: it reads the type's module,
 and it converts through ``from_dlpack`` of the target library, which shares memory.
 The one copy the contract states: torch bfloat16 going to a NumPy backend (NumPy has no
-bfloat16) is widened to float32 on the way in and rounded back on the way out.
+bfloat16) is widened to float32 on the way in and rounded back on the way out. Torch FP8
+tensors, which DLPack does not carry, go to NumPy and CuPy backends as uint8 views of their
+bits: no copy, and a decoding cache stays writable in place.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any, Callable
 from flashx.errors import DTypeError
 
 KINDS = ("numpy", "torch", "cupy")
+#: The 8-bit input dtypes of the contract's FP8 section, which only torch holds among the kinds.
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 
 _kind_by_type: dict[type, str | None] = {}
@@ -84,7 +88,7 @@ def under_autocast(*xs: Any) -> tuple:
     import torch  # a plain import: Dynamo traces it (importlib would break the graph here)
 
     device = first.device.type
-    if not torch.is_autocast_enabled(device):
+    if not torch.is_autocast_enabled(device) or dtype_name(first) in FP8_DTYPES:  # FP8 is quantized on purpose
         return xs
     dtype = torch.get_autocast_dtype(device)
     return tuple(x.to(dtype) if kind_of(x) == "torch" and x.is_floating_point() else x for x in xs)
@@ -103,6 +107,8 @@ def convert(x: Any, kind: str) -> Any:
         x = x.detach()
         if kind == "numpy" and dtype_name(x) == "bfloat16":
             x = x.float()
+        elif dtype_name(x) in FP8_DTYPES:
+            x = x.view(module("torch").uint8)
     return module(kind).from_dlpack(x)
 
 

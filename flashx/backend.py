@@ -11,6 +11,8 @@ from typing import Any
 
 from flashx.problem import FEATURES, BaseProblem, Problem
 
+#: The dtypes a backend takes unless it declares others; FP8_DTYPES are taken only by naming them,
+#: since FP8 inputs come with descales that a backend must read.
 ALL_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 #: Features a backend has only by naming them: one that keeps the default declaration would
 #: otherwise claim them without reading the Problem fields they add, and compute another function
@@ -74,8 +76,12 @@ class Backend:
         reasons = []
         if problem.device not in self.devices:
             reasons.append(f"runs on {_names(self.devices)}, not {problem.device}")
-        if problem.dtype not in self.dtypes:
+        if problem.fp8 and problem.dtype not in self.dtypes:
+            reasons.append(f"does not implement FP8 inputs ({problem.dtype}) yet")
+        elif problem.dtype not in self.dtypes:
             reasons.append(f"supports dtypes {_names(self.dtypes)}, not {problem.dtype}")
+        if problem.fp8 and "dropout" in problem.features:
+            reasons.append("takes no dropout with FP8 inputs: FP8 attention is forward only (inference), where dropout is off")
         widest = max(problem.head_dim, problem.head_dim_v)
         if widest > self.max_head_dim:
             reasons.append(f"supports head dims up to {self.max_head_dim}, not {widest}")

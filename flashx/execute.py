@@ -52,7 +52,7 @@ def run_decode(impl: Backend, problem: DecodeProblem, q, k_cache, v_cache, k_new
 def _empty_outputs(problem: BaseProblem, q):
     """o = 0 and lse = -inf, or the sink's logit σ_h with sinks: what a problem whose rows read no
     key returns."""
-    o = arrays.full(q, problem.o_shape, 0.0, problem.dtype)
+    o = arrays.full(q, problem.o_shape, 0.0, problem.out_dtype)
     sinks = problem.sinks
     if sinks is None:
         return o, arrays.full(q, problem.lse_shape, -float("inf"), problem.lse_dtype)
@@ -65,7 +65,7 @@ def _caller_outputs(impl: Backend, problem: BaseProblem, q, o, lse):
     """The backend's o and lse, checked, as arrays like q in the contract's dtypes."""
     _check_output(impl, "o", o, problem.o_shape)
     _check_output(impl, "lse", lse, problem.lse_shape)
-    return arrays.to_caller(o, q, problem.dtype), arrays.to_caller(lse, q, problem.lse_dtype)
+    return arrays.to_caller(o, q, problem.out_dtype), arrays.to_caller(lse, q, problem.lse_dtype)
 
 
 def _for_backend(impl: Backend, problem: BaseProblem, *xs):

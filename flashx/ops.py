@@ -38,7 +38,7 @@ from flashx.errors import ShapeError
 from flashx.execute import run_backward, run_decode, run_forward
 from flashx.options import OPTIONS
 from flashx.plan import plan, plan_decode
-from flashx.problem import BlockMask
+from flashx.problem import FP8_DTYPES, FP8_OUT_DTYPES, BlockMask
 from flashx.validation import _is_int, _number
 
 U64 = 2**64
@@ -67,11 +67,16 @@ _TYPES = {
     "rng_offset": "int",
     "dropout_offsets": "int[]?",
     "deterministic": "bool",
+    "q_descale": "Tensor?",
+    "k_descale": "Tensor?",
+    "v_descale": "Tensor?",
+    "out_dtype": "str?",  # a dtype's name: the schema's ScalarType would not take one
     "backend": "str",
 }
 _OPTIONS = ", ".join(f"{type_} {name}" for name, type_ in _TYPES.items())
 _OPTION_NAMES = tuple(_TYPES)
 _SINKS = _OPTION_NAMES.index("sinks")
+_OUT_DTYPE = _OPTION_NAMES.index("out_dtype")
 #: Options given as tuples of ints, lists in an operator's schema.
 _TUPLES = ("window", "dropout_offsets")
 
@@ -109,7 +114,7 @@ def _forward_fake(q, k, v, seed, *options):
         raise ShapeError(f"q, v: expected (B, N, H, D) or (T, H, D) (varlen), "
                          f"got shapes {tuple(q.shape)} and {tuple(v.shape)}")
     # (B, Nq, Hq, Dv) and (B, Hq, Nq) padded, (Tq, Hq, Dv) and (Hq, Tq) varlen.
-    o = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    o = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=_out_dtype(q, options[_OUT_DTYPE]))
     lse = q.new_empty((*q.shape[:-3], q.shape[-2], q.shape[-3]), dtype=_lse_dtype(q))
     return o, lse, torch.empty((), dtype=torch.int64)
 
@@ -205,6 +210,8 @@ def attention(q, k, v, backend, options: dict, return_lse: bool):
     for name in _TUPLES:
         if isinstance(arguments[name], tuple):
             arguments[name] = list(arguments[name])
+    if isinstance(arguments["out_dtype"], torch.dtype):
+        arguments["out_dtype"] = str(arguments["out_dtype"]).removeprefix("torch.")
     seed = None if arguments["seed"] is None else _int64("seed", arguments["seed"])
     o, lse, _ = forward_op(q, k, v, seed, *(arguments[name] for name in _OPTION_NAMES))
     return (o, lse) if return_lse else o
@@ -235,3 +242,10 @@ def _uint64(value: int) -> int:
 
 def _lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _out_dtype(q, out_dtype: str | None):
+    """o's dtype: q's, or for FP8 inputs ``out_dtype`` (a name; None: the default)."""
+    if str(q.dtype).removeprefix("torch.") not in FP8_DTYPES:
+        return q.dtype
+    return getattr(torch, out_dtype or FP8_OUT_DTYPES[0])

@@ -34,6 +34,11 @@ OPTIONS: dict[str, Any] = {
     "rng_offset": 0,
     "dropout_offsets": None,
     "deterministic": False,
+    # FP8 inputs (the contract's FP8 section)
+    "q_descale": None,
+    "k_descale": None,
+    "v_descale": None,
+    "out_dtype": None,
 }
 
 #: Keywords of other attention libraries that flashx spells differently -> the flashx keywords

@@ -34,7 +34,7 @@ from flashx.backend import Backend
 from flashx.problem import BaseProblem, DecodeProblem, Problem
 from flashx.validation import build_decode_problem, build_problem
 
-_SCALARS = frozenset({type(None), bool, int, float})
+_SCALARS = frozenset({type(None), bool, int, float, str})  # str: out_dtype by name
 _PAIRS = ("window", "dropout_offsets")  # options given as a tuple of two ints
 _LIMIT = 256  # distinct calls remembered; past it the cache starts again empty
 

@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from flashx import arrays
+from flashx.arrays import FP8_DTYPES
 
 LOG2E = math.log2(math.e)
 WORD = 0xFFFFFFFF
+#: What o may be rounded to for FP8 inputs (``FP8_DTYPES``); the first is the default.
+FP8_OUT_DTYPES = ("bfloat16", "float16")
 
 #: The optional features a problem may use; a backend declares the ones it implements.
 FEATURES = {
@@ -81,7 +84,7 @@ class BaseProblem:
     array_kind: str  # "numpy" | "torch" | "cupy": the kind of the caller's arrays
     device: str  # "cpu" | "cuda"
     device_index: int | None
-    dtype: str  # "float16" | "bfloat16" | "float32" | "float64"
+    dtype: str  # "float16" | "bfloat16" | "float32" | "float64", or one of FP8_DTYPES
     batch: int  # B: sequences
     heads_q: int
     heads_k: int
@@ -95,6 +98,16 @@ class BaseProblem:
     alibi_slopes: Any = None  # (Hq,) or (B, Hq), in lse_dtype
     sinks: Any = None  # (Hq,), in lse_dtype: one logit per query head in every row's softmax denominator
     deterministic: bool = False  # a backward whose bits do not depend on scheduling
+    out_dtype: str | None = None  # o's dtype: q's (None is read as q's), or one of FP8_OUT_DTYPES for FP8 inputs
+
+    def __post_init__(self):
+        if self.out_dtype is None:
+            object.__setattr__(self, "out_dtype", self.dtype)
+
+    @property
+    def fp8(self) -> bool:
+        """FP8 inputs (the contract's FP8 section): forward only, dequantized by descales."""
+        return self.dtype in FP8_DTYPES
 
     @property
     def group(self) -> int:
@@ -183,6 +196,8 @@ class BaseProblem:
         if self.window is not None:
             parts.append(f"window={self.window}")
         parts += [name for name in ("softcap", "alibi", "sinks") if name in self.features]
+        if self.fp8:
+            parts.append(f"out {self.out_dtype}, forward only (FP8)")
         return ", ".join(parts + self._details())
 
     def _shapes(self) -> str:
@@ -202,7 +217,7 @@ class Problem(BaseProblem):
 
     operation: ClassVar[str] = "attention"
     ARRAYS: ClassVar[tuple[str, ...]] = ("alibi_slopes", "sinks", "mask", "block_mask", "seqlens_q", "seqlens_k",
-                                         "cu_seqlens_q", "cu_seqlens_k")
+                                         "cu_seqlens_q", "cu_seqlens_k", "q_descale", "k_descale", "v_descale")
     PER_CALL: ClassVar[tuple[str, ...]] = ("seed", "rng_offset")
 
     seqlen_q: int  # padded: Nq; varlen: the longest query sequence (max_seqlen_q)
@@ -219,6 +234,10 @@ class Problem(BaseProblem):
     seed: int = 0
     rng_offset: int = 0
     dropout_offsets: tuple[int, int] = (0, 0)  # dropout counter positions of query row 0 and key 0
+    # FP8 inputs: (B, Hk) float32 dequantization factors, None meaning 1; query head h uses q_descale[b, h // group]
+    q_descale: Any = None
+    k_descale: Any = None
+    v_descale: Any = None
 
     @property
     def varlen(self) -> bool:

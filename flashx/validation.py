@@ -3,7 +3,8 @@
 
 Each error names the argument, what was expected and what was given (the contract's Errors
 section, docs/contract.md). Lengths and offsets (seqlens, cu_seqlens) are read on the host: a
-wrong value there would make a kernel read out of bounds, so it is worth one small copy.
+wrong value there would make a kernel read out of bounds, so it is worth one small copy. So are
+FP8 descales: a zero, negative or NaN one would silently void every score of its head.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from flashx import arrays
 from flashx.backend import ALL_DTYPES
 from flashx.errors import DeviceError, DTypeError, OptionError, ShapeError
 from flashx.options import complete, python_scalar
-from flashx.problem import BlockMask, DecodeProblem, Problem, default_scale
+from flashx.problem import FP8_DTYPES, FP8_OUT_DTYPES, BlockMask, DecodeProblem, Problem, default_scale
 
 U64 = 2**64
-ARRAY_OPTIONS = ("alibi_slopes", "sinks", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
+ARRAY_OPTIONS = ("alibi_slopes", "sinks", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k",
+                 "q_descale", "k_descale", "v_descale")
+DESCALES = ("q_descale", "k_descale", "v_descale")
 INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
@@ -32,7 +35,7 @@ def build_problem(q, k, v, **options) -> Problem:
         setattr(o, name, arrays.resolved(getattr(o, name)))
     if isinstance(o.block_mask, BlockMask) and arrays.resolved(o.block_mask.blocks) is not o.block_mask.blocks:
         o.block_mask = BlockMask(arrays.resolved(o.block_mask.blocks), o.block_mask.block_size)
-    kind, device, device_index, dtype = _operands(q, k=k, v=v)
+    kind, device, device_index, dtype = _operands(q, ALL_DTYPES | FP8_DTYPES, k=k, v=v)
 
     varlen = o.cu_seqlens_q is not None or o.cu_seqlens_k is not None
     if varlen and (o.cu_seqlens_q is None or o.cu_seqlens_k is None):
@@ -104,6 +107,8 @@ def build_problem(q, k, v, **options) -> Problem:
         _number("seed", o.seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
     _number("rng_offset", o.rng_offset, _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
     o.dropout_offsets = (0, 0) if o.dropout_offsets is None else _dropout_offsets(o.dropout_offsets)
+    descales, out_dtype = _fp8_options({name: getattr(o, name) for name in DESCALES}, o.out_dtype, dtype, batch,
+                                       heads_k, kind, device, device_index)
 
     return Problem(
         array_kind=kind,
@@ -136,17 +141,19 @@ def build_problem(q, k, v, **options) -> Problem:
         rng_offset=int(o.rng_offset),
         dropout_offsets=o.dropout_offsets,
         deterministic=o.deterministic,
+        out_dtype=out_dtype,
+        **descales,
     )
 
 
-def _operands(q, **others) -> tuple:
-    """q's kind, device, device index and dtype, checked, and each of ``others`` (None: absent)
-    an array of q's kind, device and dtype."""
+def _operands(q, dtypes, **others) -> tuple:
+    """q's kind, device, device index and dtype (one of ``dtypes``), checked, and each of
+    ``others`` (None: absent) an array of q's kind, device and dtype."""
     kind = arrays.require_array(q, "q")
     device, device_index = arrays.device_of(q)
     dtype = arrays.dtype_name(q)
-    if dtype not in ALL_DTYPES:
-        raise DTypeError(f"q: expected one of {sorted(ALL_DTYPES)}, got {dtype}")
+    if dtype not in dtypes:
+        raise DTypeError(f"q: expected one of {sorted(dtypes)}, got {dtype}")
     for name, x in others.items():
         if x is not None:
             _same_array_as_q(name, x, kind, device, device_index)
@@ -242,6 +249,46 @@ def _real_array(name, x, shapes, dtype, kind, device, device_index):
     return arrays.astype(arrays.detached(x), dtype)
 
 
+def _fp8_options(descales: dict, out_dtype, dtype, batch, heads_k, kind, device, device_index):
+    """(descales, o's dtype) of the contract's FP8 section: each descale a float32 (B, Hk) array
+    of finite values > 0, or None; o in ``out_dtype`` for FP8 inputs, in q's dtype otherwise."""
+    fp8 = dtype in FP8_DTYPES
+    given = [name for name, x in descales.items() if x is not None] + ["out_dtype"] * (out_dtype is not None)
+    if given and not fp8:
+        raise DTypeError(f"{given[0]}: only for FP8 inputs ({', '.join(sorted(FP8_DTYPES))}), got q of dtype {dtype}")
+    checked = {name: None if x is None else _descale(name, x, batch, heads_k, kind, device, device_index)
+               for name, x in descales.items()}
+    return checked, _out_dtype(out_dtype) if fp8 else dtype
+
+
+def _descale(name, x, batch, heads_k, kind, device, device_index):
+    _same_array_as_q(name, x, kind, device, device_index)
+    if arrays.dtype_name(x) != "float32":
+        raise DTypeError(f"{name}: expected a float32 array of shape (B, Hk), got dtype {arrays.dtype_name(x)}")
+    if tuple(x.shape) != (batch, heads_k):
+        raise ShapeError(f"{name}: expected shape ({batch}, {heads_k}) (B, Hk), got {tuple(x.shape)}")
+    import numpy as np
+
+    values = np.asarray(arrays.to_host(x))
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        b, h = (int(i) for i in np.argwhere(bad)[0])
+        raise OptionError(f"{name}: expected finite descales > 0, got {values[b, h]} at [{b}, {h}] "
+                          f"({int(bad.sum())} of {bad.size} are not)")
+    return arrays.detached(x)
+
+
+def _out_dtype(value) -> str:
+    """o's dtype for FP8 inputs: a name of FP8_OUT_DTYPES or the torch dtype, None for the first."""
+    if value is None:
+        return FP8_OUT_DTYPES[0]
+    name = str(value).removeprefix("torch.") if type(value).__module__ == "torch" else value
+    if name not in FP8_OUT_DTYPES:
+        raise DTypeError(f"out_dtype: expected one of {', '.join(FP8_OUT_DTYPES)} (a name or the torch dtype) "
+                         f"or None, got {value!r}")
+    return name
+
+
 def _bool_broadcastable(name, x, shape, kind, device, device_index):
     _same_array_as_q(name, x, kind, device, device_index)
     if arrays.dtype_name(x) != "bool":
@@ -304,7 +351,8 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     causal, window, softmax_scale, softcap, num_splits, validate = map(
         python_scalar, (causal, window, softmax_scale, softcap, num_splits, validate))
     q, mask, alibi_slopes, sinks = (None if x is None else arrays.resolved(x) for x in (q, mask, alibi_slopes, sinks))
-    kind, device, device_index, dtype = _operands(q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+    kind, device, device_index, dtype = _operands(q, ALL_DTYPES, k_cache=k_cache, v_cache=v_cache, k_new=k_new,
+                                                  v_new=v_new)
     like_q = (kind, device, device_index)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if arrays.resolved(x) is not x:

@@ -15,6 +15,7 @@ class NumpyBackend(flashx.Backend):
     version = flashx.__version__
     array_kind = "numpy"
     devices = frozenset({"cpu"})
+    dtypes = flashx.backend.ALL_DTYPES | flashx.problem.FP8_DTYPES  # FP8 forward: flashx_numpy.fp8
     max_head_dim = 1024
     features = frozenset(flashx.problem.FEATURES)
     deterministic_backward = True

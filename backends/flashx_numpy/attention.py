@@ -31,6 +31,12 @@ exp(lse_keys - lse). The backward needs nothing new for dq, dk, dv (P = exp(S - 
 sink's lse); dsinks[h] = -sum of exp(sink - lse) * D over the rows of head h that read a key,
 which the tiles record as they visit them, so that do of an empty row is never read.
 
+FP8 inputs (forward only) are dequantized to float32 once, descales multiplied in
+(``flashx_numpy.fp8``). A row's ref then follows every new maximum, without the conditional
+rescaling, so that P <= 1 and P = 1 exactly at the maximum, and each tile's P is rounded to e4m3
+before its product with V, as plain attention in FP8 rounds its weights; the row sums add P
+before the rounding.
+
 Peak extra memory: one score tile per worker plus per-head copies of K and V (and, in
 the backward, of the head group's q, dO and dq): O(N * block), never N^2.
 """
@@ -44,6 +50,7 @@ from functools import partial, reduce
 import numpy as np
 
 from flashx import Problem
+from flashx_numpy import fp8
 from flashx_numpy.parallel import workers
 from flashx_numpy.philox import dropout_keep
 
@@ -258,7 +265,9 @@ def _keep(problem: Problem, seq, heads: slice, i0, i1, j0, j1) -> np.ndarray:
 
 
 def forward(problem: Problem, q, k, v, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
-    """(o, lse) in the layouts of the contract's Shapes section; o in q's dtype."""
+    """(o, lse) in the layouts of the contract's Shapes section; o in q's dtype (float32 for FP8)."""
+    if problem.fp8:
+        q, k, v = fp8.dequantized(problem, q, k, v)
     dtype = _compute_dtype(problem)
     # NaN until written: an element the tiles miss cannot pass for a result.
     o = np.full(problem.o_shape, np.nan, q.dtype)
@@ -296,6 +305,10 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
     acc = np.zeros((rows, dim_v + 1), dtype)  # [sum_j P_ij v_j | sum_j P_ij], in units of exp(ref)
     pv = np.empty_like(acc)
     scores_buffer = np.empty(block_k * rows, dtype)
+    # FP8 rounds P to e4m3, which keeps 4 significant bits: its ref follows every new maximum
+    # (P <= 1, a row's largest P exactly 1, as in plain attention in FP8) rather than letting the
+    # largest P of a row, the one that weighs most, take the rounding of an arbitrary value.
+    margin = 0.0 if problem.fp8 else _RESCALE_MARGIN
 
     def scores(j0, j1, disallowed):  # (S - ref)^T of a tile, disallowed elements -inf
         s = scores_buffer[: (j1 - j0) * rows].reshape(j1 - j0, rows)
@@ -309,14 +322,17 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
 
     def exp_times_values(s, j0, j1, disallowed):  # [P V | sum_j P]: s becomes P in place
         np.exp(s, out=s)
+        # the normaliser sums P before dropout (dropped elements count) and before FP8's rounding
+        total = s.sum(axis=0) if p or problem.fp8 else None
+        if problem.fp8:  # plain attention in FP8 multiplies V by P rounded to e4m3
+            s[...] = fp8.round_e4m3(s)
         if p:
-            total = s.sum(axis=0)  # the normaliser counts dropped elements too
             # A dropped pair adds exactly 0, as a disallowed one does, even where v holds NaN.
             dropped = ~_keep(problem, seq, heads, i0, i1, j0, j1)
             np.copyto(s, 0, where=dropped)
             disallowed = dropped if disallowed is None else disallowed | dropped
         _masked_matmul(s.T, values[j0:j1], None if disallowed is None else disallowed.T, out=pv)
-        if p:
+        if total is not None:
             pv[:, -1] = total
         return pv
 
@@ -328,7 +344,7 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
             if not any_allowed:
                 continue
             s = scores(j0, j1, disallowed)
-            if started.all():
+            if started.all() and not problem.fp8:
                 # The usual tile once every row has its ref: no pass for the maxima. A row
                 # that ran far ahead (or holds NaN) shows in its sum of P; then the tile is
                 # done again the careful way.
@@ -338,7 +354,7 @@ def _forward_tile_rows(problem, seq, tiles, head_k, i0, i1, q, keys, values, o, 
                     continue
                 s = scores(j0, j1, disallowed)
             ahead = s.max(axis=0)
-            moved = (ahead > _RESCALE_MARGIN) | (~started & (ahead > -np.inf))
+            moved = (ahead > margin) | (~started & (ahead > -np.inf))
             if moved.any():
                 shift = np.where(moved, ahead, 0)
                 s -= shift

@@ -5,6 +5,10 @@ handed to ``flashx.attention_forward`` / ``attention_backward`` with ``backend=N
 arrays of the backend's kind on the chosen device. The oracle sees the very same rounded
 values (a case's real auxiliary arrays, slopes and sinks, hold float32 values: what the core
 hands backends). A problem the backend declares unsupported is skipped with the backend's reasons.
+
+An FP8 case (the contract's FP8 section) holds its inputs in the quantized domain, its descales
+among the keywords: the backend receives the inputs rounded to the FP8 dtype, the oracle the real
+values they stand for. It runs the forward alone and is judged on o and lse.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import pytest
 
 import flashx
+from flashx.problem import FP8_DTYPES, FP8_OUT_DTYPES
 from flashx_conformance import oracle
 from flashx_conformance.tolerance import AXES, judge, judge_exact, reference_precision, round_to
 
@@ -38,7 +43,9 @@ OUTPUTS = ("o", "lse", "dq", "dk", "dv")
 
 
 def outputs_of(case) -> tuple[str, ...]:
-    """The outputs a case has: OUTPUTS, and dsinks when it passes sinks."""
+    """The outputs a case has: OUTPUTS, and dsinks when it passes sinks; o and lse for FP8 (forward only)."""
+    if case.fp8:
+        return OUTPUTS[:2]
     return OUTPUTS + (("dsinks",) if case.options.get("sinks") is not None else ())
 
 #: How an input is laid out in memory; every layout shows the values of the contiguous one.
@@ -72,6 +79,31 @@ class Case:
     @property
     def varlen(self) -> bool:
         return self.options.get("cu_seqlens_q") is not None
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def output_dtype(self) -> str:
+        """o's dtype: the inputs', or for FP8 ``out_dtype`` (a name here)."""
+        return (self.options.get("out_dtype") or FP8_OUT_DTYPES[0]) if self.fp8 else self.dtype
+
+    def real(self, poisoned: bool = True) -> dict[str, np.ndarray]:
+        """The values the oracle computes with: ``rounded``, and for FP8 times their descales."""
+        rounded = self.rounded(poisoned)
+        if not self.fp8:
+            return rounded
+        group = rounded["q"].shape[-2] // rounded["k"].shape[-2]
+        cu = {"q": self.options.get("cu_seqlens_q"), "k": self.options.get("cu_seqlens_k")}
+        return {**rounded, **{name: oracle.dequantize(rounded[name], self.options.get(f"{name}_descale"),
+                                                      group if name == "q" else 1, cu["q" if name == "q" else "k"])
+                              for name in ("q", "k", "v")}}
+
+    @property
+    def oracle_options(self) -> dict:
+        """The keywords of the oracle's functions, which take real values: without FP8's."""
+        return {name: value for name, value in self.options.items() if name not in oracle.FP8_OPTIONS}
 
     def with_poison(self, name: str, where, value: float = math.nan) -> "Case":
         """The case with ``value`` written into input ``name`` where ``where`` (broadcast) holds."""
@@ -189,7 +221,8 @@ class Target:
     # -- arrays --------------------------------------------------------------------------
     def caller_kind(self, dtype: str) -> str:
         """The kind of array the suite passes: the backend's, or torch where that kind lacks the dtype."""
-        return "torch" if dtype == "bfloat16" and self.kind in ("numpy", "cupy") else self.kind
+        lacking = dtype == "bfloat16" or dtype in FP8_DTYPES
+        return "torch" if lacking and self.kind in ("numpy", "cupy") else self.kind
 
     def array(self, x: np.ndarray, dtype: str, layout: str = "contiguous", element: str | None = None, torch: bool = False):
         """``x`` as an array of the caller kind for ``dtype`` (torch if ``torch``), on the device.
@@ -254,8 +287,10 @@ class Target:
         q, k, v, do = (inputs[name] for name in TENSORS)
         self.skip_unless_supported(q, k, v, **options)
         _poison_free_memory(inputs.values())
+        if case.fp8:  # o has another dtype than the inputs: its blocks too
+            _poison_free_memory([self.array(np.zeros(q.shape[:-1] + v.shape[-1:]), case.output_dtype)])
         o, res = flashx.attention_forward(q, k, v, backend=self.name, **options)
-        grads = flashx.attention_backward(do, q, k, v, o, res, backend=self.name, **options)
+        grads = () if case.fp8 else flashx.attention_backward(do, q, k, v, o, res, backend=self.name, **options)
         self.check_kinds(case, q, dict(zip(outputs_of(case), (o, res.lse, *grads))))
         return (o, res, *grads)
 
@@ -266,10 +301,12 @@ class Target:
                 pytest.skip(f"{self.name}: " + "; ".join(row.reasons))
 
     def check_kinds(self, case: Case, q, outputs: dict):
-        """Outputs are arrays like q (kind, device), o and gradients in q's dtype, lse in float32/float64."""
+        """Outputs are arrays like q (kind, device), o in ``case.output_dtype``, gradients in q's dtype,
+        lse in float32/float64."""
         problems = []
         for name, x in outputs.items():
-            expected = ("float64" if case.dtype == "float64" else "float32") if name in ("lse", "dsinks") else case.dtype
+            expected = (("float64" if case.dtype == "float64" else "float32") if name in ("lse", "dsinks")
+                        else case.output_dtype if name == "o" else case.dtype)
             got = flashx.arrays.dtype_name(x)
             if type(x) is not type(q) or flashx.arrays.device_of(x) != flashx.arrays.device_of(q) or got != expected:
                 problems.append(f"{name}: {type(x).__name__} {got} on {flashx.arrays.device_of(x)}, expected {type(q).__name__} {expected} on {flashx.arrays.device_of(q)}")
@@ -301,37 +338,43 @@ class Target:
 def conformance_failures(case: Case, got: dict[str, np.ndarray], relative_norm: bool = True) -> list[str]:
     """Everything in ``got`` (float64 outputs) that breaks the contract for ``case``."""
     precision = reference_precision(case.dtype)
-    poisoned, clean = case.rounded(poisoned=True), case.rounded(poisoned=False)
-    expected = oracle.forward_backward(*(poisoned[name].astype(precision) for name in ("do", "q", "k", "v")), **case.options)
-    naive = [
-        oracle.naive(*(clean[name] for name in ("do", "q", "k", "v")), case.dtype, backward=backward, **case.options)
-        for backward in ("autograd", "rowsum")
-    ]
-    terms = oracle.term_magnitudes(*(clean[name] for name in ("do", "q", "k", "v")), **case.options)
+    poisoned, clean = case.real(poisoned=True), case.real(poisoned=False)
+    options = case.oracle_options
+    expected = oracle.forward_backward(*(poisoned[name].astype(precision) for name in ("do", "q", "k", "v")), **options)
+    if case.fp8:  # plain attention in FP8, on the quantized values; judged in the output's dtype
+        rounded = case.rounded(poisoned=False)
+        naive = [oracle.naive_fp8(*(rounded[name] for name in ("q", "k", "v")), **case.options)]
+        relative_norm = False
+    else:
+        naive = [oracle.naive(*(clean[name] for name in ("do", "q", "k", "v")), case.dtype, backward=backward, **options)
+                 for backward in ("autograd", "rowsum")]
+    terms = oracle.term_magnitudes(*(clean[name] for name in ("do", "q", "k", "v")), **options)
     axes = AXES["varlen" if case.varlen else "padded"]
     lse = np.asarray(expected[OUTPUTS.index("lse")], dtype=np.float64)
     lse_magnitude = float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
     failures = [
-        judge(name, got[name], expected[n], [baseline[n] for baseline in naive], terms[n], case.dtype, axes[name],
+        judge(name, got[name], expected[n], [baseline[n] for baseline in naive], terms[n], case.output_dtype, axes[name],
               relative_norm, lse_magnitude)
         for n, name in enumerate(outputs_of(case))
     ]
     shapes = {name: poisoned[name] for name in ("q", "k", "v")}
-    empty = oracle.empty_rows(**shapes, **case.options)  # lse layout
+    empty = oracle.empty_rows(**shapes, **options)  # lse layout
     rows = empty.T if case.varlen else empty.swapaxes(1, 2)  # (Tq, Hq) or (B, Nq, Hq)
-    unread = oracle.unread_keys(**shapes, **case.options)[..., None]
+    unread = oracle.unread_keys(**shapes, **options)[..., None]
     why_row, why_key = "rows with no allowed key", "keys no allowed pair reads"
     sinks = case.options.get("sinks")
     # with sinks, such a row's lse is its head's sink: heads are the second-to-last axis of
     # (B, Hq, Nq) and the first of (Hq, Tq)
     empty_lse = -math.inf if sinks is None else np.asarray(sinks, dtype=np.float64)[:, None]
-    failures += [
-        judge_exact("o", got["o"], 0.0, rows[..., None], axes["o"], why_row),
-        judge_exact("lse", got["lse"], empty_lse, empty, axes["lse"], why_row),
-        judge_exact("dq", got["dq"], 0.0, rows[..., None], axes["dq"], why_row),
-        judge_exact("dk", got["dk"], 0.0, unread, axes["dk"], why_key),
-        judge_exact("dv", got["dv"], 0.0, unread, axes["dv"], why_key),
-    ]
+    exact = {
+        "o": (0.0, rows[..., None], why_row),
+        "lse": (empty_lse, empty, why_row),
+        "dq": (0.0, rows[..., None], why_row),
+        "dk": (0.0, unread, why_key),
+        "dv": (0.0, unread, why_key),
+    }
+    failures += [judge_exact(name, got[name], value, selected, axes[name], why)
+                 for name, (value, selected, why) in exact.items() if name in got]
     return [failure for failure in failures if failure]
 
 

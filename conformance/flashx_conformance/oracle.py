@@ -16,6 +16,9 @@ exactly as plain IEEE arithmetic over the allowed pairs would: see ``_masked_mat
 
 ``naive`` is the other half of the tolerance rule: plain attention computed by torch on
 CPU in the input dtype itself (scores, softmax and products all rounded to that dtype).
+
+FP8 inputs (the contract's FP8 section) stand for real values: ``dequantize`` gives them in
+float64, exactly, for every function above; ``naive_fp8`` is their baseline, plain attention in FP8.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ OPTIONS = (
 )
 #: Keywords accepted for call compatibility with flashx.attention; they change no value.
 HINTS = ("max_seqlen_q", "max_seqlen_k", "deterministic")
+#: The keywords of FP8 inputs: ``naive_fp8`` takes them; the other functions see dequantized inputs.
+FP8_OPTIONS = ("q_descale", "k_descale", "v_descale", "out_dtype")
 
 
 def forward(q, k, v, **options):
@@ -185,6 +190,71 @@ def naive(do, q, k, v, dtype: str, *, backward: str = "autograd", **options):
 
     return dense.outputs({"o": numpy(o), "lse": numpy(lse), "dq": numpy(dq), "dk": numpy(dk), "dv": numpy(dv),
                           "dsinks": numpy(dsinks)})
+
+
+def dequantize(x8, descale, group: int = 1, cu_seqlens=None) -> np.ndarray:
+    """The real values FP8 data stands for, in float64 (exact): x8 (B, N, H, D), or (T, H, D)
+    packed with ``cu_seqlens``, each element times ``descale[b, h // group]`` of its sequence b and
+    head h (``descale`` (B, Hk); None: 1). Rows past the last packed sequence keep their values."""
+    x = np.array(x8, dtype=np.float64)
+    if descale is None:
+        return x
+    factors = np.repeat(np.asarray(descale, dtype=np.float64), group, axis=1)
+    if cu_seqlens is None:
+        return x * factors[:, None, :, None]
+    for b, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        x[start:end] *= factors[b][None, :, None]
+    return x
+
+
+def naive_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, **options):
+    """(o, lse) of plain attention in FP8 (the contract's FP8 section), by torch on CPU.
+
+    q8, k8, v8 hold FP8 values (in any dtype that holds them exactly); descales (B, Hk) as the
+    call's, None meaning 1. Every score is materialised: fl32(q8 . k8) times
+    fl32(scale * q_descale * k_descale), then softcap, ALiBi and masks in float32; the weights
+    exp(S - the row's maximum) in float32 are rounded to e4m3 for their product with v8 (summed
+    in float32), which is scaled by v_descale, divided by the sum of the unrounded weights and
+    rounded to ``out_dtype`` (bfloat16 for None). Rows without an allowed key give o = 0.
+    """
+    import torch
+
+    dense = _prepare(q8, k8, v8, None, options)
+    batch, heads_q = dense.allowed.shape[:2]
+    heads_k = dense.k.shape[1]
+    group = heads_q // heads_k
+    f32 = torch.float32
+
+    def tensor(x):
+        return torch.from_numpy(np.array(x, dtype=np.float64)).to(f32)
+
+    def per_query_head(descale):  # (B, Hk) -> (B, Hq, 1, 1): query head h reads descale[:, h // group]
+        factors = np.ones((batch, heads_k)) if descale is None else np.asarray(descale, dtype=np.float32)
+        return tensor(np.repeat(factors, group, axis=1)).reshape(batch, heads_q, 1, 1)
+
+    q, k, v = tensor(dense.q), tensor(dense.k).repeat_interleave(group, 1), tensor(dense.v).repeat_interleave(group, 1)
+    factor = torch.tensor(dense.scale, dtype=f32) * per_query_head(q_descale) * per_query_head(k_descale)
+    scores = (q @ k.transpose(-1, -2)) * factor
+    if dense.softcap is not None:
+        scores = dense.softcap * torch.tanh(scores / dense.softcap)
+    if dense.bias is not None:
+        scores = scores + tensor(dense.bias)
+    allowed = torch.from_numpy(np.array(dense.allowed))
+    scores = scores.masked_fill(~allowed, -math.inf)
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    columns = [scores]
+    if dense.sinks is not None:
+        columns.append(tensor(dense.sinks).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1))
+    every = torch.cat(columns, dim=-1)
+    top = every.amax(dim=-1, keepdim=True)
+    top = top.masked_fill(top == -math.inf, 0.0)  # a row without keys nor sink: exp(-inf - 0) = 0
+    weights = torch.exp(every - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    lse = (top + torch.log(total))[..., 0]
+    p8 = weights[..., : scores.shape[-1]].to(torch.float8_e4m3fn).to(f32)
+    o = ((p8 @ v) * per_query_head(v_descale) / total).masked_fill(empty, 0.0)
+    o = o.to(getattr(torch, out_dtype or "bfloat16")).double().numpy()
+    return dense.rows_q(o, 0.0), dense.lse(lse.double().numpy())
 
 
 @dataclass

@@ -3,9 +3,9 @@
 Every array option of ``flashx.attention`` (``flashx.Problem.ARRAYS``) and of
 ``flashx.attention_with_kvcache`` (``flashx.problem.DecodeProblem.ARRAYS``) is passed as each view
 its shape and values allow (``VIEWS``). The memory around a view holds other valid values: another
-length, the end of the packed rows, a page no sequence uses, True in a mask, NaN in slopes and sinks. A
-backend that reads the array as if it were contiguous then computes another answer, instead of
-reading out of bounds. Decoding also holds the call to the oracle and the caches to the caches
+length, the end of the packed rows, a page no sequence uses, True in a mask, NaN in slopes, sinks
+and descales. A backend that reads the array as if it were contiguous then computes another answer,
+instead of reading out of bounds. Decoding also holds the call to the oracle and the caches to the caches
 with the new tokens written in, so a misread length or table that writes elsewhere is caught.
 """
 
@@ -70,6 +70,17 @@ def _bools(rng, shape, uniform):
     return _uniform(rng.random(shape) < 0.7, uniform)
 
 
+def _descale(name: str):
+    """An FP8 call (whatever the suite's dtype) with descale ``name`` (B, Hk) = (3, 2): any
+    positive factors are valid, those of the inputs' quantization or not."""
+    def build(rng, dtype, uniform):
+        factors = _uniform(2.0 ** rng.uniform(-3, 3, (3, 2)), uniform).astype(np.float32)
+        return make_case(rng, batch=3, seqlen_q=24, seqlen_k=40, heads_q=4, heads_k=2, head_dim=32,
+                         dtype="float8_e4m3fn", causal=True, **{name: factors})
+
+    return build
+
+
 ATTENTION = {
     "seqlens_q": Family(_lengths("seqlens_q", [17, 24, 5]), 1, FLAT_VIEWS),
     "seqlens_k": Family(_lengths("seqlens_k", [37, 12, 40]), 1, FLAT_VIEWS),
@@ -84,6 +95,7 @@ ATTENTION = {
         rng, dtype, alibi_slopes=_uniform(2.0 ** -np.arange(1.0, 7.0).reshape(3, 2), uniform)), np.nan, ALL_VIEWS),
     "sinks": Family(lambda rng, dtype, uniform: _padded(
         rng, dtype, sinks=_uniform(np.array([0.75, -1.5]), uniform)), np.nan, FLAT_VIEWS),
+    **{name: Family(_descale(name), np.nan, ALL_VIEWS) for name in ("q_descale", "k_descale", "v_descale")},
 }
 
 #: The page of a decoding case that no sequence uses: table entries past a sequence's pages and

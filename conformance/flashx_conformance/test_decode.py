@@ -48,6 +48,11 @@ class DecodeCase:
     options: dict = field(default_factory=dict)  # causal, window, softmax_scale, the modifications, mask, num_splits
 
     @property
+    def output_dtype(self) -> str:
+        """o's dtype, which ``Target.check_kinds`` reads: q's."""
+        return self.dtype
+
+    @property
     def arrays(self) -> dict:
         names = ("k_new", "v_new", "block_table")
         return {"cache_seqlens": self.cache_seqlens, **{n: getattr(self, n) for n in names if getattr(self, n) is not None}}

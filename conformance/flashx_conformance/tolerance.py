@@ -28,6 +28,8 @@ exponent at the scores' magnitude (|lse| >= the largest scaled score of a row).
   is exp(0) exactly).
 At one query row and |lse| ~ 24, either errs by ~8 float32 ulps, past the floor above.
 Non-finite values must match exactly: NaN where the reference has NaN, the same infinities.
+FP8 inputs (the contract's FP8 section) are judged on o and lse against X_naive = plain attention
+in FP8 (``oracle.naive_fp8``), with the floor of the output dtype and no relative-norm bound.
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ AXES = {
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     """x rounded to ``dtype`` (round to nearest even), returned as float64."""
     x = np.asarray(x)
-    if dtype == "bfloat16":
+    if dtype == "bfloat16" or dtype.startswith("float8"):  # dtypes NumPy lacks
         import torch
 
-        return torch.from_numpy(x.astype(np.float64)).to(torch.bfloat16).double().numpy()
+        return torch.from_numpy(x.astype(np.float64)).to(getattr(torch, dtype)).double().numpy()
     return x.astype(dtype).astype(np.float64)
 
 

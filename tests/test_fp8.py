@@ -1,0 +1,165 @@
+"""The core's side of the contract's FP8 section: descales and out_dtype checked with errors that
+name them, forward only, dropout declined by every backend, FP8 tensors handed to NumPy backends
+as views of their bits, autocast and torch.compile leaving the inputs' dtype alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashx
+
+torch = pytest.importorskip("torch")
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8_inputs(batch=2, seqlen_q=5, seqlen_k=7, heads_q=4, heads_k=2, dim=8, dtype=E4M3):
+    generator = torch.Generator().manual_seed(0)
+    shapes = ((batch, seqlen_q, heads_q, dim), (batch, seqlen_k, heads_k, dim), (batch, seqlen_k, heads_k, dim))
+    return tuple(torch.randn(shape, generator=generator).to(dtype) for shape in shapes)
+
+
+def descale(batch=2, heads_k=2, value=0.5):
+    return torch.full((batch, heads_k), value)
+
+
+def test_output_dtype_and_lse():
+    q, k, v = fp8_inputs()
+    o, lse = flashx.attention(q, k, v, q_descale=descale(), return_lse=True, backend="numpy")
+    assert (o.dtype, lse.dtype, tuple(o.shape), tuple(lse.shape)) == (torch.bfloat16, torch.float32, (2, 5, 4, 8), (2, 4, 5))
+    for out_dtype in ("float16", torch.float16):
+        assert flashx.attention(q, k, v, out_dtype=out_dtype, backend="numpy").dtype == torch.float16
+
+
+def test_descales_are_the_inputs_scale():
+    """A descale of 2 on k doubles the scores: the same as softmax_scale doubled; on v it doubles o."""
+    q, k, v = fp8_inputs()
+    plain = flashx.attention(q, k, v, out_dtype="float16", backend="numpy", softmax_scale=0.5).float()
+    scaled_k = flashx.attention(q, k, v, out_dtype="float16", backend="numpy", softmax_scale=0.25,
+                                k_descale=descale(value=2.0)).float()
+    scaled_v = flashx.attention(q, k, v, out_dtype="float16", backend="numpy", softmax_scale=0.5,
+                                v_descale=descale(value=2.0)).float()
+    assert torch.equal(plain, scaled_k)
+    assert torch.equal(2 * plain, scaled_v)
+
+
+@pytest.mark.parametrize("keywords, error, message", [
+    ({"q_descale": torch.ones(2, 4)}, flashx.ShapeError, r"^q_descale: expected shape \(2, 2\) \(B, Hk\), got \(2, 4\)"),
+    ({"k_descale": torch.ones(2, 2, dtype=torch.float16)}, flashx.DTypeError, "^k_descale: expected a float32 array"),
+    ({"v_descale": np.ones((2, 2), np.float32)}, flashx.DTypeError, "^v_descale: expected a torch array like q"),
+    ({"v_descale": torch.tensor([[1.0, 0.0], [1.0, 1.0]])}, flashx.OptionError,
+     r"^v_descale: expected finite descales > 0, got 0.0 at \[0, 1\]"),
+    ({"q_descale": torch.tensor([[1.0, 1.0], [-2.0, float("nan")]])}, flashx.OptionError,
+     r"^q_descale: expected finite descales > 0, got -2.0 at \[1, 0\] \(2 of 4 are not\)"),
+    ({"out_dtype": "float32"}, flashx.DTypeError, "^out_dtype: expected one of bfloat16, float16"),
+    ({"out_dtype": torch.float8_e4m3fn}, flashx.DTypeError, "^out_dtype: expected one of bfloat16, float16"),
+])
+def test_argument_errors(keywords, error, message):
+    with pytest.raises(error, match=message):
+        flashx.attention(*fp8_inputs(), backend="numpy", **keywords)
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale", "out_dtype"])
+def test_fp8_keywords_need_fp8_inputs(name):
+    value = "bfloat16" if name == "out_dtype" else descale()
+    with pytest.raises(flashx.DTypeError, match=f"^{name}: only for FP8 inputs .* got q of dtype bfloat16"):
+        flashx.attention(*(x.bfloat16() for x in fp8_inputs()), **{name: value})
+
+
+def test_one_fp8_dtype_for_q_k_v():
+    q, k, v = fp8_inputs()
+    with pytest.raises(flashx.DTypeError, match=r"^k: expected the dtype of q \(float8_e4m3fn\), got float8_e5m2"):
+        flashx.attention(q, k.float().to(torch.float8_e5m2), v)
+    with pytest.raises(flashx.DTypeError, match=r"^v: expected the dtype of q \(float8_e4m3fn\), got bfloat16"):
+        flashx.attention(q, k, v.bfloat16())
+
+
+def test_varlen_descales_have_one_row_per_sequence():
+    q, k, v = (x.reshape(-1, *x.shape[2:]) for x in fp8_inputs(seqlen_q=6, seqlen_k=6))
+    cu = torch.tensor([0, 4, 4, 12], dtype=torch.int32)  # three sequences, one empty
+    with pytest.raises(flashx.ShapeError, match=r"^k_descale: expected shape \(3, 2\)"):
+        flashx.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, k_descale=descale())
+    o = flashx.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, k_descale=descale(batch=3), backend="numpy")
+    assert tuple(o.shape) == (12, 4, 8)
+
+
+def test_forward_only():
+    """The backward declines FP8 with the reason, before any backend is asked; so does autograd."""
+    q, k, v = fp8_inputs()
+    o, res = flashx.attention_forward(q, k, v, backend="numpy")
+    with pytest.raises(flashx.UnsupportedError, match="^attention_backward: FP8 attention is forward only"):
+        flashx.attention_backward(o, q, k, v, o, res)
+    q.requires_grad_()
+    with pytest.raises(flashx.UnsupportedError, match="FP8 attention is forward only .* require grad"):
+        flashx.attention(q, k, v, backend="numpy")
+    with torch.no_grad():
+        assert torch.equal(flashx.attention(q, k, v, backend="numpy"), o)
+    assert "forward only (FP8)" in flashx.explain(q, k, v).problem.describe()
+
+
+def test_every_backend_declines_dropout_and_says_why():
+    explanation = flashx.explain(*fp8_inputs(), dropout_p=0.1)
+    problem = explanation.problem
+    for name, backend in flashx.registry.backends().items():
+        assert any("no dropout with FP8 inputs" in reason for reason in backend.supports(problem)), name
+    with pytest.raises(flashx.UnsupportedError, match="takes no dropout with FP8 inputs"):
+        flashx.attention(*fp8_inputs(), dropout_p=0.1, backend="numpy")
+
+
+@pytest.mark.parametrize("name", ["triton", "cupy", "numba"])
+def test_gpu_backends_decline_fp8_for_now(name):
+    """Whether or not they are available here, their declarations decline FP8 with the reason."""
+    backend = flashx.registry.get(name)
+    problem = flashx.explain(*fp8_inputs(dtype=torch.float8_e5m2)).problem
+    assert "does not implement FP8 inputs (float8_e5m2) yet" in backend.supports(problem)
+
+
+def test_a_default_backend_does_not_claim_fp8():
+    """FP8 inputs come with descales a backend must read: only one that names the FP8 dtypes takes them."""
+
+    class Plain(flashx.Backend):
+        devices = frozenset({"cpu"})
+
+    problem = flashx.explain(*fp8_inputs()).problem
+    assert Plain().supports(problem) == ["does not implement FP8 inputs (float8_e4m3fn) yet"]
+
+
+def test_fp8_reaches_numpy_as_its_bits():
+    """NumPy has no FP8 dtype, and DLPack does not carry one: a uint8 view of the same memory."""
+    q = fp8_inputs()[0][:, ::2]
+    bits = flashx.arrays.convert(q, "numpy")
+    assert bits.dtype == np.uint8 and bits.shape == tuple(q.shape)
+    assert bits.ctypes.data == q.data_ptr()
+    assert (bits == q.view(torch.uint8).numpy()).all()
+
+
+def test_autocast_leaves_fp8_alone():
+    q, k, v = fp8_inputs()
+    expected = flashx.attention(q, k, v, backend="numpy")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(flashx.attention(q, k, v, backend="numpy"), expected)
+
+
+def test_empty_problems_have_the_output_dtype():
+    q, k, v = fp8_inputs(seqlen_k=0)
+    o, lse = flashx.attention(q, k, v, out_dtype="float16", return_lse=True)
+    assert o.dtype == torch.float16 and (o == 0).all() and (lse == -float("inf")).all()
+
+
+def test_compiles_with_the_output_dtype():
+    """Traced by torch.compile, the operator's fake output has out_dtype, and the values are eager's."""
+    q, k, v = fp8_inputs()
+    scales = descale(), descale(value=0.25), descale(value=4.0)
+
+    def call(q, k, v, q_descale, k_descale, v_descale):
+        return flashx.attention(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                out_dtype=torch.float16, causal=True, backend="numpy")
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(call, backend="aot_eager", fullgraph=True)(q, k, v, *scales)
+    finally:
+        torch._dynamo.reset()
+    assert compiled.dtype == torch.float16
+    assert torch.equal(compiled, call(q, k, v, *scales))
