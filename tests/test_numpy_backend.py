@@ -307,3 +307,42 @@ def test_score_modifications_across_tiles(name, mods):
         np.testing.assert_array_equal(x[~finite], expected[~finite], err_msg=output)  # -inf lse without sinks
         error = np.linalg.norm(x[finite] - expected[finite]) / max(np.linalg.norm(expected[finite]), 1e-30)
         assert error <= RELATIVE_TOLERANCE[np.float64], f"{output}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_values_are_torchs(name):
+    from flashx_numpy.fp8 import VALUES
+
+    values = torch.arange(256, dtype=torch.uint8).view(getattr(torch, name)).float().numpy()
+    np.testing.assert_array_equal(VALUES[name], values)  # NaN where NaN
+
+
+def test_round_e4m3_is_torchs():
+    """Round to nearest even, subnormals, saturation at ±448 (infinities too), NaN kept: random
+    float32 bit patterns, every midpoint between e4m3 values and a float32 step either side of it."""
+    from flashx_numpy.fp8 import VALUES, round_e4m3
+
+    grid = np.unique(VALUES["float8_e4m3fn"][np.isfinite(VALUES["float8_e4m3fn"])]).astype(np.float64)
+    midpoints = ((grid[:-1] + grid[1:]) / 2).astype(np.float32)
+    x = np.concatenate([
+        np.random.default_rng(0).integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        midpoints, np.nextafter(midpoints, np.float32(np.inf)), np.nextafter(midpoints, np.float32(-np.inf)),
+        np.float32([464, -464, 480, 3e38, np.inf, -np.inf, np.nan, 0.0, -0.0, 2**-10, 3 * 2**-10, 2**-149]),
+    ])
+    np.testing.assert_array_equal(round_e4m3(x), torch.from_numpy(x).to(torch.float8_e4m3fn).float().numpy())
+
+
+@pytest.mark.parametrize("block_q, block_k", [(16, 24), (5, 7)])
+@pytest.mark.parametrize("context", ["plain-gqa", "causal-tall", "varlen-gqa", "sparse-mask"])
+def test_fp8_across_tiles(context, block_q, block_k):
+    """The conformance suite's FP8 cases over small tiles, where a row's maximum moves from tile to
+    tile: the weight of each new maximum is 1 exactly, so the rule of plain attention in FP8 holds."""
+    from flashx_conformance.harness import Target
+    from flashx_conformance.test_fp8 import CONTEXTS
+
+    flashx.registry.register(NumpyBackend(block_q=block_q, block_k=block_k, name="numpy-fp8-tiles"), replace=True)
+    try:
+        rng = np.random.default_rng(zlib.crc32(context.encode()))
+        Target("numpy-fp8-tiles", "cpu", "full").check(CONTEXTS[context](rng, "float8_e4m3fn"))
+    finally:
+        flashx.registry.unregister("numpy-fp8-tiles")
