@@ -76,12 +76,13 @@ class Backend:
         reasons = []
         if problem.device not in self.devices:
             reasons.append(f"runs on {_names(self.devices)}, not {problem.device}")
-        if problem.fp8 and problem.dtype not in self.dtypes:
-            reasons.append(f"does not implement FP8 inputs ({problem.dtype}) yet")
-        elif problem.dtype not in self.dtypes:
+        if problem.fp8 and problem.fp8_dtype not in self.dtypes:
+            reasons.append(f"does not implement FP8 ({problem.fp8_dtype}) yet")
+        if problem.dtype not in self.dtypes and problem.dtype != problem.fp8_dtype:  # FP8: said above
             reasons.append(f"supports dtypes {_names(self.dtypes)}, not {problem.dtype}")
         if problem.fp8 and "dropout" in problem.features:
-            reasons.append("takes no dropout with FP8 inputs: FP8 attention is forward only (inference), where dropout is off")
+            reasons.append("takes no dropout with FP8 inputs: FP8 attention is forward only (inference), "
+                           "where dropout is off")
         widest = max(problem.head_dim, problem.head_dim_v)
         if widest > self.max_head_dim:
             reasons.append(f"supports head dims up to {self.max_head_dim}, not {widest}")

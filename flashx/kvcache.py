@@ -24,7 +24,8 @@ from flashx.validation import build_decode_problem
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                            causal=True, window=None, softmax_scale=None, softcap=None, alibi_slopes=None, sinks=None,
-                           mask=None, num_splits=0, validate=True, return_lse=False, backend="auto"):
+                           mask=None, num_splits=0, validate=True, k_descale=None, v_descale=None, return_lse=False,
+                           backend="auto"):
     """Attention of a few new query rows per sequence over a KV cache, after appending k_new, v_new.
 
     q (B, Nq, Hq, D); k_cache, v_cache (B, S, Hk, D|Dv), or (P, page_size, Hk, D|Dv) pages with
@@ -36,11 +37,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     ((Hq,)) as in attention, query i of sequence b at key position Lk[b] - Nq + i; a split is
     computed without the sink, which joins each row once. ``num_splits``: parts of each
     sequence's keys computed in parallel (0: the backend chooses). ``validate=False``: no host
-    synchronization (the caller promises valid lengths and tables), capturable in a CUDA graph.
+    synchronization (the caller promises valid lengths, tables and descales), capturable in a CUDA
+    graph. A cache in float8_e4m3fn under bfloat16 or float16 queries holds each element as
+    x8 * descale[b, h] (``k_descale``, ``v_descale`` (B, Hk) float32; None: 1); new tokens are
+    quantized into it by those descales (the contract's FP8 section).
     """
     keywords = dict(cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table, causal=causal,
                     window=window, softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
-                    sinks=sinks, mask=mask, num_splits=num_splits, validate=validate)
+                    sinks=sinks, mask=mask, num_splits=num_splits, validate=validate, k_descale=k_descale,
+                    v_descale=v_descale)
     if arrays.traced(q):
         from flashx.ops import attention_with_kvcache as traced_call
 

@@ -162,10 +162,12 @@ torch.library.register_autograd("flashx::attention_forward", _backward, setup_co
 
 
 def _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, window,
-                            softmax_scale, softcap, alibi_slopes, sinks, mask, num_splits, validate, backend):
+                            softmax_scale, softcap, alibi_slopes, sinks, mask, num_splits, validate, k_descale, v_descale,
+                            backend):
     keywords = dict(cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, block_table=block_table, causal=causal,
                     window=None if window is None else tuple(window), softmax_scale=softmax_scale, softcap=softcap,
-                    alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, num_splits=num_splits, validate=validate)
+                    alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, num_splits=num_splits, validate=validate,
+                    k_descale=k_descale, v_descale=v_descale)
     problem, impl = plan_decode(q, k_cache, v_cache, backend, keywords)
     o, lse = run_decode(impl, problem, q, k_cache, v_cache, k_new, v_new)
     return o.contiguous(), lse.contiguous()
@@ -183,7 +185,8 @@ kvcache_op = _define(
     # k_new and v_new are written into the caches in place.
     "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k_new, Tensor? v_new, "
     "Tensor? block_table, bool causal, int[]? window, float? softmax_scale, float? softcap, Tensor? alibi_slopes, "
-    "Tensor? sinks, Tensor? mask, int num_splits, bool validate, str backend) -> (Tensor o, Tensor lse)",
+    "Tensor? sinks, Tensor? mask, int num_splits, bool validate, Tensor? k_descale, Tensor? v_descale, str backend) "
+    "-> (Tensor o, Tensor lse)",
     _attention_with_kvcache,
     _kvcache_fake,
 )
@@ -191,11 +194,12 @@ kvcache_op = _define(
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                            causal=True, window=None, softmax_scale=None, softcap=None, alibi_slopes=None, sinks=None,
-                           mask=None, num_splits=0, validate=True, return_lse=False, backend="auto"):
+                           mask=None, num_splits=0, validate=True, k_descale=None, v_descale=None, return_lse=False,
+                           backend="auto"):
     """``flashx.attention_with_kvcache`` through its operator: what a tracer records."""
     o, lse = kvcache_op(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
                         None if window is None else list(window), softmax_scale, softcap, alibi_slopes, sinks, mask,
-                        num_splits, validate, backend)
+                        num_splits, validate, k_descale, v_descale, backend)
     return (o, lse) if return_lse else o
 
 

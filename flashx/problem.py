@@ -21,8 +21,11 @@ from flashx.arrays import FP8_DTYPES
 
 LOG2E = math.log2(math.e)
 WORD = 0xFFFFFFFF
-#: What o may be rounded to for FP8 inputs (``FP8_DTYPES``); the first is the default.
+#: What o may be rounded to for FP8 inputs (``FP8_DTYPES``); the first is the default. Decoding's
+#: FP8 cache takes queries of these dtypes too.
 FP8_OUT_DTYPES = ("bfloat16", "float16")
+#: The dtype of a decoding cache quantized to FP8 (the contract's FP8 section).
+FP8_CACHE_DTYPE = "float8_e4m3fn"
 
 #: The optional features a problem may use; a backend declares the ones it implements.
 FEATURES = {
@@ -105,9 +108,14 @@ class BaseProblem:
             object.__setattr__(self, "out_dtype", self.dtype)
 
     @property
+    def fp8_dtype(self) -> str | None:
+        """The FP8 dtype of the call's data (the contract's FP8 section), or None: attention's inputs."""
+        return self.dtype if self.dtype in FP8_DTYPES else None
+
+    @property
     def fp8(self) -> bool:
-        """FP8 inputs (the contract's FP8 section): forward only, dequantized by descales."""
-        return self.dtype in FP8_DTYPES
+        """Data in FP8, dequantized by descales: forward only."""
+        return self.fp8_dtype is not None
 
     @property
     def group(self) -> int:
@@ -196,8 +204,6 @@ class BaseProblem:
         if self.window is not None:
             parts.append(f"window={self.window}")
         parts += [name for name in ("softcap", "alibi", "sinks") if name in self.features]
-        if self.fp8:
-            parts.append(f"out {self.out_dtype}, forward only (FP8)")
         return ", ".join(parts + self._details())
 
     def _shapes(self) -> str:
@@ -322,6 +328,8 @@ class Problem(BaseProblem):
 
     def _details(self) -> list[str]:
         parts = [name for name in ("mask", "block_mask", "seqlens") if name in self.features]
+        if self.fp8:
+            parts.append(f"out {self.out_dtype}, forward only (FP8)")
         if self.dropout_p:
             parts.append(f"dropout_p={self.dropout_p}")
         if "dropout_offsets" in self.features:
@@ -342,7 +350,8 @@ class DecodeProblem(BaseProblem):
     """
 
     operation: ClassVar[str] = "decode"
-    ARRAYS: ClassVar[tuple[str, ...]] = ("cache_seqlens", "block_table", "mask", "alibi_slopes", "sinks")
+    ARRAYS: ClassVar[tuple[str, ...]] = ("cache_seqlens", "block_table", "mask", "alibi_slopes", "sinks", "k_descale",
+                                         "v_descale")
 
     seqlen_q: int  # Nq
     new_tokens: int  # Nn: rows of k_new and v_new (0 without them)
@@ -354,7 +363,21 @@ class DecodeProblem(BaseProblem):
     causal: bool = True
     mask: Any = None  # bool, broadcastable to (B, Hq, Nq, Nq): the last Nq keys
     num_splits: int = 0  # 0: the backend chooses
-    validated: bool = True  # cache_seqlens and block_table were checked on the host
+    validated: bool = True  # cache_seqlens, block_table and the descales were checked on the host
+    cache_dtype: str | None = None  # the caches' dtype: q's (None is read as q's), or FP8_CACHE_DTYPE
+    # an FP8 cache: (B, Hk) float32 dequantization factors, None meaning 1; new tokens are quantized by them
+    k_descale: Any = None
+    v_descale: Any = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.cache_dtype is None:
+            object.__setattr__(self, "cache_dtype", self.dtype)
+
+    @property
+    def fp8_dtype(self) -> str | None:
+        """The FP8 dtype of the caches, or None."""
+        return self.cache_dtype if self.cache_dtype in FP8_DTYPES else None
 
     @property
     def paged(self) -> bool:
@@ -384,6 +407,8 @@ class DecodeProblem(BaseProblem):
 
     def _details(self) -> list[str]:
         parts = ["mask"] if self.mask is not None else []
+        if self.fp8:
+            parts.append(f"{self.cache_dtype} cache (FP8)")
         return parts + ([f"num_splits={self.num_splits}"] if self.num_splits else [])
 
 

@@ -19,7 +19,15 @@ from flashx import arrays
 from flashx.backend import ALL_DTYPES
 from flashx.errors import DeviceError, DTypeError, OptionError, ShapeError
 from flashx.options import complete, python_scalar
-from flashx.problem import FP8_DTYPES, FP8_OUT_DTYPES, BlockMask, DecodeProblem, Problem, default_scale
+from flashx.problem import (
+    FP8_CACHE_DTYPE,
+    FP8_DTYPES,
+    FP8_OUT_DTYPES,
+    BlockMask,
+    DecodeProblem,
+    Problem,
+    default_scale,
+)
 
 U64 = 2**64
 ARRAY_OPTIONS = ("alibi_slopes", "sinks", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k",
@@ -107,8 +115,12 @@ def build_problem(q, k, v, **options) -> Problem:
         _number("seed", o.seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
     _number("rng_offset", o.rng_offset, _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
     o.dropout_offsets = (0, 0) if o.dropout_offsets is None else _dropout_offsets(o.dropout_offsets)
-    descales, out_dtype = _fp8_options({name: getattr(o, name) for name in DESCALES}, o.out_dtype, dtype, batch,
-                                       heads_k, kind, device, device_index)
+    fp8, needs = dtype in FP8_DTYPES, f"FP8 inputs ({', '.join(sorted(FP8_DTYPES))}), got q of dtype {dtype}"
+    descales = _descales({name: getattr(o, name) for name in DESCALES}, fp8, needs, batch, heads_k,
+                         kind, device, device_index)
+    if o.out_dtype is not None and not fp8:
+        raise DTypeError(f"out_dtype: only for {needs}")
+    out_dtype = _out_dtype(o.out_dtype) if fp8 else dtype
 
     return Problem(
         array_kind=kind,
@@ -249,24 +261,26 @@ def _real_array(name, x, shapes, dtype, kind, device, device_index):
     return arrays.astype(arrays.detached(x), dtype)
 
 
-def _fp8_options(descales: dict, out_dtype, dtype, batch, heads_k, kind, device, device_index):
-    """(descales, o's dtype) of the contract's FP8 section: each descale a float32 (B, Hk) array
-    of finite values > 0, or None; o in ``out_dtype`` for FP8 inputs, in q's dtype otherwise."""
-    fp8 = dtype in FP8_DTYPES
-    given = [name for name, x in descales.items() if x is not None] + ["out_dtype"] * (out_dtype is not None)
+def _descales(descales: dict, fp8: bool, needs: str, batch, heads_k, kind, device, device_index,
+              read_values: bool = True) -> dict:
+    """The descales of the contract's FP8 section, each a float32 (B, Hk) array of finite values
+    > 0 (read on the host with ``read_values``), or None; given without FP8 data (``fp8``), a
+    DTypeError saying what they ``need``."""
+    given = [name for name, x in descales.items() if x is not None]
     if given and not fp8:
-        raise DTypeError(f"{given[0]}: only for FP8 inputs ({', '.join(sorted(FP8_DTYPES))}), got q of dtype {dtype}")
-    checked = {name: None if x is None else _descale(name, x, batch, heads_k, kind, device, device_index)
-               for name, x in descales.items()}
-    return checked, _out_dtype(out_dtype) if fp8 else dtype
+        raise DTypeError(f"{given[0]}: only for {needs}")
+    return {name: None if x is None else _descale(name, x, batch, heads_k, kind, device, device_index, read_values)
+            for name, x in descales.items()}
 
 
-def _descale(name, x, batch, heads_k, kind, device, device_index):
+def _descale(name, x, batch, heads_k, kind, device, device_index, read_values):
     _same_array_as_q(name, x, kind, device, device_index)
     if arrays.dtype_name(x) != "float32":
         raise DTypeError(f"{name}: expected a float32 array of shape (B, Hk), got dtype {arrays.dtype_name(x)}")
     if tuple(x.shape) != (batch, heads_k):
         raise ShapeError(f"{name}: expected shape ({batch}, {heads_k}) (B, Hk), got {tuple(x.shape)}")
+    if not read_values:
+        return arrays.detached(x)
     import numpy as np
 
     values = np.asarray(arrays.to_host(x))
@@ -346,14 +360,15 @@ def _is_real(x) -> bool:
 
 def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                          causal=True, window=None, softmax_scale=None, softcap=None, alibi_slopes=None, sinks=None,
-                         mask=None, num_splits=0, validate=True) -> DecodeProblem:
-    """Every argument checked; lengths and tables on the host only with ``validate``."""
+                         mask=None, num_splits=0, validate=True, k_descale=None, v_descale=None) -> DecodeProblem:
+    """Every argument checked; lengths, tables and descales on the host only with ``validate``."""
     causal, window, softmax_scale, softcap, num_splits, validate = map(
         python_scalar, (causal, window, softmax_scale, softcap, num_splits, validate))
-    q, mask, alibi_slopes, sinks = (None if x is None else arrays.resolved(x) for x in (q, mask, alibi_slopes, sinks))
-    kind, device, device_index, dtype = _operands(q, ALL_DTYPES, k_cache=k_cache, v_cache=v_cache, k_new=k_new,
-                                                  v_new=v_new)
+    q, mask, alibi_slopes, sinks, k_descale, v_descale = (None if x is None else arrays.resolved(x)
+                                                          for x in (q, mask, alibi_slopes, sinks, k_descale, v_descale))
+    kind, device, device_index, dtype = _operands(q, ALL_DTYPES, k_new=k_new, v_new=v_new)
     like_q = (kind, device, device_index)
+    cache_dtype = _cache_dtype(k_cache, v_cache, dtype, *like_q)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if arrays.resolved(x) is not x:
             raise DTypeError(f"{name}: expected a tensor that can be written in place, got a lazily negated view")
@@ -422,6 +437,10 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     if not isinstance(validate, bool):
         raise DTypeError(f"validate: expected a bool, got {validate!r}")
 
+    descales = _descales({"k_descale": k_descale, "v_descale": v_descale}, cache_dtype in FP8_DTYPES,
+                         f"an FP8 cache ({FP8_CACHE_DTYPE}), got k_cache of dtype {cache_dtype}", batch, heads_k, *like_q,
+                         read_values=validate)
+
     if validate:
         _check_values(cache_seqlens, block_table, new_tokens, capacity, slots if paged else None, rows)
     return DecodeProblem(
@@ -450,7 +469,24 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
         mask=mask,
         num_splits=int(num_splits),
         validated=validate,
+        cache_dtype=cache_dtype,
+        **descales,
     )
+
+
+def _cache_dtype(k_cache, v_cache, dtype, kind, device, device_index) -> str:
+    """The caches' one dtype: q's, or under bfloat16 and float16 queries FP8_CACHE_DTYPE (the
+    contract's FP8 section)."""
+    allowed = (dtype, FP8_CACHE_DTYPE) if dtype in FP8_OUT_DTYPES else (dtype,)
+    expected = f"the dtype of q ({dtype})" + (f" or {FP8_CACHE_DTYPE} (an FP8 cache)" if len(allowed) > 1 else "")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _same_array_as_q(name, x, kind, device, device_index)
+        if arrays.dtype_name(x) not in allowed:
+            raise DTypeError(f"{name}: expected {expected}, got {arrays.dtype_name(x)}")
+    if arrays.dtype_name(v_cache) != arrays.dtype_name(k_cache):
+        raise DTypeError(f"v_cache: expected the dtype of k_cache ({arrays.dtype_name(k_cache)}), "
+                         f"got {arrays.dtype_name(v_cache)}")
+    return arrays.dtype_name(k_cache)
 
 
 def _check_values(cache_seqlens, block_table, new_tokens, capacity, page_size, num_pages):

@@ -201,7 +201,7 @@ def test_attention_with_kvcache_compiles_and_writes_the_cache():
     np.testing.assert_allclose(o.numpy(), want_o, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(ops.kvcache_op, (q, k_cache.clone(), v_cache.clone(), lengths, k_new, v_new, None, True,
-                                           None, None, 2.0, slopes, sinks, None, 0, True, "numpy"))
+                                           None, None, 2.0, slopes, sinks, None, 0, True, None, None, "numpy"))
 
 
 @pytest.mark.parametrize("name, value, error", [("seed", -1, flashx.OptionError), ("seed", 2**64, flashx.OptionError),

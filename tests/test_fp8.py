@@ -1,6 +1,7 @@
 """The core's side of the contract's FP8 section: descales and out_dtype checked with errors that
 name them, forward only, dropout declined by every backend, FP8 tensors handed to NumPy backends
-as views of their bits, autocast and torch.compile leaving the inputs' dtype alone."""
+as views of their bits, autocast and torch.compile leaving the inputs' dtype alone; decoding from
+an FP8 cache, its new tokens written through the bits in place."""
 
 from __future__ import annotations
 
@@ -24,10 +25,22 @@ def descale(batch=2, heads_k=2, value=0.5):
     return torch.full((batch, heads_k), value)
 
 
+def fp8_cache_call(q_dtype=torch.bfloat16, **keywords):
+    """The arguments of a decoding call on a contiguous float8_e4m3fn cache of 2 sequences (3 and 5
+    tokens cached) with 2 new tokens each."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn((2, 2, 4, 8), generator=generator).to(q_dtype)
+    k_cache, v_cache = (torch.randn((2, 10, 2, 8), generator=generator).to(E4M3) for _ in range(2))
+    k_new, v_new = (torch.randn((2, 2, 2, 8), generator=generator).to(q_dtype) for _ in range(2))
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=torch.tensor([3, 5]), k_new=k_new, v_new=v_new,
+                **keywords)
+
+
 def test_output_dtype_and_lse():
     q, k, v = fp8_inputs()
     o, lse = flashx.attention(q, k, v, q_descale=descale(), return_lse=True, backend="numpy")
-    assert (o.dtype, lse.dtype, tuple(o.shape), tuple(lse.shape)) == (torch.bfloat16, torch.float32, (2, 5, 4, 8), (2, 4, 5))
+    assert (o.dtype, tuple(o.shape)) == (torch.bfloat16, (2, 5, 4, 8))
+    assert (lse.dtype, tuple(lse.shape)) == (torch.float32, (2, 4, 5))
     for out_dtype in ("float16", torch.float16):
         assert flashx.attention(q, k, v, out_dtype=out_dtype, backend="numpy").dtype == torch.float16
 
@@ -45,7 +58,8 @@ def test_descales_are_the_inputs_scale():
 
 
 @pytest.mark.parametrize("keywords, error, message", [
-    ({"q_descale": torch.ones(2, 4)}, flashx.ShapeError, r"^q_descale: expected shape \(2, 2\) \(B, Hk\), got \(2, 4\)"),
+    ({"q_descale": torch.ones(2, 4)}, flashx.ShapeError,
+     r"^q_descale: expected shape \(2, 2\) \(B, Hk\), got \(2, 4\)"),
     ({"k_descale": torch.ones(2, 2, dtype=torch.float16)}, flashx.DTypeError, "^k_descale: expected a float32 array"),
     ({"v_descale": np.ones((2, 2), np.float32)}, flashx.DTypeError, "^v_descale: expected a torch array like q"),
     ({"v_descale": torch.tensor([[1.0, 0.0], [1.0, 1.0]])}, flashx.OptionError,
@@ -109,10 +123,13 @@ def test_every_backend_declines_dropout_and_says_why():
 
 @pytest.mark.parametrize("name", ["triton", "cupy", "numba"])
 def test_gpu_backends_decline_fp8_for_now(name):
-    """Whether or not they are available here, their declarations decline FP8 with the reason."""
+    """Whether or not they are available here, their declarations decline FP8 with the reason,
+    in attention and in decoding."""
     backend = flashx.registry.get(name)
     problem = flashx.explain(*fp8_inputs(dtype=torch.float8_e5m2)).problem
-    assert "does not implement FP8 inputs (float8_e5m2) yet" in backend.supports(problem)
+    assert "does not implement FP8 (float8_e5m2) yet" in backend.supports(problem)
+    decoding = flashx.kvcache.explain(**fp8_cache_call()).problem
+    assert "does not implement FP8 (float8_e4m3fn) yet" in backend.supports(decoding)
 
 
 def test_a_default_backend_does_not_claim_fp8():
@@ -122,7 +139,7 @@ def test_a_default_backend_does_not_claim_fp8():
         devices = frozenset({"cpu"})
 
     problem = flashx.explain(*fp8_inputs()).problem
-    assert Plain().supports(problem) == ["does not implement FP8 inputs (float8_e4m3fn) yet"]
+    assert Plain().supports(problem) == ["does not implement FP8 (float8_e4m3fn) yet"]
 
 
 def test_fp8_reaches_numpy_as_its_bits():
@@ -163,3 +180,65 @@ def test_compiles_with_the_output_dtype():
         torch._dynamo.reset()
     assert compiled.dtype == torch.float16
     assert torch.equal(compiled, call(q, k, v, *scales))
+
+
+def test_fp8_cache_takes_new_tokens_quantized_in_place():
+    """The new tokens are x / descale rounded as torch rounds to float8_e4m3fn, written into the
+    caller's cache; o has q's dtype."""
+    descales = {"k_descale": torch.tensor([[0.5, 2.0], [0.25, 1.0]]), "v_descale": torch.full((2, 2), 0.125)}
+    arguments = fp8_cache_call(**descales)
+    o = flashx.attention_with_kvcache(**arguments, backend="numpy")
+    assert o.dtype == torch.bfloat16
+    for name, new in (("k_cache", "k_new"), ("v_cache", "v_new")):
+        descale = descales[name[0] + "_descale"]
+        for b, start in enumerate((3, 5)):
+            written = arguments[name][b, start:start + 2].view(torch.uint8)
+            expected = (arguments[new][b].float() / descale[b][None, :, None]).to(E4M3).view(torch.uint8)
+            assert torch.equal(written, expected), (name, b)
+
+
+@pytest.mark.parametrize("keywords, error, message", [
+    ({"k_descale": torch.ones(2, 4)}, flashx.ShapeError, r"^k_descale: expected shape \(2, 2\) \(B, Hk\)"),
+    ({"v_descale": torch.zeros(2, 2)}, flashx.OptionError, "^v_descale: expected finite descales > 0, got 0.0"),
+])
+def test_fp8_cache_descale_errors(keywords, error, message):
+    arguments = fp8_cache_call()
+    with pytest.raises(error, match=message):
+        flashx.attention_with_kvcache(**arguments, **keywords)
+
+
+def test_fp8_cache_dtype_errors():
+    arguments = fp8_cache_call(q_dtype=torch.float32)
+    with pytest.raises(flashx.DTypeError, match=r"^k_cache: expected the dtype of q \(float32\), got float8_e4m3fn"):
+        flashx.attention_with_kvcache(**arguments)
+    arguments = fp8_cache_call()
+    with pytest.raises(flashx.DTypeError, match=r"^v_cache: expected the dtype of k_cache \(float8_e4m3fn\), got bf"):
+        flashx.attention_with_kvcache(**{**arguments, "v_cache": arguments["v_cache"].bfloat16()})
+    with pytest.raises(flashx.DTypeError, match=r"^k_cache: expected the dtype of q \(bfloat16\) or float8_e4m3fn"):
+        flashx.attention_with_kvcache(**{**arguments, "k_cache": arguments["k_cache"].to(torch.float8_e5m2)})
+    bf16 = {**arguments, "k_cache": arguments["k_cache"].bfloat16(), "v_cache": arguments["v_cache"].bfloat16()}
+    with pytest.raises(flashx.DTypeError, match="^v_descale: only for an FP8 cache .* got k_cache of dtype bfloat16"):
+        flashx.attention_with_kvcache(**bf16, v_descale=torch.ones(2, 2))
+
+
+def test_fp8_cache_descales_unread_without_validation():
+    """validate=False reads no device value: descales are the caller's promise, like lengths."""
+    arguments = fp8_cache_call(k_descale=torch.zeros(2, 2))
+    assert flashx.kvcache.explain(**arguments, validate=False).problem.k_descale is not None
+
+
+def test_fp8_cache_compiles():
+    arguments = fp8_cache_call(k_descale=torch.full((2, 2), 0.5))
+    eager = dict(arguments, k_cache=arguments["k_cache"].clone(), v_cache=arguments["v_cache"].clone())
+
+    def call(**arguments):
+        return flashx.attention_with_kvcache(**arguments, backend="numpy")
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(call, backend="aot_eager", fullgraph=True)(**arguments)
+    finally:
+        torch._dynamo.reset()
+    assert compiled.dtype == torch.bfloat16
+    assert torch.equal(compiled, call(**eager))
+    assert torch.equal(arguments["k_cache"].view(torch.uint8), eager["k_cache"].view(torch.uint8))

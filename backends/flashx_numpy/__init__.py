@@ -43,7 +43,7 @@ class NumpyBackend(flashx.Backend):
         return backward(problem, q, k, v, o, lse, do, block_q=self.block_q, block_k=self.block_k)
 
     def decode_reasons(self, problem):
-        if problem.new_tokens and problem.array_kind == "torch" and problem.dtype == "bfloat16":
+        if problem.new_tokens and problem.array_kind == "torch" and problem.cache_dtype == "bfloat16":
             return ["cannot write new tokens into a torch bfloat16 cache in place (NumPy sees it as a float32 copy)"]
         return []
 

@@ -8,6 +8,10 @@ tree mask over its last Nq keys), and the keys are cut into ``num_splits`` conse
 which keeps masked-out NaN out of every product) and the parts are combined as the contract's
 "Merging partial results" says, through ``flashx.merge_states``.
 
+An FP8 cache (the contract's FP8 section) arrives as its bytes: new tokens are quantized into it
+by its descales (``flashx_numpy.fp8.quantized``), and the keys and values gathered are decoded and
+multiplied by them, then attended to in float32 as any cache.
+
 Softcap and ALiBi are the forward's own. A part's call holds the keys from its first one to the
 sequence's end, those past the part masked out, so that its bottom-right diagonal is the
 sequence's: the one ALiBi measures its distance from. The parts are computed without the sink,
@@ -21,6 +25,7 @@ import numpy as np
 
 import flashx
 from flashx.validation import build_problem
+from flashx_numpy import fp8
 from flashx_numpy.attention import forward, with_sink
 
 
@@ -30,15 +35,16 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new, *, block_q: int, block_k:
     if k_new is not None:
         for b in range(problem.batch):
             where = _slots(problem, b, lengths[b] + np.arange(problem.new_tokens))
-            k_cache[where] = k_new[b]
-            v_cache[where] = v_new[b]
+            k_cache[where] = _stored(problem, k_new[b], problem.k_descale, b)
+            v_cache[where] = _stored(problem, v_new[b], problem.v_descale, b)
     work = np.float64 if problem.dtype == "float64" else np.float32
     o = np.empty(problem.o_shape, work)
     lse = np.empty(problem.lse_shape, problem.lse_dtype)
     parts = problem.num_splits or 1
     for b in range(problem.batch):
         where = _slots(problem, b, np.arange(lengths[b] + problem.new_tokens))
-        keys, values = k_cache[where].astype(work), v_cache[where].astype(work)
+        keys = _loaded(problem, k_cache[where], problem.k_descale, b, work)
+        values = _loaded(problem, v_cache[where], problem.v_descale, b, work)
         queries = q[b].astype(work)
         length = keys.shape[0]
         allowed = _allowed(problem, b, length)
@@ -51,6 +57,19 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new, *, block_q: int, block_k:
                 merged = part if merged is None else flashx.merge_states(*merged, *part)
         o[b], lse[b] = _join_sink(problem, merged[0][0], merged[1][0])
     return o, lse
+
+
+def _stored(problem, x, descale, b: int):
+    """New tokens x (Nn, Hk, D) of sequence b as the cache holds them."""
+    return fp8.quantized(x, None if descale is None else descale[b]) if problem.fp8 else x
+
+
+def _loaded(problem, x, descale, b: int, work):
+    """Cached tokens x (Lk, Hk, D) of sequence b as the values they stand for, in ``work``."""
+    if not problem.fp8:
+        return x.astype(work)
+    values = fp8.decoded(x, problem.cache_dtype)
+    return values if descale is None else values * np.asarray(descale[b], np.float32)[None, :, None]
 
 
 def _slots(problem, b: int, positions: np.ndarray) -> tuple:

@@ -3,6 +3,7 @@
 Inputs arrive as uint8 views of their bits. ``dequantized`` decodes them through a table of the
 256 values of their format and multiplies in the descale of their sequence and key/value head;
 ``round_e4m3`` rounds P onto the e4m3 grid for its product with V, as plain attention in FP8 does.
+``quantized`` writes new tokens into an FP8 decoding cache by the contract's rule.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _values(exponent_bits: int, mantissa_bits: int, ieee_specials: bool) -> np.n
 
 #: dtype name -> the float32 value of each byte.
 VALUES = {"float8_e4m3fn": _values(4, 3, ieee_specials=False), "float8_e5m2": _values(5, 2, ieee_specials=True)}
+#: The non-negative float8_e4m3fn values in the order of their bytes 0 to 126: 0 up to 448, increasing.
+_E4M3_MAGNITUDES = VALUES["float8_e4m3fn"][:127]
 
 
 def decoded(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -54,6 +57,18 @@ def round_e4m3(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):  # past float32's range, and inf or NaN: saturated below
         rounded = np.ldexp(np.rint(np.ldexp(x, -step)), step)
     return np.clip(rounded, -E4M3_MAX, E4M3_MAX).astype(np.float32)
+
+
+def quantized(x: np.ndarray, descale) -> np.ndarray:
+    """The float8_e4m3fn bytes of new tokens x (N, Hk, D) under ``descale`` (Hk,) (None: 1): the
+    float32 quotient x / descale rounded to e4m3, ties to even, saturating at ±448, NaN kept."""
+    quotient = x.astype(np.float32)
+    if descale is not None:
+        quotient = quotient / np.asarray(descale, np.float32)[None, :, None]
+    rounded = round_e4m3(quotient)
+    magnitude = np.searchsorted(_E4M3_MAGNITUDES, np.abs(rounded)).astype(np.uint8)
+    bits = magnitude | (np.signbit(rounded).astype(np.uint8) << 7)
+    return np.where(np.isnan(rounded), np.uint8(0x7F), bits)
 
 
 def dequantized(problem, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -497,7 +497,8 @@ def _masked_matmul(a, b, allowed):
 
 
 def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None, causal=True,
-            window=None, softmax_scale=None, softcap=None, alibi_slopes=None, sinks=None, mask=None):
+            window=None, softmax_scale=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
+            cache_dtype=None, k_descale=None, v_descale=None):
     """``flashx.attention_with_kvcache`` as dense attention: (k_cache, v_cache after the append, k, v, options).
 
     The new tokens are written into copies of the caches (through ``block_table`` when paged);
@@ -506,6 +507,10 @@ def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block
     seqlens_k = Lk and one bool mask that is the tree ``mask`` over each sequence's last Nq keys.
     Queries keep Lq = Nq, so the dense call puts query i at key Lk - Nq + i, as decoding does: its
     ALiBi distance, like its causal band, is decoding's. The score modifications pass through.
+
+    An FP8 cache (``cache_dtype`` one of torch's float8 names; the contract's FP8 section) holds
+    FP8 values: the new tokens go in as the float32 quotient by their descale, converted by torch
+    (round to nearest even, saturating), and k, v hold the values the cache stands for.
     """
     k_cache, v_cache = np.array(k_cache), np.array(v_cache)
     lengths = np.asarray(cache_seqlens, dtype=np.int64)
@@ -518,9 +523,19 @@ def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block
         page_size = k_cache.shape[1]
         return np.asarray(block_table)[b, positions // page_size], positions % page_size
 
+    def stored(x, descale, b):  # new tokens (Nn, Hk, D) as the cache holds them
+        if cache_dtype is None:
+            return x
+        import torch
+
+        quotient = torch.from_numpy(np.asarray(x, dtype=np.float32))
+        if descale is not None:
+            quotient = quotient / torch.from_numpy(np.asarray(descale[b], dtype=np.float32))[None, :, None]
+        return quotient.to(getattr(torch, cache_dtype)).double().numpy()
+
     for b in range(batch if new else 0):
         where = slots(b, lengths[b] + np.arange(new))
-        k_cache[where], v_cache[where] = k_new[b], v_new[b]
+        k_cache[where], v_cache[where] = stored(k_new[b], k_descale, b), stored(v_new[b], v_descale, b)
     total = lengths + new
     longest = int(total.max(initial=0))
     k = np.zeros((batch, longest) + k_cache.shape[2:], dtype=k_cache.dtype)
@@ -534,6 +549,8 @@ def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block
             first = total[b] - seqlen_q  # the key the tree mask's column 0 stands for
             columns = np.arange(max(first, 0), total[b])
             allowed[b][:, :, columns] = tree[b][:, :, columns - first]
+    if cache_dtype is not None:
+        k, v = dequantize(k, k_descale), dequantize(v, v_descale)
     options = dict(seqlens_k=total, causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
                    alibi_slopes=alibi_slopes, sinks=sinks, mask=allowed)
     return k_cache, v_cache, k, v, options

@@ -126,6 +126,15 @@ def _shared_table(rng, dtype, uniform):
     return dataclasses.replace(case, block_table=np.broadcast_to(longest, case.block_table.shape).copy())
 
 
+def _decode_descale(name: str):
+    """An FP8 cache under bfloat16 queries (whatever the suite's dtype) with descale ``name`` (B, Hk) = (3, 2)."""
+    def build(rng, dtype, uniform):
+        factors = _uniform(2.0 ** rng.uniform(-2, 2, (3, 2)), uniform).astype(np.float32)
+        return _decode(rng, "bfloat16", False, cache_dtype="float8_e4m3fn", **{name: factors})
+
+    return build
+
+
 def _tree(rng, dtype, uniform):
     mask = np.tril(rng.random((3, 1, 4, 4)) < 0.6) | np.eye(4, dtype=bool)
     return _decode(rng, dtype, False, new=4, seqlen_q=4, mask=_uniform(mask, uniform))
@@ -139,6 +148,7 @@ DECODE = {
         rng, dtype, False, alibi_slopes=_uniform(2.0 ** -np.arange(1.0, 13.0).reshape(3, 4), uniform)), np.nan, ALL_VIEWS),
     "sinks": Family(lambda rng, dtype, uniform: _decode(
         rng, dtype, False, sinks=_uniform(np.array([0.75, -1.5, 2.5, 0.25]), uniform)), np.nan, FLAT_VIEWS),
+    **{name: Family(_decode_descale(name), np.nan, ALL_VIEWS) for name in ("k_descale", "v_descale")},
 }
 
 

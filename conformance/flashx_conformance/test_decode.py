@@ -46,6 +46,12 @@ class DecodeCase:
     v_new: np.ndarray | None = None
     block_table: np.ndarray | None = None  # int32; -1 in entries that hold no token
     options: dict = field(default_factory=dict)  # causal, window, softmax_scale, the modifications, mask, num_splits
+    cache_dtype: str | None = None  # an FP8 cache's dtype (its descales among the options); None: the caches are q's
+
+    @property
+    def needs_torch(self) -> bool:
+        """Whether every array is a torch tensor: an FP8 cache is one, whatever the backend's kind."""
+        return self.cache_dtype is not None
 
     @property
     def output_dtype(self) -> str:
@@ -59,31 +65,34 @@ class DecodeCase:
 
     def oracle_keywords(self) -> dict:
         keywords = {name: value for name, value in self.options.items() if name != "num_splits"}
-        return {**self.arrays, **keywords}
+        return {**self.arrays, **keywords, "cache_dtype": self.cache_dtype}
 
     def describe(self) -> str:
         layout = "contiguous" if self.block_table is None else f"paged, page_size {self.k_cache.shape[1]}"
         new = 0 if self.k_new is None else self.k_new.shape[1]
         options = ", ".join(f"{name}={np.shape(value) if isinstance(value, np.ndarray) else value!r}"
                             for name, value in self.options.items())
-        return (f"case: q{self.q.shape} {self.dtype}, {layout} cache {self.k_cache.shape}, "
+        cache = f" {self.cache_dtype}" if self.cache_dtype else ""
+        return (f"case: q{self.q.shape} {self.dtype}, {layout}{cache} cache {self.k_cache.shape}, "
                 f"cache_seqlens={self.cache_seqlens.tolist()}, {new} new; {options}")
 
 
 def make_decode_case(rng, *, lengths, new=0, seqlen_q=1, heads_q=4, heads_k=2, head_dim=32, head_dim_v=None,
-                     page_size=None, dtype="float32", poison=math.nan, **options) -> DecodeCase:
+                     page_size=None, dtype="float32", cache_dtype=None, poison=math.nan, **options) -> DecodeCase:
     """Sequences of ``lengths`` cached tokens (standard normal) in a contiguous cache with 3 spare
     slots, or in pages of ``page_size`` handed out in a random order, with 2 pages no sequence
-    uses and a table column past the longest sequence; every slot no token holds is ``poison``."""
+    uses and a table column past the longest sequence; every slot no token holds is ``poison``.
+    With ``cache_dtype`` (FP8) the cached tokens are values of that dtype."""
     lengths = np.asarray(lengths, dtype=np.int64)
     batch, head_dim_v = len(lengths), head_dim_v or head_dim
     total = lengths + new
 
-    def normal(*shape):
-        return round_to(rng.standard_normal(shape), dtype)
+    def normal(*shape, rounded_to=dtype):
+        return round_to(rng.standard_normal(shape), rounded_to)
 
-    tokens = {"k": normal(batch, int(total.max(initial=0)), heads_k, head_dim),
-              "v": normal(batch, int(total.max(initial=0)), heads_k, head_dim_v)}
+    longest = int(total.max(initial=0))
+    tokens = {"k": normal(batch, longest, heads_k, head_dim, rounded_to=cache_dtype or dtype),
+              "v": normal(batch, longest, heads_k, head_dim_v, rounded_to=cache_dtype or dtype)}
     if page_size is None:
         slots = int(total.max(initial=0)) + 3
         caches = {name: np.full((batch, slots) + x.shape[2:], poison) for name, x in tokens.items()}
@@ -111,14 +120,16 @@ def make_decode_case(rng, *, lengths, new=0, seqlen_q=1, heads_q=4, heads_k=2, h
         v_new=normal(batch, new, heads_k, head_dim_v) if new else None,
         block_table=table,
         options=options,
+        cache_dtype=cache_dtype,
     )
 
 
 def call(target, case: DecodeCase, **extra):
     """o, lse and the caches after the call, as float64 NumPy arrays (skips what the backend declines)."""
-    caches = {name: target.array(getattr(case, name), case.dtype) for name in ("k_cache", "v_cache")}
+    caches = {name: target.array(getattr(case, name), case.cache_dtype or case.dtype, torch=case.needs_torch)
+              for name in ("k_cache", "v_cache")}
     keywords = _keywords(target, case, extra)
-    q = target.array(case.q, case.dtype)
+    q = target.array(case.q, case.dtype, torch=case.needs_torch)
     skip_unless_supported(target, q, caches["k_cache"], caches["v_cache"], **keywords)
     o, lse = flashx.attention_with_kvcache(q, caches["k_cache"], caches["v_cache"], **keywords, return_lse=True,
                                            backend=target.name)
@@ -135,8 +146,8 @@ def skip_unless_supported(target, q, k_cache, v_cache, **keywords):
 
 def _keywords(target, case, extra) -> dict:
     # NumPy arrays become the backend's (slopes and sinks in float32); others are a test's own views
-    keywords = target.auxiliary({**case.options, **extra}, case.dtype)
-    return {**{name: target.array(x, case.dtype) for name, x in case.arrays.items()}, **keywords}
+    keywords = target.auxiliary({**case.options, **extra}, case.dtype, torch=case.needs_torch)
+    return {**{name: target.array(x, case.dtype, torch=case.needs_torch) for name, x in case.arrays.items()}, **keywords}
 
 
 def failures(case: DecodeCase, got: dict) -> list[str]:

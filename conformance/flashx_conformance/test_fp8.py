@@ -10,6 +10,10 @@ all, fail; masks, lengths, packed sequences and the score modifications keep the
 positions no allowed pair reads never reaches an output, and rows without a key give o = 0 and
 lse = -inf exactly. What FP8 declines (the backward, autograd, dropout) raises with its reason on
 every backend, whether or not it implements FP8.
+
+Decoding with an FP8 cache under 16-bit queries: the caches after the call hold the new tokens
+quantized by the contract's rule (torch's saturating conversion of x / descale, bit for bit), and
+o and lse are judged as a call in q's dtype on the values the cache stands for.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import pytest
 
 import flashx
 from flashx_conformance.harness import Case, diagonal, make_case, make_varlen_case
+from flashx_conformance.test_decode import check as check_decode
+from flashx_conformance.test_decode import make_decode_case
+from flashx_conformance.tolerance import round_to
 
 #: The largest finite value of each format: a descale maps each block's largest magnitude onto it.
 LARGEST = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
@@ -191,3 +198,45 @@ def test_fp8_needs_one_dtype(flashx_target, flashx_rng):
         flashx.attention(q, k.bfloat16(), v, backend=flashx_target.name, **options)
     with pytest.raises(flashx.DTypeError, match="^q_descale: only for FP8 inputs"):
         flashx.attention(*(x.float() for x in (q, k, v)), backend=flashx_target.name, q_descale=options["q_descale"])
+
+
+def _cache_descales(rng, batch: int, heads_k: int = 2) -> dict:
+    return {name: (2.0 ** rng.uniform(-2, 2, (batch, heads_k))).astype(np.float32)
+            for name in ("k_descale", "v_descale")}
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_decode(flashx_target, flashx_rng, dtype, page_size):
+    """Three new tokens per sequence quantized into an FP8 cache (one sequence empty before them),
+    three query rows, causal, two splits, GQA 2:1."""
+    case = make_decode_case(flashx_rng, lengths=[37, 0, 12], new=3, seqlen_q=3, page_size=page_size, dtype=dtype,
+                            cache_dtype="float8_e4m3fn", causal=True, num_splits=2, **_cache_descales(flashx_rng, 3))
+    check_decode(flashx_target, case)
+
+
+def test_fp8_decode_saturates_and_keeps_nan(flashx_target, flashx_rng):
+    """A new key past 448 x its descale, and -inf, saturate to ±448; NaN in a new value stays NaN
+    and reaches exactly the rows that read it; no descales (1), with softcap and sinks."""
+    case = make_decode_case(flashx_rng, lengths=[20, 9], new=2, seqlen_q=2, dtype="bfloat16",
+                            cache_dtype="float8_e4m3fn", softcap=5.0, sinks=np.array([0.5, -1.0, 2.0, 0.0]))
+    case.k_new[0, 1, 0, 3] = round_to(3e4, "bfloat16")
+    case.k_new[1, 0, 1, 5] = -np.inf
+    case.v_new[1, 1, 0, 2] = np.nan
+    got = check_decode(flashx_target, case)
+    assert got["k_cache"][0, 21, 0, 3] == 448 and got["k_cache"][1, 9, 1, 5] == -448
+    assert np.isnan(got["o"][1, 1, :2, 2]).all() and np.isfinite(got["o"][1, 0]).all()
+
+
+def test_fp8_decode_errors(flashx_target, flashx_rng):
+    """An FP8 cache needs bfloat16 or float16 queries; descales need an FP8 cache."""
+    import torch
+
+    q = torch.zeros((2, 1, 4, 8), dtype=torch.float32)
+    cache = torch.zeros((2, 6, 2, 8), dtype=torch.float8_e4m3fn)
+    lengths = torch.tensor([1, 2])
+    with pytest.raises(flashx.DTypeError, match=r"^k_cache: expected the dtype of q \(float32\), got float8_e4m3fn"):
+        flashx.attention_with_kvcache(q, cache, cache, cache_seqlens=lengths, backend=flashx_target.name)
+    with pytest.raises(flashx.DTypeError, match="^k_descale: only for an FP8 cache"):
+        flashx.attention_with_kvcache(q.bfloat16(), cache.bfloat16(), cache.bfloat16(), cache_seqlens=lengths,
+                                      k_descale=torch.ones(2, 2), backend=flashx_target.name)
