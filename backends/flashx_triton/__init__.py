@@ -22,7 +22,7 @@ class TritonBackend(flashx.Backend):
     name = "triton"
     version = __version__
     array_kind = "torch"
-    dtypes = frozenset({"float16", "bfloat16", "float32"})
+    dtypes = frozenset({"float16", "bfloat16", "float32"}) | flashx.problem.FP8_DTYPES  # FP8: flashx_triton.fp8
     max_head_dim = 256
     features = frozenset(flashx.problem.FEATURES)
     deterministic_backward = True

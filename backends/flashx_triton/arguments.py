@@ -8,6 +8,8 @@ import os
 
 import triton
 
+from flashx.problem import FP8_DTYPES
+
 
 def problem_args(problem) -> dict:
     """The kernel arguments that describe the static problem rather than one tensor or one call:
@@ -47,6 +49,8 @@ def tile_widths(head_dim: int, head_dim_v: int) -> dict:
 def dot_precision(dtype: str) -> str:
     if dtype == "float32":
         return "ieee"  # the contract's Numerics section: no TF32 unless asked
+    if dtype in FP8_DTYPES and os.environ.get("TRITON_INTERPRET") == "1":
+        return "ieee"  # FP8 tiles are widened to float32 under the interpreter (flashx_triton.fp8)
     if dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1":
         return "upcast"
     return "tf32"  # ignored for 16-bit inputs

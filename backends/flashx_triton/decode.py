@@ -19,6 +19,10 @@ call with ``validate=False`` can be captured in a CUDA graph):
    splits' normalised outputs and LSEs as "Merging partial results" says, an empty split (LSE
    -inf) weighing exactly 0. With one split the split kernel writes o and lse itself.
 
+An FP8 cache (float8_e4m3fn, the contract's FP8 section) is read as the queries' 16-bit dtype,
+which holds its values exactly; k_descale joins the scores' scale and v_descale o's factor, per
+program, and new tokens are quantized into it by the append (``flashx_triton.fp8.quantized_e4m3``).
+
 The score modifications are the prefill kernels' own (``flashx_triton.score_mods``): softcap and
 ALiBi modify each tile's scores, ALiBi's distance measured from each row's position Lk - Nq + i
 whatever split holds the key. A split is computed without the sink, which joins each row once, in
@@ -50,9 +54,10 @@ import triton
 import triton.language as tl
 
 from flashx_triton.arguments import dot_precision, tile_widths
+from flashx_triton.fp8 import cache_values, descale_factors, fp8_mode, quantized_e4m3
 from flashx_triton.launch import Launch, layout
 from flashx_triton.products import dot, masked_dot
-from flashx_triton.score_mods import LOG2E, modified_scores, score_mod_args, score_rule, with_sink
+from flashx_triton.score_mods import LOG2E, descaled_scores, modified_scores, score_mod_args, score_rule, with_sink
 
 MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this per split cost more in the merge than they gain
 MAX_SPLITS = 128
@@ -85,10 +90,11 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
                   stride_vd, stride_mj, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                   MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FAST_TANH: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Fold key tiles [t_lo, t_hi) into the running (acc, m_i, l_i). MASKED tiles load only the keys
     in [lo, hi) and test every pair; the others lie wholly inside every valid row's band. Scores
-    are modified by ``rule`` (``score_rule``) under SOFTCAP and ALIBI."""
+    are modified by ``rule`` (``score_rule``) under SOFTCAP and ALIBI. An FP8 cache's tiles are
+    read as q's dtype, which holds every e4m3 value (``cache_values``)."""
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     for t in range(t_lo, t_hi):
@@ -99,8 +105,9 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
         k_ptrs = K_HEAD + (page * stride_kp + slot * stride_ks)[:, None] + dims[None, :] * stride_kd
         v_ptrs = V_HEAD + (page * stride_vp + slot * stride_vs)[:, None] + dims_v[None, :] * stride_vd
         if MASKED:
-            k = tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-            v = tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+            k = cache_values(tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0), q.dtype, FP8)
+            v = cache_values(tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0), q.dtype,
+                             FP8)
             position = diag + i  # each row's query position among the keys
             ok = (valid[:, None] & used[None, :] & (cols[None, :] >= position[:, None] - left)
                   & (cols[None, :] <= position[:, None] + right))
@@ -120,8 +127,8 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = masked_dot(p.to(v.dtype), v, ok, acc * alpha[:, None], True, DOT_PRECISION)
         else:
-            k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
+            k = cache_values(tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0), q.dtype, FP8)
+            v = cache_values(tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0), q.dtype, FP8)
             s, _ = modified_scores(dot(q, tl.trans(k), None, DOT_PRECISION), i[:, None], cols[None, :], scale_log2,
                                    rule, SOFTCAP, ALIBI, FAST_TANH)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -153,7 +160,7 @@ def _outputs(m, l, SINKS, h, HAS_SINKS: tl.constexpr):
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, SEQLENS, TABLE, MASK, SLOPES, SINKS, O, LSE,
+    Q, K, V, SEQLENS, TABLE, MASK, SLOPES, SINKS, K_DESCALE, V_DESCALE, O, LSE,
     stride_qb, stride_qn, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd, stride_tb, stride_tj, stride_mb, stride_mh, stride_mi, stride_mj,
     stride_os, stride_ob, stride_on, stride_oh, stride_od, stride_ls, stride_lb, stride_lh, stride_ln,
@@ -161,11 +168,12 @@ def _split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One split of one (sequence, kv head, row tile): its normalised o and its lse (natural log),
     into O and LSE at index ``split`` of their leading axis (stride 0 without splits). HAS_SINKS
-    only where the split is the only one: then its rows are whole and take the sink."""
+    only where the split is the only one: then its rows are whole and take the sink. An FP8
+    cache's k_descale joins the scale of the scores, its v_descale o's factor."""
     rows_total = seqlen_q * group
     row_tiles = tl.cdiv(rows_total, BLOCK_M)
     tile = tl.program_id(0)
@@ -211,6 +219,9 @@ def _split_kernel(
         TABLE_ROW = TABLE + b64 * stride_tb
     mask_rows = MASK + b64 * stride_mb + (h * stride_mh + i * stride_mi).to(tl.int64) if HAS_MASK else 0
     rule = score_rule(SLOPES, b, h[:, None], seqlen_q, length, mods, ALIBI)  # slopes per row: rows mix heads
+    if FP8 != "":
+        score_factor, out_factor = descale_factors(None, K_DESCALE, V_DESCALE, b * heads_k + kv_head)
+        scale_log2, rule = descaled_scores(scale_log2, rule, score_factor)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -226,9 +237,11 @@ def _split_kernel(
                                       valid, left, right, scale_log2, rule, stride_tj, stride_kp, stride_ks,
                                       stride_kd, stride_vp, stride_vs, stride_vd, stride_mj, HEAD_DIM, HEAD_DIM_V,
                                       BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE, HAS_MASK, part != 1, SOFTCAP, ALIBI,
-                                      FAST_TANH, DOT_PRECISION)
+                                      FAST_TANH, DOT_PRECISION, FP8)
 
     factor, lse = _outputs(m_i, l_i, SINKS, h, HAS_SINKS)
+    if FP8 != "":
+        factor *= out_factor
     o = acc * factor[:, None]
     dims_v = tl.arange(0, BLOCK_DV)
     rows_out = split.to(tl.int64) * stride_os + b64 * stride_ob + (i * stride_on + h * stride_oh).to(tl.int64)
@@ -276,26 +289,34 @@ def _merge_kernel(
 
 
 @triton.jit
-def _copy_token(SOURCE, stride_sh, stride_sd, TARGET, stride_th, stride_td, heads, WIDTH: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One token's (heads, WIDTH) rows from SOURCE to TARGET."""
+def _copy_token(SOURCE, stride_sh, stride_sd, TARGET, stride_th, stride_td, heads, DESCALE, WIDTH: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, FP8: tl.constexpr):
+    """One token's (heads, WIDTH) rows from SOURCE to TARGET; into an FP8 cache quantized by the
+    contract's rule: the float32 quotient by the row's head's descale (``DESCALE``, None: 1),
+    correctly rounded, then rounded to e4m3 (``quantized_e4m3``)."""
     rows = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_W)[None, :]
     inside = (rows < heads) & (cols < WIDTH)
     x = tl.load(SOURCE + rows * stride_sh + cols * stride_sd, mask=inside)
+    if FP8 != "":
+        x = x.to(tl.float32)
+        if DESCALE is not None:
+            x = tl.div_rn(x, tl.load(DESCALE + rows, mask=rows < heads, other=1.0))
+        x = quantized_e4m3(x, FP8 == "emulated")
     tl.store(TARGET + rows * stride_th + cols * stride_td, x, mask=inside)
 
 
 @triton.jit
 def _append_kernel(
-    K_NEW, V_NEW, K, V, SEQLENS, TABLE,
+    K_NEW, V_NEW, K, V, SEQLENS, TABLE, K_DESCALE, V_DESCALE,
     stride_nb, stride_nn, stride_nh, stride_nd, stride_wb, stride_wn, stride_wh, stride_wd,
     stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, stride_tb, stride_tj,
     heads_k, new_tokens,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
-    """New token t of sequence b into its cache slot, at position cache_seqlens[b] + t."""
+    """New token t of sequence b into its cache slot, at position cache_seqlens[b] + t; an FP8
+    cache's by its (B, Hk) descales (None: 1)."""
     pid = tl.program_id(0)
     b = (pid // new_tokens).to(tl.int64)
     t = pid % new_tokens
@@ -305,10 +326,12 @@ def _append_kernel(
     else:
         page = tl.load(TABLE + b * stride_tb + (position // PAGE_SIZE) * stride_tj).to(tl.int64)
         slot = position % PAGE_SIZE
+    k_descale = K_DESCALE + b * heads_k if K_DESCALE is not None else None
+    v_descale = V_DESCALE + b * heads_k if V_DESCALE is not None else None
     _copy_token(K_NEW + b * stride_nb + t * stride_nn, stride_nh, stride_nd, K + page * stride_kp + slot * stride_ks,
-                stride_kh, stride_kd, heads_k, HEAD_DIM, BLOCK_H, BLOCK_D)
+                stride_kh, stride_kd, heads_k, k_descale, HEAD_DIM, BLOCK_H, BLOCK_D, FP8)
     _copy_token(V_NEW + b * stride_wb + t * stride_wn, stride_wh, stride_wd, V + page * stride_vp + slot * stride_vs,
-                stride_vh, stride_vd, heads_k, HEAD_DIM_V, BLOCK_H, BLOCK_DV)
+                stride_vh, stride_vd, heads_k, v_descale, HEAD_DIM_V, BLOCK_H, BLOCK_DV, FP8)
 
 
 def choose_splits(batch: int, heads_k: int, row_tiles: int, capacity: int, block_n: int, sm_count: int) -> int:
@@ -342,15 +365,16 @@ def splits(problem, device: torch.device) -> int:
 def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new, v_new):
     """(o, lse) after the new tokens are written into the caches; o in q's dtype, lse float32."""
     seqlens, table = problem.cache_seqlens, problem.block_table
+    descales = (problem.k_descale, problem.v_descale)  # an FP8 cache's (None: 1)
     if problem.new_tokens and problem.batch:
-        _launch("append", problem, (k_new, v_new, k_cache, v_cache, seqlens, table))
+        _launch("append", problem, (k_new, v_new, k_cache, v_cache, seqlens, table, *descales))
     o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
     if problem.batch * problem.seqlen_q * problem.heads_q == 0:
         return o, lse
     count = splits(problem, q.device)
     mask = None if problem.mask is None else problem.mask.expand(*problem.lse_shape, problem.seqlen_q)
-    reads = (q, k_cache, v_cache, seqlens, table, mask, problem.alibi_slopes, problem.sinks)
+    reads = (q, k_cache, v_cache, seqlens, table, mask, problem.alibi_slopes, problem.sinks, *descales)
     if count == 1:
         _launch("split", problem, (*reads, o[None], lse[None]), count)
         return o, lse
@@ -381,7 +405,7 @@ def _strides(x, count: int) -> tuple:
 
 
 def _build_split(problem, tensors, count) -> Launch:
-    q, k_cache, v_cache, _, table, mask, _, _, o, lse = tensors
+    q, k_cache, v_cache, _, table, mask, _, _, _, _, o, lse = tensors
     tiles = config(problem)
     left, right = problem.band or (-1, -1)
     unbounded = problem.capacity + problem.seqlen_q  # a reach past every key: one compare serves both sides
@@ -404,7 +428,7 @@ def _build_split(problem, tensors, count) -> Launch:
                   num_splits=count, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
                   **tile_widths(problem.head_dim, problem.head_dim_v), BLOCK_M=tiles["BLOCK_M"],
                   BLOCK_N=tiles["BLOCK_N"], PAGE_SIZE=problem.page_size or 0, HAS_MASK=mask is not None,
-                  DOT_PRECISION=dot_precision(problem.dtype))
+                  DOT_PRECISION=dot_precision(problem.dtype), FP8=fp8_mode(problem.fp8))
 
 
 def _build_merge(problem, tensors, count) -> Launch:
@@ -423,7 +447,7 @@ def _build_merge(problem, tensors, count) -> Launch:
 
 
 def _build_append(problem, tensors, count) -> Launch:
-    k_new, v_new, k_cache, v_cache, _, table = tensors
+    k_new, v_new, k_cache, v_cache, _, table, _, _ = tensors
     bound = dict(zip(
         ("stride_nb", "stride_nn", "stride_nh", "stride_nd", "stride_wb", "stride_wn", "stride_wh", "stride_wd",
          "stride_kp", "stride_ks", "stride_kh", "stride_kd", "stride_vp", "stride_vs", "stride_vh", "stride_vd",
@@ -434,7 +458,7 @@ def _build_append(problem, tensors, count) -> Launch:
                   **bound, heads_k=problem.heads_k, new_tokens=problem.new_tokens, HEAD_DIM=problem.head_dim,
                   HEAD_DIM_V=problem.head_dim_v, BLOCK_H=triton.next_power_of_2(problem.heads_k),
                   BLOCK_D=triton.next_power_of_2(problem.head_dim), BLOCK_DV=triton.next_power_of_2(problem.head_dim_v),
-                  PAGE_SIZE=problem.page_size or 0)
+                  PAGE_SIZE=problem.page_size or 0, FP8=fp8_mode(problem.fp8))
 
 
 _BUILD = {"split": _build_split, "merge": _build_merge, "append": _build_append}

@@ -5,6 +5,11 @@ running max and sum stay in that base, and the LSE is converted to natural log o
 
 A problem with masked tiles runs in two launches (``Passes``): plain products in the masked
 tiles first, then exactly, only for the query tiles whose acc ended non-finite.
+
+FP8 inputs (the contract's FP8 section) run the same kernel under the FP8 flag
+(``flashx_triton.fp8``): Q K^T from the FP8 tiles, q_descale * k_descale folded into the scores'
+scale once per program, the weights rounded to e4m3 against the running max for their product
+with V (read with its keys contiguous), v_descale folded into o's factor, o in out_dtype.
 """
 
 from __future__ import annotations
@@ -16,26 +21,33 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.arguments import problem_args
 from flashx_triton.dropout import dropout_keep, kept_scale
+from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negated, widened
 from flashx_triton.launch import (Passes, call_args, call_layout, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
 from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row_descriptors, row_strides, tma_ready
 from flashx_triton.masking import MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, pair_rule, query_tile
-from flashx_triton.products import dot, masked_dot
-from flashx_triton.score_mods import LOG2E, modified_scores, score_mod_args, score_rule, with_sink
+from flashx_triton.products import dot, masked_dot, pv_operand
+from flashx_triton.score_mods import LOG2E, descaled_scores, modified_scores, score_mod_args, score_rule, with_sink
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn, rows,
-                  lo, hi, first_col, end_col, pairs, scale_log2, rule, stream, dropout,
+def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start, kv_head, stride_kn, stride_vn,
+                  stride_vd, rows, lo, hi, first_col, end_col, pairs, scale_log2, rule, stream, dropout,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                   DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr, FP8: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair, and
     EXACT ones keep a non-finite V out of the rows that may not use it. Scores are modified by
-    ``rule`` (``score_rule``) under SOFTCAP and ALIBI."""
+    ``rule`` (``score_rule``) under SOFTCAP and ALIBI. FP8 tiles (``flashx_triton.fp8``) multiply
+    as loaded, and P is rounded to e4m3 for its product with V (``pv_operand``)."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
+        if FP8 != "":
+            # band_part's tiles start at multiples of BLOCK_N, which the compiler learns from this
+            # identity (tl.multiple_of on a loop variable is lost): FP8's V, its keys contiguous,
+            # is then copied in 16-byte vectors, pipelined, instead of a byte at a time
+            start_n = start_n // BLOCK_N * BLOCK_N
         cols = start_n + cols_in_tile
         if MASKED:
             ok = allowed_pairs(rows[:, None], cols[None, :], pairs, HAS_MASK, HAS_BLOCK_MASK)
@@ -49,10 +61,10 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
             used = cols_in_tile  # unused: unmasked tiles lie inside the band and the sequence
             nonempty = True
         if nonempty:
-            k = load_rows(k_desc, k_base, seq, k_start, kv_head, start_n, stride_kn, used, HEAD_DIM, BLOCK_N, BLOCK_D,
-                          USE_TMA, MASKED, EXACT)
-            v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
-                          BLOCK_DV, USE_TMA, MASKED, EXACT)
+            k = widened(load_rows(k_desc, k_base, seq, k_start, kv_head, start_n, stride_kn, used, HEAD_DIM, BLOCK_N,
+                                  BLOCK_D, USE_TMA, MASKED, EXACT), FP8 == "emulated")
+            v = widened(load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
+                                  BLOCK_DV, USE_TMA, MASKED, EXACT, col_stride=stride_vd), FP8 == "emulated")
             s = dot(q, tl.trans(k), None, DOT_PRECISION)
             if MASKED or SOFTCAP or ALIBI:
                 s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI, FAST_TANH)
@@ -81,16 +93,16 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                 read = s != float("-inf")
                 if DROPOUT:
                     read = read & keep
-                acc = masked_dot(p.to(v.dtype), v, read, acc * alpha[:, None], True, DOT_PRECISION)
+                acc = masked_dot(pv_operand(p, v, FP8), v, read, acc * alpha[:, None], True, DOT_PRECISION)
             else:
-                acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+                acc = dot(pv_operand(p, v, FP8), v, acc * alpha[:, None], DOT_PRECISION)
             m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
 def _forward_kernel(
-    Q, K, V, K_DESC, V_DESC, O, LSE,
+    Q, K, V, K_DESC, V_DESC, O, LSE, Q_DESCALE, K_DESCALE, V_DESCALE,  # descales: FP8's (None: 1)
     CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS, dropout,  # each call's own (call_args)
     REDO,  # Passes's flags (None: one launch)
     q_strides, k_strides, v_strides, o_strides, lse_strides,  # (batch, row, head); lse: (batch, head)
@@ -100,10 +112,11 @@ def _forward_kernel(
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr, EXACT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     stride_qb, stride_qn, stride_qh = q_strides
     stride_kb, stride_kn, stride_kh = k_strides
-    stride_vb, stride_vn, stride_vh = v_strides
+    stride_vb, stride_vn, stride_vh, stride_vd = v_strides  # FP8: keys contiguous (fp8.keys_contiguous)
     stride_ob, stride_on, stride_oh = o_strides
     stride_lb, stride_lh = lse_strides
     padded_q, padded_k, heads_q, group = shape
@@ -126,8 +139,8 @@ def _forward_kernel(
             rows_in_tile = tl.arange(0, BLOCK_M)
             rows = m0 + rows_in_tile
             dims = tl.arange(0, BLOCK_D)
-            q = tl.load(q_base + rows_in_tile[:, None] * stride_qn + dims[None, :],
-                        mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM), other=0.0)
+            q = widened(tl.load(q_base + rows_in_tile[:, None] * stride_qn + dims[None, :],
+                                mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM), other=0.0), FP8 == "emulated")
 
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -137,14 +150,18 @@ def _forward_kernel(
             stream = b * heads_q + h
             pairs = pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
             rule = score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI)
+            scale = scale_log2
+            if FP8 != "":  # the descales of the raw scores join their scale, V's joins o's
+                score_factor, out_factor = descale_factors(Q_DESCALE, K_DESCALE, V_DESCALE, b * (heads_q // group) + kv_head)
+                scale, rule = descaled_scores(scale_log2, rule, score_factor)
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
                 if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
                     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
-                                                  kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs,
-                                                  scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                                  kv_head, stride_kn, stride_vn, stride_vd, rows, lo, hi, first, end,
+                                                  pairs, scale, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                                                   BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                                                  SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, EXACT)
+                                                  SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, EXACT, FP8)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
@@ -160,6 +177,8 @@ def _forward_kernel(
                 no_key_lse = float("-inf")
             if DROPOUT:
                 scale_out *= kept_scale(dropout)
+            if FP8 != "":
+                scale_out *= out_factor
             o = tl.where(empty[:, None], 0.0, acc * scale_out[:, None])
             lse = tl.where(empty, no_key_lse, (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: natural log
             dims_v = tl.arange(0, BLOCK_DV)
@@ -171,39 +190,45 @@ def _forward_kernel(
 
 
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    q, k = (last_dim_contiguous(x) for x in (q, k))
+    v = keys_contiguous(v, problem.varlen) if problem.fp8 else last_dim_contiguous(v)
     if problem.softmax_scale < 0:
         # The unmasked tiles take a row's max as max(q k^T) * scale, which holds for scale >= 0:
         # a negative scale runs as (-q) k^T * |scale|, bit for bit the same scores.
-        q = -q
+        q = negated(q) if problem.fp8 else -q
+    out_dtype = getattr(torch, problem.out_dtype)  # q's, or FP8's out_dtype
     if problem.varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
-        o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
+        o = torch.zeros(problem.o_shape, dtype=out_dtype, device=q.device)
         lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
         if problem.sinks is not None:
             lse.copy_(problem.sinks[:, None].expand_as(lse))
     else:
-        o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
+        o = torch.empty(problem.o_shape, dtype=out_dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    descales = (problem.q_descale, problem.k_descale, problem.v_descale)
     call = call_args(problem)
-    tuned = per_problem(problem, ("forward", layout(q, k, v), call_layout(call)),
+    tuned = per_problem(problem, ("forward", layout(q, k, v), call_layout(descales + call)),
                         lambda: tuning.Tuned("forward", _launch))
-    return tuned(problem, q, k, v, o, lse, *call)
+    return tuned(problem, q, k, v, o, lse, *descales, *call)
 
 
 def _launch(problem, config, q, k, v, o, lse, *call):
-    """The forward under ``config`` for tensors (and ``call_args``) laid out as these:
-    ``run(q, k, v, o, lse, *call)``."""
+    """The forward under ``config`` for tensors (and the descales, then ``call_args``) laid out as
+    these: ``run(q, k, v, o, lse, *call)``."""
     varlen, args = problem.varlen, problem_args(problem)
-    use_tma = tma_ready(problem, k, v)
+    # FP8 reads V with its keys contiguous (fp8.keys_contiguous), through pointers: a TMA copy
+    # keeps the memory's order, whose last axis must be contiguous
+    use_tma = tma_ready(problem, k, v) and not problem.fp8
     k_descriptor = row_descriptors(k, varlen, config.block_n, args["BLOCK_D"], use_tma)
     v_descriptor = row_descriptors(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
     parts = band_parts(problem, False, config.block_n)
     kernel = Passes(_forward_kernel, problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),
                     config.options(), bool(parts & MASKED_PARTS) or problem.dropout_p > 0, PARTS=parts,
                     q_strides=row_strides(q, varlen), k_strides=row_strides(k, varlen),
-                    v_strides=row_strides(v, varlen), o_strides=row_strides(o, varlen),
+                    v_strides=(*row_strides(v, varlen), v.stride(-1)), o_strides=row_strides(o, varlen),
                     lse_strides=lse_strides(lse, varlen), **args, scale_log2=abs(problem.scale_log2),
-                    **score_mod_args(problem, abs(problem.softmax_scale)), USE_TMA=use_tma, **config.tiles())
+                    **score_mod_args(problem, abs(problem.softmax_scale)), USE_TMA=use_tma,
+                    FP8=fp8_mode(problem.fp8), **config.tiles())
 
     def run(q, k, v, o, lse, *call):
         kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse, *call)

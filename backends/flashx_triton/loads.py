@@ -16,7 +16,7 @@ from flashx_triton.arguments import tile_widths
 @triton.jit
 def load_rows(desc, base, seq, seq_start, head, start, stride, used, WIDTH: tl.constexpr, ROWS: tl.constexpr,
               COLS: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, ZERO_UNUSED: tl.constexpr = True,
-              HOST_DESCRIPTORS: tl.constexpr = True):
+              HOST_DESCRIPTORS: tl.constexpr = True, col_stride=1):
     """Rows [start, start + ROWS) of one head's (length, WIDTH) matrix, zero past WIDTH and, in
     masked tiles, in rows not ``used``.
 
@@ -25,7 +25,8 @@ def load_rows(desc, base, seq, seq_start, head, start, stride, used, WIDTH: tl.c
     start, head), zero past the tensor's rows; one built in the kernel (``head_descriptors``) at
     row ``start``, zero past the sequence. With ZERO_UNUSED False unused rows stay as they are
     (the backward, whose masked_dot sees any non-finite value in them through the score
-    products)."""
+    products). Through pointers the columns lie ``col_stride`` apart: 1, or the length of a tensor
+    whose rows are contiguous (FP8's V, ``flashx_triton.fp8.keys_contiguous``)."""
     if USE_TMA:
         if HOST_DESCRIPTORS:
             tile = desc.load([seq, seq_start + start, head, 0]).reshape(ROWS, COLS)
@@ -36,7 +37,7 @@ def load_rows(desc, base, seq, seq_start, head, start, stride, used, WIDTH: tl.c
     else:
         rows = tl.arange(0, ROWS)
         cols = tl.arange(0, COLS)
-        ptrs = base + tl.cast(start, tl.int64) * stride + rows[:, None] * stride + cols[None, :]
+        ptrs = base + tl.cast(start, tl.int64) * stride + rows[:, None] * stride + cols[None, :] * col_stride
         if MASKED:
             tile = tl.load(ptrs, mask=used[:, None] & (cols[None, :] < WIDTH), other=0.0)
         else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashx_triton.fp8 import e4m3_weights
+
 
 @triton.jit
 def dot(a, b, acc, PRECISION: tl.constexpr):
@@ -20,6 +22,17 @@ def dot(a, b, acc, PRECISION: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def pv_operand(p, v, FP8: tl.constexpr):
+    """The weights P (float32) as the operand of their product with V: in V's dtype, or for FP8
+    inputs rounded to e4m3 whatever V's format, as plain attention in FP8 rounds them (the
+    contract's FP8 section; ``FP8`` is ``flashx_triton.fp8.fp8_mode``'s flag)."""
+    if FP8 != "":
+        return e4m3_weights(p, FP8 == "emulated")
+    else:
+        return p.to(v.dtype)
 
 
 @triton.jit
@@ -35,7 +48,7 @@ def masked_dot(a, b, allowed, acc, b_suspect, PRECISION: tl.constexpr):
     there is allowed.
     """
     if b_suspect:
-        finite = tl.abs(b) < float("inf")  # False for NaN too
+        finite = _finite(b)
         out = dot(a, tl.where(finite, b, 0.0), acc, PRECISION)
         if tl.min(finite.to(tl.int32)) == 0:
             # 0/1 in b's dtype are exact and their counts accumulate exactly in fp32. Built from
@@ -46,6 +59,15 @@ def masked_dot(a, b, allowed, acc, b_suspect, PRECISION: tl.constexpr):
     else:
         out = dot(a, b, acc, PRECISION)
     return out
+
+
+@triton.jit
+def _finite(x):
+    """Whether each element is finite (False for NaN too); FP8 is widened first, having no
+    arithmetic of its own."""
+    if x.dtype.is_fp8():
+        x = x.to(tl.float32)
+    return tl.abs(x) < float("inf")
 
 
 @triton.jit

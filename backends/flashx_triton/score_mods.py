@@ -66,6 +66,15 @@ def score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI: tl.constexpr):
 
 
 @triton.jit
+def descaled_scores(scale_log2, rule, factor):
+    """The scale of raw products and ``score_rule``'s rule for products of FP8 values that stand
+    for ``factor`` times as much (q_descale * k_descale): both factors that take the raw product,
+    the softmax's and softcap's, take it too, once per program rather than once per score."""
+    cap_in, cap_out, slope, diag = rule
+    return scale_log2 * factor, (cap_in * factor, cap_out, slope, diag)
+
+
+@triton.jit
 def modified_scores(s, i, j, scale_log2, rule, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FAST_TANH: tl.constexpr):
     """Steps 1-3 of the contract's order, in base 2, on raw products ``s`` of query rows i and key
     columns j (broadcastable index tensors). Returns (scores, tanh of the scaled scores over c),
