@@ -17,7 +17,7 @@ call with ``validate=False`` makes no host synchronization):
    Nq keys), and a tile whose rows do not all see all its keys multiplies V term by term where V
    holds a NaN or an infinity (``exact``, as in the forward). Each split writes its normalised
    output and lse, in float32, without the sink.
-3. ``merge_kernel``: a thread per (sequence, query row, head) joins the splits as "Merging partial
+3. ``merge_kernel``: a warp per (sequence, query row, head) joins the splits as "Merging partial
    results" says, a split of lse -inf weighing exactly 0, joins the sink once (``with_sink``),
    and rounds o to the caller's dtype. It runs with one split too: the sink and the rounding live
    in one kernel.
@@ -57,6 +57,10 @@ MAX_SPLITS = 128
 RESIDENT_BLOCKS = 4  # split blocks an SM holds at once: about 45 KiB of shared memory and 128 threads each
 SIMULATED_SMS = 4  # the stand-in SM count in the simulator, so that small problems split too
 THREADS = 1 if SIMULATOR else 64  # of the append and merge kernels (the simulator runs each as a Python thread)
+#: The merge's threads a row: a warp, whose lanes read consecutive features of each split's o, where
+#: one thread a row would read them one by one, each load far from its neighbours' and waiting out
+#: its latency; one in the simulator, where each is a Python thread.
+MERGE_LANES = 1 if SIMULATOR else 32
 
 _INDEX = types.Array(types.int32, 1, "A")  # cache_seqlens
 _TABLE = types.Array(types.int32, 2, "A")
@@ -201,17 +205,19 @@ def split_kernel(shape: Tiles, dtype: str, score_mods: bool):
 
 @functools.cache
 def merge_kernel(dtype: str):
-    """o and lse of each (sequence, query row, head), a thread each: the splits' partials joined, the
-    sink once."""
+    """o and lse of each (sequence, query row, head), MERGE_LANES threads each: lane l joins the
+    splits' partials of features l, l + MERGE_LANES, ..., so that a warp reads each split's o of
+    its row in one coalesced pass, and the first lane writes the lse. The sink joins once."""
     bf16 = dtype == "bfloat16"
 
     @cached_kernel(types.void(_PARTS, _PART_LSE, _tensor(dtype), _LSE, _SINKS, _b, _i), dtype)
     def kernel(o_part, lse_part, o, lse, sinks, has_sinks, num_splits):
         index = cuda.grid(1)
         batch, nq, heads_q, dim_v = o.shape[0], o.shape[1], o.shape[2], o.shape[3]
-        if index >= batch * nq * heads_q:
+        row, lane = index // MERGE_LANES, index % MERGE_LANES
+        if row >= batch * nq * heads_q:
             return
-        b, i, h = index // (nq * heads_q), index // heads_q % nq, index % heads_q
+        b, i, h = row // (nq * heads_q), row // heads_q % nq, row % heads_q
         top = NEG_INF
         for split in range(num_splits):
             top = max_nan(top, lse_part[split * batch + b, h, i])
@@ -223,14 +229,15 @@ def merge_kernel(dtype: str):
         row_lse, factor = sink, np.float32(0)  # a row without an allowed key: o = 0, lse = the sink's
         if total != 0:
             row_lse, factor = with_sink(top, total, sink, np.float32(1))
-        for d in range(dim_v):
+        for d in range(lane, dim_v, MERGE_LANES):
             value = np.float32(0)
             for split in range(num_splits):
                 weight = math.exp(lse_part[split * batch + b, h, i] - reference)
                 if weight != 0:  # an empty split weighs exactly 0
                     value += weight * o_part[split * batch + b, i, h, d]
             store(o, b, i, h, d, value * factor if total != 0 else np.float32(0), bf16)
-        lse[b, h, i] = row_lse
+        if lane == 0:
+            lse[b, h, i] = row_lse
 
     return kernel
 
@@ -310,8 +317,8 @@ def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 right, np.float32(problem.softmax_scale), np.float32(problem.softcap or 0),
                 problem.alibi_slopes is not None)
         sinks = reals[0] if problem.sinks is None else problem.sinks
-        _launch(merge_kernel(problem.dtype), -(-rows // THREADS), THREADS, stream, *parts, _device_array(o),
-                _device_array(lse), _device_array(sinks), problem.sinks is not None, count)
+        _launch(merge_kernel(problem.dtype), -(-rows * MERGE_LANES // THREADS), THREADS, stream, *parts,
+                _device_array(o), _device_array(lse), _device_array(sinks), problem.sinks is not None, count)
     return o, lse
 
 
