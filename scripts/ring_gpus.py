@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import gzip
 import importlib.metadata
 import itertools
@@ -70,6 +71,9 @@ PACKED_LENGTHS = (8, 64) if SMOKE else (1024, 65536)  # the shortest and longest
 PACKED_TOKENS = 512 if SMOKE else 262144
 PACKED_HEADS_K = (HEADS, HEADS // 4)  # without and with grouped-query attention
 PARTS = ("check", "packed", "trace", "time")
+#: A rank still running after this many seconds prints its threads' stacks, and again as often: a
+#: part the driver's time box cuts short leaves in the log where each rank stood.
+STACKS_EVERY = 120
 
 
 def flops(seqlen: int, causal: bool = True) -> float:
@@ -105,6 +109,7 @@ def _start():
                                 timeout=datetime.timedelta(minutes=10))
     else:
         dist.init_process_group("gloo")
+    faulthandler.dump_traceback_later(STACKS_EVERY, repeat=True)
     return torch, dist, dist.get_rank(), dist.get_world_size()
 
 
