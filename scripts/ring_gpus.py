@@ -404,13 +404,17 @@ def _plan(worlds: list[int], trace: Path, parts: set[str]) -> list[tuple[int, li
 
 
 def history_rows(results: dict) -> list[dict]:
-    """The scaling steps as rows of benchmarks/results/history.csv: the ring's as flashx-ring-zigzag-wW,
-    the single-GPU baseline's as flashx-triton; device "Wx <GPU>"."""
+    """The timed steps as rows of benchmarks/results/history.csv: the ring's as flashx-ring-zigzag-wW
+    (packed documents: flashx-ring-EXCHANGE-wW, mode "fwd+bwd packed Hk=N"), the single-GPU
+    baseline's as flashx-triton; device "Wx <GPU>"."""
     rows = []
-    for r in (r for r in results["rows"] if r["part"] == "time"):
-        common = dict(date=results["date"], device=f"{r['world']}x {results['device']}", mode="fwd+bwd",
-                      impl="flashx-triton" if r["world"] == 1 else f"flashx-ring-zigzag-w{r['world']}",
-                      dtype=DTYPE, batch=1, seqlen=r["seqlen"], heads=HEADS, head_dim=HEAD_DIM, causal=True,
+    for r in (r for r in results["rows"] if r["part"] in ("time", "packed")):
+        packed = r["part"] == "packed"
+        ring = f"flashx-ring-{r['exchange'] if packed else 'zigzag'}-w{r['world']}"
+        common = dict(date=results["date"], device=f"{r['world']}x {results['device']}",
+                      mode=f"fwd+bwd packed Hk={r['heads_k']}" if packed else "fwd+bwd",
+                      impl="flashx-triton" if r["world"] == 1 else ring, dtype=DTYPE, batch=1,
+                      seqlen=r["tokens"] if packed else r["seqlen"], heads=HEADS, head_dim=HEAD_DIM, causal=True,
                       torch=results["torch"], triton=results["triton"], flashx=results["flashx"])
         rows += [dict(common, metric=metric, value=f"{r[key]:.6g}")
                  for metric, key in (("s", "seconds"), ("tflops_per_gpu", "tflops_per_gpu"), ("peak_mib", "peak_mib"))]
