@@ -442,12 +442,13 @@ def _plan(worlds: list[int], trace: Path, parts: set[str]) -> list[tuple[int, li
 
 def history_rows(results: dict) -> list[dict]:
     """The timed steps as rows of benchmarks/results/history.csv: the ring's as flashx-ring-zigzag-wW
-    (packed documents: flashx-ring-EXCHANGE-wW, mode "fwd+bwd packed Hk=N"), the single-GPU
+    (packed documents: flashx-ring-LAYOUT-EXCHANGE-wW, mode "fwd+bwd packed Hk=N"), the single-GPU
     baseline's as flashx-triton; device "Wx <GPU>"."""
     rows = []
     for r in (r for r in results["rows"] if r["part"] in ("time", "packed")):
         packed = r["part"] == "packed"
-        ring = f"flashx-ring-{r['exchange'] if packed else 'zigzag'}-w{r['world']}"
+        ring = f"flashx-ring-{r.get('layout', 'zigzag')}-{r['exchange']}-w{r['world']}" if packed else \
+            f"flashx-ring-zigzag-w{r['world']}"
         common = dict(date=results["date"], device=f"{r['world']}x {results['device']}",
                       mode=f"fwd+bwd packed Hk={r['heads_k']}" if packed else "fwd+bwd",
                       impl="flashx-triton" if r["world"] == 1 else ring, dtype=DTYPE, batch=1,
