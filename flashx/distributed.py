@@ -14,7 +14,8 @@ check the kernels and the merging on one device), ``shard`` and ``unshard`` (the
 parts, one concept per module, each with its design:
 
 - ``arguments``: a call's keywords and shards checked, the whole sequence's ``Problem``;
-- ``layouts``: how a sequence is cut into the ranks' shards ("contiguous", "zigzag");
+- ``layouts``: how a sequence is cut into the ranks' shards ("contiguous", "zigzag",
+  "document_zigzag");
 - ``sequences``: the batch entries or packed documents, which rows and keys of two chunks meet,
   and the backend calls that serve them;
 - ``steps``: one rank's calls at each step, planned once, run forward and backward;
@@ -53,15 +54,17 @@ def ring_attention(q, k, v, *, group=None, layout="zigzag", exchange="ring", cau
     ``layout`` ("zigzag" or "contiguous"; ``shard`` cuts a whole sequence so), with ``seqlens``
     (B,) the whole sequences' lengths if given. Packed: q (T/W, Hq, D), k and v likewise, with
     ``cu_seqlens`` (B + 1,) the offsets of the documents in the whole packed sequence of T rows
-    (every rank passes the same). Returns this rank's rows of ``flashx.attention`` on the whole
-    sequence with the same keywords: o, and with ``return_lse`` lse ((B, Hq, N/W), or (Hq, T/W)
-    packed). ``exchange`` "ring" (the default) passes K/V shards from rank to rank; "all_gather"
-    gathers them at once, for more memory (``peak_bytes_per_token``). Differentiable through
-    torch autograd; every rank of the group must make the call, with equal shapes and keywords,
-    and run its backward. With ``seed=None`` and dropout, rank 0 draws the seed and sends it to
-    the others. ``sinks`` (Hq,), equal on every rank, receives the dsinks terms of this rank's
-    rows: the ranks' sum is the whole sequence's. ``alibi_slopes`` is declined
-    (``UnsupportedError``, with the reason).
+    (every rank passes the same); ``layout`` may also be "document_zigzag", which zigzags each
+    document (its length a multiple of 2W) and balances the causal work of any mix of documents
+    (``shard(..., cu_seqlens=cu_seqlens)`` cuts a whole packed sequence so). Returns this rank's
+    rows of ``flashx.attention`` on the whole sequence with the same keywords: o, and with
+    ``return_lse`` lse ((B, Hq, N/W), or (Hq, T/W) packed). ``exchange`` "ring" (the default)
+    passes K/V shards from rank to rank; "all_gather" gathers them at once, for more memory
+    (``peak_bytes_per_token``). Differentiable through torch autograd; every rank of the group
+    must make the call, with equal shapes and keywords, and run its backward. With ``seed=None``
+    and dropout, rank 0 draws the seed and sends it to the others. ``sinks`` (Hq,), equal on every
+    rank, receives the dsinks terms of this rank's rows: the ranks' sum is the whole sequence's.
+    ``alibi_slopes`` is declined (``UnsupportedError``, with the reason).
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
@@ -87,16 +90,18 @@ def simulate_ring_attention(q, k, v, world_size, *, layout="zigzag", exchange="r
     """``ring_attention`` of ``world_size`` ranks in one process, without a process group.
 
     q, k, v hold the whole sequence, (B, N, H, D) or packed (T, H, D); each rank's shard is cut
-    by ``shard``, the ranks run the very steps and merges of ``ring_attention`` in turn, and
-    "sending" a shard hands it to the next rank's step. Returns the whole-sequence o (and lse),
-    differentiable; ``sinks``, one tensor for every rank, receives the sum of their dsinks.
+    by ``shard`` (with ``cu_seqlens``, packed), the ranks run the very steps and merges of
+    ``ring_attention`` in turn, and "sending" a shard hands it to the next rank's step. Returns the
+    whole-sequence o (and lse), differentiable; ``sinks``, one tensor for every rank, receives the
+    sum of their dsinks.
     """
     options = {"causal": causal, "window": window, "softmax_scale": softmax_scale, "softcap": softcap,
                "alibi_slopes": alibi_slopes, "sinks": sinks, "dropout_p": dropout_p, "seed": seed,
                "rng_offset": rng_offset}
     require_torch(q)
     axis = 0 if cu_seqlens is not None else 1
-    shards = [[shard(x, world_size, rank, layout, dim=axis) for rank in range(world_size)] for x in (q, k, v)]
+    shards = [[shard(x, world_size, rank, layout, dim=axis, cu_seqlens=cu_seqlens) for rank in range(world_size)]
+              for x in (q, k, v)]
     problem, sequences = shard_problem(shards[0][0], shards[1][0], shards[2][0], layout, exchange, world_size,
                                        options, seqlens, cu_seqlens)
     shards = [[sequences.batched(x) for x in xs] for xs in shards]
@@ -104,6 +109,6 @@ def simulate_ring_attention(q, k, v, world_size, *, layout="zigzag", exchange="r
              for rank in range(world_size)]
     outputs = RingAttention.apply(Ring(ranks, SimulatedMessages(), exchange, problem.sinks), caller_sinks(sinks),
                                   *shards[0], *shards[1], *shards[2])
-    o = unshard([sequences.unbatched(x) for x in outputs[:world_size]], layout, dim=axis)
-    lse = unshard([sequences.unbatched(x) for x in outputs[world_size:]], layout, dim=axis + 1)
+    o = unshard([sequences.unbatched(x) for x in outputs[:world_size]], layout, dim=axis, cu_seqlens=cu_seqlens)
+    lse = unshard([sequences.unbatched(x) for x in outputs[world_size:]], layout, dim=axis + 1, cu_seqlens=cu_seqlens)
     return (o, lse) if return_lse else o

@@ -4,7 +4,8 @@
     torchrun --nproc-per-node W scripts/ring_gpus.py PART ARGS...   # one part on W GPUs (the driver's child)
 
 Parts (each rank prints one JSON line per result; rank 0's lines are the part's results):
-  check        bf16, fwd+bwd, zigzag and contiguous, causal or not, a window, dropout: graded by the
+  check        bf16, fwd+bwd, zigzag and contiguous, causal or not, a window, dropout, and packed documents
+               in zigzag and document_zigzag: graded by the
                contract's rule against the float64 oracle on the gathered sequence (N = 2048, each rank
                grading its share of the cases), and compared with single-GPU flashx.attention on a
                sequence of 32k (every rank computes the whole of it on its own GPU).
@@ -14,14 +15,17 @@ Parts (each rank prints one JSON line per result; rank 0's lines are the part's 
   trace N F    one profiled fwd+bwd on rank 0: its Chrome trace, gzipped to F, and the share of the ring's
                transfer time (NCCL SendRecv kernels) during which a compute kernel ran: the overlap of
                communication with computation.
-  packed T R   causal fwd+bwd on documents of mixed lengths (1k to 64k, drawn once with a fixed seed)
-               packed into T tokens, bf16, H=16, D=128, Hk = 16 and 4, zigzag, each exchange (ring and
-               all_gather): the median of R steps, TFLOP/s per GPU, per-GPU efficiency against one GPU's
-               flashx.attention on the same documents, peak memory per token per GPU measured beside the
-               count of flashx.distributed.peak_bytes_per_token, and the longest context it predicts.
+  packed T R   causal fwd+bwd on documents of mixed lengths (1k to 64k, multiples of 16, drawn once with a
+               fixed seed) packed into T tokens, bf16, H=16, D=128, Hk = 16 and 4, each layout (zigzag,
+               which cuts the packed axis as one sequence, and document_zigzag, which zigzags every
+               document and so balances the causal work) and each exchange (ring and all_gather): the
+               median of R steps, TFLOP/s per GPU, the balance of the causal work over the ranks, per-GPU
+               efficiency against one GPU's flashx.attention on the same documents, peak memory per token
+               per GPU measured beside the count of flashx.distributed.peak_bytes_per_token, and the
+               longest context it predicts.
                With one rank it times flashx.attention, the baseline.
 
-The check part grades packed documents too (documents spanning ranks, both exchanges). The driver
+The check part grades packed documents too (documents spanning ranks, both exchanges, both layouts). The driver
 writes ring-<device>.json and .md under --out (default $OUT, else /tmp/flashx-out), keeping what it has
 after each part, so a run cut short still reports, and appends the steps' rows to history.csv there:
 copy the record into benchmarks/results and append the rows to its history.csv. RING_SMOKE=1 runs
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import gzip
 import importlib.metadata
 import itertools
@@ -65,11 +70,20 @@ CHECK_CASES = [
     ("zigzag", "ring", {"causal": True}, True),
     ("zigzag", "ring", {"causal": True, "window": (300, 0), "dropout_p": 0.1, "seed": 1234}, True),
     ("zigzag", "all_gather", {"causal": True}, True),
+    ("document_zigzag", "ring", {"causal": True}, True),
+    ("document_zigzag", "ring", {"causal": True, "window": (300, 0), "dropout_p": 0.1, "seed": 1234}, True),
+    ("document_zigzag", "all_gather", {"causal": True}, True),
 ]
 PACKED_LENGTHS = (8, 64) if SMOKE else (1024, 65536)  # the shortest and longest documents timed
 PACKED_TOKENS = 512 if SMOKE else 262144
 PACKED_HEADS_K = (HEADS, HEADS // 4)  # without and with grouped-query attention
+PACKED_LAYOUTS = ("zigzag", "document_zigzag")
+#: every document's length is a multiple of this, so that "document_zigzag" cuts it on 2, 4 and 8 GPUs
+DOCUMENT_MULTIPLE = 16
 PARTS = ("check", "packed", "trace", "time")
+#: A rank still running after this many seconds prints its threads' stacks, and again as often: a
+#: part the driver's time box cuts short leaves in the log where each rank stood.
+STACKS_EVERY = 120
 
 
 def flops(seqlen: int, causal: bool = True) -> float:
@@ -78,12 +92,17 @@ def flops(seqlen: int, causal: bool = True) -> float:
 
 
 def document_lengths(tokens: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
-    """Documents of log-uniform lengths in [shortest, longest] (one of each bound first) packed into
-    ``tokens``, the last cut to fit: the same list on every rank and every run."""
+    """Documents of log-uniform lengths in [shortest, longest] (one of each bound first), each rounded
+    down to a multiple of ``DOCUMENT_MULTIPLE`` (and at least that), packed into ``tokens`` (a multiple
+    of it), the last cut to fit: the same list on every rank and every run."""
     draw = random.Random(seed)
-    lengths = [longest, shortest]
+
+    def rounded(length: float) -> int:
+        return max(DOCUMENT_MULTIPLE, int(length) // DOCUMENT_MULTIPLE * DOCUMENT_MULTIPLE)
+
+    lengths = [rounded(longest), rounded(shortest)]
     while sum(lengths) < tokens:
-        lengths.append(int(shortest * (longest / shortest) ** draw.random()))
+        lengths.append(rounded(shortest * (longest / shortest) ** draw.random()))
     lengths[-1] -= sum(lengths) - tokens
     return [length for length in lengths if length]
 
@@ -105,6 +124,7 @@ def _start():
                                 timeout=datetime.timedelta(minutes=10))
     else:
         dist.init_process_group("gloo")
+    faulthandler.dump_traceback_later(STACKS_EVERY, repeat=True)
     return torch, dist, dist.get_rank(), dist.get_world_size()
 
 
@@ -128,12 +148,12 @@ def part_check() -> None:
     torch, dist, rank, world = _start()
     dtype = getattr(torch, DTYPE)
 
-    def gathered(shards: dict, layout: str, axis: int) -> dict:
+    def gathered(shards: dict, layout: str, axis: int, cu_seqlens) -> dict:
         out = {}
         for name, x in shards.items():
             parts = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(parts, x.contiguous())
-            out[name] = fxd.unshard(parts, layout, dim=axis + (name == "lse"))
+            out[name] = fxd.unshard(parts, layout, dim=axis + (name == "lse"), cu_seqlens=cu_seqlens)
         return out
 
     def run(call, x: dict, options: dict) -> dict:
@@ -144,7 +164,8 @@ def part_check() -> None:
 
     def ring(x: dict, layout: str, exchange: str, options: dict) -> dict:
         axis = 0 if "cu_seqlens_q" in options else 1
-        mine = {name: fxd.shard(value, world, rank, layout, dim=axis) for name, value in x.items()}
+        mine = {name: fxd.shard(value, world, rank, layout, dim=axis, cu_seqlens=options.get("cu_seqlens_q"))
+                for name, value in x.items()}
         ring_options = {name: value for name, value in options.items() if name != "cu_seqlens_k"}
         if axis == 0:
             ring_options["cu_seqlens"] = ring_options.pop("cu_seqlens_q")
@@ -169,7 +190,8 @@ def part_check() -> None:
              for name, value in case.rounded().items()}
         lengths_given = packed(lengths) if documents else {}
         axis = 0 if documents else 1
-        got = gathered(ring(x, layout, exchange, {**options, **lengths_given}), layout, axis)
+        got = gathered(ring(x, layout, exchange, {**options, **lengths_given}), layout, axis,
+                       lengths_given.get("cu_seqlens_q"))
         failures = []
         if index % world == rank:
             failures = conformance_failures(case, {n: t.double().cpu().numpy() for n, t in got.items()})
@@ -184,7 +206,8 @@ def part_check() -> None:
         reference, mine = run(flashx.attention, x, options), ring(x, layout, exchange, options)
         difference = {}
         for name in OUTPUTS:
-            expected = fxd.shard(reference[name], world, rank, layout, dim=axis + (name == "lse")).float()
+            expected = fxd.shard(reference[name], world, rank, layout, dim=axis + (name == "lse"),
+                                 cu_seqlens=options.get("cu_seqlens_q")).float()
             scale = reference[name].float().abs().max().item()
             difference[name] = (mine[name].float() - expected).abs().max().item() / scale
         everything = [None] * world  # every rank's failures and differences, on rank 0
@@ -274,27 +297,45 @@ def part_time(seqlen: int, repeats: int) -> None:
 
 
 def part_packed(tokens: int, repeats: int) -> None:
-    """Packed documents: one GPU's flashx.attention, or the ring with each exchange, at each Hk."""
+    """Packed documents: one GPU's flashx.attention, or the ring in each layout and exchange, at each Hk."""
     import flashx.distributed as fxd
 
     torch, dist, rank, world = _start()
     lengths = document_lengths(tokens, *PACKED_LENGTHS)
     cu = torch.tensor(offsets(lengths), dtype=torch.int32, device=DEVICE)
     work = 3.5 * sum(2 * HEADS * length * length * HEAD_DIM for length in lengths)  # causal, as ``flops``
-    for heads_k, exchange in itertools.product(PACKED_HEADS_K, ("ring", "all_gather") if world > 1 else ("one GPU",)):
-        measured = _measure(torch, dist, _packed_step(torch, rank, world, tokens, heads_k, cu, exchange), repeats)
+    rings = itertools.product(PACKED_LAYOUTS, ("ring", "all_gather")) if world > 1 else [("", "one GPU")]
+    for heads_k, (layout, exchange) in itertools.product(PACKED_HEADS_K, rings):
+        step = _packed_step(torch, rank, world, tokens, heads_k, cu, layout, exchange)
+        measured = _measure(torch, dist, step, repeats)
         counted = fxd.peak_bytes_per_token(HEADS, heads_k, HEAD_DIM, getattr(torch, DTYPE), world_size=world,
+                                           layout="zigzag" if world == 1 else layout,
                                            exchange="ring" if world == 1 else exchange)
-        _emit(rank, part="packed", world=world, exchange=exchange, heads_k=heads_k, tokens=tokens,
+        shares = causal_work(lengths, world, layout) if world > 1 else [1]
+        _emit(rank, part="packed", world=world, layout=layout, exchange=exchange, heads_k=heads_k, tokens=tokens,
               documents=len(lengths), shortest=min(lengths), longest=max(lengths),
+              balance=statistics.mean(shares) / max(shares),
               tflops_per_gpu=work / world / measured["seconds"] / 1e12,
               counted_kib_per_token=(counted["single"] if world == 1 else counted["ring"]) / 1024, **measured)
     dist.destroy_process_group()
 
 
-def _packed_step(torch, rank: int, world: int, tokens: int, heads_k: int, cu, exchange: str):
+def causal_work(lengths: list[int], world: int, layout: str) -> list[int]:
+    """Each rank's share of the causal work on documents of ``lengths`` packed in ``layout``: over the
+    rank's rows, the keys each row attends (its position in its document, plus one)."""
+    import torch
+
+    import flashx.distributed as fxd
+
+    keys = torch.cat([torch.arange(1, length + 1) for length in lengths])
+    return [int(fxd.shard(keys, world, rank, layout, dim=0, cu_seqlens=offsets(lengths)).sum())
+            for rank in range(world)]
+
+
+def _packed_step(torch, rank: int, world: int, tokens: int, heads_k: int, cu, layout: str, exchange: str):
     """A causal fwd+bwd on this rank's shard of ``tokens`` packed rows of documents ``cu``: flashx.attention
-    on one GPU, else ring attention with ``exchange``; its inputs live as long as the function returned."""
+    on one GPU, else ring attention in ``layout`` with ``exchange``; its inputs live as long as the function
+    returned."""
     import flashx
     import flashx.distributed as fxd
 
@@ -304,7 +345,8 @@ def _packed_step(torch, rank: int, world: int, tokens: int, heads_k: int, cu, ex
             return flashx.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=BACKEND)
     else:
         def forward():
-            return fxd.ring_attention(q, k, v, causal=True, cu_seqlens=cu, exchange=exchange, backend=BACKEND)
+            return fxd.ring_attention(q, k, v, causal=True, cu_seqlens=cu, layout=layout, exchange=exchange,
+                                      backend=BACKEND)
     return _timer(torch, (q, k, v), do, forward)
 
 
@@ -399,13 +441,18 @@ def _plan(worlds: list[int], trace: Path, parts: set[str]) -> list[tuple[int, li
 
 
 def history_rows(results: dict) -> list[dict]:
-    """The scaling steps as rows of benchmarks/results/history.csv: the ring's as flashx-ring-zigzag-wW,
-    the single-GPU baseline's as flashx-triton; device "Wx <GPU>"."""
+    """The timed steps as rows of benchmarks/results/history.csv: the ring's as flashx-ring-zigzag-wW
+    (packed documents: flashx-ring-LAYOUT-EXCHANGE-wW, mode "fwd+bwd packed Hk=N"), the single-GPU
+    baseline's as flashx-triton; device "Wx <GPU>"."""
     rows = []
-    for r in (r for r in results["rows"] if r["part"] == "time"):
-        common = dict(date=results["date"], device=f"{r['world']}x {results['device']}", mode="fwd+bwd",
-                      impl="flashx-triton" if r["world"] == 1 else f"flashx-ring-zigzag-w{r['world']}",
-                      dtype=DTYPE, batch=1, seqlen=r["seqlen"], heads=HEADS, head_dim=HEAD_DIM, causal=True,
+    for r in (r for r in results["rows"] if r["part"] in ("time", "packed")):
+        packed = r["part"] == "packed"
+        ring = f"flashx-ring-{r.get('layout', 'zigzag')}-{r['exchange']}-w{r['world']}" if packed else \
+            f"flashx-ring-zigzag-w{r['world']}"
+        common = dict(date=results["date"], device=f"{r['world']}x {results['device']}",
+                      mode=f"fwd+bwd packed Hk={r['heads_k']}" if packed else "fwd+bwd",
+                      impl="flashx-triton" if r["world"] == 1 else ring, dtype=DTYPE, batch=1,
+                      seqlen=r["tokens"] if packed else r["seqlen"], heads=HEADS, head_dim=HEAD_DIM, causal=True,
                       torch=results["torch"], triton=results["triton"], flashx=results["flashx"])
         rows += [dict(common, metric=metric, value=f"{r[key]:.6g}")
                  for metric, key in (("s", "seconds"), ("tflops_per_gpu", "tflops_per_gpu"), ("peak_mib", "peak_mib"))]
@@ -518,24 +565,27 @@ def render_packed(rows: list[dict]) -> list[str]:
         return []
     one = {r["heads_k"]: r for r in rows if r["world"] == 1}
     first = rows[0]
-    lines = ["## Packed documents: causal fwd+bwd, zigzag", "",
+    lines = ["## Packed documents: causal fwd+bwd", "",
              f"{first['tokens']:,} tokens in {first['documents']} documents of {first['shortest']:,} to "
-             f"{first['longest']:,} tokens (log-uniform, fixed seed). Efficiency: one GPU's time on the same "
+             f"{first['longest']:,} tokens (log-uniform, fixed seed). Layouts: zigzag cuts the packed axis as one "
+             f"sequence, document_zigzag zigzags every document. Balance: the mean over the ranks of the causal "
+             f"work each holds (over its rows, the keys each attends) over the largest, the efficiency that "
+             f"imbalance leaves. Efficiency: one GPU's time on the same "
              f"documents over W times the ring's. Memory: the peak per token of a GPU's shard, measured "
              f"(inputs and gradients included) and counted by peak_bytes_per_token (the contract's table); "
              f"x one GPU: measured over one GPU's measured. Longest context: the GPU's memory less 2 GiB over "
              f"the measured peak per token, times W.", "",
-             "| W | exchange | Hk | step (s) | TFLOP/s per GPU | efficiency | KiB/token/GPU | counted | x one GPU "
-             "| longest context |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in sorted(rows, key=lambda r: (r["heads_k"], r["world"], r["exchange"])):
+             "| W | layout | exchange | Hk | step (s) | TFLOP/s per GPU | balance | efficiency | KiB/token/GPU "
+             "| counted | x one GPU | longest context |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["heads_k"], r["world"], r["layout"], r["exchange"])):
         base, per_token = one.get(r["heads_k"]), packed_kib_per_token(r)
         efficiency = f"{base['seconds'] / (r['world'] * r['seconds']):.2f}" if base and r["world"] > 1 else ""
         ratio = f"{per_token / packed_kib_per_token(base):.2f}" if base and per_token else ""
         longest = f"{longest_packed(r):,}" if per_token else ""
-        lines.append(f"| {r['world']} | {r['exchange']} | {r['heads_k']} | {r['seconds']:.3f} | "
-                     f"{r['tflops_per_gpu']:.0f} | {efficiency} | {per_token:.1f} | {r['counted_kib_per_token']:.1f} | "
-                     f"{ratio} | {longest} |")
+        lines.append(f"| {r['world']} | {r['layout']} | {r['exchange']} | {r['heads_k']} | {r['seconds']:.3f} | "
+                     f"{r['tflops_per_gpu']:.0f} | {r['balance']:.2f} | {efficiency} | {per_token:.1f} | "
+                     f"{r['counted_kib_per_token']:.1f} | {ratio} | {longest} |")
     return lines + [""]
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
 import itertools
 import os
 import weakref
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +42,7 @@ from flashx.distributed import (peak_bytes_per_token, ring_attention, shard,  # 
 from flashx.errors import DTypeError, OptionError, ShapeError, UnsupportedError  # noqa: E402
 from flashx.ring.sequences import pair_call  # noqa: E402
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag")  # the layouts of padded and packed input ("document_zigzag": packed only)
 SEQLEN = 24  # divisible by 2W for W = 2, 3, 4: every layout fits every group size
 
 
@@ -140,9 +142,64 @@ def test_shards_cover_the_sequence_once(layout):
         assert positions[1] == list(range(8, 16))
 
 
+def test_document_zigzag_shards_zigzag_every_document():
+    """Documents of 8, 0 and 4 rows and 4 rows of padding on two ranks: rank r holds quarters r and
+    3 - r of each, its first quarters of every one, then its last."""
+    x = torch.arange(16)
+    cu = torch.tensor([0, 8, 8, 12])
+    shards = [shard(x, 2, rank, "document_zigzag", dim=0, cu_seqlens=cu) for rank in range(2)]
+    assert shards[0].tolist() == [0, 1, 8, 12, 6, 7, 11, 15]
+    assert shards[1].tolist() == [2, 3, 9, 13, 4, 5, 10, 14]
+    assert torch.equal(unshard(shards, "document_zigzag", dim=0, cu_seqlens=[0, 8, 8, 12]), x)
+    lse = torch.arange(3 * 16).reshape(3, 16)  # (Hq, T): the sequence axis is 1
+    parts = [shard(lse, 2, rank, "document_zigzag", dim=1, cu_seqlens=cu) for rank in range(2)]
+    assert torch.equal(parts[1][0], shards[1]) and torch.equal(unshard(parts, "document_zigzag", 1, cu), lse)
+
+
+def _causal_work(lengths: list[int], world_size: int, layout: str) -> list[int]:
+    """Each rank's causal work on packed documents of ``lengths``: over its rows, the keys each
+    attends, a row at position x of a document starting at b attending x - b + 1."""
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    positions = torch.arange(int(cu[-1]))
+    starts = torch.from_numpy(cu[np.searchsorted(cu, positions.numpy(), side="right") - 1])
+    return [int((shard(positions, world_size, rank, layout, dim=0, cu_seqlens=cu) + 1
+                 - shard(starts, world_size, rank, layout, dim=0, cu_seqlens=cu)).sum()) for rank in range(world_size)]
+
+
+def _benchmark_documents() -> list[int]:
+    """The documents of scripts/ring_gpus.py's packed part: 262,144 tokens in documents of 1k to 64k."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ring_gpus.py"
+    spec = importlib.util.spec_from_file_location("ring_gpus", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.document_lengths(262144, 1024, 65536)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_document_zigzag_balances_the_causal_work(world_size):
+    """On the benchmark's documents each rank holds exactly 1/W of the causal work in
+    document_zigzag; zigzag, cutting the packed axis as one sequence, leaves the busiest rank
+    1.39x the mean on 2 ranks, 1.85x on 4 and on 8 (an efficiency of at most 0.72, 0.54, 0.54).
+    Random mixes of lengths, empty documents among them, balance exactly too."""
+    lengths = _benchmark_documents()
+    balanced = _causal_work(lengths, world_size, "document_zigzag")
+    assert balanced == [balanced[0]] * world_size
+    assert sum(balanced) == sum(n * (n + 1) // 2 for n in lengths)
+    zigzag = _causal_work(lengths, world_size, "zigzag")
+    assert sum(zigzag) == sum(balanced)
+    assert max(zigzag) / np.mean(zigzag) == pytest.approx({2: 1.395, 4: 1.847, 8: 1.851}[world_size], abs=1e-3)
+    rng = np.random.default_rng(world_size)
+    for _ in range(5):
+        lengths = (2 * world_size * rng.integers(0, 20, size=rng.integers(1, 12))).tolist()
+        padding = [0] if sum(lengths) else [2 * world_size]
+        work = _causal_work(lengths + padding, world_size, "document_zigzag")
+        assert work == [work[0]] * world_size, lengths
+
+
 def test_bad_arguments_are_refused():
     q = torch.randn(1, 12, 2, 8)
-    with pytest.raises(ShapeError, match="layout: expected one of 'contiguous', 'zigzag', got 'ring'"):
+    with pytest.raises(ShapeError, match="layout: expected one of 'contiguous', 'zigzag', 'document_zigzag', got "
+                                         "'ring'"):
         shard(q, 2, 0, "ring")
     with pytest.raises(ShapeError, match="into 8 equal chunks: expected a length divisible by that, got 12"):
         shard(q, 4, 0, "zigzag")
@@ -172,6 +229,31 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ShapeError, match=r"q: expected a shard of shape \(T/W, H, D\) with cu_seqlens"):
         simulate_ring_attention(q.expand(4, -1, -1, -1), q.expand(4, -1, -1, -1), q.expand(4, -1, -1, -1), 2,
                                 cu_seqlens=torch.tensor([0, 4]))
+
+
+def test_document_zigzag_refuses_documents_it_cannot_cut():
+    packed = torch.randn(16, 2, 8)
+    needs = ("^cu_seqlens: layout 'document_zigzag' cuts each document of a packed sequence and needs its "
+             "cu_seqlens, got none; padded \\(B, N\\) input is cut sequence by sequence by layout 'zigzag' already$")
+    with pytest.raises(ShapeError, match=needs):
+        shard(packed, 2, 0, "document_zigzag", dim=0)
+    with pytest.raises(ShapeError, match=needs):
+        simulate_ring_attention(packed[None], packed[None], packed[None], 2, layout="document_zigzag")
+    odd = (r"^cu_seqlens: layout 'document_zigzag' over 2 ranks cuts each document into 4 equal pieces: expected "
+           r"document lengths that are multiples of 4, got document 2 of length 6 \(pad documents to a multiple of "
+           r"4\)$")
+    cu = torch.tensor([0, 4, 4, 10, 12])
+    with pytest.raises(ShapeError, match=odd):
+        shard(packed, 2, 1, "document_zigzag", dim=0, cu_seqlens=cu)
+    with pytest.raises(ShapeError, match=odd):
+        simulate_ring_attention(packed, packed, packed, 2, layout="document_zigzag", cu_seqlens=cu, causal=True)
+    with pytest.raises(ShapeError, match=odd):
+        unshard([packed[:8], packed[8:]], "document_zigzag", dim=0, cu_seqlens=cu)
+    with pytest.raises(ShapeError, match=r"^cu_seqlens: expected offsets starting at 0, non-decreasing, ending at "
+                                         r"most at 16, got \[0, 8, 20\]"):
+        shard(packed, 2, 0, "document_zigzag", dim=0, cu_seqlens=[0, 8, 20])
+    with pytest.raises(ShapeError, match="into 4 equal chunks: expected a length divisible by that, got 14"):
+        shard(packed[:14], 2, 0, "document_zigzag", dim=0, cu_seqlens=[0, 4])
 
 
 # ---------------------------------------------------------------- ring cases
@@ -209,6 +291,11 @@ class RingCase:
     def axis(self) -> int:
         """The sequence axis of q, k, v and o (lse's is the next)."""
         return 0 if self.documents else 1
+
+    @property
+    def cu_seqlens(self) -> np.ndarray | None:
+        """The documents' offsets, packed (which "document_zigzag" shards by)."""
+        return np.concatenate([[0], np.cumsum(self.documents)]) if self.documents else None
 
     def case(self, seed: int) -> Case:
         options = dict(self.options)
@@ -274,6 +361,23 @@ def ring_cases(world_size: int) -> list[RingCase]:
         RingCase("zigzag", {"causal": True, "softcap": 1.0, "softmax_scale": 2.0, "sinks": SINKS}, dtype="float32"),
         RingCase("contiguous", {"sinks": np.array([-np.inf, 1.0, np.nan, np.inf])}, heads_k=2),
     ]
+    unit = 2 * world_size  # document_zigzag's documents: multiples of 2W, from none to the whole sequence
+    mixed, whole = tuple(unit * n for n in (1, 0, 4, 2, 0)), (0, 8 * unit, 0)  # mixed: one unit of padding after
+    cases += [
+        RingCase("document_zigzag", {"causal": True}, heads_k=2, documents=mixed, poison=True, seqlen=8 * unit),
+        RingCase("document_zigzag", {"window": (3, 2)}, heads_k=1, documents=mixed, seqlen=8 * unit),
+        RingCase("document_zigzag", {"causal": True, "dropout_p": 0.3, "seed": 2**50 + 1}, heads_k=2, read_mask=True,
+                 documents=mixed, seqlen=8 * unit),
+        RingCase("document_zigzag", {"causal": True, "window": (5, -1), "softcap": 2.0, "sinks": SINKS,
+                                     "dropout_p": 0.3, "seed": 4}, heads_k=1, read_mask=True, documents=mixed,
+                 seqlen=8 * unit, exchange="all_gather"),
+        RingCase("document_zigzag", {}, heads_k=2, documents=mixed, seqlen=8 * unit, exchange="all_gather",
+                 dtype="float32"),
+        RingCase("document_zigzag", {"causal": True, "softcap": 1.0, "sinks": SINKS}, heads_k=2, documents=whole,
+                 seqlen=8 * unit),
+        RingCase("document_zigzag", {"window": (4, 4), "dropout_p": 0.25, "seed": 8}, read_mask=True, documents=whole,
+                 seqlen=8 * unit, exchange="all_gather"),
+    ]
     if world_size == 2:  # Triton's kernels, interpreted: slow, so one small case
         cases.append(RingCase("zigzag", {"causal": True, "dropout_p": 0.3, "seed": 123}, heads_k=1, dtype="float32",
                               backend="triton", read_mask=True, seqlen=8, batch=1, heads_q=2))
@@ -321,12 +425,16 @@ def _tensor(x: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def run_ring_case(ring: RingCase, rank: int, world_size: int, run) -> dict[str, torch.Tensor]:
-    """This rank's shards of o, lse, dq, dk, dv in one case; ``run`` is the ring call."""
+    """This rank's shards of o, lse, dq, dk, dv in one case; ``run`` is the ring call. A world of
+    one holds the whole sequence (``simulate_ring_attention``'s input; "document_zigzag" would
+    reorder it)."""
     drawn = ring.options.get("seed", 0) is None and ring.options.get("dropout_p", 0) > 0
     case = ring.case(seed=0)
     x = {name: _tensor(value, ring.dtype) for name, value in case.rounded().items()}
-    mine = {name: shard(value, world_size, rank, ring.layout, dim=ring.axis).detach().requires_grad_(name != "do")
-            for name, value in x.items()}
+    if world_size > 1:
+        x = {name: shard(value, world_size, rank, ring.layout, dim=ring.axis, cu_seqlens=ring.cu_seqlens)
+             for name, value in x.items()}
+    mine = {name: value.detach().requires_grad_(name != "do") for name, value in x.items()}
     options = _torch_options({**case.options, "seed": None} if drawn else case.options, ring.dtype)
     if drawn:
         torch.manual_seed(1000 + rank)  # every rank would draw another seed
@@ -390,6 +498,14 @@ def _ranks(rank: int, world_size: int, init_file: str):
             ring_attention(odd[:, :4], odd, odd, layout="contiguous")
         with pytest.raises(UnsupportedError, match="^alibi_slopes: ring attention does not take ALiBi"):
             ring_attention(odd[:, :4], odd[:, :4], odd[:, :4], alibi_slopes=torch.ones(2))
+        with pytest.raises(ShapeError, match="^cu_seqlens: layout 'document_zigzag' cuts each document of a packed "
+                                             "sequence and needs its cu_seqlens, got none; padded"):
+            ring_attention(odd[:, :4], odd[:, :4], odd[:, :4], layout="document_zigzag")
+        packed = odd[0, :4]  # 4 rows of 4W, documents of 2W and 3 rows
+        with pytest.raises(ShapeError, match=f"got document 1 of length 3 \\(pad documents to a multiple of "
+                                             f"{2 * world_size}\\)$"):
+            ring_attention(packed, packed, packed, layout="document_zigzag", causal=True,
+                           cu_seqlens=torch.tensor([0, 2 * world_size, 2 * world_size + 3]))
         for index, ring in enumerate(ring_cases(world_size)):
             mine = run_ring_case(ring, rank, world_size, ring_attention)
             gathered = {}
@@ -400,7 +516,8 @@ def _ranks(rank: int, world_size: int, init_file: str):
                     continue
                 parts = [torch.empty_like(x) for _ in range(world_size)]
                 dist.all_gather(parts, x.contiguous())
-                gathered[name] = unshard(parts, ring.layout, dim=ring.axis + (name == "lse"))
+                gathered[name] = unshard(parts, ring.layout, dim=ring.axis + (name == "lse"),
+                                         cu_seqlens=ring.cu_seqlens)
             if index % world_size == rank:
                 failures += [f"W={world_size} {ring}: {failure}" for failure in grade(ring, gathered)]
         failures += ring_memory_failures(world_size, rank)
@@ -438,7 +555,8 @@ class _LiveBytes(TorchDispatchMode):
 def ring_memory_failures(world_size: int, rank: int) -> list[str]:
     """The bytes per token the backward allocates beyond the caller's tensors, against the count of
     ``peak_bytes_per_token`` (its terms but the caller's tensors and the backend's parts, which are
-    the NumPy backend's arrays here): two dK/dV sets in flight, not three."""
+    the NumPy backend's arrays here): two dK/dV sets in flight, not three; packed documents in
+    "document_zigzag"."""
     failures = []
     tokens, heads, heads_k, dim = 512, 4, 2, 16
     generator = torch.Generator().manual_seed(rank)
@@ -447,8 +565,13 @@ def ring_memory_failures(world_size: int, rank: int) -> list[str]:
     # The all-gather exchange is not counted here: a dispatch mode around gloo's asynchronous
     # all-gather aborts a process now and then (about one run in three), and its count adds only
     # the W gathered K/V shards and their dK/dV sums to the ring's terms.
-    for exchange, layout in (("ring", "zigzag"), ("ring", "contiguous")):
-        o = ring_attention(q, k, v, causal=True, layout=layout, exchange=exchange, backend="numpy")
+    unit = 2 * world_size  # packed documents (one empty) and padding after them: W shards' rows
+    documents = {"cu_seqlens": torch.tensor([0, 100 * unit, 156 * unit, 156 * unit, 250 * unit])}
+    padded, packed = (q, k, v, do), [x.detach()[0].requires_grad_(x.requires_grad) for x in (q, k, v, do)]
+    for exchange, layout, lengths in (("ring", "zigzag", {}), ("ring", "contiguous", {}),
+                                      ("ring", "document_zigzag", documents)):
+        q, k, v, do = packed if lengths else padded
+        o = ring_attention(q, k, v, causal=True, layout=layout, exchange=exchange, backend="numpy", **lengths)
         with _LiveBytes() as allocated:
             torch.autograd.grad(o, (q, k, v), do)
         count = peak_bytes_per_token(heads, heads_k, dim, torch.float32, world_size=world_size, layout=layout,
@@ -490,6 +613,18 @@ def test_simulated_ring_of_eight_on_packed_documents(exchange):
     assert not grade(ring, got)
 
 
+@pytest.mark.parametrize("world_size, documents", [(1, (2, 0, 6, 4)), (8, (16, 48, 0, 32, 16, 80, 0)),
+                                                  (8, (0, 192, 0))], ids=str)
+def test_simulated_document_zigzag(world_size, documents):
+    """Every document zigzagged over 1 or 8 ranks (pieces of 1 to 12 rows, 6 to 24 with the
+    whole sequence one document): forward, backward and the dropout mask of flashx.attention."""
+    ring = RingCase("document_zigzag", {"causal": True, "window": (9, -1), "dropout_p": 0.2, "seed": 3,
+                                        "softcap": 1.5, "sinks": SINKS}, heads_k=2, read_mask=True,
+                    seqlen=sum(documents), documents=documents)
+    got = run_ring_case(ring, 0, 1, lambda *xs, **kw: simulate_ring_attention(*xs, world_size, **kw))
+    assert not grade(ring, got)
+
+
 CUDA_CASES = [
     ({"causal": True}, 2, "bfloat16"),
     ({"window": (100, 30)}, 4, "bfloat16"),
@@ -498,22 +633,37 @@ CUDA_CASES = [
 ]
 
 
+#: packed documents of 1024 rows, multiples of 16: every layout cuts them on up to 8 ranks
+CUDA_DOCUMENTS = (64, 336, 0, 16, 400, 208)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU check of the simulated ring needs CUDA")
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout, packed", [(layout, False) for layout in LAYOUTS]
+                         + [("zigzag", True), ("document_zigzag", True)], ids=str)
 @pytest.mark.parametrize("options, heads_k, dtype", CUDA_CASES, ids=str)
-def test_simulated_ring_on_cuda(world_size, layout, options, heads_k, dtype):
+def test_simulated_ring_on_cuda(world_size, layout, packed, options, heads_k, dtype):
     """W ranks simulated on one GPU with the Triton backend, graded on the gathered sequence by the
-    contract's rule; the same rule grades single-device flashx, whose errors are printed beside."""
-    case = make_case(np.random.default_rng(world_size), batch=1, seqlen_q=1024, heads_q=4, heads_k=heads_k,
-                     head_dim=64, dtype=dtype, **options)
+    contract's rule; the same rule grades single-device flashx, whose errors are printed beside.
+    Packed: documents of 16 to 400 rows and an empty one."""
+    rng, shapes = np.random.default_rng(world_size), dict(heads_q=4, heads_k=heads_k, head_dim=64, dtype=dtype)
+    if packed:
+        case = make_varlen_case(rng, lengths_q=list(CUDA_DOCUMENTS), lengths_k=list(CUDA_DOCUMENTS), **shapes,
+                                **options)
+    else:
+        case = make_case(rng, batch=1, seqlen_q=1024, **shapes, **options)
     x = {name: _tensor(value, dtype).cuda().requires_grad_(name != "do") for name, value in case.rounded().items()}
+    single = {**case.options, **{name: torch.from_numpy(case.options[name]).cuda() for name in LENGTHS
+                                 if name in case.options}}
     results = {}
-    for name, call in (("ring", lambda *xs, **kw: simulate_ring_attention(*xs, world_size, layout=layout, **kw)),
-                       ("single", flashx.attention)):
-        o, lse = call(x["q"], x["k"], x["v"], return_lse=True, backend="triton", **case.options)
+    for name, call, keywords in (
+            ("ring", lambda *xs, **kw: simulate_ring_attention(*xs, world_size, layout=layout, **kw),
+             _ring_options(single)),
+            ("single", flashx.attention, single)):
+        o, lse = call(x["q"], x["k"], x["v"], return_lse=True, backend="triton", **keywords)
         grads = torch.autograd.grad(o, (x["q"], x["k"], x["v"]), x["do"])
         results[name] = {n: t.detach().double().cpu().numpy() for n, t in zip(OUTPUTS, (o, lse, *grads))}
     difference = max(np.abs(results["ring"][n] - results["single"][n]).max() for n in OUTPUTS)
-    print(f"\nW={world_size} {layout:10} {dtype} {options}: max |ring - single| = {difference:.3g}")
+    print(f"\nW={world_size} {layout:15} {'packed ' if packed else ''}{dtype} {options}: "
+          f"max |ring - single| = {difference:.3g}")
     assert not conformance_failures(case, results["ring"])

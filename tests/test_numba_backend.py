@@ -74,9 +74,8 @@ def test_tiles_fit_shared_memory_on_a_gpu():
         return 4 * shape[0] * shape[1]
 
     for kind, width, form in _gpu_micro_tiles():
-        if kind in ("forward", "decode"):  # Q, K, V, P; decoding's rows also found through int64 triples
+        if kind == "forward":  # Q, K, V, P
             total = size(form.q_shape) + size(form.k_shape) + size(form.v_shape) + size(form.p_shape)
-            total += 8 * 3 * (form.q_shape[0] + form.k_shape[0]) if kind == "decode" else 0
         else:  # dK/dV: K, V, Q, dO, P^T, dS^T (dQ: Q, dO, K, V, dS)
             total = 4 * size(form.k_shape) + 2 * size(form.p_shape)
         assert total <= 48 * 1024, (kind, width)
@@ -86,6 +85,26 @@ def test_tiles_fit_shared_memory_on_a_gpu():
     for width, (rows, cols) in attention.TENSOR_CORE_TILES["backward"].items():
         # dK/dV: K, V, Q, dO and the exact products' scratch, rows of pairs
         assert rows <= cols and 4 * 5 * cols * (max(width // 2, cols) + 4) <= 48 * 1024, width
+
+
+def _gpu_decode_shapes():
+    from flashx_numba import decode
+
+    for width in (64, 128, 256):
+        for rows in decode.ROW_CHOICES:
+            yield decode.Shape(rows, width // decode.FEATURES, decode.KEYS_HELD, decode.SPLIT_THREADS, width)
+
+
+def test_decode_split_shapes_on_a_gpu():
+    """The decoding split kernel's GPU shapes: a key's lanes in one warp, each lane one 16-byte run
+    of a 16-bit key (two of a float32 one), whole warps, a key tile no longer than a block's
+    threads, and the groups' states joined in the 48 KiB a block holds statically."""
+    from flashx_numba import decode
+
+    for shape in _gpu_decode_shapes():
+        assert 32 % shape.key_lanes == 0 and shape.threads % 32 == 0 and shape.features == decode.FEATURES
+        assert shape.features * shape.key_lanes == shape.width and shape.cols <= shape.threads
+        assert 4 * shape.groups * shape.rows * (shape.width + 2) <= 48 * 1024, shape
 
 
 def test_gpu_micro_tiles_hold_each_element_once():
@@ -441,7 +460,8 @@ def test_every_decoding_kernel_is_compiled_through_the_disk_cache(tmp_path):
     """Each launch of a decoding call (append, split, merge), for every dtype and head-dim class,
     plain and with a softcap and sinks, goes to a specialized kernel whose compile consults a
     ``KernelCache`` in FLASHX_CACHE_DIR, keyed by its factory's arguments: the append and merge
-    kernels by dtype, the split kernel by tiles, dtype and whether the scores are modified."""
+    kernels by dtype, the split kernel by its shape, dtype, whether the scores are modified and
+    whether the caches take 16-byte loads."""
     launches = _outside_the_simulator(_DECODE_LAUNCHES, tmp_path)["launches"]
     assert len(launches) == 2 * 3 * 3 * 3
     assert [launch["kernel"] for launch in launches[:3]] == ["append_kernel", "split_kernel", "merge_kernel"]
@@ -449,9 +469,9 @@ def test_every_decoding_kernel_is_compiled_through_the_disk_cache(tmp_path):
         assert launch["cache"] == "KernelCache" and launch["specialized"], launch
         assert launch["path"] == str(tmp_path / "numba-kernels")
     assert launches[0]["specialization"] == launches[2]["specialization"] == "('float16',)"
-    assert launches[1]["specialization"].startswith("(Tiles(rows=16, cols=64, row_groups=16")
-    assert launches[1]["specialization"].endswith("'float16', False)")
-    assert launches[28]["specialization"].endswith("'float16', True)")  # the second pass: softcap
+    assert launches[1]["specialization"].startswith("(Shape(rows=4, key_lanes=8, keys_held=4, threads=128, width=64)")
+    assert launches[1]["specialization"].endswith("'float16', False, True)")  # no score modifications, 16-byte loads
+    assert launches[28]["specialization"].endswith("'float16', True, True)")  # the second pass: softcap
     keys = {(launch["kernel"], launch["specialization"]): launch["dispatcher"] for launch in launches}
     assert len(keys) == len({launch["dispatcher"] for launch in launches}) == 3 + 3 + 3 * 3 * 2
     assert all(keys[launch["kernel"], launch["specialization"]] == launch["dispatcher"] for launch in launches)

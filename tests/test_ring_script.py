@@ -53,16 +53,24 @@ def test_longest_context_from_two_peaks(ring):
 def test_documents_span_the_lengths_asked_and_fill_the_tokens(ring):
     lengths = ring.document_lengths(262144, 1024, 65536)
     assert sum(lengths) == 262144 and max(lengths) == 65536 and min(lengths[:-1]) >= 1024 and lengths[-1] >= 1
+    assert all(length % ring.DOCUMENT_MULTIPLE == 0 for length in lengths)  # document_zigzag on 2, 4 and 8 GPUs
     assert lengths == ring.document_lengths(262144, 1024, 65536)  # every rank draws the same documents
     assert ring.offsets([3, 0, 5]) == [0, 3, 3, 8]
 
 
 def test_packed_table_from_peaks(ring):
     common = dict(part="packed", tokens=262144, documents=12, shortest=1024, longest=65536, heads_k=4,
-                  tflops_per_gpu=300.0, capacity_mib=81920.0, counted_kib_per_token=37.0)
-    one = dict(common, world=1, exchange="one GPU", seconds=1.0, peak_mib=262144 * 20 / 1024)
-    four = dict(common, world=4, exchange="ring", seconds=0.27, peak_mib=65536 * 40 / 1024)
+                  tflops_per_gpu=300.0, capacity_mib=81920.0, counted_kib_per_token=37.0, balance=1.0)
+    one = dict(common, world=1, layout="", exchange="one GPU", seconds=1.0, peak_mib=262144 * 20 / 1024)
+    four = dict(common, world=4, layout="document_zigzag", exchange="ring", seconds=0.27, peak_mib=65536 * 40 / 1024)
     assert ring.packed_kib_per_token(four) == pytest.approx(40.0)
     assert ring.longest_packed(four) == 4 * int((81920 - 2048) * 1024 / 40.0)
     table = "\n".join(ring.render_packed([one, four]))
-    assert "| 4 | ring | 4 | 0.270 | 300 | 0.93 | 40.0 | 37.0 | 2.00 | 8,178,892 |" in table
+    assert "| 4 | document_zigzag | ring | 4 | 0.270 | 300 | 1.00 | 0.93 | 40.0 | 37.0 | 2.00 | 8,178,892 |" in table
+
+
+def test_causal_work_of_the_layouts(ring):
+    """Two documents of 8 and 4 rows on two ranks: zigzag's quarters of the axis hold rows 0-2,
+    9-11 and 3-8; document_zigzag's, a quarter of each document twice."""
+    assert ring.causal_work([8, 4], 2, "zigzag") == [1 + 2 + 3 + 2 + 3 + 4, 4 + 5 + 6 + 7 + 8 + 1]
+    assert ring.causal_work([8, 4], 2, "document_zigzag") == [1 + 2 + 7 + 8 + 1 + 4, 3 + 4 + 5 + 6 + 2 + 3]

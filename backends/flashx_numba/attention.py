@@ -31,10 +31,7 @@ from flashx_numba.primitives import SIMULATOR
 GPU_TILES = {
     "forward": {64: (64, 32, 16, 8), 128: (32, 16, 8, 8), 256: (16, 8, 8, 8)},
     "backward": {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 4, 8)},
-    # Decoding's rows are a GQA group's query rows (Nq x group, often 4 to 16), its columns keys.
-    # It reads far more than it computes: 128 threads a block share each tile's loads.
-    "decode": {64: (16, 64, 16, 8), 128: (16, 32, 16, 8), 256: (8, 16, 8, 16)},
-}
+}  # decoding's split kernel has a shape of its own (``decode.split_shape``)
 TENSOR_CORE_TILES = {
     "forward": {64: (64, 64), 128: (64, 64), 256: (32, 32)},
     # Two warps: a backward block holds one operand of its own rows in registers, the other
@@ -55,8 +52,8 @@ DELTA_THREADS = 128
 
 
 def tensor_cores(kernel: str, problem) -> bool:
-    """Whether ``kernel`` (forward, backward or decode) runs on tensor cores: float16 and bfloat16
-    on a GPU, at the head dims it has tensor-core tiles for (decoding has none)."""
+    """Whether ``kernel`` (forward or backward) runs on tensor cores: float16 and bfloat16 on a GPU,
+    at the head dims it has tensor-core tiles for."""
     return (not SIMULATOR and problem.dtype in ("float16", "bfloat16")
             and problem.head_dim_class in TENSOR_CORE_TILES.get(kernel, ()))
 

@@ -6,18 +6,27 @@ call with ``validate=False`` makes no host synchronization):
 1. ``append_kernel``, with new tokens only: a thread per (new token, kv head) copies its key and
    value rows into their cache slot, found through the block table when the cache is paged.
 2. ``split_kernel``: a block per (sequence, kv head, row tile, split). A row tile holds query rows
-   of every query head that reads the kv head (Nq x group rows, query-major), so each split's keys
-   and values are read once for the whole GQA group. A key tile's rows are gathered into shared
-   memory through the block table (``gather_tile``: any page size, a page per row), and folded
-   into the forward's online softmax in float32 (``kernels.fold_row``) with the forward's
-   micro-tile products (``fragments.micro_tile_form``, float32 FMA in every dtype: decoding reads
-   far more than it computes, and its tiles have no tensor-core or ``cp.async`` form yet). Only keys that some row of the tile may
-   see are loaded, so neither stale slots, unused pages nor table entries past a sequence are
-   ever read; every pair is tested (band at the sequence's own length, the tree mask over its last
-   Nq keys), and a tile whose rows do not all see all its keys multiplies V term by term where V
-   holds a NaN or an infinity (``exact``, as in the forward). Each split writes its normalised
-   output and lse, in float32, without the sink.
-3. ``merge_kernel``: a thread per (sequence, query row, head) joins the splits as "Merging partial
+   of every query head that reads the kv head (Nq x group rows, query-major, padded to
+   ``ROW_CHOICES``), so each split's keys and values are read once for the whole GQA group. The
+   block's threads form groups of ``key_lanes`` adjacent lanes, a group holding ``keys_held``
+   keys at a step, each lane ``FEATURES`` adjacent features of them in registers (``Shape``): on
+   a GPU a lane reads a 16-byte run of each key and value row (``load_held``), a warp's groups
+   adjacent keys, and a thread issues all its loads of a step before it uses any. Q K^T sums each
+   lane's features and then the group's lanes by shuffles; each group keeps its own online
+   softmax (``fold_keys``, in log2 units with ``ex2.approx``) and output features, and the groups
+   join once, at the end, through shared memory, in a fixed order. Nothing passes through
+   shared memory per key and no barrier runs in the key loop. (The kernel this replaced gathered
+   each key tile into shared memory element by element, 2-byte loads whose every shared store
+   waited for its load before the next load could issue: about 64 loads' latency in series a
+   tile, ~55 us.) A thread's keys' table entries and slots are divided out once and stepped a
+   tile at a time, the next tile's pages looked up while a tile computes. Only keys that some
+   row of the tile may see are loaded, so neither stale slots, unused pages nor table entries
+   past a sequence are ever read; a key tile every real row sees in full takes no test, the
+   others test every pair (band at the sequence's own length, the tree mask over its last Nq
+   keys) and multiply V term by term where a lane's values hold a NaN or an infinity
+   (``exact``, as in the forward). Each split writes its normalised output and lse, in float32,
+   without the sink.
+3. ``merge_kernel``: a warp per (sequence, query row, head) joins the splits as "Merging partial
    results" says, a split of lse -inf weighing exactly 0, joins the sink once (``with_sink``),
    and rounds o to the caller's dtype. It runs with one split too: the sink and the rounding live
    in one kernel.
@@ -30,7 +39,7 @@ A split covers a fixed share of the key tiles its rows may see, computed on the 
 sequence's length, so a fixed ``num_splits`` gives the same bits on every call. ``num_splits=0``
 takes ``choose_splits``, the rule of the Triton backend (``flashx_triton.decode``) with this
 backend's own constants: enough splits to give every SM ``RESIDENT_BLOCKS`` blocks (the number
-the tiles' shared memory lets one hold), none when the (sequence, kv head, row tile) blocks alone
+its registers let one hold), none when the (sequence, kv head, row tile) blocks alone
 do, and each split at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity, chosen from
 the capacity (which the host knows) rather than the lengths (which only the device holds). Not yet
 tuned on a GPU.
@@ -40,23 +49,40 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from numba import cuda, types
 
-from flashx_numba.attention import (_broadcast, _device_array, _launch, _launching, _placeholders, tiles)
+from flashx_numba.attention import _broadcast, _device_array, _launch, _launching, _placeholders
 from flashx_numba.disk_cache import cached_kernel
-from flashx_numba.fragments import micro_tile_form
-from flashx_numba.kernels import ALIGNED, Tiles, _tensor, fold_row
-from flashx_numba.primitives import (NEG_INF, SIMULATOR, device_function, gather_tile, lanes_sum, max_nan, store)
+from flashx_numba.kernels import LOG2E, _tensor
+from flashx_numba.primitives import (NEG_INF, SIMULATOR, SKIP, device_function, exp2, float_from_bits, lanes_sum, load,
+                                     max_nan, skipped, store)
 from flashx_numba.score_mods import modify, with_sink
 
 MIN_TILES_PER_SPLIT = 4  # a split of fewer key tiles would cost more in the merge than it gains
 MAX_SPLITS = 128
-RESIDENT_BLOCKS = 4  # split blocks an SM holds at once: about 45 KiB of shared memory and 128 threads each
+#: Split blocks an SM holds at once: 128 threads of 243 registers each (ptxas, sm_90, bf16 d128).
+RESIDENT_BLOCKS = 2
 SIMULATED_SMS = 4  # the stand-in SM count in the simulator, so that small problems split too
 THREADS = 1 if SIMULATOR else 64  # of the append and merge kernels (the simulator runs each as a Python thread)
+#: The merge's threads a row: a warp, whose lanes read consecutive features of each split's o, where
+#: one thread a row would read them one by one, each load far from its neighbours' and waiting out
+#: its latency; one in the simulator, where each is a Python thread.
+MERGE_LANES = 1 if SIMULATOR else 32
+#: The split kernel's rows a block: a GQA group's rows of its queries (Nq x group) padded to the
+#: next of these; more rows take several row tiles, each reading the keys again.
+ROW_CHOICES = (4,)
+#: A lane's features of a key on a GPU: one 16-byte load of a 16-bit cache (two of a float32 one).
+FEATURES = 8
+KEYS_HELD = 4  # keys a lane group holds at a step: its loads in flight at once
+SPLIT_THREADS = 128
+#: The simulator's (key_lanes, keys_held, threads): one thread a block, holding whole rows of 32 keys
+#: (each tile operation one NumPy call); it has no warp shuffles, so a key's features stay in one thread.
+SIMULATOR_LANES = (1, 32, 1)
+LN2 = np.float32(math.log(2))
 
 _INDEX = types.Array(types.int32, 1, "A")  # cache_seqlens
 _TABLE = types.Array(types.int32, 2, "A")
@@ -78,25 +104,209 @@ def slot(position, b, block_table, page_size):
     return np.int64(block_table[b, position // page_size]), np.int64(position % page_size)
 
 
+class Shape(NamedTuple):
+    """The split kernel's compile-time shape: ``rows`` query rows a block, ``threads`` threads in
+    groups of ``key_lanes`` adjacent lanes, each group holding ``keys_held`` keys at a step and each
+    lane of it ``features`` adjacent features of them, up to ``width`` (the head-dim class)."""
+
+    rows: int
+    key_lanes: int
+    keys_held: int
+    threads: int
+    width: int
+
+    @property
+    def features(self) -> int:
+        return self.width // self.key_lanes
+
+    @property
+    def groups(self) -> int:
+        return self.threads // self.key_lanes
+
+    @property
+    def cols(self) -> int:
+        """The keys of a key tile: every group's keys of one step."""
+        return self.groups * self.keys_held
+
+
+def split_shape(problem) -> Shape:
+    """The split kernel's shape for ``problem``: the fewest of ``ROW_CHOICES`` rows that hold a GQA
+    group's rows of its queries (several row tiles past the last), and the GPU's or the simulator's
+    lanes (``KEY_LANES_OF``)."""
+    rows = problem.seqlen_q * problem.group
+    rows = next((choice for choice in ROW_CHOICES if choice >= rows), ROW_CHOICES[-1])
+    width = problem.head_dim_class
+    key_lanes, keys_held, threads = SIMULATOR_LANES if SIMULATOR else (width // FEATURES, KEYS_HELD, SPLIT_THREADS)
+    return Shape(rows, key_lanes, keys_held, threads, width)
+
+
+# -- what one thread does with the keys it holds ---------------------------------------------------
+#
+# A thread holds, in registers, ``features`` adjacent features (from f0 on) of: its rows' queries,
+# q_held (rows x features); the keys it holds at a step, k_held and v_held (keys_held x features);
+# its rows' output, acc (rows x features). Every loop below runs over those compile-time shapes and
+# unrolls, so the arrays index by constants only and stay in registers.
+
+if SIMULATOR:
+
+    def load_held(held, x, pages, places, head, f0, width, wide, run, bf16):
+        """held[u, a] = x[pages[u], places[u], head, f0 + a] as float32, 0 where f0 + a >= width or
+        pages[u] < 0 (the key is not loaded). One NumPy gather."""
+        held[:, :] = 0
+        used = np.flatnonzero(pages >= 0)
+        count = max(0, min(held.shape[1], width - f0))
+        rows = x[pages[used], places[used], head, f0 : f0 + count]
+        held[used, :count] = (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if bf16 else rows
+
+    def partial_scores(s, q_held, k_held):
+        """s[r, u] = sum over this thread's features of q_held[r] * k_held[u] (summed in float64 and
+        rounded once, as ``primitives.scores``)."""
+        s[:, :] = q_held.astype(np.float64) @ k_held.astype(np.float64).T
+
+    def add_values(acc, p, v_held, exact):
+        """acc[r, a] += sum over u of p[r, u] * v_held[u, a]; terms whose weight is SKIP add nothing
+        (whatever ``exact``: ``primitives.accumulate``'s NumPy form)."""
+        kept = ~(np.signbit(p) & (p == 0))
+        with np.errstate(invalid="ignore", over="ignore"):  # SKIP x (NaN or inf), discarded by the where
+            terms = np.where(kept[:, :, None], p[:, :, None] * v_held[None, :, :], np.float32(0))
+        acc += terms.sum(axis=1)
+
+    def has_nonfinite_held(held):
+        """Never asked here: ``add_values`` skips terms itself."""
+        return False
+
+else:
+    from flashx_numba.mma import global_load_intrinsics, intrinsics
+
+    global_address, global_quad = global_load_intrinsics()
+    widen_half, widen_bfloat = intrinsics("float16")[2], intrinsics("bfloat16")[2]
+
+    @device_function
+    def load_held(held, x, pages, places, head, f0, width, wide, run, bf16):
+        """held[u, a] = x[pages[u], places[u], head, f0 + a] as float32, 0 where f0 + a >= width or
+        pages[u] < 0 (the key is not loaded; nothing is read for it).
+
+        ``wide`` (a layout whose rows and features start on 16 bytes and hold whole 16-byte
+        runs, see ``_wide``): one predicated 16-byte load a run of ``run`` features, every load of the thread issued
+        before any of its words is used. Otherwise element by element. A compile-time choice:
+        with both forms in one kernel, the element loads' loops, too long to unroll, would index
+        ``held`` by a loop counter and put it in local memory for both."""
+        if wide:
+            for u in range(held.shape[0]):
+                load_runs(held, u, x, pages[u], places[u], head, f0, width, run, bf16)
+        else:
+            for u in range(held.shape[0]):
+                for a in range(held.shape[1]):
+                    d = f0 + a
+                    inside = pages[u] >= 0 and d < width
+                    held[u, a] = load(x, max(pages[u], 0), places[u], head, d, bf16) if inside else np.float32(0)
+
+    @device_function
+    def load_runs(held, u, x, page, place, head, f0, width, run, bf16):
+        """Row u of ``held`` in 16-byte runs: 8 features of a 16-bit cache, 4 of a float32 one."""
+        for c in range(held.shape[1] // run):
+            d = f0 + c * run
+            words = global_quad(global_address(x, page, place, head, d), page >= 0 and d < width)
+            for w in range(4):
+                if run == 4:
+                    held[u, c * 4 + w] = float_from_bits(np.int32(words[w]))
+                elif bf16:
+                    held[u, c * 8 + 2 * w] = widen_bfloat(words[w])
+                    held[u, c * 8 + 2 * w + 1] = widen_bfloat(words[w] >> np.uint32(16))
+                else:
+                    held[u, c * 8 + 2 * w] = widen_half(words[w])
+                    held[u, c * 8 + 2 * w + 1] = widen_half(words[w] >> np.uint32(16))
+
+    @device_function
+    def partial_scores(s, q_held, k_held):
+        """s[r, u] = sum over this thread's features of q_held[r] * k_held[u]: a float32 FMA chain."""
+        for r in range(s.shape[0]):
+            for u in range(s.shape[1]):
+                total = np.float32(0)
+                for a in range(q_held.shape[1]):
+                    total += q_held[r, a] * k_held[u, a]
+                s[r, u] = total
+
+    @device_function
+    def add_values(acc, p, v_held, exact):
+        """acc[r, a] += sum over u of p[r, u] * v_held[u, a]; where ``exact``, terms whose weight is
+        SKIP add nothing (without it, SKIP x finite adds -0 or +0: see ``primitives.accumulate``)."""
+        if exact:
+            weighted_values(acc, p, v_held, True)
+        else:
+            weighted_values(acc, p, v_held, False)
+
+    @device_function
+    def weighted_values(acc, p, v_held, skipping):
+        for u in range(v_held.shape[0]):
+            for r in range(acc.shape[0]):
+                weight = p[r, u]
+                if not (skipping and skipped(weight)):
+                    for a in range(acc.shape[1]):
+                        acc[r, a] += weight * v_held[u, a]
+
+    @device_function
+    def has_nonfinite_held(held):
+        """Whether ``held`` holds a NaN or an infinity."""
+        seen = np.uint32(0)
+        for u in range(held.shape[0]):
+            for a in range(held.shape[1]):
+                x = held[u, a]
+                seen |= np.uint32(x - x != 0)
+        return seen != 0
+
+
+@device_function
+def find_pages(pages, index, first, groups, lo, hi, b, block_table, paged):
+    """pages[u]: the page of this thread's key first + u * groups (its table entry ``index[u]``),
+    -1 where the key is outside [lo, hi) (neither it nor its table entry is read)."""
+    for u in range(pages.shape[0]):
+        key = first + u * groups
+        page = -1
+        if lo <= key < hi:
+            page = block_table[b, index[u]] if paged else b
+        pages[u] = page
+
+
+@device_function
+def fold_keys(s, r, tile_max, row_max, row_sum, acc):
+    """Row r of a step's scores ``s``, in log2 units (-inf where disallowed; ``tile_max`` their
+    maximum), into this thread's online softmax: ``kernels.fold_row`` with 2^x for e^x, one
+    ``ex2.approx`` a weight where ``math.exp`` takes about eight instructions (decoding computes
+    a weight per key and row for few products). s[r] becomes the row's P, SKIP where disallowed."""
+    new_max = max_nan(row_max[r], tile_max)
+    reference = np.float32(0) if new_max == NEG_INF else new_max  # no key yet: 2^(-inf - 0) = 0
+    rescale = exp2(row_max[r] - reference)
+    tile_sum = np.float32(0)
+    for u in range(s.shape[1]):
+        score = s[r, u]
+        p = exp2(score - reference)
+        tile_sum += p
+        s[r, u] = SKIP if score == NEG_INF else p
+    row_sum[r] = row_sum[r] * rescale + tile_sum
+    row_max[r] = new_max
+    for a in range(acc.shape[1]):
+        acc[r, a] *= rescale
+
+
 @functools.cache
-def split_kernel(shape: Tiles, dtype: str, score_mods: bool):
+def split_kernel(shape: Shape, dtype: str, score_mods: bool, wide: bool):
     """One split of one row tile: partial o and lse for a grid of B * Hk * row_tiles * splits blocks
-    of ``shape.threads``. ``score_mods``: the scores take a softcap or ALiBi."""
+    of ``shape.threads``. ``score_mods``: the scores take a softcap or ALiBi; ``wide``: the caches
+    take 16-byte loads (``load_held``)."""
     bf16 = dtype == "bfloat16"
-    ROWS, COLS, WIDTH, THREADS_A_BLOCK = shape.rows, shape.cols, shape.width, shape.threads
-    form = micro_tile_form(shape.rows, shape.cols, shape.row_groups, shape.lanes, shape.width, bf16)
-    R, C, A, ROW_LANES = form.held_rows, form.held_cols, form.held_features, form.row_lanes
-    Q_SHAPE, K_SHAPE, V_SHAPE, P_SHAPE = form.q_shape, form.k_shape, form.v_shape, form.p_shape
-    row_of, col_of, feature_of, qk_shared, share_weights, pv, has_nonfinite = (
-        form.row_of, form.col_of, form.feature_of, form.qk_shared, form.share_weights, form.pv, form.has_nonfinite)
+    ROWS, LANES, KEYS, THREADS_A_BLOCK, WIDTH = shape
+    FEATURES_HELD, GROUPS, COLS = shape.features, shape.groups, shape.cols
     x = _tensor(dtype)
+    RUN = 128 // x.dtype.bitwidth  # features of a 16-byte load (a compile-time constant, unlike x.itemsize)
 
     @cached_kernel(types.void(x, x, x, _PARTS, _PART_LSE, _INDEX, _TABLE, _FLAGS, _SLOPES, _i, _i, _i, _i, _i, _i, _i,
-                              _i, _i, _b, _i, _i, _f, _f, _b), shape, dtype, score_mods)
+                              _i, _i, _b, _i, _i, _f, _f, _b), shape, dtype, score_mods, wide)
     def kernel(q, k_cache, v_cache, o_part, lse_part, cache_seqlens, block_table, mask, slopes, nq, new_tokens,
                heads_q, group, dim, dim_v, row_tiles, num_splits, page_size, has_mask, left, right, scale, softcap,
                has_alibi):
         tid = cuda.threadIdx.x
+        key_group, f0 = tid // LANES, tid % LANES * FEATURES_HELD
         pid = cuda.blockIdx.x
         heads_k = heads_q // group
         split = pid % num_splits
@@ -123,77 +333,113 @@ def split_kernel(shape: Tiles, dtype: str, score_mods: bool):
         s_lo = min(t_lo + split * per_split, t_hi)
         s_hi = min(s_lo + per_split, t_hi)
 
-        q_tile = cuda.shared.array(Q_SHAPE, np.float32, alignment=ALIGNED)
-        k_tile = cuda.shared.array(K_SHAPE, np.float32, alignment=ALIGNED)
-        v_tile = cuda.shared.array(V_SHAPE, np.float32, alignment=ALIGNED)
-        p_tile = cuda.shared.array(P_SHAPE, np.float32, alignment=ALIGNED)
-        query_rows = cuda.shared.array((ROWS, 3), np.int64)  # (sequence, query, head) of each tile row
-        key_rows = cuda.shared.array((COLS, 3), np.int64)  # (page, slot, kv head), page -1 where not loaded
-        s = cuda.local.array((R, C), np.float32)
-        acc = cuda.local.array((R, A), np.float32)
-        row_max = cuda.local.array(R, np.float32)
-        row_sum = cuda.local.array(R, np.float32)
-        for i in range(R):
-            row_max[i] = NEG_INF
-            row_sum[i] = 0
-            for a in range(A):
-                acc[i, a] = 0
-
-        for r in range(tid, ROWS, THREADS_A_BLOCK):
+        # The tile's rows (query-major: row = query * group + head in the group), 0 past the real ones.
+        q_held = cuda.local.array((ROWS, FEATURES_HELD), np.float32)
+        queries = cuda.local.array(ROWS, np.int32)
+        heads = cuda.local.array(ROWS, np.int32)
+        row_slopes = cuda.local.array(ROWS, np.float32)
+        for r in range(ROWS):
             row = r0 + r
-            query_rows[r, 0] = b if row < rows_total else -1
-            query_rows[r, 1] = row // group
-            query_rows[r, 2] = kv_head * group + row % group
-        cuda.syncthreads()
-        gather_tile(q_tile, q, query_rows, dim, WIDTH, tid, THREADS_A_BLOCK, bf16)
+            query, head = row // group, kv_head * group + row % group
+            queries[r], heads[r] = query, head
+            row_slopes[r] = slopes[b, head] if has_alibi and row < rows_total else np.float32(0)
+            for a in range(FEATURES_HELD):
+                d = f0 + a
+                q_held[r, a] = load(q, b, query, head, d, bf16) if row < rows_total and d < dim else np.float32(0)
+        row_max = cuda.local.array(ROWS, np.float32)  # in log2 units, as the scores
+        row_sum = cuda.local.array(ROWS, np.float32)
+        acc = cuda.local.array((ROWS, FEATURES_HELD), np.float32)
+        for r in range(ROWS):
+            row_max[r] = NEG_INF
+            row_sum[r] = 0
+            for a in range(FEATURES_HELD):
+                acc[r, a] = 0
+
+        # This thread's keys of key tile t are t * COLS + u * GROUPS + key_group, u < KEYS: a step's
+        # loads of a warp's groups lie side by side. Their table entries and slots (32-bit: fewer
+        # registers) are divided out once, then stepped a tile at a time; each tile's pages are
+        # looked up while the tile before it computes.
+        paged = page_size != 0
+        size = page_size if paged else np.int64(2**31 - 1)  # a contiguous cache: a page a sequence
+        step_index, step_place = COLS // size, COLS % size
+        index = cuda.local.array(KEYS, np.int32)
+        places = cuda.local.array(KEYS, np.int32)
+        pages = cuda.local.array(KEYS, np.int32)
+        for u in range(KEYS):
+            key = s_lo * COLS + u * GROUPS + key_group
+            index[u], places[u] = key // size, key % size
+        find_pages(pages, index, s_lo * COLS + key_group, GROUPS, lo, hi, b, block_table, paged)
+        k_held = cuda.local.array((KEYS, FEATURES_HELD), np.float32)
+        v_held = cuda.local.array((KEYS, FEATURES_HELD), np.float32)
+        s = cuda.local.array((ROWS, KEYS), np.float32)
+        scale_log2 = scale * LOG2E
         for t in range(s_lo, s_hi):
             j0 = t * COLS
-            cuda.syncthreads()  # the last tile's readers are done with the key rows and tiles
-            for c in range(tid, COLS, THREADS_A_BLOCK):
-                key = j0 + c
-                page, place = slot(key, b, block_table, page_size) if lo <= key < hi else (np.int64(-1), np.int64(0))
-                key_rows[c, 0], key_rows[c, 1], key_rows[c, 2] = page, place, kv_head
-            cuda.syncthreads()
-            gather_tile(k_tile, k_cache, key_rows, dim, WIDTH, tid, THREADS_A_BLOCK, bf16)
-            gather_tile(v_tile, v_cache, key_rows, dim_v, WIDTH, tid, THREADS_A_BLOCK, bf16)
-            cuda.syncthreads()
-            qk_shared(s, q_tile, k_tile, dim, tid)
-            for i in range(R):
-                row = r0 + row_of(tid, i)
-                query, head = row // group, kv_head * group + row % group
-                position = diagonal + query
-                slope = slopes[b, head] if has_alibi and row < rows_total else np.float32(0)
+            first = j0 + key_group
+            load_held(k_held, k_cache, pages, places, kv_head, f0, dim, wide, RUN, bf16)
+            load_held(v_held, v_cache, pages, places, kv_head, f0, dim_v, wide, RUN, bf16)
+            for u in range(KEYS):
+                places[u] += step_place
+                index[u] += step_index
+                if places[u] >= size:
+                    places[u] -= size
+                    index[u] += 1
+            if t + 1 < s_hi:
+                find_pages(pages, index, first + COLS, GROUPS, lo, hi, b, block_table, paged)
+            partial_scores(s, q_held, k_held)
+            plain = full_lo <= j0 and j0 + COLS <= full_hi  # every real row sees every key
+            for r in range(ROWS):
                 tile_max = NEG_INF
-                for c in range(C):
-                    key = j0 + col_of(tid, c)
-                    score = s[i, c] * scale
+                for u in range(KEYS):
+                    offset = first + u * GROUPS - diagonal  # the key's position from query 0's
+                    score = lanes_sum(s[r, u], LANES)
                     if score_mods:
-                        score, _ = modify(score, softcap, slope, position - key)
-                    seen = row < rows_total and key < length and position - left <= key <= position + right
-                    if seen and has_mask and key >= diagonal:
-                        seen = mask[b, head, query, key - diagonal]
-                    s[i, c] = score if seen else NEG_INF
-                    tile_max = max_nan(tile_max, s[i, c])
-                fold_row(s, i, tile_max, row_max, row_sum, acc, 0, ROW_LANES)
-            share_weights(p_tile, s, tid)
-            plain = full_lo <= j0 and j0 + COLS <= full_hi
-            exact = cuda.syncthreads_or(np.int32(not plain and has_nonfinite(v_tile, tid))) != 0
-            pv(acc, s, k_tile, v_tile, p_tile, dim_v, tid, exact)
+                        score, _ = modify(score * scale, softcap, row_slopes[r], queries[r] - offset)
+                        score *= LOG2E
+                    else:
+                        score *= scale_log2
+                    if not plain:
+                        seen = r0 + r < rows_total and offset < nq and queries[r] - left <= offset <= queries[r] + right
+                        if seen and has_mask and offset >= 0:
+                            seen = mask[b, heads[r], queries[r], offset]
+                        score = score if seen else NEG_INF
+                    s[r, u] = score
+                    tile_max = max_nan(tile_max, score)
+                fold_keys(s, r, tile_max, row_max, row_sum, acc)
+            add_values(acc, s, v_held, not plain and has_nonfinite_held(v_held))
 
+        # The groups' states joined in a fixed order (the same bits on every call), as the merge
+        # joins splits: a group without an allowed key weighs exactly 0.
+        group_max = cuda.shared.array((GROUPS, ROWS), np.float32)
+        group_sum = cuda.shared.array((GROUPS, ROWS), np.float32)
+        group_acc = cuda.shared.array((GROUPS, ROWS, WIDTH), np.float32)
+        for r in range(ROWS):
+            if f0 == 0:
+                group_max[key_group, r], group_sum[key_group, r] = row_max[r], row_sum[r]
+            for a in range(FEATURES_HELD):
+                group_acc[key_group, r, f0 + a] = acc[r, a]
+        cuda.syncthreads()
         part = split * batch + b
-        for i in range(R):
-            row = r0 + row_of(tid, i)
-            total = lanes_sum(row_sum[i], ROW_LANES)
-            if row < rows_total:
+        for place in range(tid, ROWS * WIDTH, THREADS_A_BLOCK):
+            r, d = place // WIDTH, place % WIDTH
+            row = r0 + r
+            if row < rows_total and d < dim_v:
+                top = NEG_INF
+                for g in range(GROUPS):
+                    top = max_nan(top, group_max[g, r])
+                reference = np.float32(0) if top == NEG_INF else top
+                total, value = np.float32(0), np.float32(0)
+                for g in range(GROUPS):
+                    weight = exp2(group_max[g, r] - reference)
+                    if weight != 0:
+                        total += group_sum[g, r] * weight
+                        value += group_acc[g, r, d] * weight
                 query, head = row // group, kv_head * group + row % group
                 row_lse, factor = NEG_INF, np.float32(0)  # a split without an allowed key adds nothing
                 if total != 0:  # the sink joins in the merge: -inf is exactly no sink
-                    row_lse, factor = with_sink(row_max[i], total, NEG_INF, np.float32(1))
-                for a in range(A):
-                    d = feature_of(tid, a)
-                    if d < dim_v:
-                        o_part[part, query, head, d] = acc[i, a] * factor if total != 0 else np.float32(0)
-                if feature_of(tid, 0) == 0:
+                    row_lse, factor = with_sink(top * LN2, total, NEG_INF, np.float32(1))
+                o_part[part, query, head, d] = value * factor if total != 0 else np.float32(0)
+                if d == 0:
                     lse_part[part, head, query] = row_lse
 
     return kernel
@@ -201,17 +447,19 @@ def split_kernel(shape: Tiles, dtype: str, score_mods: bool):
 
 @functools.cache
 def merge_kernel(dtype: str):
-    """o and lse of each (sequence, query row, head), a thread each: the splits' partials joined, the
-    sink once."""
+    """o and lse of each (sequence, query row, head), MERGE_LANES threads each: lane l joins the
+    splits' partials of features l, l + MERGE_LANES, ..., so that a warp reads each split's o of
+    its row in one coalesced pass, and the first lane writes the lse. The sink joins once."""
     bf16 = dtype == "bfloat16"
 
     @cached_kernel(types.void(_PARTS, _PART_LSE, _tensor(dtype), _LSE, _SINKS, _b, _i), dtype)
     def kernel(o_part, lse_part, o, lse, sinks, has_sinks, num_splits):
         index = cuda.grid(1)
         batch, nq, heads_q, dim_v = o.shape[0], o.shape[1], o.shape[2], o.shape[3]
-        if index >= batch * nq * heads_q:
+        row, lane = index // MERGE_LANES, index % MERGE_LANES
+        if row >= batch * nq * heads_q:
             return
-        b, i, h = index // (nq * heads_q), index // heads_q % nq, index % heads_q
+        b, i, h = row // (nq * heads_q), row // heads_q % nq, row % heads_q
         top = NEG_INF
         for split in range(num_splits):
             top = max_nan(top, lse_part[split * batch + b, h, i])
@@ -223,14 +471,15 @@ def merge_kernel(dtype: str):
         row_lse, factor = sink, np.float32(0)  # a row without an allowed key: o = 0, lse = the sink's
         if total != 0:
             row_lse, factor = with_sink(top, total, sink, np.float32(1))
-        for d in range(dim_v):
+        for d in range(lane, dim_v, MERGE_LANES):
             value = np.float32(0)
             for split in range(num_splits):
                 weight = math.exp(lse_part[split * batch + b, h, i] - reference)
                 if weight != 0:  # an empty split weighs exactly 0
                     value += weight * o_part[split * batch + b, i, h, d]
             store(o, b, i, h, d, value * factor if total != 0 else np.float32(0), bf16)
-        lse[b, h, i] = row_lse
+        if lane == 0:
+            lse[b, h, i] = row_lse
 
     return kernel
 
@@ -267,7 +516,7 @@ def choose_splits(blocks: int, key_tiles: int, sm_count: int) -> int:
 def splits(problem) -> int:
     """How many splits a call runs: ``num_splits``, or ``choose_splits``'s count, never more than the
     cache's key tiles (more would only add empty splits, and leave each split's share as it was)."""
-    shape = tiles("decode", problem)
+    shape = split_shape(problem)
     key_tiles = max(1, -(-problem.capacity // shape.cols))
     chosen = problem.num_splits or choose_splits(problem.batch * problem.heads_k * _row_tiles(problem, shape),
                                                  key_tiles, _sm_count(problem.device_index))
@@ -292,7 +541,7 @@ def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                         page_size)
         if not rows:
             return o, lse
-        shape, count = tiles("decode", problem), splits(problem)
+        shape, count = split_shape(problem), splits(problem)
         o_part = torch.empty((count * problem.batch, *problem.o_shape[1:]), dtype=torch.float32, device=device)
         lse_part = torch.empty((count * problem.batch, *problem.lse_shape[1:]), dtype=torch.float32, device=device)
         lse_rows = (problem.batch, problem.heads_q)
@@ -302,7 +551,8 @@ def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         left, right = (reach if side == -1 else side for side in (problem.band or (-1, -1)))
         row_tiles = _row_tiles(problem, shape)
         parts = _device_array(o_part), _device_array(lse_part)
-        _launch(split_kernel(shape, problem.dtype, problem.softcap is not None or problem.alibi_slopes is not None),
+        mods = problem.softcap is not None or problem.alibi_slopes is not None
+        _launch(split_kernel(shape, problem.dtype, mods, _wide(k_cache, v_cache)),
                 problem.batch * problem.heads_k * row_tiles * count, shape.threads, stream, _device_array(q),
                 _device_array(k_cache), _device_array(v_cache), *parts, seqlens, table, _device_array(mask),
                 _device_array(slopes), problem.seqlen_q, problem.new_tokens, problem.heads_q, problem.group,
@@ -310,8 +560,8 @@ def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 right, np.float32(problem.softmax_scale), np.float32(problem.softcap or 0),
                 problem.alibi_slopes is not None)
         sinks = reals[0] if problem.sinks is None else problem.sinks
-        _launch(merge_kernel(problem.dtype), -(-rows // THREADS), THREADS, stream, *parts, _device_array(o),
-                _device_array(lse), _device_array(sinks), problem.sinks is not None, count)
+        _launch(merge_kernel(problem.dtype), -(-rows * MERGE_LANES // THREADS), THREADS, stream, *parts,
+                _device_array(o), _device_array(lse), _device_array(sinks), problem.sinks is not None, count)
     return o, lse
 
 
@@ -331,7 +581,18 @@ class _written:
             self.cache.copy_(self.copy)
 
 
-def _row_tiles(problem, shape: Tiles) -> int:
+def _wide(*caches: torch.Tensor) -> bool:
+    """Whether the caches take the split kernel's 16-byte loads: every row of a key or value (and
+    each 16-byte run of features in it) starts on 16 bytes, and holds whole runs."""
+    for cache in caches:
+        run = 16 // cache.element_size()
+        strides = cache.stride()
+        if strides[-1] != 1 or cache.shape[-1] % run or cache.data_ptr() % 16 or any(st % run for st in strides[:-1]):
+            return False
+    return True
+
+
+def _row_tiles(problem, shape: Shape) -> int:
     return -(-problem.seqlen_q * problem.group // shape.rows)
 
 

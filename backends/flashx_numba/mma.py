@@ -30,6 +30,9 @@ Tiles reach shared memory by ``cp.async``: 16-byte copies from global memory tha
 registers and run while the warp goes on, finished by ``wait_copies`` (then a barrier
 publishes them to the block).
 
+Decoding reads its keys and values into registers instead, 16 bytes a lane at a time, by a
+predicated ``ld.global.nc`` (``global_quad``).
+
 The plain-Python forms below (``mma_lanes``, ``ldmatrix_lanes``) compute what the
 instructions do for a whole warp's registers at once; the tests check the layout against
 them, and the CUDA simulator, which has no warps, runs the kernels' NumPy tile forms instead
@@ -375,6 +378,46 @@ def _copy_intrinsic():
         return types.void(), codegen
 
     return copy_async, wait_copies
+
+
+@functools.cache
+def _global_quad_intrinsic():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    result = types.UniTuple(types.uint32, 4)
+
+    @intrinsic
+    def global_quad(typingctx, address, inside):
+        """The four 32-bit words at global address ``address`` (16-byte aligned), in one 16-byte load
+        through the read-only data cache; zeros where not ``inside``, whose address is not read.
+
+        The load is predicated rather than branched around: the compiler may issue it as early as
+        the address is known, and a thread keeps several in flight. Read-only: the memory must not
+        change while the kernel runs."""
+
+        def codegen(context, builder, signature, arguments):
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            address = context.cast(builder, arguments[0], signature.args[0], types.int64)
+            flag = context.cast(builder, arguments[1], signature.args[1], types.uint32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64, i32]),
+                               "{.reg .pred p; setp.ne.u32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
+                               "mov.b32 $3, 0; @p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];}",
+                               "=r,=r,=r,=r,l,r")
+            words = builder.call(asm, [address, flag])
+            return context.make_tuple(builder, result, [builder.extract_value(words, i) for i in range(4)])
+
+        return result(address, inside), codegen
+
+    return global_quad
+
+
+@functools.cache
+def global_load_intrinsics():
+    """(global_address, global_quad): 16-byte loads of rows of global arrays into registers (the
+    decoding kernel's keys and values); device-callable on a GPU only."""
+    return _address_intrinsics()[1], _global_quad_intrinsic()
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 from flashx import arrays
 from flashx.errors import DTypeError, FlashXError, ShapeError, UnsupportedError
 from flashx.options import complete
-from flashx.ring.layouts import chunks_per_rank
+from flashx.ring.layouts import chunks_per_rank, segments
 from flashx.ring.schedule import check_exchange
 from flashx.ring.sequences import Sequences
 from flashx.validation import build_problem
@@ -51,8 +51,10 @@ def shard_problem(q, k, v, layout: str, exchange: str, world_size: int, options:
         for name in lengths:
             message = message.replace(f"{name}:", f"{name[:-2]}:")
         raise type(error)(message) from None
+    offsets = tuple(int(x) for x in arrays.to_host(problem.cu_seqlens_q)) if axis == 0 else None
+    segments(layout, world_size, q.shape[axis] * world_size, offsets)  # the documents the layout cuts, checked
     if axis == 0:
-        sequences = Sequences(offsets=tuple(int(x) for x in arrays.to_host(problem.cu_seqlens_q)))
+        sequences = Sequences(offsets=offsets)
     else:
         length = q.shape[1] * world_size
         given = [length] * q.shape[0] if seqlens is None else arrays.to_host(problem.seqlens_q)

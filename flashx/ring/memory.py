@@ -22,7 +22,7 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
     their gradients, and the ring's buffers at its peak, the backward's first call of a middle step
     (``exchange`` "ring" or "all_gather"). Rows are in the input dtype ``dtype``, sums in the LSE's
     precision. One call reads a chunk of the shard's rows and keys (half of it in the zigzag
-    layout). Kernels' own workspace is left out (a backend's, alike on one device and in the ring).
+    layouts). Kernels' own workspace is left out (a backend's, alike on one device and in the ring).
     """
     size = torch.empty((), dtype=dtype).element_size()
     wide = accumulation_dtype(torch.empty((), dtype=dtype)).itemsize / size

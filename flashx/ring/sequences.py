@@ -1,17 +1,24 @@
 """Sequences: which rows and keys of a pair of chunks meet, and the backend calls that serve them.
 
 The sequences are the batch entries, each as long as the whole axis or as its ``seqlens`` entry,
-or the documents of a packed axis (``cu_seqlens``), which may span chunks and ranks. For each
-pair of a query chunk and a key chunk, each sequence that joins them gives a fragment: just the
-rows and keys that the causal or window band lets meet, the band becoming a window in the
-fragment's own coordinates (``pair_call``). Fragments that share their window and dropout offsets
-and lie side by side make one backend call (``Sequences.calls``); a pair no sequence joins is
-skipped, and with it whole steps of a causal contiguous ring. Two different chunks are joined
-by at most one document (a document is an interval), so an off-diagonal pair of a packed axis
-is one call; a diagonal pair is one call for the documents that start in the chunk and one for
-the document that began before it. Dropout is drawn at positions within each sequence (the
-``dropout_offsets`` option, and the sequence's own index in a packed call), so the mask is the
-one ``flashx.attention`` draws on the whole sequence, bit for bit.
+or the documents of a packed axis (``cu_seqlens``), which may span chunks and ranks. A chunk is
+a list of intervals of the axis (``flashx.ring.layouts``); each interval's parts that one
+sequence holds are its pieces. For each pair of a query chunk and a key chunk, each pair of a
+query piece and a key piece of one sequence gives a fragment: just the rows and keys that the
+causal or window band lets meet, the band becoming a window in the fragment's own coordinates
+(``pair_call``). Fragments that share their window and dropout offsets and lie side by side
+make one backend call (``Sequences.calls``), a packed call with one entry of ``cu_seqlens`` per
+document; a pair no sequence joins is skipped, and with it whole steps of a causal contiguous
+ring. In the layouts that cut the packed axis as one sequence, two different chunks are joined
+by at most one document (a document is an interval), so an off-diagonal pair is one call and a
+diagonal pair one call for the documents that start in the chunk and one for the document that
+began before it. In "document_zigzag" every document joins every pair of chunks, its pieces in
+the two chunks at the same places relative to its length: causal attention gives every
+document's fragment the same band (whole, none or the diagonal), and a pair is one call however
+many documents it holds. A window, or dropout's offsets, which move with a document's length,
+part documents of different lengths into calls of their own. Dropout is drawn at positions
+within each sequence (the ``dropout_offsets`` option, and the sequence's own index in a packed
+call), so the mask is the one ``flashx.attention`` draws on the whole sequence, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +26,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from flashx.ring.layouts import Interval
 
 
 def pair_call(band, query_start: int, rows: int, key_start: int, keys: int):
@@ -52,14 +63,24 @@ def pair_call(band, query_start: int, rows: int, key_start: int, keys: int):
 
 @dataclass(frozen=True)
 class _Fragment:
-    """The rows and keys of one sequence that a pair of chunks lets meet (chunk-relative), the
-    window of their call and the positions of their first row and key in the sequence."""
+    """The rows and keys of one sequence that a pair of chunks lets meet (rows of the query shard,
+    keys of the K/V shard), the window of their call and the positions of their first row and key
+    in the sequence."""
 
     sequence: int
     rows: slice
     keys: slice
     window: tuple[int, int] | None
     offsets: tuple[int, int] | None  # None without dropout: the draw's positions do not matter
+
+
+class _Piece(NamedTuple):
+    """Shard rows [row, row + length) holding positions [position, position + length) of one sequence."""
+
+    sequence: int
+    row: int
+    position: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -81,24 +102,36 @@ class Sequences:
     def unbatched(self, x):
         return x.squeeze(0) if self.packed else x
 
-    def fragments(self, band, size: int, query_start: int, key_start: int, dropout: bool) -> list[_Fragment]:
-        """Every sequence's fragment of a query chunk and a key chunk of ``size`` positions."""
-        if self.packed:  # the documents that meet the query chunk
-            first = bisect.bisect_right(self.offsets, query_start) - 1
-            last = min(bisect.bisect_left(self.offsets, query_start + size), len(self.offsets) - 1)
-            spans = [(d, self.offsets[d], self.offsets[d + 1]) for d in range(first, last)]
-        else:
-            spans = [(b, 0, length) for b, length in enumerate(self.lengths)]
+    def fragments(self, band, query_chunk: list[Interval], key_chunk: list[Interval], dropout: bool) -> list[_Fragment]:
+        """Every sequence's fragments of a query chunk and a key chunk, given as their intervals,
+        in the order of the query chunk's rows: rows and keys are the shards' own."""
+        key_pieces = {}
+        for piece in self._pieces(key_chunk):
+            key_pieces.setdefault(piece.sequence, []).append(piece)
         found = []
-        for sequence, begin, end in spans:
-            x0, x1 = max(query_start, begin), min(query_start + size, end)
-            y0, y1 = max(key_start, begin), min(key_start + size, end)
-            pair = pair_call(band, x0 - begin, x1 - x0, y0 - begin, y1 - y0) if x0 < x1 and y0 < y1 else None
-            if pair is not None:
-                rows, keys, window, offsets = pair
-                found.append(_Fragment(sequence, shifted(rows, x0 - query_start), shifted(keys, y0 - key_start),
-                                       window, offsets if dropout else None))
+        for query in self._pieces(query_chunk):
+            for key in key_pieces.get(query.sequence, ()):
+                pair = pair_call(band, query.position, query.length, key.position, key.length)
+                if pair is not None:
+                    rows, keys, window, offsets = pair
+                    found.append(_Fragment(query.sequence, _shifted(rows, query.row), _shifted(keys, key.row),
+                                           window, offsets if dropout else None))
         return found
+
+    def _pieces(self, chunk: list[Interval]) -> Iterator[_Piece]:
+        """The parts of ``chunk``'s intervals that each sequence holds, in the chunk's order."""
+        for interval in chunk:
+            start, stop = interval.position, interval.position + interval.length
+            if self.packed:  # the documents that meet the interval
+                first = bisect.bisect_right(self.offsets, start) - 1
+                last = min(bisect.bisect_left(self.offsets, stop), len(self.offsets) - 1)
+                spans = [(d, self.offsets[d], self.offsets[d + 1]) for d in range(first, last)]
+            else:
+                spans = [(b, 0, length) for b, length in enumerate(self.lengths)]
+            for sequence, begin, end in spans:
+                x0, x1 = max(start, begin), min(stop, end)
+                if x0 < x1:
+                    yield _Piece(sequence, interval.row + x0 - start, x0 - begin, x1 - x0)
 
     def calls(self, fragments: list[_Fragment]) -> list[tuple]:
         """(rows, keys, window, offsets, lengths) of each backend call that serves ``fragments``:
@@ -108,7 +141,8 @@ class Sequences:
             for fragment in fragments:
                 last = groups[-1][-1] if groups else None
                 if (last is not None and (last.window, last.offsets) == (fragment.window, fragment.offsets)
-                        and last.rows.stop == fragment.rows.start and last.keys.stop == fragment.keys.start):
+                        and last.rows.stop == fragment.rows.start and last.keys.stop == fragment.keys.start
+                        and last.sequence < fragment.sequence):  # cu_seqlens lists the documents in order, once
                     groups[-1].append(fragment)
                 else:
                     groups.append([fragment])
@@ -139,7 +173,7 @@ class Sequences:
         return calls
 
 
-def shifted(part: slice, by: int) -> slice:
+def _shifted(part: slice, by: int) -> slice:
     return slice(part.start + by, part.stop + by)
 
 

@@ -20,8 +20,8 @@ from flashx.execute import run_backward, run_forward
 from flashx.options import complete
 from flashx.plan import plan
 from flashx.problem import Problem
-from flashx.ring.layouts import LAYOUTS, chunks
-from flashx.ring.sequences import Sequences, shifted
+from flashx.ring.layouts import chunks
+from flashx.ring.sequences import Sequences
 
 
 @dataclass(frozen=True)
@@ -44,19 +44,18 @@ class Rank:
     def __init__(self, index: int, world_size: int, layout: str, problem: Problem, sequences: Sequences, backend,
                  q, k, v):
         self.index = index
-        size = q.shape[1] // LAYOUTS[layout]
-        mine = chunks(layout, world_size, index, size)
+        length = q.shape[1] * world_size
+        mine = chunks(layout, world_size, index, length, sequences.offsets)
         common = {"softmax_scale": problem.softmax_scale, "softcap": problem.softcap, "dropout_p": problem.dropout_p,
                   "seed": problem.seed, "rng_offset": problem.rng_offset}
         batch = 0 if sequences.packed else slice(None)
         self.calls = []
         for source in range(world_size):
             calls = []
-            for (row0, query_start), (key0, key_start) in itertools.product(mine, chunks(layout, world_size, source,
-                                                                                           size)):
-                fragments = sequences.fragments(problem.band, size, query_start, key_start, problem.dropout_p > 0)
+            theirs = chunks(layout, world_size, source, length, sequences.offsets)
+            for query_chunk, key_chunk in itertools.product(mine, theirs):
+                fragments = sequences.fragments(problem.band, query_chunk, key_chunk, problem.dropout_p > 0)
                 for rows, keys, window, offsets, lengths in sequences.calls(fragments):
-                    rows, keys = shifted(rows, row0), shifted(keys, key0)
                     lengths = {name: torch.tensor(x, dtype=torch.int32, device=q.device) for name, x in lengths.items()}
                     options = complete("ring_attention", dict(common, window=window, dropout_offsets=offsets, **lengths))
                     calls.append(_Call(rows, keys, batch, *plan(q[batch, rows], k[batch, keys], v[batch, keys],

@@ -1,0 +1,125 @@
+"""The Triton backend's kernels lower to sm_90 code on a machine without a GPU.
+
+Under ``TRITON_INTERPRET=1`` a kernel body runs as Python: no code generator sees it, so a kernel
+the interpreter grades can still be refused by Triton's compiler on the GPU (a ``tl.constexpr``
+bound twice inside a ``tl.static_range`` was). Here each launch of a forward, a backward and a
+decoding step becomes ``JITFunction.warmup`` for an sm_90 target behind a stand-in driver: the
+kernels go through Triton's whole pipeline down to ptxas, and nothing runs. The configuration is the
+one shipped for sm_90. This file runs without ``TRITON_INTERPRET`` (``noxfile`` runs the
+``test_triton_*`` files under the interpreter, in their own process), since the interpreter is
+chosen when a kernel is decorated.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia.driver")
+
+from flashx.validation import build_decode_problem, build_problem
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="kernels decorated under the interpreter are not compiled")
+
+
+class Sm90Driver:
+    """Triton's CUDA driver as a host without a GPU can stand in for it: an sm_90 target on device 0."""
+
+    def __init__(self):
+        from triton.backends.nvidia.driver import CudaDriver
+
+        self.cuda = CudaDriver.__new__(CudaDriver)  # its methods that need no GPU
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self.cuda, name)
+
+
+@pytest.fixture
+def lowered(monkeypatch):
+    """Launches compile for sm_90 and run nothing; returns the names of the kernels compiled."""
+    from flashx_triton import launch, tuning
+    from triton.runtime import driver
+
+    names = []
+
+    def compile_only(self, *tensors):
+        self.kernel.warmup(*tensors, *self.bound, grid=self.grid, **self.options)
+        names.append(self.kernel.fn.__name__)
+
+    def shipped_choice(kernel, problem, run):
+        options = tuning.candidates(kernel, problem)
+        choice = tuning.untimed_order(kernel, problem, options, "sm_90", lambda: 227 * 1024)[0]
+        run(choice)
+        return choice
+
+    stand_in = Sm90Driver()
+    monkeypatch.setattr(launch.Launch, "__call__", compile_only)
+    monkeypatch.setattr(tuning, "choose", shipped_choice)
+    # the class's property, restored afterwards: a host without a GPU has no driver to reset to
+    monkeypatch.setattr(type(driver), "active", property(lambda config: stand_in))
+    return names
+
+
+def _inputs(dtype=torch.bfloat16, heads=(4, 2), seqlen=256, head_dim=128):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, seqlen, heads[0], head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(1, seqlen, heads[1], head_dim, generator=generator).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+SLOPES = [2.0 ** -(i + 1) for i in range(4)]
+ATTENTION = {
+    "causal": {"causal": True},
+    "softcap, window": {"softcap": 30.0, "window": (64, 0)},
+    "alibi, causal": {"causal": True, "alibi_slopes": SLOPES},
+    "sinks, dropout": {"sinks": [0.5, -1.0, 0.0, 2.0], "dropout_p": 0.1, "seed": 7},
+}
+
+
+@pytest.mark.parametrize("options", ATTENTION.values(), ids=ATTENTION.keys())
+def test_forward_and_backward_lower(lowered, options):
+    from flashx_triton import TritonBackend
+
+    options = {name: torch.tensor(value) if isinstance(value, list) else value for name, value in options.items()}
+    q, k, v = _inputs()
+    problem = build_problem(q, k, v, **options)
+    backend = TritonBackend()
+    o, lse = backend.forward(problem, q, k, v)
+    backend.backward(problem, q, k, v, o, lse, torch.randn_like(o))
+    assert "_forward_kernel" in lowered and len(lowered) > 2
+
+
+def test_paged_decoding_with_new_tokens_lowers(lowered):
+    from flashx_triton import TritonBackend
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 8, 128, generator=generator).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(8, 64, 2, 128, generator=generator).to(torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 128, generator=generator).to(torch.bfloat16) for _ in range(2))
+    block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    cache_seqlens = torch.tensor([100, 200], dtype=torch.int32)  # two key tiles each: two splits
+    problem = build_decode_problem(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
+                                   block_table=block_table, num_splits=2)
+    TritonBackend().decode(problem, q, k_cache, v_cache, k_new, v_new)
+    assert len(lowered) == 3  # append, split, merge
