@@ -81,6 +81,21 @@ def lowered(monkeypatch):
     return names
 
 
+@pytest.fixture
+def compiled(lowered, monkeypatch):
+    """As ``lowered``, and returns the compiled kernels themselves (their PTX in ``.asm["ptx"]``)."""
+    from flashx_triton import launch
+
+    kernels = []
+
+    def compile_only(self, *tensors):
+        kernels.append(self.kernel.warmup(*tensors, *self.bound, grid=self.grid, **self.options))
+        lowered.append(self.kernel.fn.__name__)
+
+    monkeypatch.setattr(launch.Launch, "__call__", compile_only)
+    return kernels
+
+
 def _inputs(dtype=torch.bfloat16, heads=(4, 2), seqlen=256, head_dim=128):
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, seqlen, heads[0], head_dim, generator=generator).to(dtype)
@@ -108,6 +123,44 @@ def test_forward_and_backward_lower(lowered, options):
     o, lse = backend.forward(problem, q, k, v)
     backend.backward(problem, q, k, v, o, lse, torch.randn_like(o))
     assert "_forward_kernel" in lowered and len(lowered) > 2
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_forward_lowers_to_fp8_tensor_cores_with_vector_copies(compiled, causal):
+    """FP8 inputs (flashx_triton.fp8) reach sm_90's FP8 tensor-core product in both of its
+    products, and every K and V tile, masked ones included, is copied 16 bytes at a time by
+    cp.async: a masked tile's V loaded byte by byte (ld.global.b8) leaves the pipeline."""
+    from flashx_triton import TritonBackend
+
+    q, k, v = _inputs(torch.float8_e4m3fn)
+    descales = {name: torch.rand(1, 2) + 0.5 for name in ("q_descale", "k_descale", "v_descale")}
+    problem = build_problem(q, k, v, causal=causal, **descales)
+    TritonBackend().forward(problem, q, k, v)
+    assert compiled and all(kernel.name == "_forward_kernel" for kernel in compiled)
+    for kernel in compiled:  # causal: the plain launch and its exact relaunch
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+        assert "cp.async.cg.shared.global" in ptx
+        assert ptx.count("ld.global.b8") <= 1  # at most the relaunch's flag
+
+
+def test_fp8_cache_decoding_with_new_tokens_lowers(compiled, lowered):
+    """An e4m3 cache: the append quantizes by an explicit saturation and the saturating
+    conversion, and the split kernel widens 128-key tiles that cp.async copies 16 bytes at a time."""
+    from flashx_triton import TritonBackend
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 8, 128, generator=generator).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(2, 512, 2, 128, generator=generator).to(torch.float8_e4m3fn) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 128, generator=generator).to(torch.bfloat16) for _ in range(2))
+    descales = {name: torch.rand(2, 2) + 0.5 for name in ("k_descale", "v_descale")}
+    problem = build_decode_problem(q, k_cache, v_cache, cache_seqlens=torch.tensor([300, 400], dtype=torch.int32),
+                                   k_new=k_new, v_new=v_new, num_splits=2, **descales)
+    TritonBackend().decode(problem, q, k_cache, v_cache, k_new, v_new)
+    assert lowered == ["_append_kernel", "_split_kernel", "_merge_kernel"]
+    append, split = (kernel.asm["ptx"] for kernel in compiled[:2])
+    assert "cvt.rn.satfinite.e4m3x2.f32" in append and "0f43E00000" in append  # 448
+    assert "cp.async.cg.shared.global" in split and "cvt.rn.f16x2.e4m3x2" in split
 
 
 def test_paged_decoding_with_new_tokens_lowers(lowered):

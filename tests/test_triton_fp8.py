@@ -87,6 +87,12 @@ def test_v_is_read_with_its_keys_contiguous_in_a_view_of_its_own_shape(varlen):
     assert got.shape == v.shape and got.stride(0 if varlen else 1) == 1
     assert torch.equal(got.view(torch.uint8), v.view(torch.uint8))
     assert keys_contiguous(got, varlen) is got  # a caller's keys-contiguous V is not copied again
+    # masked tiles read up to 15 keys past a sequence's end: a keys-contiguous V without that
+    # much memory after its last element is copied
+    tight = v.permute((1, 2, 0) if varlen else (0, 2, 3, 1)).contiguous()
+    tight = tight.permute((2, 0, 1) if varlen else (0, 3, 1, 2))
+    assert keys_contiguous(tight, varlen) is not tight
+    assert torch.equal(keys_contiguous(tight, varlen).view(torch.uint8), v.view(torch.uint8))
 
 
 @pytest.mark.parametrize("scale", [0.3, -0.3])

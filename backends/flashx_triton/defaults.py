@@ -6,10 +6,11 @@
     python3 -m flashx_triton.defaults compare OUT.json    # shipped (untimed) vs tuned, same process
 
 ``sweep`` runs the tuner (FLASHX_TRITON_AUTOTUNE=1) at the benchmark's points: bf16 and fp16
-fwd+bwd and fp32 forwards, d 64/128/256, causal or not, N 512..16k, B = 16384 / N and
-H = 2048 / d, plus the off-sweep shapes of issue 26. Compiling every candidate is most of a cold
-tuning's time, so worker processes first compile them all (one shape per class, timings
-stubbed) into the shared Triton cache, in parallel; the tuner then runs serially on a quiet GPU.
+fwd+bwd, fp32 forwards and FP8 (e4m3, no descales) forwards, d 64/128/256, causal or not, N
+512..16k, B = 16384 / N and H = 2048 / d, plus the off-sweep shapes of issue 26. Compiling every
+candidate is most of a cold tuning's time, so worker processes first compile them all (one shape
+per class, timings stubbed) into the shared Triton cache, in parallel; the tuner then runs
+serially on a quiet GPU.
 ``encode`` turns its output into the shipped table (``encode``'s docstring says how).
 
 ``compare`` times each shape's fwd+bwd (do_bench median) under the shipped choice, untimed, then
@@ -40,7 +41,7 @@ OFF_SWEEP = [("first-call", 2, 6000, 16, 16, 128, True, "bfloat16", True),
 def sweep_points():
     """(label, B, N, Hq, Hk, d, causal, dtype, backward) of every point, the most used first."""
     points = []
-    for dtype, backward in (("bfloat16", True), ("float16", True), ("float32", False)):
+    for dtype, backward in (("bfloat16", True), ("float16", True), ("float32", False), ("float8_e4m3fn", False)):
         for d in HEAD_DIMS:
             for causal in (True, False):
                 for n in SEQLENS:
@@ -55,10 +56,13 @@ def _inputs(point):
 
     _, b, n, hq, hk, d, _, dtype, backward = point
     generator = torch.Generator("cuda").manual_seed(n * d)
-    make = lambda h: torch.randn(b, n, h, d, generator=generator, device="cuda",  # noqa: E731
-                                 dtype=getattr(torch, dtype), requires_grad=backward)
-    return make(hq), make(hk), make(hk), torch.randn(b, n, hq, d, generator=generator, device="cuda",
-                                                     dtype=getattr(torch, dtype))
+    drawn = torch.float32 if dtype.startswith("float8") else getattr(torch, dtype)  # torch draws no FP8
+
+    def make(h, requires_grad=False):
+        x = torch.randn(b, n, h, d, generator=generator, device="cuda", dtype=drawn).to(getattr(torch, dtype))
+        return x.requires_grad_(requires_grad)
+
+    return make(hq, backward), make(hk, backward), make(hk, backward), make(hq)
 
 
 def _step(point, q, k, v, do):

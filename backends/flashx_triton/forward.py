@@ -21,7 +21,7 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.arguments import problem_args
 from flashx_triton.dropout import dropout_keep, kept_scale
-from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negated, widened
+from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negated, readable_keys, widened
 from flashx_triton.launch import (Passes, call_args, call_layout, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
 from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row_descriptors, row_strides, tma_ready
@@ -63,8 +63,11 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
         if nonempty:
             k = widened(load_rows(k_desc, k_base, seq, k_start, kv_head, start_n, stride_kn, used, HEAD_DIM, BLOCK_N,
                                   BLOCK_D, USE_TMA, MASKED, EXACT), FP8 == "emulated")
-            v = widened(load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
-                                  BLOCK_DV, USE_TMA, MASKED, EXACT, col_stride=stride_vd), FP8 == "emulated")
+            v_rows = used
+            if FP8 != "" and MASKED:  # whole 16-key groups, for 16-byte copies of V's keys
+                v_rows = readable_keys(cols, end_col)
+            v = widened(load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, v_rows, HEAD_DIM_V,
+                                  BLOCK_N, BLOCK_DV, USE_TMA, MASKED, EXACT, col_stride=stride_vd), FP8 == "emulated")
             s = dot(q, tl.trans(k), None, DOT_PRECISION)
             if MASKED or SOFTCAP or ALIBI:
                 s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI, FAST_TANH)

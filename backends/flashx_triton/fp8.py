@@ -4,7 +4,10 @@ and emulated under Triton's interpreter, and the host's preparation of FP8 opera
 On the GPU the kernels keep FP8 tiles as they are loaded: a product of two FP8 tiles runs on the
 tensor cores (products exact, summed in float32), the weights P are rounded to e4m3 by the
 hardware's conversion (round to nearest even, saturating), and V's tile is read with its keys
-contiguous, as Hopper's FP8 tensor-core product wants its second operand (``keys_contiguous``).
+contiguous, as Hopper's FP8 tensor-core product wants its second operand (``keys_contiguous``),
+16 bytes at a time in every tile, masked ones too (``readable_keys``). Tiles are wider and
+pipelines deeper than in 16 bits (``flashx_triton.tuning.FORWARD_FP8``; decoding's in
+``flashx_triton.decode.config``), as a key takes half the bytes.
 
 Triton's interpreter (3.9) converts FP8 through a generic bit routine that gets it wrong: e4m3's
 NaN reads as 480, e5m2's infinities and NaN as finite numbers, and a float rounded to e4m3 may
@@ -123,26 +126,56 @@ def descale_factors(Q_DESCALE, K_DESCALE, V_DESCALE, index):
     return scores, out
 
 
+#: Keys a masked tile of V may read past the last key it uses (``readable_keys``): its mask is
+#: constant over groups of this many keys, the 16 bytes of one vector load.
+KEY_GROUP = tl.constexpr(16)
+
+
+@triton.jit
+def readable_keys(cols, end):
+    """The rows of a tile of V (keys contiguous) that a masked tile loads: every 16-key group
+    that starts before ``end``, the end of the keys any row of the tile uses.
+
+    A mask that changes inside a 16-byte group of keys splits V's copy into single bytes, outside
+    the software pipeline (Triton for sm_90: ld.global.b8 through registers where cp.async copies
+    16 bytes). Up to 15 keys past ``end`` are read instead, which ``keys_contiguous`` keeps inside
+    V's memory; no weight reaches them (exp2(-inf) = 0), so a finite value there adds 0, and a
+    non-finite one (a neighbouring sequence's, or seqlens' padding) makes the plain launch's acc
+    non-finite, which its exact relaunch, whose products mask V themselves (``masked_dot``),
+    computes again. Tile starts must be multiples of 16 that the compiler sees as such."""
+    return cols < tl.cdiv(end, KEY_GROUP) * KEY_GROUP
+
+
 def keys_contiguous(v: torch.Tensor, varlen: bool) -> torch.Tensor:
     """V of a (B, N, H, Dv) or varlen (T, H, Dv) layout as a view of the same shape whose key (row)
-    axis has stride 1, copied there unless it already is.
+    axis has stride 1, copied there unless it already is and has ``KEY_GROUP`` - 1 keys of memory
+    after its last element.
 
     Hopper's FP8 tensor-core product takes its second operand K-major, and in P @ V the reduced
     axis is the keys': V's tile must reach shared memory with its keys contiguous. A row-major
     tile is transposed through registers instead, and its loads leave the software pipeline
     (Triton 3.9 for sm_90: byte-wide shared stores, no cp.async for V). The copy is one pass over
-    V, 2 bytes an element, against the forward's 2 * D multiply-adds for each. Keys are padded to
-    a multiple of 16 so that every (head, feature) row starts 16-byte aligned for vector loads."""
+    V, 2 bytes an element, against the forward's 2 * D multiply-adds for each. Each (head,
+    feature) row of keys is followed by at least 16 zero keys and starts 16-byte aligned, for
+    vector loads and for masked tiles' reads past a sequence's end (``readable_keys``)."""
     rows = 0 if varlen else 1
-    if v.stride(rows) == 1:
+    if v.stride(rows) == 1 and _memory_after(v) >= KEY_GROUP.value - 1:
         return v
     order = (1, 2, 0) if varlen else (0, 2, 3, 1)  # keys last
     keys = v.shape[rows]
-    padded = torch.empty((*(v.shape[axis] for axis in order[:-1]), -(-keys // 16) * 16), dtype=v.dtype,
+    group = KEY_GROUP.value
+    padded = torch.empty((*(v.shape[axis] for axis in order[:-1]), (-(-keys // group) + 1) * group), dtype=v.dtype,
                          device=v.device)
+    padded[..., keys:].view(torch.uint8).zero_()  # a NaN there would send tiles to the exact relaunch
     padded[..., :keys].copy_(v.permute(order))
     back = (2, 0, 1) if varlen else (0, 3, 1, 2)
     return padded[..., :keys].permute(back)
+
+
+def _memory_after(x: torch.Tensor) -> int:
+    """Elements of x's storage after its last element."""
+    last = x.storage_offset() + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
+    return x.untyped_storage().nbytes() // x.element_size() - 1 - last
 
 
 def negated(x: torch.Tensor) -> torch.Tensor:
