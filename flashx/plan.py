@@ -91,6 +91,8 @@ def _decode_key(q, k_cache, v_cache, backend, keywords: dict):
     the call is validated in full (``validate=True`` reads the lengths and tables)."""
     if keywords["validate"] is not False or not isinstance(backend, str):
         return None
+    if any(arrays.resolved(cache) is not cache for cache in (k_cache, v_cache)):
+        return None  # a lazily negated cache cannot be written in place: validation says so
     arrays_given = (q, k_cache, v_cache, *(keywords[name] for name in _DECODE_ARRAYS))
     signatures = tuple(None if x is None else arrays.signature(x) for x in arrays_given)
     if any(s is None for s, x in zip(signatures, arrays_given) if x is not None):

@@ -274,3 +274,13 @@ def test_a_remembered_decoding_plan_still_checks_each_calls_arrays():
         flashx.attention_with_kvcache(**call, sinks=randn(3), validate=False)
     with pytest.raises(flashx.DTypeError, match="k_descale: only for an FP8 cache"):
         flashx.attention_with_kvcache(**call, k_descale=np.ones((2, 2), np.float32), validate=False)
+
+
+def test_a_remembered_decoding_plan_still_refuses_a_negated_cache():
+    torch = pytest.importorskip("torch")
+    call = {name: torch.from_numpy(x) if isinstance(x, np.ndarray) else x for name, x in paged_call(new=0).items()}
+    flashx.attention_with_kvcache(**call, validate=False)
+    negated = torch.complex(torch.zeros_like(call["k_cache"]), -call["k_cache"]).conj().imag  # a lazy negation
+    assert negated.is_neg() and negated.shape == call["k_cache"].shape
+    with pytest.raises(flashx.DTypeError, match="k_cache: expected a tensor that can be written in place"):
+        flashx.attention_with_kvcache(**dict(call, k_cache=negated), validate=False)
