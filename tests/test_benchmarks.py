@@ -705,22 +705,28 @@ def test_sweep_plumbing_on_cpu(tmp_path, monkeypatch):
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([f"{slug}.json", f"{slug}.md", "history.csv"])
 
 
+class OneDtype(flashx.Backend):
+    """A CPU backend of one dtype and causal attention, chosen last: one that declines a shape, or
+    takes no FP8 (its FP8 sibling is declined with flashx's reasons)."""
+
+    version, array_kind = "0", "numpy"
+    devices, features = frozenset({"cpu"}), frozenset({"causal"})
+
+    def __init__(self, name: str, dtype: str):
+        self.name, self.dtypes = name, frozenset({dtype})
+
+    def available(self):
+        return None
+
+    def priority(self, problem):
+        return -1
+
+
 def test_a_backend_that_declines_a_shape_is_recorded_not_raised(tmp_path, monkeypatch):
     """Every flashx backend available on the device runs beside the peers; one that cannot run a
     shape says why on its row, and the sweep goes on."""
-
-    class Float16Only(flashx.Backend):
-        name, version, array_kind = "float16-only", "0", "numpy"
-        devices, dtypes, features = frozenset({"cpu"}), frozenset({"float16"}), frozenset({"causal"})
-
-        def available(self):
-            return None
-
-        def priority(self, problem):
-            return -1
-
     monkeypatch.setattr(gpu, "median_ms", _host_median_ms)
-    flashx.registry.register(Float16Only())
+    flashx.registry.register(OneDtype("float16-only", "float16"))
     try:
         device = torch.device("cpu")
         impls = implementations(device)
@@ -737,23 +743,10 @@ def test_a_backend_that_declines_a_shape_is_recorded_not_raised(tmp_path, monkey
     assert "float16" in statuses[0]
 
 
-class Bfloat16Only(flashx.Backend):
-    """A backend that takes no FP8: its FP8 sibling is declined with flashx's reasons."""
-
-    name, version, array_kind = "bf16-only", "0", "numpy"
-    devices, dtypes, features = frozenset({"cpu"}), frozenset({"bfloat16"}), frozenset({"causal"})
-
-    def available(self):
-        return None
-
-    def priority(self, problem):
-        return -1
-
-
 def test_fp8_siblings_are_those_of_backends_that_take_fp8_or_that_issue_43_measures(monkeypatch):
     from flashx_bench import implementations as impls
 
-    flashx.registry.register(Bfloat16Only())
+    flashx.registry.register(OneDtype("bf16-only", "bfloat16"))
     try:
         names = [impl.name for impl in implementations(torch.device("cpu"))]
         ours = [name for name in names if name.startswith("flashx-")]  # the simulators may add numba, triton
@@ -789,7 +782,7 @@ def test_fp8_implementations_in_the_sweep_on_cpu(tmp_path, monkeypatch):
                                   build=lambda shape, device: lambda q, k, v: 2 * numpy_fp8.build(shape, device)(q, k, v))
     plan = gpu.Plan(seqlens=(64,), head_dims=(16,), tokens=128, model_dim=32, check_seqlen=64, memory_seqlens=(64,),
                     host_seqlens=(64,), matmul_size=64, copy_bytes=2**16)
-    flashx.registry.register(Bfloat16Only())
+    flashx.registry.register(OneDtype("bf16-only", "bfloat16"))
     try:
         impls = [flashx_backend("numpy"), numpy_fp8, flashx_fp8("bf16-only"), doubled]
         results = gpu.Sweep(plan, impls, torch.device("cpu"), tmp_path).run()
