@@ -19,9 +19,10 @@ from flashx_triton.dropout import dropout_keep, kept_scale
 from flashx_triton.launch import (Passes, call_args, call_layout, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
 from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row_descriptors, row_strides, tma_ready
-from flashx_triton.masking import MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, pair_rule, query_tile
+from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, diagonal_part,
+                                   pair_rule, query_tile)
 from flashx_triton.products import dot, masked_dot
-from flashx_triton.score_mods import LOG2E, modified_scores, score_mod_args, score_rule, with_sink
+from flashx_triton.score_mods import LOG2E, alibi_split, modified_scores, score_mod_args, score_rule, with_sink
 
 
 @triton.jit
@@ -30,10 +31,12 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                   DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr, SIDE: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair, and
     EXACT ones keep a non-finite V out of the rows that may not use it. Scores are modified by
-    ``rule`` (``score_rule``) under SOFTCAP and ALIBI."""
+    ``rule`` (``score_rule``) under SOFTCAP and ALIBI; SIDE, the sign of i + Lk - Lq - j at
+    every pair of every tile (``diagonal_part``), splits ALiBi's bias (``alibi_split``), which
+    0 takes per pair."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + cols_in_tile
@@ -55,13 +58,19 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                           BLOCK_DV, USE_TMA, MASKED, EXACT)
             s = dot(q, tl.trans(k), None, DOT_PRECISION)
             if MASKED or SOFTCAP or ALIBI:
-                s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI, FAST_TANH)
+                s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI and SIDE == 0,
+                                       FAST_TANH)
+                row_terms = 0.0  # a score is s + its row's term
+                if ALIBI and SIDE != 0:  # ALiBi's bias split: the key's term joins s, the row's its max
+                    key_terms, row_terms = alibi_split(rows, cols, start_n, rule, SIDE)
+                    s += key_terms[None, :]
                 if MASKED:
                     s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_new = tl.maximum(m_i, tl.max(s, 1) + row_terms)
                 # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_ref[:, None])
+                # Every p of a row is taken against its one rounded max, as its sum and LSE are.
+                p = tl.exp2(s - (m_ref - row_terms)[:, None])
                 alpha = tl.exp2(m_i - m_ref)
             else:  # a row's max is max(q k^T) * scale: one multiply less per score
                 m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
@@ -140,11 +149,16 @@ def _forward_kernel(
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
                 if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-                    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
-                                                  kv_head, stride_kn, stride_vn, rows, lo, hi, first, end, pairs,
-                                                  scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                                  BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                                                  SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, EXACT)
+                    split: tl.constexpr = ALIBI and part == 1  # ALiBi's full tiles, by side of the diagonal
+                    for side in tl.static_range(3 if split else 1):
+                        start, stop = (diagonal_part(side, lo, hi, m0, k_len - q_len, BLOCK_M, BLOCK_N) if split
+                                       else (lo, hi))
+                        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
+                                                      kv_head, stride_kn, stride_vn, rows, start, stop, first, end,
+                                                      pairs, scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V,
+                                                      BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK,
+                                                      DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
+                                                      EXACT, 1 - side if split else 0)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
