@@ -230,21 +230,21 @@ def _dkdv_program(
             q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
                                                  HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
                                                  HOST_DESCRIPTORS)
+            SPLIT_PART: tl.constexpr = 1 if ALIBI else -1  # ALiBi's full tiles run by side of the diagonal
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
                 if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
                     # ALiBi's full tiles, by side of the diagonal (mirrored: queries before it give a
                     # negative i + Lk - Lq - j)
-                    split: tl.constexpr = ALIBI and part == 1
-                    for side in tl.static_range(3 if split else 1):
-                        start, stop = (diagonal_part(side, lo, hi, n0, q_len - k_len, BLOCK_N, BLOCK_M) if split
-                                       else (lo, hi))
+                    for side in tl.static_range(3 if part == SPLIT_PART else 1):
+                        start, stop = (diagonal_part(side, lo, hi, n0, q_len - k_len, BLOCK_N, BLOCK_M)
+                                       if part == SPLIT_PART else (lo, hi))
                         dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
                                              stride_qn, stride_dn, lse2_base, delta_base, n0, cols, start, stop, first,
                                              end, pairs, scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V,
                                              BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
                                              SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS,
-                                             EXACT, side - 1 if split else 0)
+                                             EXACT, side - 1 if part == SPLIT_PART else 0)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dk) + tl.sum(dv))
 
@@ -378,18 +378,18 @@ def _dq_program(
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, band[0], band[1], BLOCK_M, BLOCK_N,
                                                   HAS_MASK or HAS_BLOCK_MASK)
+        SPLIT_PART: tl.constexpr = 1 if ALIBI else -1  # ALiBi's full tiles run by side of the diagonal
         for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
             if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                 lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-                split: tl.constexpr = ALIBI and part == 1  # ALiBi's full tiles, by side of the diagonal
-                for side in tl.static_range(3 if split else 1):
-                    start, stop = (diagonal_part(side, lo, hi, m0, k_len - q_len, BLOCK_M, BLOCK_N) if split
-                                   else (lo, hi))
+                for side in tl.static_range(3 if part == SPLIT_PART else 1):
+                    start, stop = (diagonal_part(side, lo, hi, m0, k_len - q_len, BLOCK_M, BLOCK_N)
+                                   if part == SPLIT_PART else (lo, hi))
                     dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
                                    stride_kn, stride_vn, rows, start, stop, first, end, pairs, scale_log2, rule, stream,
                                    dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
                                    HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
-                                   HOST_DESCRIPTORS, EXACT, 1 - side if split else 0)
+                                   HOST_DESCRIPTORS, EXACT, 1 - side if part == SPLIT_PART else 0)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dq))
 

@@ -146,19 +146,19 @@ def _forward_kernel(
             stream = b * heads_q + h
             pairs = pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
             rule = score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI)
+            SPLIT_PART: tl.constexpr = 1 if ALIBI else -1  # ALiBi's full tiles run by side of the diagonal
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
                 if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-                    split: tl.constexpr = ALIBI and part == 1  # ALiBi's full tiles, by side of the diagonal
-                    for side in tl.static_range(3 if split else 1):
-                        start, stop = (diagonal_part(side, lo, hi, m0, k_len - q_len, BLOCK_M, BLOCK_N) if split
-                                       else (lo, hi))
+                    for side in tl.static_range(3 if part == SPLIT_PART else 1):
+                        start, stop = (diagonal_part(side, lo, hi, m0, k_len - q_len, BLOCK_M, BLOCK_N)
+                                       if part == SPLIT_PART else (lo, hi))
                         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
                                                       kv_head, stride_kn, stride_vn, rows, start, stop, first, end,
                                                       pairs, scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V,
                                                       BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK,
                                                       DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
-                                                      EXACT, 1 - side if split else 0)
+                                                      EXACT, 1 - side if part == SPLIT_PART else 0)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
