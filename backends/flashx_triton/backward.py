@@ -29,10 +29,10 @@ from flashx_triton.launch import (Launch, Passes, call_args, call_layout, flag_n
                                   per_problem, program_share)
 from flashx_triton.loads import (allow_kernel_descriptors, head_descriptors, last_dim_contiguous, load_rows,
                                  lse_strides, row_descriptors, row_strides, tma_ready)
-from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, pair_rule,
-                                   sequence_bounds)
+from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, diagonal_part,
+                                   pair_rule, sequence_bounds)
 from flashx_triton.products import any_nonfinite, dot, masked_dot
-from flashx_triton.score_mods import modified_scores, score_mod_args, score_rule
+from flashx_triton.score_mods import alibi_split, modified_scores, score_mod_args, score_rule
 
 
 @triton.jit
@@ -81,15 +81,16 @@ def _prepare_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, SEQLENS_Q, SINKS, SINK_TERMS,
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, head, stride_qn, stride_dn, lse2_base,
-                delta_base, cols, lo, hi, first_row, end_row, pairs, scale_log2, rule, stream, dropout,
+                delta_base, n0, cols, lo, hi, first_row, end_row, pairs, scale_log2, rule, stream, dropout,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                 DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
-                EXACT: tl.constexpr):
-    """Add query tiles [lo, hi) into this key tile's (dk, dv); scores are held transposed, keys x queries.
-    MASKED tiles test every pair, and EXACT ones keep a non-finite Q or dO out of the keys that may
-    not use it (``Passes``)."""
+                EXACT: tl.constexpr, SIDE: tl.constexpr):
+    """Add query tiles [lo, hi) into this key tile's (dk, dv), keys ``cols`` from ``n0``; scores are
+    held transposed, keys x queries. MASKED tiles test every pair, and EXACT ones keep a
+    non-finite Q or dO out of the keys that may not use it (``Passes``). SIDE as in the forward's
+    ``_attend_tiles``."""
     rows_in_tile = tl.arange(0, BLOCK_M)
     q_len = pairs[0]  # pair_rule packs the query length first
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if (MASKED and (EXACT or HAS_MASK or HAS_BLOCK_MASK))
@@ -127,9 +128,13 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                 do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, rows, HEAD_DIM_V, BLOCK_M,
                                BLOCK_DV, USE_TMA, False, HOST_DESCRIPTORS=HOST_DESCRIPTORS)
                 s = dot(k, tl.trans(q), None, DOT_PRECISION)
-                scores, capped = modified_scores(s, rows[None, :], cols[:, None], scale_log2, rule, SOFTCAP, ALIBI,
-                                                 FAST_TANH)
-                p = tl.exp2(scores - lse2[None, :])
+                scores, capped = modified_scores(s, rows[None, :], cols[:, None], scale_log2, rule, SOFTCAP,
+                                                 ALIBI and SIDE == 0, FAST_TANH)
+                if ALIBI and SIDE != 0:  # P = exp2(scores + the key's term - (LSE - the query's term))
+                    key_terms, row_terms = alibi_split(rows, cols, n0, rule, SIDE)
+                    p = tl.exp2(scores + key_terms[:, None] - (lse2 - row_terms)[None, :])
+                else:
+                    p = tl.exp2(scores - lse2[None, :])
             dp = dot(v, tl.trans(do), None, DOT_PRECISION)
             if EXACT and (MASKED or DROPOUT):
                 if USE_TMA:
@@ -225,14 +230,21 @@ def _dkdv_program(
             q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
                                                  HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA,
                                                  HOST_DESCRIPTORS)
+            SPLIT_PART: tl.constexpr = 1 if ALIBI else -1  # ALiBi's full tiles run by side of the diagonal
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
                 if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_M * BLOCK_M, full_lo, full_hi, end)
-                    dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
-                                         stride_qn, stride_dn, lse2_base, delta_base, cols, lo, hi, first, end, pairs,
-                                         scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                                         BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH,
-                                         ALIBI, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS, EXACT)
+                    # ALiBi's full tiles, by side of the diagonal (mirrored: queries before it give a
+                    # negative i + Lk - Lq - j)
+                    for side in tl.static_range(3 if part == SPLIT_PART else 1):
+                        start, stop = (diagonal_part(side, lo, hi, n0, q_len - k_len, BLOCK_N, BLOCK_M)
+                                       if part == SPLIT_PART else (lo, hi))
+                        dk, dv = _dkdv_tiles(dk, dv, k, v, q_tiles, do_tiles, q_base, do_base, seq, q_start, head,
+                                             stride_qn, stride_dn, lse2_base, delta_base, n0, cols, start, stop, first,
+                                             end, pairs, scale_log2, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V,
+                                             BLOCK_D, BLOCK_DV, BLOCK_M, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
+                                             SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS,
+                                             EXACT, side - 1 if part == SPLIT_PART else 0)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dk) + tl.sum(dv))
 
@@ -255,8 +267,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
-              EXACT: tl.constexpr):
-    """Add key tiles [lo, hi) into this query tile's dq; MASKED and EXACT as in _dkdv_tiles."""
+              EXACT: tl.constexpr, SIDE: tl.constexpr):
+    """Add key tiles [lo, hi) into this query tile's dq; MASKED, EXACT and SIDE as in _dkdv_tiles."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     # A masked loop with a branch on data around its products is not software-pipelined: Triton
     # 3.6 miscompiles the pipelined loop around masked_dot's branch on ``suspect`` (wrong causal
@@ -281,8 +293,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
             v = load_rows(v_desc, v_base, seq, k_start, kv_head, start_n, stride_vn, used, HEAD_DIM_V, BLOCK_N,
                           BLOCK_DV, USE_TMA, MASKED, False, HOST_DESCRIPTORS)
             s = dot(q, tl.trans(k), None, DOT_PRECISION)
-            scores, capped = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI,
-                                             FAST_TANH)
+            scores, capped = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP,
+                                             ALIBI and SIDE == 0, FAST_TANH)
             if MASKED:
                 if EXACT:
                     if USE_TMA:
@@ -290,6 +302,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
                     else:
                         suspect = True  # as in _dkdv_tiles
                 p = tl.exp2(tl.where(ok, scores, float("-inf")) - lse2[:, None])
+            elif ALIBI and SIDE != 0:  # as in _dkdv_tiles
+                key_terms, row_terms = alibi_split(rows, cols, start_n, rule, SIDE)
+                p = tl.exp2(scores + key_terms[None, :] - (lse2 - row_terms)[:, None])
             else:
                 p = tl.exp2(scores - lse2[:, None])
             dp = dot(do, tl.trans(v), None, DOT_PRECISION)
@@ -363,14 +378,18 @@ def _dq_program(
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, band[0], band[1], BLOCK_M, BLOCK_N,
                                                   HAS_MASK or HAS_BLOCK_MASK)
+        SPLIT_PART: tl.constexpr = 1 if ALIBI else -1  # ALiBi's full tiles run by side of the diagonal
         for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
             if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                 lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-                dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
-                               stride_kn, stride_vn, rows, lo, hi, first, end, pairs, scale_log2, rule, stream,
-                               dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
-                               HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
-                               HOST_DESCRIPTORS, EXACT)
+                for side in tl.static_range(3 if part == SPLIT_PART else 1):
+                    start, stop = (diagonal_part(side, lo, hi, m0, k_len - q_len, BLOCK_M, BLOCK_N)
+                                   if part == SPLIT_PART else (lo, hi))
+                    dq = _dq_tiles(dq, q, do, lse2, delta, k_tiles, v_tiles, k_base, v_base, seq, k_start, kv_head,
+                                   stride_kn, stride_vn, rows, start, stop, first, end, pairs, scale_log2, rule, stream,
+                                   dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK,
+                                   HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
+                                   HOST_DESCRIPTORS, EXACT, 1 - side if part == SPLIT_PART else 0)
         if not EXACT:
             flag_nonfinite(REDO, tl.sum(dq))
 

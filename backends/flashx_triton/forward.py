@@ -25,9 +25,11 @@ from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negate
 from flashx_triton.launch import (Passes, call_args, call_layout, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
 from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row_descriptors, row_strides, tma_ready
-from flashx_triton.masking import MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, pair_rule, query_tile
+from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, diagonal_part,
+                                   pair_rule, query_tile)
 from flashx_triton.products import dot, masked_dot, pv_operand
-from flashx_triton.score_mods import LOG2E, descaled_scores, modified_scores, score_mod_args, score_rule, with_sink
+from flashx_triton.score_mods import (LOG2E, alibi_split, descaled_scores, modified_scores, score_mod_args, score_rule,
+                                      with_sink)
 
 
 @triton.jit
@@ -36,11 +38,14 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                   DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr, FP8: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr, FP8: tl.constexpr,
+                  SIDE: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, m_i, l_i); MASKED tiles test every pair, and
     EXACT ones keep a non-finite V out of the rows that may not use it. Scores are modified by
-    ``rule`` (``score_rule``) under SOFTCAP and ALIBI. FP8 tiles (``flashx_triton.fp8``) multiply
-    as loaded, and P is rounded to e4m3 for its product with V (``pv_operand``)."""
+    ``rule`` (``score_rule``) under SOFTCAP and ALIBI; SIDE, the sign of i + Lk - Lq - j at
+    every pair of every tile (``diagonal_part``), splits ALiBi's bias (``alibi_split``), which
+    0 takes per pair. FP8 tiles (``flashx_triton.fp8``) multiply as loaded, and P is rounded to
+    e4m3 for its product with V (``pv_operand``)."""
     cols_in_tile = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         if FP8 != "":
@@ -70,13 +75,19 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                                   BLOCK_N, BLOCK_DV, USE_TMA, MASKED, EXACT, col_stride=stride_vd), FP8 == "emulated")
             s = dot(q, tl.trans(k), None, DOT_PRECISION)
             if MASKED or SOFTCAP or ALIBI:
-                s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI, FAST_TANH)
+                s, _ = modified_scores(s, rows[:, None], cols[None, :], scale_log2, rule, SOFTCAP, ALIBI and SIDE == 0,
+                                       FAST_TANH)
+                row_terms = 0.0  # a score is s + its row's term
+                if ALIBI and SIDE != 0:  # ALiBi's bias split: the key's term joins s, the row's its max
+                    key_terms, row_terms = alibi_split(rows, cols, start_n, rule, SIDE)
+                    s += key_terms[None, :]
                 if MASKED:
                     s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_new = tl.maximum(m_i, tl.max(s, 1) + row_terms)
                 # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_ref[:, None])
+                # Every p of a row is taken against its one rounded max, as its sum and LSE are.
+                p = tl.exp2(s - (m_ref - row_terms)[:, None])
                 alpha = tl.exp2(m_i - m_ref)
             else:  # a row's max is max(q k^T) * scale: one multiply less per score
                 m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
@@ -157,14 +168,19 @@ def _forward_kernel(
             if FP8 != "":  # the descales of the raw scores join their scale, V's joins o's
                 score_factor, out_factor = descale_factors(Q_DESCALE, K_DESCALE, V_DESCALE, b * (heads_q // group) + kv_head)
                 scale, rule = descaled_scores(scale_log2, rule, score_factor)
+            SPLIT_PART: tl.constexpr = 1 if ALIBI else -1  # ALiBi's full tiles run by side of the diagonal
             for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
                 if PARTS >> part & 1:  # the parts this problem can have (band_parts)
                     lo, hi = band_part(part, first // BLOCK_N * BLOCK_N, full_lo, full_hi, end)
-                    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
-                                                  kv_head, stride_kn, stride_vn, stride_vd, rows, lo, hi, first, end,
-                                                  pairs, scale, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                                  BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK, DROPOUT,
-                                                  SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, EXACT, FP8)
+                    for side in tl.static_range(3 if part == SPLIT_PART else 1):
+                        start, stop = (diagonal_part(side, lo, hi, m0, k_len - q_len, BLOCK_M, BLOCK_N)
+                                       if part == SPLIT_PART else (lo, hi))
+                        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K_DESC, V_DESC, k_base, v_base, seq, k_start,
+                                                      kv_head, stride_kn, stride_vn, stride_vd, rows, start, stop, first,
+                                                      end, pairs, scale, rule, stream, dropout, HEAD_DIM, HEAD_DIM_V,
+                                                      BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, HAS_MASK, HAS_BLOCK_MASK,
+                                                      DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
+                                                      EXACT, FP8, 1 - side if part == SPLIT_PART else 0)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 

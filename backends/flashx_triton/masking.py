@@ -90,6 +90,23 @@ def band_part(part: tl.constexpr, first_tile, full_lo, full_hi, end):
 
 
 @triton.jit
+def diagonal_part(side: tl.constexpr, lo, hi, first_row, diag, ROWS: tl.constexpr, TILE: tl.constexpr):
+    """Tiles [lo, hi) (at multiples of TILE) of the other axis, as met by rows [first_row,
+    first_row + ROWS) whose diagonal is column row + diag, split by side: 0, the tiles wholly
+    before it (column <= row + diag at every pair of the tile); 1, those across it; 2, those
+    wholly after it (column >= row + diag). ALiBi's distance keeps one sign in the first and
+    last (``alibi_split``)."""
+    before = tl.minimum(tl.maximum(tl.maximum(first_row + diag + 1, 0) // TILE * TILE, lo), hi)
+    after = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(first_row + ROWS - 1 + diag, 0), TILE) * TILE, before), hi)
+    if side == 0:
+        return lo, before
+    elif side == 1:
+        return before, after
+    else:
+        return after, hi
+
+
+@triton.jit
 def pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
     """What decides which pairs of sequence b, query head h are allowed, packed for allowed_pairs
     (an absent mask is 0: Triton 3.6 takes no None into a tuple). ``band`` is (left, right),

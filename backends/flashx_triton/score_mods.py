@@ -2,9 +2,11 @@
 
 Scores stay in base 2, as everywhere in the kernels: a modified score is
 ``log2(e) * (c * tanh(scale * s / c) - a * |i + Lk - Lq - j|)`` for the raw product s = q . k,
-which the softmax then treats like any scaled score. The sink joins a row once, after its last
-key tile (``with_sink``), so a row's tiles never see it. Without modifications none of this is
-compiled: each is a constexpr, and the plain kernels keep their own fast paths.
+which the softmax then treats like any scaled score. In a tile wholly on one side of ALiBi's
+diagonal the bias splits into a term per key and one per query row (``alibi_split``). The sink
+joins a row once, after its last key tile (``with_sink``), so a row's tiles never see it.
+Without modifications none of this is compiled: each is a constexpr, and the plain kernels keep
+their own fast paths.
 """
 
 from __future__ import annotations
@@ -93,6 +95,24 @@ def modified_scores(s, i, j, scale_log2, rule, SOFTCAP: tl.constexpr, ALIBI: tl.
     if ALIBI:
         s = s - slope * tl.abs((i + diag).to(tl.float32) - j.to(tl.float32))
     return s, capped
+
+
+@triton.jit
+def alibi_split(queries, keys, start, rule, SIDE: tl.constexpr):
+    """ALiBi's bias on a tile of query rows ``queries`` and key columns ``keys`` (from ``start``)
+    in which d = i + Lk - Lq - j has the sign SIDE (1 or -1) at every pair (``diagonal_part``), as
+    (a term per key, a term per query) that add up to it: with j0 the tile's key nearest the
+    diagonal (its last for SIDE 1, its first for -1),
+    -a * |d| = -a * |j - j0| - a * |i + Lk - Lq - j0|.
+
+    Neither term is larger than the bias: the key's, under a * the tile's width, joins the
+    scaling of the products, one FMA per score instead of a distance, its absolute value and a
+    multiply-add; the row's, up to a * the sequence's length, joins that row's max or LSE, per row
+    and not per score. Each rounds an exact distance (fp32, exact below 2^24) once, as the bias
+    taken per pair does."""
+    _, _, slope, diag = rule
+    j0 = start + keys.shape[0] - 1 if SIDE == 1 else start
+    return (SIDE * slope) * (keys - j0).to(tl.float32), (-SIDE * slope) * (queries + diag - j0).to(tl.float32)
 
 
 @triton.jit
