@@ -257,7 +257,7 @@ else:
         for r in range(s.shape[0]):
             for u in range(s.shape[1]):
                 total = np.float32(0)
-                for a in range(k_held.shape[1] * 4 // run):
+                for a in range(k_held.shape[1] * run // 4):
                     total += feature(q_held, r, a, run, bf16) * feature(k_held, u, a, run, bf16)
                 s[r, u] = total
 
@@ -284,7 +284,7 @@ else:
         """Whether ``held`` holds a NaN or an infinity."""
         seen = np.uint32(0)
         for u in range(held.shape[0]):
-            for a in range(held.shape[1] * 4 // run):
+            for a in range(held.shape[1] * run // 4):
                 x = feature(held, u, a, run, bf16)
                 seen |= np.uint32(x - x != 0)
         return seen != 0
