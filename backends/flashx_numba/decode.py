@@ -24,8 +24,11 @@ call with ``validate=False`` makes no host synchronization):
    past a sequence are ever read; a key tile every real row sees in full takes no test, the
    others test every pair (band at the sequence's own length, the tree mask over its last Nq
    keys) and multiply V term by term where a lane's values hold a NaN or an infinity
-   (``exact``, as in the forward). Each split writes its normalised output and lse, in float32,
-   without the sink.
+   (``exact``, as in the forward). The tested (edge) tiles run first, in a loop of their own, so
+   that the loop over the plain tiles holds nothing for the tests; a thread holds a 16-bit
+   cache's keys, values and its queries as the cache's words, two features a word, widened where
+   they are used, and the kernel is compiled with launch bounds of ``RESIDENT_BLOCKS`` blocks
+   an SM. Each split writes its normalised output and lse, in float32, without the sink.
 3. ``merge_kernel``: a warp per (sequence, query row, head) joins the splits as "Merging partial
    results" says, a split of lse -inf weighing exactly 0, joins the sink once (``with_sink``),
    and rounds o to the caller's dtype. It runs with one split too: the sink and the rounding live
@@ -58,14 +61,17 @@ from numba import cuda, types
 from flashx_numba.attention import _broadcast, _device_array, _launch, _launching, _placeholders
 from flashx_numba.disk_cache import cached_kernel
 from flashx_numba.kernels import LOG2E, _tensor
-from flashx_numba.primitives import (NEG_INF, SIMULATOR, SKIP, device_function, exp2, float_from_bits, lanes_sum, load,
-                                     max_nan, skipped, store)
+from flashx_numba.primitives import (NEG_INF, SIMULATOR, SKIP, bits_of_float, device_function, exp2, float_from_bits,
+                                     lanes_sum, load, max_nan, skipped, store)
 from flashx_numba.score_mods import modify, with_sink
 
 MIN_TILES_PER_SPLIT = 4  # a split of fewer key tiles would cost more in the merge than it gains
 MAX_SPLITS = 128
-#: Split blocks an SM holds at once: 128 threads of 243 registers each (ptxas, sm_90, bf16 d128).
-RESIDENT_BLOCKS = 2
+#: Split blocks an SM holds at once, by the caches' dtype: a 16-bit cache's kernel is compiled with
+#: launch bounds of three blocks of 128 threads (ptxas, sm_90: 168 registers, no spills, d64 to
+#: d256, with and without score mods); a float32 cache's, holding twice the words, takes 230
+#: registers unbounded (bounded to 168 it spilled ~300 bytes in the key loop).
+RESIDENT_BLOCKS = {"float16": 3, "bfloat16": 3, "float32": 2}
 SIMULATED_SMS = 4  # the stand-in SM count in the simulator, so that small problems split too
 THREADS = 1 if SIMULATOR else 64  # of the append and merge kernels (the simulator runs each as a Python thread)
 #: The merge's threads a row: a warp, whose lanes read consecutive features of each split's o, where
@@ -143,27 +149,35 @@ def split_shape(problem) -> Shape:
 # -- what one thread does with the keys it holds ---------------------------------------------------
 #
 # A thread holds, in registers, ``features`` adjacent features (from f0 on) of: its rows' queries,
-# q_held (rows x features); the keys it holds at a step, k_held and v_held (keys_held x features);
-# its rows' output, acc (rows x features). Every loop below runs over those compile-time shapes and
-# unrolls, so the arrays index by constants only and stay in registers.
+# q_held (rows x words); the keys it holds at a step, k_held and v_held (keys_held x words); its
+# rows' output, acc (rows x features, float32). On a GPU a row's words are the tensor's own bits,
+# two 16-bit features a word (``feature`` widens one where it is used): half the registers of
+# float32 values, which took the kernel to 243 registers a thread. In the simulator they are the
+# float32 values. Every loop below runs over those compile-time shapes and unrolls, so the arrays
+# index by constants only and stay in registers.
 
 if SIMULATOR:
 
     def load_held(held, x, pages, places, head, f0, width, wide, run, bf16):
-        """held[u, a] = x[pages[u], places[u], head, f0 + a] as float32, 0 where f0 + a >= width or
-        pages[u] < 0 (the key is not loaded). One NumPy gather."""
+        """held[u, a] = x[pages[u], places[u], head, f0 + a] as float32 (the simulator holds values,
+        not words), 0 where f0 + a >= width or pages[u] < 0 (the key is not loaded). One NumPy gather."""
         held[:, :] = 0
         used = np.flatnonzero(pages >= 0)
         count = max(0, min(held.shape[1], width - f0))
         rows = x[pages[used], places[used], head, f0 : f0 + count]
         held[used, :count] = (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if bf16 else rows
 
-    def partial_scores(s, q_held, k_held):
+    def load_row(held, r, x, b, n, head, f0, width, run, bf16):
+        """held[r, a] = x[b, n, head, f0 + a] as float32, 0 where f0 + a >= width."""
+        for a in range(held.shape[1]):
+            held[r, a] = load(x, b, n, head, f0 + a, bf16) if f0 + a < width else np.float32(0)
+
+    def partial_scores(s, q_held, k_held, run, bf16):
         """s[r, u] = sum over this thread's features of q_held[r] * k_held[u] (summed in float64 and
         rounded once, as ``primitives.scores``)."""
         s[:, :] = q_held.astype(np.float64) @ k_held.astype(np.float64).T
 
-    def add_values(acc, p, v_held, exact):
+    def add_values(acc, p, v_held, exact, run, bf16):
         """acc[r, a] += sum over u of p[r, u] * v_held[u, a]; terms whose weight is SKIP add nothing
         (whatever ``exact``: ``primitives.accumulate``'s NumPy form)."""
         kept = ~(np.signbit(p) & (p == 0))
@@ -171,7 +185,7 @@ if SIMULATOR:
             terms = np.where(kept[:, :, None], p[:, :, None] * v_held[None, :, :], np.float32(0))
         acc += terms.sum(axis=1)
 
-    def has_nonfinite_held(held):
+    def has_nonfinite_held(held, run, bf16):
         """Never asked here: ``add_values`` skips terms itself."""
         return False
 
@@ -179,93 +193,128 @@ else:
     from flashx_numba.mma import global_load_intrinsics, intrinsics
 
     global_address, global_quad = global_load_intrinsics()
-    widen_half, widen_bfloat = intrinsics("float16")[2], intrinsics("bfloat16")[2]
+    pack_half, widen_half = intrinsics("float16")[1:]
+    pack_bfloat = intrinsics("bfloat16")[1]
 
     @device_function
     def load_held(held, x, pages, places, head, f0, width, wide, run, bf16):
-        """held[u, a] = x[pages[u], places[u], head, f0 + a] as float32, 0 where f0 + a >= width or
-        pages[u] < 0 (the key is not loaded; nothing is read for it).
+        """held[u] = the words of x[pages[u], places[u], head, f0:f0 + features] (16-bit features
+        two a word, the lower first), 0 where f0 + a >= width or pages[u] < 0 (the key is not
+        loaded; nothing is read for it).
 
         ``wide`` (a layout whose rows and features start on 16 bytes and hold whole 16-byte
-        runs, see ``_wide``): one predicated 16-byte load a run of ``run`` features, every load of the thread issued
-        before any of its words is used. Otherwise element by element. A compile-time choice:
-        with both forms in one kernel, the element loads' loops, too long to unroll, would index
-        ``held`` by a loop counter and put it in local memory for both."""
+        runs, see ``_wide``): one predicated 16-byte load a run of ``run`` features, every load of
+        the thread issued before any of its words is used. Otherwise element by element, two
+        16-bit features packed into a word (exact: each is the 16-bit value it was). A
+        compile-time choice: with both forms in one kernel, the element loads' loops, too long
+        to unroll, would index ``held`` by a loop counter and put it in local memory for both."""
         if wide:
             for u in range(held.shape[0]):
-                load_runs(held, u, x, pages[u], places[u], head, f0, width, run, bf16)
+                for c in range(held.shape[1] // 4):
+                    d = f0 + c * run
+                    words = global_quad(global_address(x, pages[u], places[u], head, d), pages[u] >= 0 and d < width)
+                    for w in range(4):
+                        held[u, c * 4 + w] = words[w]
         else:
             for u in range(held.shape[0]):
-                for a in range(held.shape[1]):
-                    d = f0 + a
-                    inside = pages[u] >= 0 and d < width
-                    held[u, a] = load(x, max(pages[u], 0), places[u], head, d, bf16) if inside else np.float32(0)
-
-    @device_function
-    def load_runs(held, u, x, page, place, head, f0, width, run, bf16):
-        """Row u of ``held`` in 16-byte runs: 8 features of a 16-bit cache, 4 of a float32 one."""
-        for c in range(held.shape[1] // run):
-            d = f0 + c * run
-            words = global_quad(global_address(x, page, place, head, d), page >= 0 and d < width)
-            for w in range(4):
-                if run == 4:
-                    held[u, c * 4 + w] = float_from_bits(np.int32(words[w]))
-                elif bf16:
-                    held[u, c * 8 + 2 * w] = widen_bfloat(words[w])
-                    held[u, c * 8 + 2 * w + 1] = widen_bfloat(words[w] >> np.uint32(16))
+                if pages[u] >= 0:
+                    load_row(held, u, x, pages[u], places[u], head, f0, width, run, bf16)
                 else:
-                    held[u, c * 8 + 2 * w] = widen_half(words[w])
-                    held[u, c * 8 + 2 * w + 1] = widen_half(words[w] >> np.uint32(16))
+                    for w in range(held.shape[1]):
+                        held[u, w] = 0
 
     @device_function
-    def partial_scores(s, q_held, k_held):
+    def load_row(held, r, x, b, n, head, f0, width, run, bf16):
+        """held[r] = the words of x[b, n, head, f0:f0 + features], element by element, two 16-bit
+        features packed into a word (exact: each is the 16-bit value it was); 0 past ``width``."""
+        for w in range(held.shape[1]):
+            if run == 4:
+                held[r, w] = bits_of_float(element(x, b, n, head, f0 + w, width, bf16))
+            else:
+                low = element(x, b, n, head, f0 + 2 * w, width, bf16)
+                high = element(x, b, n, head, f0 + 2 * w + 1, width, bf16)
+                held[r, w] = pack_bfloat(low, high) if bf16 else pack_half(low, high)
+
+    @device_function
+    def element(x, b, n, head, d, width, bf16):
+        """x[b, n, head, d] as float32, 0 where d >= width (not read)."""
+        return load(x, b, n, head, d, bf16) if d < width else np.float32(0)
+
+    @device_function
+    def feature(held, u, a, run, bf16):
+        """Feature a of key u of ``held``, as float32: a bfloat16 is float32's upper half, so its
+        widening is one shift or mask."""
+        if run == 4:
+            return float_from_bits(np.int32(held[u, a]))
+        word = held[u, a // 2]
+        if bf16:
+            return float_from_bits(np.int32(word & np.uint32(0xFFFF0000) if a % 2 else word << np.uint32(16)))
+        return widen_half(word >> np.uint32(16) if a % 2 else word)
+
+    @device_function
+    def partial_scores(s, q_held, k_held, run, bf16):
         """s[r, u] = sum over this thread's features of q_held[r] * k_held[u]: a float32 FMA chain."""
         for r in range(s.shape[0]):
             for u in range(s.shape[1]):
                 total = np.float32(0)
-                for a in range(q_held.shape[1]):
-                    total += q_held[r, a] * k_held[u, a]
+                for a in range(k_held.shape[1] * run // 4):
+                    total += feature(q_held, r, a, run, bf16) * feature(k_held, u, a, run, bf16)
                 s[r, u] = total
 
     @device_function
-    def add_values(acc, p, v_held, exact):
+    def add_values(acc, p, v_held, exact, run, bf16):
         """acc[r, a] += sum over u of p[r, u] * v_held[u, a]; where ``exact``, terms whose weight is
         SKIP add nothing (without it, SKIP x finite adds -0 or +0: see ``primitives.accumulate``)."""
         if exact:
-            weighted_values(acc, p, v_held, True)
+            weighted_values(acc, p, v_held, True, run, bf16)
         else:
-            weighted_values(acc, p, v_held, False)
+            weighted_values(acc, p, v_held, False, run, bf16)
 
     @device_function
-    def weighted_values(acc, p, v_held, skipping):
+    def weighted_values(acc, p, v_held, skipping, run, bf16):
         for u in range(v_held.shape[0]):
             for r in range(acc.shape[0]):
                 weight = p[r, u]
                 if not (skipping and skipped(weight)):
                     for a in range(acc.shape[1]):
-                        acc[r, a] += weight * v_held[u, a]
+                        acc[r, a] += weight * feature(v_held, u, a, run, bf16)
 
     @device_function
-    def has_nonfinite_held(held):
+    def has_nonfinite_held(held, run, bf16):
         """Whether ``held`` holds a NaN or an infinity."""
         seen = np.uint32(0)
         for u in range(held.shape[0]):
-            for a in range(held.shape[1]):
-                x = held[u, a]
+            for a in range(held.shape[1] * run // 4):
+                x = feature(held, u, a, run, bf16)
                 seen |= np.uint32(x - x != 0)
         return seen != 0
 
 
 @device_function
-def find_pages(pages, index, first, groups, lo, hi, b, block_table, paged):
-    """pages[u]: the page of this thread's key first + u * groups (its table entry ``index[u]``),
-    -1 where the key is outside [lo, hi) (neither it nor its table entry is read)."""
+def locate(index, places, first, groups, size):
+    """index[u], places[u]: the table entry and slot of this thread's key first + u * groups, in pages
+    of ``size`` keys (32-bit division: a key's position is below 2^31)."""
+    for u in range(index.shape[0]):
+        key = np.uint32(first + u * groups)
+        index[u], places[u] = key // np.uint32(size), key % np.uint32(size)
+
+
+@device_function
+def advance(index, places, step_index, step_place, size):
+    """index and places one key tile (``step_index`` pages and ``step_place`` slots) on: no division."""
+    for u in range(index.shape[0]):
+        places[u] += step_place
+        index[u] += step_index
+        if places[u] >= size:
+            places[u] -= size
+            index[u] += 1
+
+
+@device_function
+def find_pages(pages, index, b, block_table, paged):
+    """pages[u]: the page of table entry ``index[u]`` of sequence b (a contiguous cache: b)."""
     for u in range(pages.shape[0]):
-        key = first + u * groups
-        page = -1
-        if lo <= key < hi:
-            page = block_table[b, index[u]] if paged else b
-        pages[u] = page
+        pages[u] = block_table[b, index[u]] if paged else b
 
 
 @device_function
@@ -293,15 +342,60 @@ def fold_keys(s, r, tile_max, row_max, row_sum, acc):
 def split_kernel(shape: Shape, dtype: str, score_mods: bool, wide: bool):
     """One split of one row tile: partial o and lse for a grid of B * Hk * row_tiles * splits blocks
     of ``shape.threads``. ``score_mods``: the scores take a softcap or ALiBi; ``wide``: the caches
-    take 16-byte loads (``load_held``)."""
+    take 16-byte loads (``load_held``).
+
+    A split's key tiles are of two kinds. Plain tiles, seen in full by every real row of the
+    tile, take no test: their loop holds only what it computes with (queries, output, the held
+    keys, the online softmax and the keys' places), none of the tests' bounds, rows or flags,
+    so that more blocks fit an SM. The edge tiles (a partial tile at either end of the rows'
+    band, the tree mask's last Nq keys) run first, in a loop of their own that tests every pair
+    and finds each tile's places afresh (a division a key: a few tiles a split)."""
     bf16 = dtype == "bfloat16"
     ROWS, LANES, KEYS, THREADS_A_BLOCK, WIDTH = shape
     FEATURES_HELD, GROUPS, COLS = shape.features, shape.groups, shape.cols
     x = _tensor(dtype)
     RUN = 128 // x.dtype.bitwidth  # features of a 16-byte load (a compile-time constant, unlike x.itemsize)
+    # a key's features a lane holds: values in the simulator, the cache's words (two 16-bit features each) on a GPU
+    WORDS, HELD = (FEATURES_HELD, np.float32) if SIMULATOR else (FEATURES_HELD * 4 // RUN, np.uint32)
+
+    @device_function
+    def tile_scores(s, first, masked, queries, row_slopes, diagonal, scale_log2, scale, softcap, r0, rows_total,
+                    group, kv_head, nq, left, right, has_mask, mask, b):
+        """s[r, u]: the score, in log2 units, of row r and key first + u * GROUPS from this thread's
+        partial sums, -inf where ``masked`` and the pair is not allowed."""
+        for r in range(ROWS):
+            for u in range(KEYS):
+                offset = first + u * GROUPS - diagonal  # the key's position from query 0's
+                score = lanes_sum(s[r, u], LANES)
+                if score_mods:
+                    score, _ = modify(score * scale, softcap, row_slopes[r], queries[r] - offset)
+                    score *= LOG2E
+                else:
+                    score *= scale_log2
+                if masked:
+                    row = r0 + r
+                    query = queries[r]
+                    seen = row < rows_total and offset < nq and query - left <= offset <= query + right
+                    if seen and has_mask and offset >= 0:
+                        seen = mask[b, kv_head * group + row % group, query, offset]
+                    score = score if seen else NEG_INF
+                s[r, u] = score
+
+    @device_function
+    def fold_tile(s, masked, row_max, row_sum, acc, v_held):
+        """A key tile's scores ``s`` and values into the online softmax and output; where ``masked``,
+        a lane's values that hold a NaN or an infinity take their terms one by one (``exact``)."""
+        for r in range(ROWS):
+            tile_max = NEG_INF
+            for u in range(KEYS):
+                tile_max = max_nan(tile_max, s[r, u])
+            fold_keys(s, r, tile_max, row_max, row_sum, acc)
+        add_values(acc, s, v_held, masked and has_nonfinite_held(v_held, RUN, bf16), RUN, bf16)
+
+    bounds = (THREADS_A_BLOCK, RESIDENT_BLOCKS[dtype]) if x.dtype.bitwidth == 16 else None
 
     @cached_kernel(types.void(x, x, x, _PARTS, _PART_LSE, _INDEX, _TABLE, _FLAGS, _SLOPES, _i, _i, _i, _i, _i, _i, _i,
-                              _i, _i, _b, _i, _i, _f, _f, _b), shape, dtype, score_mods, wide)
+                              _i, _i, _b, _i, _i, _f, _f, _b), shape, dtype, score_mods, wide, launch_bounds=bounds)
     def kernel(q, k_cache, v_cache, o_part, lse_part, cache_seqlens, block_table, mask, slopes, nq, new_tokens,
                heads_q, group, dim, dim_v, row_tiles, num_splits, page_size, has_mask, left, right, scale, softcap,
                has_alibi):
@@ -332,20 +426,20 @@ def split_kernel(shape: Shape, dtype: str, score_mods: bool, wide: bool):
         per_split = (t_hi - t_lo + num_splits - 1) // num_splits
         s_lo = min(t_lo + split * per_split, t_hi)
         s_hi = min(s_lo + per_split, t_hi)
+        # The split's plain tiles [plain_lo, plain_hi), inside [full_lo, full_hi) (so inside [lo, hi)).
+        plain_lo = min(max(-(-full_lo // COLS), s_lo), s_hi)
+        plain_hi = min(max(full_hi // COLS, plain_lo), s_hi)
 
         # The tile's rows (query-major: row = query * group + head in the group), 0 past the real ones.
-        q_held = cuda.local.array((ROWS, FEATURES_HELD), np.float32)
+        q_held = cuda.local.array((ROWS, WORDS), HELD)
         queries = cuda.local.array(ROWS, np.int32)
-        heads = cuda.local.array(ROWS, np.int32)
         row_slopes = cuda.local.array(ROWS, np.float32)
         for r in range(ROWS):
             row = r0 + r
             query, head = row // group, kv_head * group + row % group
-            queries[r], heads[r] = query, head
+            queries[r] = query
             row_slopes[r] = slopes[b, head] if has_alibi and row < rows_total else np.float32(0)
-            for a in range(FEATURES_HELD):
-                d = f0 + a
-                q_held[r, a] = load(q, b, query, head, d, bf16) if row < rows_total and d < dim else np.float32(0)
+            load_row(q_held, r, q, b, query, head, f0, dim if row < rows_total else 0, RUN, bf16)
         row_max = cuda.local.array(ROWS, np.float32)  # in log2 units, as the scores
         row_sum = cuda.local.array(ROWS, np.float32)
         acc = cuda.local.array((ROWS, FEATURES_HELD), np.float32)
@@ -356,57 +450,51 @@ def split_kernel(shape: Shape, dtype: str, score_mods: bool, wide: bool):
                 acc[r, a] = 0
 
         # This thread's keys of key tile t are t * COLS + u * GROUPS + key_group, u < KEYS: a step's
-        # loads of a warp's groups lie side by side. Their table entries and slots (32-bit: fewer
-        # registers) are divided out once, then stepped a tile at a time; each tile's pages are
-        # looked up while the tile before it computes.
+        # loads of a warp's groups lie side by side. Their table entries and slots are 32-bit (fewer
+        # registers), divided out for an edge tile and for the first plain one, then stepped a
+        # plain tile at a time, each tile's pages looked up while the tile before it computes.
         paged = page_size != 0
-        size = page_size if paged else np.int64(2**31 - 1)  # a contiguous cache: a page a sequence
-        step_index, step_place = COLS // size, COLS % size
+        size = np.int32(page_size if paged else 2**31 - 1)  # a contiguous cache: a page a sequence
         index = cuda.local.array(KEYS, np.int32)
         places = cuda.local.array(KEYS, np.int32)
         pages = cuda.local.array(KEYS, np.int32)
-        for u in range(KEYS):
-            key = s_lo * COLS + u * GROUPS + key_group
-            index[u], places[u] = key // size, key % size
-        find_pages(pages, index, s_lo * COLS + key_group, GROUPS, lo, hi, b, block_table, paged)
-        k_held = cuda.local.array((KEYS, FEATURES_HELD), np.float32)
-        v_held = cuda.local.array((KEYS, FEATURES_HELD), np.float32)
+        k_held = cuda.local.array((KEYS, WORDS), HELD)
+        v_held = cuda.local.array((KEYS, WORDS), HELD)
         s = cuda.local.array((ROWS, KEYS), np.float32)
         scale_log2 = scale * LOG2E
-        for t in range(s_lo, s_hi):
-            j0 = t * COLS
-            first = j0 + key_group
+
+        # The edge tiles, those before the plain ones and those after, each on its own: only keys in
+        # [lo, hi) are loaded (no stale slot, unused page or table entry past a sequence is read).
+        head_edges = plain_lo - s_lo
+        for e in range(head_edges + s_hi - plain_hi):
+            t = s_lo + e if e < head_edges else plain_hi + e - head_edges
+            first = t * COLS + key_group
+            locate(index, places, first, GROUPS, size)
+            for u in range(KEYS):
+                key = first + u * GROUPS
+                pages[u] = (block_table[b, index[u]] if paged else b) if lo <= key < hi else -1
             load_held(k_held, k_cache, pages, places, kv_head, f0, dim, wide, RUN, bf16)
             load_held(v_held, v_cache, pages, places, kv_head, f0, dim_v, wide, RUN, bf16)
-            for u in range(KEYS):
-                places[u] += step_place
-                index[u] += step_index
-                if places[u] >= size:
-                    places[u] -= size
-                    index[u] += 1
-            if t + 1 < s_hi:
-                find_pages(pages, index, first + COLS, GROUPS, lo, hi, b, block_table, paged)
-            partial_scores(s, q_held, k_held)
-            plain = full_lo <= j0 and j0 + COLS <= full_hi  # every real row sees every key
-            for r in range(ROWS):
-                tile_max = NEG_INF
-                for u in range(KEYS):
-                    offset = first + u * GROUPS - diagonal  # the key's position from query 0's
-                    score = lanes_sum(s[r, u], LANES)
-                    if score_mods:
-                        score, _ = modify(score * scale, softcap, row_slopes[r], queries[r] - offset)
-                        score *= LOG2E
-                    else:
-                        score *= scale_log2
-                    if not plain:
-                        seen = r0 + r < rows_total and offset < nq and queries[r] - left <= offset <= queries[r] + right
-                        if seen and has_mask and offset >= 0:
-                            seen = mask[b, heads[r], queries[r], offset]
-                        score = score if seen else NEG_INF
-                    s[r, u] = score
-                    tile_max = max_nan(tile_max, score)
-                fold_keys(s, r, tile_max, row_max, row_sum, acc)
-            add_values(acc, s, v_held, not plain and has_nonfinite_held(v_held))
+            partial_scores(s, q_held, k_held, RUN, bf16)
+            tile_scores(s, first, True, queries, row_slopes, diagonal, scale_log2, scale, softcap, r0, rows_total,
+                        group, kv_head, nq, left, right, has_mask, mask, b)
+            fold_tile(s, True, row_max, row_sum, acc, v_held)
+
+        # The plain tiles: every key loaded, no pair tested.
+        step_index, step_place = np.int32(COLS // size), np.int32(COLS % size)
+        locate(index, places, plain_lo * COLS + key_group, GROUPS, size)
+        if plain_lo < plain_hi:
+            find_pages(pages, index, b, block_table, paged)
+        for t in range(plain_lo, plain_hi):
+            load_held(k_held, k_cache, pages, places, kv_head, f0, dim, wide, RUN, bf16)
+            load_held(v_held, v_cache, pages, places, kv_head, f0, dim_v, wide, RUN, bf16)
+            advance(index, places, step_index, step_place, size)
+            if t + 1 < plain_hi:
+                find_pages(pages, index, b, block_table, paged)
+            partial_scores(s, q_held, k_held, RUN, bf16)
+            tile_scores(s, t * COLS + key_group, False, queries, row_slopes, diagonal, scale_log2, scale, softcap, r0,
+                        rows_total, group, kv_head, nq, left, right, has_mask, mask, b)
+            fold_tile(s, False, row_max, row_sum, acc, v_held)
 
         # The groups' states joined in a fixed order (the same bits on every call), as the merge
         # joins splits: a group without an allowed key weighs exactly 0.
@@ -507,10 +595,11 @@ def append_kernel(dtype: str):
     return kernel
 
 
-def choose_splits(blocks: int, key_tiles: int, sm_count: int) -> int:
+def choose_splits(blocks: int, key_tiles: int, resident: int) -> int:
     """The split count of ``num_splits=0`` for ``blocks`` (sequence, kv head, row tile) blocks over
-    a capacity of ``key_tiles`` tiles (see the module docstring)."""
-    return max(1, min(sm_count * RESIDENT_BLOCKS // blocks, -(-key_tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS))
+    a capacity of ``key_tiles`` tiles, on a GPU that holds ``resident`` blocks at once (see the
+    module docstring)."""
+    return max(1, min(resident // blocks, -(-key_tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS))
 
 
 def splits(problem) -> int:
@@ -518,8 +607,9 @@ def splits(problem) -> int:
     cache's key tiles (more would only add empty splits, and leave each split's share as it was)."""
     shape = split_shape(problem)
     key_tiles = max(1, -(-problem.capacity // shape.cols))
+    resident = _sm_count(problem.device_index) * RESIDENT_BLOCKS[problem.dtype]
     chosen = problem.num_splits or choose_splits(problem.batch * problem.heads_k * _row_tiles(problem, shape),
-                                                 key_tiles, _sm_count(problem.device_index))
+                                                 key_tiles, resident)
     return min(chosen, key_tiles)
 
 

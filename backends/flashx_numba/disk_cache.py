@@ -69,15 +69,16 @@ def package_digest() -> str:
     return sources_digest(Path(__file__).parent)
 
 
-def cached_kernel(signature, *specialization):
-    """``cuda.jit(signature)``, the compiled kernel kept on disk under ``specialization``: the
-    arguments of the factory that builds it, which with this package's sources must fix
-    everything the kernel closes over."""
+def cached_kernel(signature, *specialization, launch_bounds=None):
+    """``cuda.jit(signature, launch_bounds=launch_bounds)``, the compiled kernel kept on disk under
+    ``specialization``: the arguments of the factory that builds it, which with this package's
+    sources must fix everything the kernel closes over (its launch bounds among them). The
+    simulator takes no launch bounds."""
 
     def compile_kernel(py_func):
         if SIMULATOR:
             return cuda.jit(signature)(py_func)
-        kernel = cuda.jit(py_func)  # the dispatcher cuda.jit(signature) makes, before it compiles
+        kernel = cuda.jit(py_func, launch_bounds=launch_bounds)  # cuda.jit(signature)'s dispatcher, before it compiles
         # numba-cuda takes no cache but its own (``enable_caching``): the dispatcher's is replaced
         kernel._cache = _kernel_cache(py_func, specialization)
         kernel.compile(signature.args)
