@@ -121,7 +121,7 @@ def test_every_backend_declines_dropout_and_says_why():
         flashx.attention(*fp8_inputs(), dropout_p=0.1, backend="numpy")
 
 
-@pytest.mark.parametrize("name", ["triton", "cupy", "numba"])
+@pytest.mark.parametrize("name", ["triton", "numba"])  # cupy decodes from FP8 caches: test_cupy_backend.py
 def test_gpu_backends_decline_fp8_for_now(name):
     """Whether or not they are available here, their declarations decline FP8 with the reason,
     in attention and in decoding."""
