@@ -10,6 +10,7 @@ threshold, the seed's words, the head-dim class) is derived here, once.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -163,6 +164,15 @@ class BaseProblem:
             "alibi": self.alibi_slopes is not None,
             "sinks": self.sinks is not None,
         }
+
+    def holding(self, **auxiliary):
+        """A copy holding other auxiliary arrays (``ARRAYS``) of the same signatures (type, shape,
+        dtype, device): what it caches of its own fields (``static_key``, ``features``) stays true,
+        and nothing is checked again."""
+        clone = copy.copy(self)
+        for name, value in auxiliary.items():
+            object.__setattr__(clone, name, value)
+        return clone
 
     def with_arrays(self, convert: Callable[[str, Any], Any]):
         """A copy whose auxiliary arrays (``ARRAYS``) went through ``convert(name, array)``;

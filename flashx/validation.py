@@ -9,6 +9,7 @@ FP8 descales: a zero, negative or NaN one would silently void every score of its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import secrets
@@ -364,8 +365,7 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     """Every argument checked; lengths, tables and descales on the host only with ``validate``."""
     causal, window, softmax_scale, softcap, num_splits, validate = map(
         python_scalar, (causal, window, softmax_scale, softcap, num_splits, validate))
-    q, mask, alibi_slopes, sinks, k_descale, v_descale = (None if x is None else arrays.resolved(x)
-                                                          for x in (q, mask, alibi_slopes, sinks, k_descale, v_descale))
+    q = arrays.resolved(q)
     kind, device, device_index, dtype = _operands(q, ALL_DTYPES, k_new=k_new, v_new=v_new)
     like_q = (kind, device, device_index)
     cache_dtype = _cache_dtype(k_cache, v_cache, dtype, *like_q)
@@ -417,13 +417,6 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
         if tuple(v_new.shape) != (batch, new_tokens, heads_k, head_dim_v):
             raise ShapeError(f"v_new: expected {(batch, new_tokens, heads_k, head_dim_v)}, got shape {tuple(v_new.shape)}")
 
-    _same_array_as_q("cache_seqlens", cache_seqlens, *like_q)
-    if arrays.dtype_name(cache_seqlens) not in INTEGER_DTYPES:
-        raise DTypeError(f"cache_seqlens: expected an integer dtype, got {arrays.dtype_name(cache_seqlens)}")
-    if tuple(cache_seqlens.shape) != (batch,):
-        raise ShapeError(f"cache_seqlens: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
-    if mask is not None:
-        _bool_broadcastable("mask", mask, (batch, heads_q, seqlen_q, seqlen_q), *like_q)
     if not isinstance(causal, bool):
         raise DTypeError(f"causal: expected a bool, got {causal!r}")
     if window is not None:
@@ -432,18 +425,11 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
         softmax_scale = default_scale(head_dim)
     else:
         _number("softmax_scale", softmax_scale, _is_real, "a finite real number or None", math.isfinite)
-    softcap, alibi_slopes, sinks = _score_modifications(softcap, alibi_slopes, sinks, batch, heads_q, dtype, *like_q)
+    softcap, _, _ = _score_modifications(softcap, None, None, batch, heads_q, dtype, *like_q)
     _number("num_splits", num_splits, _is_int, "an int >= 0 (0: the backend chooses)", lambda n: n >= 0)
     if not isinstance(validate, bool):
         raise DTypeError(f"validate: expected a bool, got {validate!r}")
-
-    descales = _descales({"k_descale": k_descale, "v_descale": v_descale}, cache_dtype in FP8_DTYPES,
-                         f"an FP8 cache ({FP8_CACHE_DTYPE}), got k_cache of dtype {cache_dtype}", batch, heads_k, *like_q,
-                         read_values=validate)
-
-    if validate:
-        _check_values(cache_seqlens, block_table, new_tokens, capacity, slots if paged else None, rows)
-    return DecodeProblem(
+    problem = DecodeProblem(
         array_kind=kind,
         device=device,
         device_index=device_index,
@@ -459,19 +445,46 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
         num_pages=rows,
         capacity=capacity,
         softmax_scale=float(softmax_scale),
-        cache_seqlens=arrays.astype(cache_seqlens, "int32"),
-        block_table=arrays.astype(block_table, "int32") if paged else None,
+        cache_seqlens=None,
         causal=causal,
         window=window,
         softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        mask=mask,
         num_splits=int(num_splits),
         validated=validate,
         cache_dtype=cache_dtype,
-        **descales,
     )
+    problem = dataclasses.replace(problem, **decode_arrays(
+        problem, cache_seqlens=cache_seqlens, block_table=block_table, mask=mask, alibi_slopes=alibi_slopes,
+        sinks=sinks, k_descale=k_descale, v_descale=v_descale))
+    if validate:
+        _check_values(cache_seqlens, block_table, new_tokens, capacity, slots if paged else None, rows)
+    return problem
+
+
+def decode_arrays(problem: DecodeProblem, *, cache_seqlens, block_table, mask, alibi_slopes, sinks, k_descale,
+                  v_descale) -> dict:
+    """A call's auxiliary arrays, each checked against ``problem`` (its scalars and shapes checked)
+    and converted as the contract states: lengths and tables in int32, slopes and sinks in the
+    lse's dtype; descales read on the host only where the problem is ``validated``. A decoding
+    loop's calls differ in these alone (``flashx.plan.plan_decode``)."""
+    p = problem
+    like_q = (p.array_kind, p.device, p.device_index)
+    mask, alibi_slopes, sinks, k_descale, v_descale = (None if x is None else arrays.resolved(x)
+                                                       for x in (mask, alibi_slopes, sinks, k_descale, v_descale))
+    _same_array_as_q("cache_seqlens", cache_seqlens, *like_q)
+    if arrays.dtype_name(cache_seqlens) not in INTEGER_DTYPES:
+        raise DTypeError(f"cache_seqlens: expected an integer dtype, got {arrays.dtype_name(cache_seqlens)}")
+    if tuple(cache_seqlens.shape) != (p.batch,):
+        raise ShapeError(f"cache_seqlens: expected shape ({p.batch},), got {tuple(cache_seqlens.shape)}")
+    if mask is not None:
+        _bool_broadcastable("mask", mask, (p.batch, p.heads_q, p.seqlen_q, p.seqlen_q), *like_q)
+    _, alibi_slopes, sinks = _score_modifications(None, alibi_slopes, sinks, p.batch, p.heads_q, p.dtype, *like_q)
+    descales = _descales({"k_descale": k_descale, "v_descale": v_descale}, p.cache_dtype in FP8_DTYPES,
+                         f"an FP8 cache ({FP8_CACHE_DTYPE}), got k_cache of dtype {p.cache_dtype}", p.batch, p.heads_k,
+                         *like_q, read_values=p.validated)
+    return dict(cache_seqlens=arrays.astype(cache_seqlens, "int32"),
+                block_table=None if block_table is None else arrays.astype(block_table, "int32"), mask=mask,
+                alibi_slopes=alibi_slopes, sinks=sinks, **descales)
 
 
 def _cache_dtype(k_cache, v_cache, dtype, kind, device, device_index) -> str:

@@ -174,6 +174,108 @@ def test_headline_is_one_seqlen(results):
     assert "OOM" in text
 
 
+@pytest.fixture
+def fp8_results(results):
+    """The small run with FP8 siblings: triton's FP8 forward at 0.7 ms against its bf16 forward's 1.0
+    (1.43x) at d128 not causal, 0.75 ms (1.33x) causal, 0.5 ms at d64; cupy's FP8 declined."""
+    cupy_declines = "declined: backend 'cupy' cannot run this call: supports dtypes bfloat16, float16, float32"
+    fp8 = {(128, False): 0.7, (128, True): 0.75, (64, False): 0.5, (64, True): 0.5}
+    speed = []
+    for mode in gpu.MODES:
+        for (d, causal), ms in fp8.items():
+            for n in (4096, 8192):
+                ours = _row("flashx-triton-fp8", mode, d, causal, n, ms)
+                cupy = {**_row("flashx-cupy-fp8", mode, d, causal, n, 1.0), "status": cupy_declines, "ms": None}
+                if mode == "fwd+bwd":
+                    ours = cupy = {**ours, "status": report.NOT_APPLICABLE, "ms": None}
+                speed += [ours, {**cupy, "impl": "flashx-cupy-fp8"}]
+    checks = [{"impl": impl, "batch": 2, "seqlen": 1024, "heads": 4, "head_dim": d, "causal": causal,
+               "status": "ok" if impl == "flashx-triton-fp8" else cupy_declines,
+               "errors": {"o": 0.05} if impl == "flashx-triton-fp8" else None}
+              for impl in ("flashx-triton-fp8", "flashx-cupy-fp8") for d, causal in fp8]
+    fp8_impls = [{"name": f"flashx-{backend}-fp8", "label": f"flashx {backend} FP8", "flashx": True, "layout": "BSHD",
+                  "backend": backend, "dtype": "float8_e4m3fn"} for backend in ("triton", "cupy")]
+    plain = [{**impl, "backend": "triton"} if impl["name"] == "flashx-triton" else impl
+             for impl in results["implementations"]]
+    return {**results, "implementations": plain[:1] + fp8_impls + plain[1:], "speed": results["speed"] + speed,
+            "checks": results["checks"] + checks, "timing": {**results["timing"], "fp8_check_tolerance": 0.1}}
+
+
+def test_fp8_forward_is_set_against_its_own_bf16_forward(fp8_results):
+    found = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["ratio"] for r in report.fp8_ratios(fp8_results)}
+    assert found["flashx-triton-fp8", 128, False, 8192] == pytest.approx(1 / 0.7)
+    assert found["flashx-triton-fp8", 128, True, 4096] == pytest.approx(1 / 0.75)
+    assert len(found) == 8 and not any(key[0] == "flashx-cupy-fp8" for key in found)  # declined: nothing to set
+    # the speed-ups over the peers are the bf16 implementations' alone
+    assert {r["flashx"] for r in report.ratios(fp8_results)} == {"flashx-triton"}
+
+
+def test_fp8_targets(fp8_results):
+    """Issue 43's: triton's FP8 forward >= 1.4x its bf16 forward, cupy's >= 1000 TFLOP/s, at d128, N=8k,
+    causal and not: met, not met, or not measured."""
+    where = "(d128, N=8k, B·N=16384, H·D=2048)"
+    found = {t["target"]: (t["measured"], t["met"]) for t in report.fp8_targets(fp8_results)}
+    assert found == {
+        f"flashx triton FP8 forward >= 1.4x its own bf16 forward {where}":
+            ("not causal: 1.43x; causal: 1.33x", False),
+        f"flashx cupy FP8 forward >= 1000 TFLOP/s {where}": ("not causal: declined; causal: declined", None),
+    }
+    flops = {causal: gpu.attention_flops(Shape(2, 8192, 16, 128, causal), "fwd") for causal in (False, True)}
+    fast = [{**row, "ms": 0.6, "status": "ok", "tflops": flops[row["causal"]] / 0.6e9}
+            if row["impl"].endswith("-fp8") and row["mode"] == "fwd" else row for row in fp8_results["speed"]]
+    checked = [{**c, "status": "ok", "errors": {"o": 0.05}} if c["impl"].endswith("-fp8") else c
+               for c in fp8_results["checks"]]
+    fast_run = {**fp8_results, "speed": fast, "checks": checked}
+    triton, cupy = report.fp8_targets(fast_run)
+    assert (triton["measured"], triton["met"]) == ("not causal: 1.67x; causal: 1.67x", True)
+    assert cupy["met"] is (flops[True] / 0.6e9 >= 1000)  # half the FLOPs when causal, in the same time
+    assert cupy["measured"] == f"not causal: {flops[False] / 0.6e9:.0f} TFLOP/s; causal: {flops[True] / 0.6e9:.0f} TFLOP/s"
+    wrong = {**fast_run, "checks": [{**c, "status": "wrong", "errors": {"o": 0.4}} if c["impl"] == "flashx-triton-fp8"
+                                    and c["causal"] else c for c in checked]}
+    triton = report.fp8_targets(wrong)[0]
+    assert (triton["measured"], triton["met"]) == ("not causal: 1.67x; causal: 1.67x WRONG", False)
+    cut = {**fast_run, "speed": [r for r in fast if not (r["impl"] == "flashx-triton" and r["causal"])]}
+    triton = report.fp8_targets(cut)[0]  # its bf16 forward unmeasured where causal
+    assert (triton["measured"], triton["met"]) == ("not causal: 1.67x; causal: no bf16 forward", None)
+
+
+def test_a_run_without_fp8_has_no_fp8_section(results):
+    assert "## FP8" not in report.markdown(results)
+    assert {t["measured"] for t in report.fp8_targets(results)} == {"not in this run"}
+
+
+def test_fp8_markdown(fp8_results):
+    text = report.markdown(fp8_results)
+    section = text.split("## FP8 (issue 43)\n")[1].split("\n## ")[0]
+    assert "float8_e4m3fn, descales of 1 (None), o in bfloat16; forward only" in section
+    assert "WRONG above a relative error of 0.1" in section
+    assert ("| flashx triton FP8 forward >= 1.4x its own bf16 forward (d128, N=8k, B·N=16384, H·D=2048) "
+            "| not causal: 1.43x; causal: 1.33x | **no** |") in section
+    assert "| not causal: declined; causal: declined | not measured |" in section
+    table = section.split("### FP8 forward")[1]
+    assert "| d | causal | N | flashx triton FP8 | flashx cupy FP8 |" in table
+    plain = gpu.attention_flops(Shape(2, 8192, 16, 128, False), "fwd") / 1e9
+    assert f"| 128 | no | 8k | {plain / 0.7:.0f} (1.43x) | declined |" in table
+    both = text.split("## Speed, forward+backward: ")[1].split("\n## ")[0]
+    assert "| flashx triton | flashx triton FP8 | flashx cupy FP8 | SDPA cuDNN | SDPA math |" in both
+    assert "| not applicable | not applicable |" in both
+    assert all("FP8 /" not in line for line in text.splitlines() if line.startswith("| d | causal | N | flashx triton /"))
+    assert "WRONG above 0.01; FP8: o alone, WRONG above 0.1)" in text
+    assert "| flashx triton FP8 | 5.0e-02 | 5.0e-02 | 5.0e-02 | 5.0e-02 |" in text
+    missing = text.split("## Not measured")[1]
+    assert "- flashx cupy FP8: declined: backend 'cupy' cannot run this call" in missing and "(everywhere)" in missing
+    assert "not applicable" not in missing  # forward only by design: the tables say so
+
+
+def test_fp8_history_rows_name_their_dtype(fp8_results, tmp_path):
+    records.publish(fp8_results, tmp_path, report.markdown)
+    rows = [r for r in _history(tmp_path) if r["impl"].endswith("-fp8")]
+    assert {(r["impl"], r["mode"], r["dtype"], r["metric"]) for r in rows} == {
+        ("flashx-triton-fp8", "fwd", "float8_e4m3fn", "tflops"), ("flashx-triton-fp8", "fwd", "float8_e4m3fn", "rel_error")}
+    assert len(rows) == 8 + 4  # the forward at 8 points, the check at 4; nothing declined or not applicable
+    assert {r["dtype"] for r in _history(tmp_path) if r["impl"] == "flashx-triton"} == {"bfloat16"}
+
+
 def _history(directory):
     with (directory / records.HISTORY).open(newline="") as file:
         return list(csv.DictReader(file))
@@ -216,24 +318,32 @@ def test_the_decode_sweep_keeps_a_record_of_its_own(tmp_path):
 
 
 def _decode_row(impl, batch, cache, tbps):
-    size = decode._kv_bytes(batch, cache)
-    return {"impl": impl, "batch": batch, "cache": cache, "bytes": size, "status": "ok", "ms": size / tbps / 1e9,
-            "timing": "graph", "tbps": tbps, "copy_fraction": tbps / 3.0}
+    dtype = decode.FLASHX[impl][2] if impl in decode.FLASHX else decode.BF16
+    size = decode._kv_bytes(batch, cache, dtype)
+    return {"impl": impl, "batch": batch, "cache": cache, "cache_dtype": dtype, "bytes": size, "status": "ok",
+            "ms": size / tbps / 1e9, "timing": "graph", "tbps": tbps, "copy_fraction": tbps / 3.0}
+
+
+CUPY_DECLINES_FP8 = "declined: backend 'cupy' cannot run this call: supports dtypes bfloat16, float16, float32"
 
 
 @pytest.fixture
 def decode_results():
     """Two points of the decode sweep, every backend, on a 3.0 TB/s device: triton ahead of the peers
     but its pages of 16 slow at B=1; cupy behind the peers, its pages of 16 out of memory at B=1;
-    numba at B=16, L=8k only, at 60% of triton's rate."""
+    numba at B=16, L=8k only, at 60% of triton's rate. FP8 caches: triton's at 2.85 TB/s of its
+    single bytes at B=16, L=8k (1.90x the tokens/s of its bf16 cache), its pages of 16 there too;
+    cupy declines them."""
     speeds = {(1, 65536): {"triton": 2.8, "triton-page256": 2.7, "triton-page16": 2.6, "triton-page1": 2.5,
-                           "cupy": 2.6, "cupy-page256": 2.5, "cupy-page16": None, "cupy-page1": 2.4,
-                           "sdpa-cudnn": 2.9, "sdpa-flash": 2.5},
+                           "triton-fp8": 2.6, "cupy": 2.6, "cupy-page256": 2.5, "cupy-page16": None,
+                           "cupy-page1": 2.4, "cupy-fp8": CUPY_DECLINES_FP8, "sdpa-cudnn": 2.9, "sdpa-flash": 2.5},
               (16, 8192): {"triton": 3.0, "triton-page256": 2.9, "triton-page16": 2.88, "triton-page1": 2.7,
-                           "cupy": 2.9, "cupy-page256": 2.8, "cupy-page16": 2.8, "cupy-page1": 2.7, "numba": 1.8,
+                           "triton-fp8": 2.85, "triton-fp8-page16": 2.7, "cupy": 2.9, "cupy-page256": 2.8,
+                           "cupy-page16": 2.8, "cupy-page1": 2.7, "cupy-fp8": CUPY_DECLINES_FP8, "numba": 1.8,
                            "sdpa-cudnn": 2.9, "sdpa-flash": 2.8}}
-    rows = [_decode_row(impl, batch, cache, tbps) if tbps else
-            {"impl": impl, "batch": batch, "cache": cache, "status": "error: OutOfMemoryError: CUDA out of memory"}
+    rows = [_decode_row(impl, batch, cache, tbps) if isinstance(tbps, float) else
+            {"impl": impl, "batch": batch, "cache": cache,
+             "status": tbps or "error: OutOfMemoryError: CUDA out of memory"}
             for (batch, cache), point in speeds.items() for impl, tbps in point.items()]
     return {"kind": "decode", "device": "NVIDIA H100 80GB HBM3", "sm_count": 132, "date": "2026-11-25",
             "versions": {"torch": "2.11.0", "triton": "3.6.0", "flashx": "0.1.0"},
@@ -281,12 +391,23 @@ def test_decode_backends_are_those_flashx_runs_on_cuda(monkeypatch):
 
 
 def test_decode_implementations_per_backend():
+    bf16, fp8 = "bfloat16", "float8_e4m3fn"
     assert list(decode.layouts("triton").items()) == [
-        ("triton", None), ("triton-page256", 256), ("triton-page16", 16), ("triton-page1", 1)]
-    assert decode.layouts("numba") == {"numba": None}
-    assert decode.FLASHX["cupy-page16"] == ("cupy", 16)
+        ("triton", (None, bf16)), ("triton-page256", (256, bf16)), ("triton-page16", (16, bf16)),
+        ("triton-page1", (1, bf16)), ("triton-fp8", (None, fp8)), ("triton-fp8-page256", (256, fp8)),
+        ("triton-fp8-page16", (16, fp8)), ("triton-fp8-page1", (1, fp8))]
+    assert decode.layouts("numba") == {"numba": (None, bf16)}  # issue 43 asks triton and cupy for FP8 caches
+    assert decode.FLASHX["cupy-page16"] == ("cupy", 16, bf16) and decode.FLASHX["cupy-fp8"] == ("cupy", None, fp8)
     assert (decode.LABELS["triton"], decode.LABELS["cupy-page16"], decode.LABELS["numba"]) == (
         "flashx triton, contiguous cache", "flashx cupy, pages of 16", "flashx numba, contiguous cache")
+    assert (decode.LABELS["triton-fp8"], decode.LABELS["cupy-fp8-page256"]) == (
+        "flashx triton, FP8 contiguous cache", "flashx cupy, FP8 pages of 256")
+
+
+def test_decode_counts_the_bytes_each_cache_holds():
+    """TB/s of K/V read: two bytes an element in bf16, one in FP8."""
+    assert decode._kv_bytes(16, 8192) == 16 * 8192 * 8 * (128 + 128) * 2
+    assert decode._kv_bytes(16, 8192, "float8_e4m3fn") == 16 * 8192 * 8 * (128 + 128)
 
 
 def test_decode_rows_name_the_split_count_the_backend_reports():
@@ -316,17 +437,21 @@ def test_decode_record_is_the_device_record(decode_results, tmp_path, monkeypatc
     assert sorted(path.name for path in tmp_path.iterdir()) == ["decode-h100.json", "decode-h100.md", "history.csv"]
     assert records.load_json(tmp_path / "decode-h100.json") == decode_results
     history = _history(tmp_path)
-    assert len(history) == 1 + 20  # the copy bandwidth, and every row but the out-of-memory one
-    assert [(r["impl"], r["batch"], r["seqlen"], r["metric"], r["value"]) for r in history[:2]] == [
-        ("", "", "", "copy_tbps", "3"), ("triton", "1", "65536", "tbps", "2.8")]
+    assert len(history) == 1 + 23  # the copy bandwidth, and every row but the out-of-memory and declined ones
+    assert [(r["impl"], r["batch"], r["seqlen"], r["dtype"], r["metric"], r["value"]) for r in history[:2]] == [
+        ("", "", "", "", "copy_tbps", "3"), ("triton", "1", "65536", "bfloat16", "tbps", "2.8")]
+    fp8 = [(r["impl"], r["batch"], r["dtype"], r["value"]) for r in history if "fp8" in r["impl"]]
+    assert fp8 == [("triton-fp8", "1", "float8_e4m3fn", "2.6"), ("triton-fp8", "16", "float8_e4m3fn", "2.85"),
+                   ("triton-fp8-page16", "16", "float8_e4m3fn", "2.7")]
 
 
 def test_decode_targets(decode_results):
-    """Issue 42's targets, each met, not met, or not measured."""
+    """Issue 42's and 43's targets, each met, not met, or not measured."""
     found = {t["target"]: (t["measured"], t["met"]) for t in decode.targets(decode_results)}
     peers = "the faster of cuDNN and FA2, every B in 1..64 and L in 4k..128k"
     copy = "90% of the copy rate (3.00 TB/s) at B=1, L >= 32k"
     paged = "of its contiguous rate from B·L >= 64k tokens"
+    fp8 = "FP8 contiguous cache: >= 1.8x the tokens/s of its bf16 cache at B=16, L=8k"
     assert found == {
         f"flashx triton, contiguous: >= 0.95x {peers}": ("lowest 0.97x at B=1, L=64k (of 2 points)", True),
         f"flashx triton, contiguous: >= {copy}": ("93.3% at B=1, L=64k", True),
@@ -338,10 +463,13 @@ def test_decode_targets(decode_results):
         # out of memory at B=1: the point that ran meets it, which does not make the target met
         f"flashx cupy, pages of 16: >= 95% {paged}": ("lowest 96.6% at B=16, L=8k (1 of 2 points measured)", None),
         "flashx numba, contiguous: >= 50% of triton's rate at B=16, L=8k": ("60% at B=16, L=8k", True),
+        # issue 43: tokens/s, B over the step time (2.85 TB/s of single bytes against 3.0 of pairs)
+        f"flashx triton, {fp8}": ("1.90x at B=16, L=8k", True),
+        f"flashx cupy, {fp8}": ("declined", None),
     }
     triton_only = {**decode_results, "rows": [r for r in decode_results["rows"] if not r["impl"].startswith(("cupy", "numba"))]}
     unmeasured = [t["target"] for t in decode.targets(triton_only) if t["met"] is None]
-    assert len(unmeasured) == 5 and all(t.startswith(("flashx cupy", "flashx numba")) for t in unmeasured)
+    assert len(unmeasured) == 6 and all(t.startswith(("flashx cupy", "flashx numba")) for t in unmeasured)
     assert {t["measured"] for t in decode.targets(triton_only) if t["met"] is None} == {"no rows"}
 
 
@@ -358,10 +486,12 @@ def test_decode_markdown(decode_results):
             "| **no** |") in text
     assert "(1 of 2 points measured) | not measured |" in text
     header = next(line for line in text.splitlines() if line.startswith("| B | L | flashx triton"))
+    assert "| flashx triton, pages of 1 | flashx triton, FP8 contiguous cache | flashx triton, FP8 pages of 16 |" in header
     assert header.endswith("| SDPA cuDNN | SDPA FlashAttention-2 | triton / faster peer | cupy / faster peer "
-                           "| numba / faster peer |")
-    assert ("| 1 | 64k | 2.80 (93%) | 2.70 (90%) | 2.60 (87%) | 2.50 (83%) | 2.60 (87%) | 2.50 (83%) | error "
-            "| 2.40 (80%) |  | 2.90 (97%) | 2.50 (83%) | 0.97x | 0.90x |  |") in text
+                           "| numba / faster peer | triton FP8 / bf16 cache, tokens/s | cupy FP8 / bf16 cache, tokens/s |")
+    assert ("| 1 | 64k | 2.80 (93%) | 2.70 (90%) | 2.60 (87%) | 2.50 (83%) | 2.60 (87%) |  | 2.60 (87%) | 2.50 (83%) "
+            "| error | 2.40 (80%) | declined |  | 2.90 (97%) | 2.50 (83%) | 0.97x | 0.90x |  | 1.86x |  |") in text
+    assert "| 1.03x | 1.00x | 0.62x | 1.90x |  |" in text.split("| 16 | 8k | 3.00 (100%) |")[1].splitlines()[0]
     assert "| 16 | 8k | cupy-page16 | 4 | 9.77e-04 | 0.00e+00 |" in text
     assert "| 16 | 8k | numba |  | 9.77e-04 |  |" in text
     assert "- cupy-page16: error: OutOfMemoryError: CUDA out of memory" in text
@@ -369,6 +499,73 @@ def test_decode_markdown(decode_results):
     for line in text.splitlines():
         if line.startswith("|"):
             assert line.endswith("|")
+
+
+def test_a_wrong_fp8_cache_shows_wrong_and_misses_its_target(decode_results):
+    """An FP8 row whose output is off FA2's by more than the FP8 tolerance keeps its rate, marked WRONG,
+    and its target is not met (not merely unmeasured)."""
+    for row in decode_results["rows"]:
+        if (row["impl"], row["batch"]) == ("triton-fp8", 16):
+            row.update(status="wrong", rel_error_vs_fa2=0.5, max_diff_vs_fa2=0.25)
+    decode_results["check_tolerance"] = {"bfloat16": 1e-2, "float8_e4m3fn": 0.1}
+    (target,) = [t for t in decode.targets(decode_results) if t["target"].startswith("flashx triton, FP8")]
+    assert (target["measured"], target["met"]) == ("WRONG: relative error 0.5 against FA2", False)
+    text = decode.markdown(decode_results)
+    assert "| 2.85 (95%) **WRONG** |" in text  # shown, marked
+    assert "| 16 | 8k | triton-fp8 |  | 2.50e-01 |  | 5.00e-01 **WRONG** |" in text
+    assert "WRONG above 0.01 for a bf16 cache and 0.1 for an FP8 one" in text
+    assert "- triton-fp8: wrong" not in text  # measured, so not under "Not measured"
+    assert "1.90x" not in text  # no ratio from a wrong row
+
+
+def test_decode_sweep_times_fp8_caches_on_cpu(tmp_path, monkeypatch):
+    """One point of the decode sweep on the CPU, flashx's NumPy backend standing in for triton's
+    kernels and every timing 1 ms: the FP8 caches are the bf16 tokens cast (half the bytes, so half
+    the TB/s at the same time), checked against FA2 on the bf16 cache (about 0.04 off: ok); an FP8
+    kernel that doubles o is WRONG; cupy, not installed here, is declined with flashx's reason."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(decode, "cuda_backends", lambda: ["triton"])
+    monkeypatch.setattr(decode, "SPLIT_REPORTERS", ())  # triton's split count needs its GPU
+
+    def one_ms(self, step, graph=True):
+        step()
+        return 1.0, "graph"
+
+    monkeypatch.setattr(decode.Sweep, "_time", one_ms)
+    call, explain = flashx.attention_with_kvcache, flashx.kvcache.explain
+
+    def numpy_for_triton(backend):
+        return "numpy" if backend == "triton" else backend
+
+    def attention_with_kvcache(q, k_cache, v_cache, *, backend, **keywords):
+        o = call(q, k_cache, v_cache, backend=numpy_for_triton(backend), **keywords)
+        broken = k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[1] == 1  # FP8 pages of 1
+        return 2 * o if broken else o
+
+    monkeypatch.setattr(flashx, "attention_with_kvcache", attention_with_kvcache)
+    monkeypatch.setattr(flashx.kvcache, "explain", lambda *arrays, backend="auto", **keywords: explain(
+        *arrays, backend=numpy_for_triton(backend), **keywords))
+    sweep = decode.Sweep(decode.parse_args(["--out", str(tmp_path)]))
+    sweep.args.backends = ["triton", "cupy"]
+    sweep.device, sweep.results["copy_tbps"] = torch.device("cpu"), 3.0
+    sweep._point(2, 256)
+
+    rows = {row["impl"]: row for row in sweep.results["rows"]}
+    assert list(rows) == [*decode.layouts("triton"), *decode.layouts("cupy"), *decode.PEERS]
+    bf16, fp8 = rows["triton"], rows["triton-fp8"]
+    assert (bf16["cache_dtype"], fp8["cache_dtype"]) == ("bfloat16", "float8_e4m3fn")
+    assert bf16["bytes"] == 2 * fp8["bytes"] == 2 * 256 * 8 * 256 * 2
+    assert fp8["tbps"] == pytest.approx(bf16["tbps"] / 2)
+    assert bf16["rel_error_vs_fa2"] < 1e-2 and 1e-2 < fp8["rel_error_vs_fa2"] < 0.1
+    assert all(rows[name]["status"] == "ok" for name in ("triton", "triton-page16", "triton-fp8", "triton-fp8-page16"))
+    assert rows["triton-fp8-page16"]["max_diff_vs_contiguous"] == 0.0  # against the FP8 contiguous cache
+    assert rows["triton-fp8-page1"]["status"] == "wrong" and rows["triton-fp8-page1"]["rel_error_vs_fa2"] > 0.5
+    assert rows["cupy-fp8"]["status"].startswith("declined: ") and "cupy" in rows["cupy-fp8"]["status"]
+    text = decode.markdown(sweep.results)
+    assert "| 2 | 256 | triton-fp8-page1 |" in text and "**WRONG** |" in text
 
 
 def test_decode_plot_draws_every_backend(decode_results, tmp_path):
@@ -508,22 +705,28 @@ def test_sweep_plumbing_on_cpu(tmp_path, monkeypatch):
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([f"{slug}.json", f"{slug}.md", "history.csv"])
 
 
+class OneDtype(flashx.Backend):
+    """A CPU backend of one dtype and causal attention, chosen last: one that declines a shape, or
+    takes no FP8 (its FP8 sibling is declined with flashx's reasons)."""
+
+    version, array_kind = "0", "numpy"
+    devices, features = frozenset({"cpu"}), frozenset({"causal"})
+
+    def __init__(self, name: str, dtype: str):
+        self.name, self.dtypes = name, frozenset({dtype})
+
+    def available(self):
+        return None
+
+    def priority(self, problem):
+        return -1
+
+
 def test_a_backend_that_declines_a_shape_is_recorded_not_raised(tmp_path, monkeypatch):
     """Every flashx backend available on the device runs beside the peers; one that cannot run a
     shape says why on its row, and the sweep goes on."""
-
-    class Float16Only(flashx.Backend):
-        name, version, array_kind = "float16-only", "0", "numpy"
-        devices, dtypes, features = frozenset({"cpu"}), frozenset({"float16"}), frozenset({"causal"})
-
-        def available(self):
-            return None
-
-        def priority(self, problem):
-            return -1
-
     monkeypatch.setattr(gpu, "median_ms", _host_median_ms)
-    flashx.registry.register(Float16Only())
+    flashx.registry.register(OneDtype("float16-only", "float16"))
     try:
         device = torch.device("cpu")
         impls = implementations(device)
@@ -538,6 +741,74 @@ def test_a_backend_that_declines_a_shape_is_recorded_not_raised(tmp_path, monkey
     statuses = [row["status"] for row in sweep.results["speed"]]
     assert len(statuses) == 2 and all(s.startswith("declined: backend 'float16-only' cannot run") for s in statuses)
     assert "float16" in statuses[0]
+
+
+def test_fp8_siblings_are_those_of_backends_that_take_fp8_or_that_issue_43_measures(monkeypatch):
+    from flashx_bench import implementations as impls
+
+    flashx.registry.register(OneDtype("bf16-only", "bfloat16"))
+    try:
+        names = [impl.name for impl in implementations(torch.device("cpu"))]
+        ours = [name for name in names if name.startswith("flashx-")]  # the simulators may add numba, triton
+        assert names[:len(ours)] == ours  # before the peers
+        bf16 = [name for name in ours if not name.endswith("-fp8")]
+        assert ours == bf16 + [name for name in ours if name.endswith("-fp8")]  # FP8 after the bf16 ones
+        assert {"flashx-numpy", "flashx-bf16-only"} <= set(bf16)
+        assert "flashx-numpy-fp8" in ours and "flashx-bf16-only-fp8" not in ours  # numpy takes FP8
+        monkeypatch.setattr(impls, "FP8_BACKENDS", ("bf16-only",))
+        assert "flashx-bf16-only-fp8" in [impl.name for impl in implementations(torch.device("cpu"))]
+    finally:
+        flashx.registry.unregister("bf16-only")
+    fp8 = impls.flashx_fp8("triton")
+    assert (fp8.name, fp8.label, fp8.backend, fp8.fp8, fp8.features) == (
+        "flashx-triton-fp8", "flashx triton FP8", "triton", "float8_e4m3fn", frozenset())
+    assert (fp8.check_tolerance, impls.flashx_backend("triton").check_tolerance) == (0.1, 1e-2)
+    assert fp8.describe() == {"name": "flashx-triton-fp8", "label": "flashx triton FP8", "flashx": True,
+                              "layout": "BSHD", "backend": "triton", "dtype": "float8_e4m3fn"}
+
+
+def test_fp8_implementations_in_the_sweep_on_cpu(tmp_path, monkeypatch):
+    """FP8 siblings on tiny CPU shapes: flashx's NumPy backend on e4m3 casts of the inputs (o checked
+    under the FP8 tolerance, the forward timed, the rest not applicable), a backend that takes no
+    FP8 (declined, with flashx's reasons), and an FP8 kernel that doubles o (WRONG)."""
+    import dataclasses
+
+    from flashx_bench.implementations import flashx_backend, flashx_fp8
+
+    monkeypatch.setattr(gpu, "median_ms", _host_median_ms)
+    monkeypatch.setattr(gpu, "HOST_CALLS", 2)
+    numpy_fp8 = flashx_fp8("numpy")
+    doubled = dataclasses.replace(numpy_fp8, name="doubled-fp8", label="doubled FP8",
+                                  build=lambda shape, device: lambda q, k, v: 2 * numpy_fp8.build(shape, device)(q, k, v))
+    plan = gpu.Plan(seqlens=(64,), head_dims=(16,), tokens=128, model_dim=32, check_seqlen=64, memory_seqlens=(64,),
+                    host_seqlens=(64,), matmul_size=64, copy_bytes=2**16)
+    flashx.registry.register(OneDtype("bf16-only", "bfloat16"))
+    try:
+        impls = [flashx_backend("numpy"), numpy_fp8, flashx_fp8("bf16-only"), doubled]
+        results = gpu.Sweep(plan, impls, torch.device("cpu"), tmp_path).run()
+    finally:
+        flashx.registry.unregister("bf16-only")
+
+    checks = {(c["impl"], c["causal"]): c for c in results["checks"]}
+    for causal in (False, True):
+        ours = checks["flashx-numpy-fp8", causal]
+        assert ours["status"] == "ok" and set(ours["errors"]) == {"o"} and 1e-2 < ours["errors"]["o"] < 0.1
+        assert checks["doubled-fp8", causal]["status"] == "wrong"
+        declined = checks["flashx-bf16-only-fp8", causal]["status"]
+        assert declined.startswith("declined: ") and "float8_e4m3fn" in declined
+    speed = {(r["impl"], r["mode"], r["causal"]): r["status"] for r in results["speed"]}
+    assert speed["flashx-numpy-fp8", "fwd", True] == "ok"
+    assert speed["flashx-numpy-fp8", "fwd+bwd", True] == speed["doubled-fp8", "fwd+bwd", False] == report.NOT_APPLICABLE
+    assert speed["flashx-bf16-only-fp8", "fwd", False].startswith("declined: ")
+    memory = {r["impl"]: r["status"] for r in results["memory"]}
+    assert memory["flashx-numpy-fp8"] == report.NOT_APPLICABLE
+    host = {(r["impl"], r["mode"]): r for r in results["host"]}
+    assert host["flashx-numpy-fp8", "fwd"]["host_us"] > 0
+    assert host["flashx-numpy-fp8", "fwd+bwd"]["status"] == report.NOT_APPLICABLE
+    assert results["timing"]["fp8_check_tolerance"] == 0.1
+    assert {r["impl"] for r in report.fp8_ratios(results)} == {"flashx-numpy-fp8", "doubled-fp8"}
+    text = report.markdown(results)
+    assert "| 16 | no | 64 |" in text.split("### FP8 forward")[1] and "WRONG" in text.split("### FP8 forward")[1]
 
 
 def test_dense_scores_are_skipped_where_they_cannot_fit(tmp_path):

@@ -242,3 +242,33 @@ def test_fp8_cache_compiles():
     assert compiled.dtype == torch.bfloat16
     assert torch.equal(compiled, call(**eager))
     assert torch.equal(arguments["k_cache"].view(torch.uint8), eager["k_cache"].view(torch.uint8))
+
+
+def _pre_2_12_cast(monkeypatch):
+    """torch's float32 -> float8_e4m3fn cast as before 2.12 (pytorch#178817): a magnitude that
+    rounds past 448, infinities included, became NaN."""
+    cast = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = cast(self, *args, **kwargs)
+        if out.dtype == E4M3 and self.is_floating_point() and self.dtype != E4M3:
+            overflow = (self.abs() > 464) | self.isinf()
+            out = out.view(torch.uint8).masked_fill(overflow, 0x7F).view(E4M3)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+@pytest.mark.parametrize("cast", ["installed", "pre-2.12"])
+def test_oracle_cache_saturates_whatever_torchs_cast(monkeypatch, cast):
+    """The conformance oracle writes new tokens into an FP8 cache by the contract's rule, ±448
+    past 448 (infinities too) and NaN kept, also where torch's own cast made an overflow NaN."""
+    from flashx_conformance import oracle
+
+    if cast == "pre-2.12":
+        _pre_2_12_cast(monkeypatch)
+    k_new = np.array([[[[3e4, -np.inf, np.nan, 464.0, 465.0, -1.0]]]])
+    cache = np.zeros((1, 2, 1, 6))
+    k_cache, *_ = oracle.kvcache(np.zeros((1, 1, 1, 6)), cache, cache, cache_seqlens=[1], k_new=k_new, v_new=k_new,
+                                 cache_dtype="float8_e4m3fn", k_descale=np.array([[0.5]], np.float32))
+    np.testing.assert_array_equal(k_cache[0, 1, 0], [448, -448, np.nan, 448, 448, -2])

@@ -242,3 +242,45 @@ def test_the_demo_decodes_and_checks_itself(monkeypatch, capsys):
     monkeypatch.setattr(flashx, "attention_with_kvcache", lambda *args, **kw: decode(*args, **kw) + np.float32(1e-3))
     assert cli._decode_demo(use_cuda=False) == 1
     assert "FAILED: error above" in capsys.readouterr().err
+
+
+# -- decoding loops: a plan per static call ----------------------------------------------------
+
+
+def test_a_decoding_loop_without_validation_plans_once_and_reads_each_steps_arrays():
+    """validate=False calls of one static key share a plan, which holds each call's own lengths,
+    tables, slopes and sinks: every step equals a fully validated call on the same arrays."""
+    from flashx import plan
+
+    base = paged_call(lengths=(5, 2), new=0)
+    slopes, sinks = randn(4) ** 2, randn(4)
+    plan._decode_plans.clear()
+    for step, lengths in enumerate(((5, 2), (8, 4), (3, 1))):  # within the pages the table gives
+        call = dict(base, cache_seqlens=np.array(lengths, np.int32), alibi_slopes=slopes + step, sinks=sinks - step)
+        o, lse = flashx.attention_with_kvcache(**call, validate=False, return_lse=True)
+        expected_o, expected_lse = flashx.attention_with_kvcache(**call, return_lse=True)
+        np.testing.assert_array_equal(o, expected_o)
+        np.testing.assert_array_equal(lse, expected_lse)
+    assert len(plan._decode_plans) == 1
+
+
+def test_a_remembered_decoding_plan_still_checks_each_calls_arrays():
+    call = paged_call(new=0)
+    flashx.attention_with_kvcache(**call, validate=False)
+    with pytest.raises(flashx.DTypeError, match="cache_seqlens: expected an integer dtype, got float32"):
+        flashx.attention_with_kvcache(**dict(call, cache_seqlens=call["cache_seqlens"].astype(np.float32)),
+                                      validate=False)
+    with pytest.raises(flashx.ShapeError, match=r"sinks: expected shape \(4,\), got \(3,\)"):
+        flashx.attention_with_kvcache(**call, sinks=randn(3), validate=False)
+    with pytest.raises(flashx.DTypeError, match="k_descale: only for an FP8 cache"):
+        flashx.attention_with_kvcache(**call, k_descale=np.ones((2, 2), np.float32), validate=False)
+
+
+def test_a_remembered_decoding_plan_still_refuses_a_negated_cache():
+    torch = pytest.importorskip("torch")
+    call = {name: torch.from_numpy(x) if isinstance(x, np.ndarray) else x for name, x in paged_call(new=0).items()}
+    flashx.attention_with_kvcache(**call, validate=False)
+    negated = torch.complex(torch.zeros_like(call["k_cache"]), -call["k_cache"]).conj().imag  # a lazy negation
+    assert negated.is_neg() and negated.shape == call["k_cache"].shape
+    with pytest.raises(flashx.DTypeError, match="k_cache: expected a tensor that can be written in place"):
+        flashx.attention_with_kvcache(**dict(call, k_cache=negated), validate=False)

@@ -329,7 +329,9 @@ def test_round_e4m3_is_torchs():
         midpoints, np.nextafter(midpoints, np.float32(np.inf)), np.nextafter(midpoints, np.float32(-np.inf)),
         np.float32([464, -464, 480, 3e38, np.inf, -np.inf, np.nan, 0.0, -0.0, 2**-10, 3 * 2**-10, 2**-149]),
     ])
-    np.testing.assert_array_equal(round_e4m3(x), torch.from_numpy(x).to(torch.float8_e4m3fn).float().numpy())
+    # clamped first: torch's cast saturates only from 2.12 on (pytorch#178817), before it made NaN past 464
+    want = torch.from_numpy(x).clamp(-448, 448).to(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(round_e4m3(x), want)
 
 
 @pytest.mark.parametrize("block_q, block_k", [(16, 24), (5, 7)])

@@ -348,7 +348,7 @@ def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
     if problem.batch * problem.seqlen_q * problem.heads_q == 0:
         return o, lse
-    count = splits(problem, q.device)
+    count = _split_count(problem, q.device)
     mask = None if problem.mask is None else problem.mask.expand(*problem.lse_shape, problem.seqlen_q)
     reads = (q, k_cache, v_cache, seqlens, table, mask, problem.alibi_slopes, problem.sinks)
     if count == 1:
@@ -374,6 +374,21 @@ def _launch(kernel: str, problem, tensors: tuple, count: int = 1) -> None:
 
 
 _launches: dict[tuple, Launch] = {}
+
+
+def _split_count(problem, device: torch.device) -> int:
+    """``splits`` of the call's static problem, remembered as its launches are: a decoding loop
+    asks for it at every step, and its answer depends on no length."""
+    key = (problem.static_key, device)
+    count = _split_counts.get(key)
+    if count is None:
+        if len(_split_counts) >= _LIMIT:
+            _split_counts.clear()
+        count = _split_counts[key] = splits(problem, device)
+    return count
+
+
+_split_counts: dict[tuple, int] = {}
 
 
 def _strides(x, count: int) -> tuple:

@@ -4,7 +4,9 @@ and redrawing a record's tables and plot from its JSON (table, plot, headline, m
 `flashx bench features [ARGS]` the cost of softcap, ALiBi and sinks beside FA4 and Flex
 (`flashx bench features --help`); `flashx bench model [ARGS]` the training step of GPT-2 and a
 Llama-shaped model through transformers' attention implementations (`flashx bench model --help`).
-FlashAttention-4 (`fa4`) is timed where `flash_attn.cute` imports.
+FlashAttention-4 (`fa4`) is timed where `flash_attn.cute` imports. FP8 (issue 43):
+`flashx-<backend>-fp8` runs a backend on float8_e4m3fn casts of the same inputs, forward only,
+set against its own bf16 forward in the record's FP8 section, with issue 43's targets.
 
 A run replaces its device's record (<device>.json, .md, .png) in the output directory and
 appends its numbers to history.csv there: --out DIR (default ./flashx-bench-results), or
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None, prog: str = "flashx bench") -> int:
     where.add_argument("--record", action="store_true",
                        help="update the source checkout's benchmarks/results instead (the full sweep only)")
     parser.add_argument("--impl", nargs="+", metavar="NAME",
-                        help="time only these (flashx-triton, fa4, sdpa-cudnn, flex, ...)")
+                        help="time only these (flashx-triton, flashx-triton-fp8, fa4, sdpa-cudnn, flex, ...)")
     parser.add_argument("--seqlens", type=int, nargs="+", metavar="N", help="the speed section's N (default 512 to 16k)")
     parser.add_argument("--sections", nargs="+", choices=report.SECTIONS, default=report.SECTIONS, metavar="NAME",
                         help=f"run only these of {', '.join(report.SECTIONS)} (the ceilings always run)")

@@ -9,17 +9,21 @@ One decoding step per point: B sequences with L cached tokens each, one query ro
 bf16, Hq = 32 query heads over Hk = 8 kv heads, d = 128. Points with B * L above ``--max-tokens``
 are left out (their caches would not fit beside the peers' copies).
 
-- **What is reported.** TB/s of K/V read, B * L * Hk * (D + Dv) * 2 bytes over the time of one
-  step, and that as a fraction of the device-to-device copy bandwidth measured at the start of
-  the run ((bytes read + bytes written) / time of copying 2 GiB, as the main sweep counts it).
+- **What is reported.** TB/s of K/V read, B * L * Hk * (D + Dv) * 2 bytes (1 for an FP8 cache)
+  over the time of one step, and that as a fraction of the device-to-device copy bandwidth
+  measured at the start of the run ((bytes read + bytes written) / time of copying 2 GiB, as the
+  main sweep counts it).
 - **Implementations.** Each flashx backend of ``--backends`` (by default every one of triton,
   cupy and numba that runs on CUDA here; ``validate=False``), named after it: on a contiguous
   cache (B, L, Hk, D), ``triton``, and on paged caches of 256, 16 and 1 slots per page,
   ``triton-page256`` ..., the same tokens in pages handed out in a random order. Numba gets the
   contiguous cache alone, at points of at most ``--numba-max-tokens`` tokens (``NUMBA_MAX_TOKENS``
-  says why). SDPA forced to its cuDNN or FlashAttention-2 kernel (``enable_gqa=True``), which need
-  the cache materialised as contiguous (B, Hk, L, D) tensors of exactly L keys (done once per
-  point, not timed).
+  says why). The backends of FP8_BACKENDS (issue 43) are also timed on FP8 caches, ``triton-fp8``,
+  ``triton-fp8-page256`` ...: the same tokens cast to float8_e4m3fn, descales of 1 (None), as the
+  main sweep's FP8 inputs; a backend that takes no FP8 cache is recorded as declined, with
+  flashx's reasons. SDPA forced to its cuDNN or FlashAttention-2 kernel (``enable_gqa=True``),
+  which need the cache materialised as contiguous (B, Hk, L, D) tensors of exactly L keys (done
+  once per point, not timed).
 - **Timing.** Each implementation's step is captured once in a CUDA graph and its replays are
   timed with CUDA events, the median of REP_MS of replays after WARMUP_MS of them, after a first
   call and REST_S of idle GPU: the way a serving engine runs decoding, and no implementation is
@@ -30,15 +34,21 @@ are left out (their caches would not fit beside the peers' copies).
   of K/V, for every implementation alike: B = 1 at 16k tokens read at 1.5 TB/s instead of 2.2).
   The copy bandwidth is timed the same way, as an eager ``copy_`` (in a graph it becomes a copy
   engine's memcpy node, which ran at 2.4 TB/s against 3.0 for the copy kernel).
-- **Checks.** Each flashx output against SDPA FlashAttention-2's and against the same backend's
-  on the contiguous cache (max |difference|: 0 where the paged kernel tiles the keys as the
-  contiguous one). Rows of the backends that report their split count (``SPLIT_REPORTERS``) carry
-  the ``num_splits`` they ran.
+- **Checks.** Each flashx output against SDPA FlashAttention-2's on the bf16 cache and against
+  the same backend's on the contiguous cache of the same dtype (max |difference|: 0 where the
+  paged kernel tiles the keys as the contiguous one). The relative error against FA2's,
+  ||o - o_FA2|| / ||o_FA2||, grades the row: above the main sweep's tolerance (1e-2 for a bf16
+  cache, 0.1 for an FP8 one: ``implementations.FP8_CHECK_TOLERANCE``; a correct FP8 cache is about
+  0.04 off, from rounding K and V to e4m3) the row is WRONG, its rate shown but never a target's.
+  Rows of the backends that report their split count (``SPLIT_REPORTERS``) carry the
+  ``num_splits`` they ran.
 - **Targets** (``targets``): issue 42's, on an H100. Triton and CuPy on the contiguous cache at
   least 0.95x the faster of cuDNN and FA2 at every B in 1..64 and L in 4k..128k, and at least 90%
   of the copy rate at B = 1 from L = 32k; their pages of 16 and 256 within 5% of their contiguous
-  rate from B * L = 64k tokens; Numba at least half Triton's rate at B = 16, L = 8k. A target whose
-  rows are missing is reported as not measured.
+  rate from B * L = 64k tokens; Numba at least half Triton's rate at B = 16, L = 8k. Issue 43's:
+  Triton and CuPy on an FP8 contiguous cache at least 1.8x the tokens/s (B / step time) of the
+  same backend on the bf16 cache at B = 16, L = 8k. A target whose rows are missing is reported as
+  not measured; one whose row is WRONG is not met.
 - ``--scan-splits``: at a few points, each backend that reports its split count on the contiguous
   cache at every power-of-two ``num_splits`` beside its own choice (``num_splits=0``), the table
   behind that choice.
@@ -76,6 +86,10 @@ PAGE_SIZES = (256, 16, 1)
 NUMBA_MAX_TOKENS = 2**17
 #: The backends whose plugin reports the split count it runs (``decode_splits``); numba's does not.
 SPLIT_REPORTERS = ("triton", "cupy")
+BF16, FP8 = "bfloat16", "float8_e4m3fn"  # the caches' dtypes (the contract's FP8 caches are e4m3)
+BYTES_PER_ELEMENT = {BF16: 2, FP8: 1}
+#: Issue 43's FP8-cache decoders: each is timed on FP8 caches too, declined or not.
+FP8_BACKENDS = ("triton", "cupy")
 PEERS = ("sdpa-cudnn", "sdpa-flash")
 SCAN_POINTS = ((1, 1024), (1, 4096), (1, 16384), (1, 131072), (4, 1024), (4, 16384), (16, 8192), (64, 4096))
 COPY_BYTES = 2**31
@@ -91,19 +105,30 @@ TARGET_PEER_RATIO, TARGET_PEER_BATCHES, TARGET_PEER_CACHES = 0.95, (1, 64), (409
 TARGET_COPY_FRACTION, TARGET_COPY_CACHE = 0.90, 32768
 TARGET_PAGE_SIZES, TARGET_PAGED_RATIO, TARGET_PAGED_TOKENS = (256, 16), 0.95, 65536
 TARGET_NUMBA_RATIO, TARGET_NUMBA_POINT = 0.50, (16, 8192)
+#: Issue 43's: each backend of FP8_BACKENDS on an FP8 contiguous cache at least TARGET_FP8_RATIO times
+#: the tokens/s of its bf16 contiguous cache at TARGET_FP8_POINT (B, L).
+TARGET_FP8_RATIO, TARGET_FP8_POINT = 1.8, (16, 8192)
 
 
-def layouts(backend: str) -> dict[str, int | None]:
-    """The implementations of one flashx backend: name -> page size (None: the contiguous cache)."""
+def implementation_name(backend: str, page_size: int | None, dtype: str) -> str:
+    """``triton``, ``triton-page16``, ``triton-fp8``, ``triton-fp8-page16``."""
+    return backend + ("-fp8" if dtype == FP8 else "") + ("" if page_size is None else f"-page{page_size}")
+
+
+def layouts(backend: str) -> dict[str, tuple[int | None, str]]:
+    """The implementations of one flashx backend: name -> (page size, None for the contiguous cache;
+    the cache's dtype)."""
     pages = () if backend == "numba" else PAGE_SIZES  # NUMBA_MAX_TOKENS says why
-    return {backend: None, **{f"{backend}-page{size}": size for size in pages}}
+    dtypes = (BF16, FP8) if backend in FP8_BACKENDS else (BF16,)
+    return {implementation_name(backend, page, dtype): (page, dtype) for dtype in dtypes for page in (None, *pages)}
 
 
-#: flashx implementation -> (its backend, its page size or None)
-FLASHX = {name: (backend, page) for backend in BACKENDS for name, page in layouts(backend).items()}
+#: flashx implementation -> (its backend, its page size or None, its cache's dtype)
+FLASHX = {name: (backend, *layout) for backend in BACKENDS for name, layout in layouts(backend).items()}
 LABELS = {
-    **{name: f"flashx {backend}, " + ("contiguous cache" if page is None else f"pages of {page}")
-       for name, (backend, page) in FLASHX.items()},
+    **{name: f"flashx {backend}, " + ("FP8 " if dtype == FP8 else "")
+       + ("contiguous cache" if page is None else f"pages of {page}")
+       for name, (backend, page, dtype) in FLASHX.items()},
     "sdpa-cudnn": "SDPA cuDNN",
     "sdpa-flash": "SDPA FlashAttention-2",
 }
@@ -174,6 +199,7 @@ class Sweep:
         import torch
 
         import flashx
+        from flashx_bench.implementations import CHECK_TOLERANCE, FP8_CHECK_TOLERANCE
 
         self.args = args
         self.device = torch.device("cuda")
@@ -193,6 +219,7 @@ class Sweep:
             "timing": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "rest_s": REST_S, "statistic": "median",
                        "l2_flush": f"read {FLUSH_BYTES} bytes before each step"},
             "labels": LABELS,
+            "check_tolerance": {BF16: CHECK_TOLERANCE, FP8: FP8_CHECK_TOLERANCE},  # by the cache's dtype
             "copy_tbps": None,
             "rows": [],
             "splits_scan": [],
@@ -226,10 +253,14 @@ class Sweep:
     def _point(self, batch: int, cache: int) -> None:
         import torch
 
+        from flashx_bench.implementations import failure_status
+
         steps = self._steps(batch, cache)
         outputs = {}
         for name, make in steps.items():
-            row = {"impl": name, "batch": batch, "cache": cache, "bytes": _kv_bytes(batch, cache)}
+            dtype = FLASHX[name][2] if name in FLASHX else BF16  # the peers read the bf16 cache
+            row = {"impl": name, "batch": batch, "cache": cache, "cache_dtype": dtype,
+                   "bytes": _kv_bytes(batch, cache, dtype)}
             if self._out_of_time():
                 row["status"] = "skipped: time limit"
             else:
@@ -241,7 +272,7 @@ class Sweep:
                     tbps = row["bytes"] / ms / 1e9
                     row.update(status="ok", ms=ms, timing=mode, tbps=tbps, copy_fraction=tbps / self.results["copy_tbps"])
                 except Exception as error:  # noqa: BLE001 - recorded in the row, shown in the tables
-                    row["status"] = f"error: {type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+                    row["status"] = failure_status(error)
                 step = steps[name] = None  # this implementation's caches are freed before the next one's are built
                 torch.cuda.empty_cache()
             self.results["rows"].append(row)
@@ -250,11 +281,18 @@ class Sweep:
             got = outputs.get(row["impl"])
             if got is None or row["impl"] not in FLASHX:
                 continue
-            contiguous = FLASHX[row["impl"]][0]  # the backend's contiguous implementation bears its name
+            backend, _, dtype = FLASHX[row["impl"]]
+            contiguous = implementation_name(backend, None, dtype)
             for field, reference in (("max_diff_vs_fa2", "sdpa-flash"), ("max_diff_vs_contiguous", contiguous)):
                 if reference in outputs and reference != row["impl"]:
                     row[field] = float((got - outputs[reference]).abs().max())
-        shown = "  ".join(f"{row['impl']} {row['tbps']:.2f}" if row.get("status") == "ok" else f"{row['impl']} {row['status']}"
+            if "sdpa-flash" in outputs:
+                fa2 = outputs["sdpa-flash"]
+                row["rel_error_vs_fa2"] = float((got - fa2).norm() / fa2.norm())
+                if not row["rel_error_vs_fa2"] <= self.results["check_tolerance"][dtype]:  # NaN included
+                    row["status"] = "wrong"
+        shown = "  ".join(f"{row['impl']} " + (f"{row['tbps']:.2f}" + (" WRONG" if row["status"] == "wrong" else "")
+                                                 if row["status"] in ("ok", "wrong") else row["status"])
                           for row in point_rows)
         print(f"B={batch:<3} L={cache:<7} TB/s: {shown}", flush=True)
         self._save()
@@ -264,6 +302,7 @@ class Sweep:
         import torch
 
         import flashx
+        from flashx_bench.implementations import refuse_unchosen
 
         heads_q, heads_k, dim = SHAPE["heads_q"], SHAPE["heads_k"], SHAPE["head_dim"]
         bf16 = torch.bfloat16
@@ -273,6 +312,11 @@ class Sweep:
         lengths = torch.full((batch,), cache, dtype=torch.int32, device=self.device)
 
         def on(backend, k, v, **paging):
+            # A backend that cannot run the call (an FP8 cache it does not take) is declined with
+            # flashx's reasons before it is asked for its split count.
+            refuse_unchosen(flashx.kvcache.explain(q, k, v, cache_seqlens=lengths, validate=False, backend=backend,
+                                                   **paging), backend)
+
             def step():
                 return flashx.attention_with_kvcache(q, k, v, cache_seqlens=lengths, validate=False, backend=backend,
                                                      **paging)
@@ -280,10 +324,14 @@ class Sweep:
                       if backend in SPLIT_REPORTERS else {})
             return step, splits
 
-        def contiguous(backend):
-            return lambda: on(backend, keys, values)
+        def stored(x, dtype):
+            """``x`` as a cache of ``dtype`` holds it: an FP8 cache the cast of the same tokens (descales of 1)."""
+            return x if dtype == BF16 else x.to(getattr(torch, dtype))
 
-        def paged(backend, page_size):
+        def contiguous(backend, dtype):
+            return lambda: on(backend, stored(keys, dtype), stored(values, dtype))
+
+        def paged(backend, page_size, dtype):
             def make():
                 pages = batch * cache // page_size
                 order = torch.randperm(pages, device=self.device)
@@ -292,7 +340,7 @@ class Sweep:
                                     for _ in range(2))
                 k_pages[order] = keys.view(pages, page_size, heads_k, dim)
                 v_pages[order] = values.view(pages, page_size, heads_k, dim)
-                step, splits = on(backend, k_pages, v_pages, block_table=table)
+                step, splits = on(backend, stored(k_pages, dtype), stored(v_pages, dtype), block_table=table)
                 return step, {"page_size": page_size, **splits}
             return make
 
@@ -316,11 +364,11 @@ class Sweep:
         for backend in self.args.backends:
             if backend == "numba" and batch * cache > self.args.numba_max_tokens:
                 continue
-            for name, page_size in layouts(backend).items():
+            for name, (page_size, dtype) in layouts(backend).items():
                 if page_size is None:
-                    steps[name] = contiguous(backend)
+                    steps[name] = contiguous(backend, dtype)
                 elif cache % page_size == 0:
-                    steps[name] = paged(backend, page_size)
+                    steps[name] = paged(backend, page_size, dtype)
         steps.update({name: sdpa(name) for name in PEERS})
         return steps
 
@@ -414,8 +462,9 @@ class Sweep:
         records.save_json(self.results, self.path)
 
 
-def _kv_bytes(batch: int, cache: int) -> int:
-    return batch * cache * SHAPE["heads_k"] * 2 * SHAPE["head_dim"] * 2
+def _kv_bytes(batch: int, cache: int, dtype: str = BF16) -> int:
+    """The bytes of K and V a step reads from a cache of ``dtype``."""
+    return batch * cache * SHAPE["heads_k"] * 2 * SHAPE["head_dim"] * BYTES_PER_ELEMENT[dtype]
 
 
 def _chosen_splits(backend: str, q, keys, values, lengths, **keywords) -> int:
@@ -459,8 +508,8 @@ def _at_least(target: str, limit: float, values: dict[tuple[int, int], float | N
 
 
 def targets(results: dict) -> list[dict]:
-    """Each target of issue 42: what was asked, what was measured, and met (True, False, or None:
-    not measured)."""
+    """Each target of issues 42 and 43: what was asked, what was measured, and met (True, False, or
+    None: not measured)."""
     rows, points, copy = _rows(results), _points(results), results["copy_tbps"]
 
     def ok(impl, b, n):
@@ -468,9 +517,24 @@ def targets(results: dict) -> list[dict]:
         return row if row and row.get("status") == "ok" else None
 
     def rate_ratio(impl, reference, b, n):
-        """``impl``'s rate over ``reference``'s at (b, n), None where either has no row."""
+        """``reference``'s step time over ``impl``'s at (b, n): the ratio of their tokens/s, and of their
+        TB/s where both read the same bytes; None where either has no row."""
         mine, theirs = ok(impl, b, n), ok(reference, b, n)
-        return mine["tbps"] / theirs["tbps"] if mine and theirs else None
+        return theirs["ms"] / mine["ms"] if mine and theirs else None
+
+    def fp8_over_bf16(backend):
+        batch, cache = TARGET_FP8_POINT
+        fp8 = implementation_name(backend, None, FP8)
+        target = (f"flashx {backend}, FP8 contiguous cache: >= {TARGET_FP8_RATIO:.1f}x the tokens/s of its bf16 "
+                  f"cache at B={batch}, L={_cache(cache)}")
+        row = rows.get((fp8, batch, cache))
+        if row is None or row["status"] == "ok":
+            return _at_least(target, TARGET_FP8_RATIO, {TARGET_FP8_POINT: rate_ratio(fp8, backend, batch, cache)},
+                             lambda ratio: f"{ratio:.2f}x")
+        if row["status"] == "wrong":
+            return {"target": target, "met": False,
+                    "measured": f"WRONG: relative error {row['rel_error_vs_fa2']:.2g} against FA2"}
+        return {"target": target, "measured": row["status"].split(":")[0], "met": None}
 
     def over_faster_peer(impl, b, n):
         mine, peers = ok(impl, b, n), [ok(p, b, n) for p in PEERS]
@@ -505,12 +569,23 @@ def targets(results: dict) -> list[dict]:
         f"flashx numba, contiguous: >= {TARGET_NUMBA_RATIO:.0%} of triton's rate at B={batch}, L={_cache(cache)}",
         TARGET_NUMBA_RATIO, {TARGET_NUMBA_POINT: rate_ratio("numba", "triton", batch, cache)},
         lambda ratio: f"{ratio:.0%}"))
-    return found
+    return found + [fp8_over_bf16(backend) for backend in FP8_BACKENDS]
+
+
+def _rate_cell(row: dict | None) -> str:
+    """A row's TB/s and fraction of the copy rate; a WRONG row's too, marked."""
+    if row is None:
+        return ""
+    if row["status"] not in ("ok", "wrong"):
+        return row["status"].split(":")[0]
+    marks = ("" if row.get("timing") == "graph" else " (eager)") + (" **WRONG**" if row["status"] == "wrong" else "")
+    return f"{row['tbps']:.2f} ({row['copy_fraction']:.0%}){marks}"
 
 
 def markdown(results: dict) -> str:
     rows, impls = _rows(results), [name for name in LABELS if any(r["impl"] == name for r in results["rows"])]
     backends = [name for name in BACKENDS if name in impls]
+    fp8_backends = [name for name in BACKENDS if implementation_name(name, None, FP8) in impls]
     versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
     shape = results["shape"]
     met = {True: "yes", False: "**no**", None: "not measured"}
@@ -518,7 +593,8 @@ def markdown(results: dict) -> str:
         f"# Decoding with a KV cache: {results['device']}, {results['date']}",
         "",
         f"One step: B sequences of L cached tokens, one query row each; {shape['dtype']}, Hq={shape['heads_q']}, "
-        f"Hk={shape['heads_k']}, d={shape['head_dim']}. TB/s of K/V read (B·L·Hk·2d·2 bytes / time); in brackets, "
+        f"Hk={shape['heads_k']}, d={shape['head_dim']}. TB/s of K/V read (B·L·Hk·2d·2 bytes / time; ·1 byte for an "
+        "FP8 cache, the same tokens cast to float8_e4m3fn, descales of 1); in brackets, "
         f"the fraction of the device-to-device copy bandwidth measured in the same run: "
         f"**{results['copy_tbps']:.2f} TB/s** (bytes read + written). CUDA-graph replays, medians, the L2 "
         f"flushed before each by reading {FLUSH_BYTES >> 20} MiB (`flashx bench decode`; its docstring says "
@@ -533,33 +609,36 @@ def markdown(results: dict) -> str:
     lines += [f"| {t['target']} | {t['measured']} | {met[t['met']]} |" for t in targets(results)]
     lines += ["", "## TB/s of K/V read (fraction of copy bandwidth)", "",
               "| B | L | " + " | ".join(LABELS[i] for i in impls)
-              + "".join(f" | {backend} / faster peer" for backend in backends) + " |",
-              "| --- | --- | " + " | ".join("---" for _ in impls + backends) + " |"]
+              + "".join(f" | {backend} / faster peer" for backend in backends)
+              + "".join(f" | {backend} FP8 / bf16 cache, tokens/s" for backend in fp8_backends) + " |",
+              "| --- | --- | " + " | ".join("---" for _ in impls + backends + fp8_backends) + " |"]
+
+    def speedup(mine, theirs):
+        ok = mine and theirs and mine.get("status") == theirs.get("status") == "ok"
+        return f"{theirs['ms'] / mine['ms']:.2f}x" if ok else ""
+
     for b, n in _points(results):
-        cells = []
-        for impl in impls:
-            row = rows.get((impl, b, n))
-            if row is None:
-                cells.append("")
-            elif row.get("status") != "ok":
-                cells.append(row["status"].split(":")[0])
-            else:
-                mark = "" if row.get("timing") == "graph" else " (eager)"
-                cells.append(f"{row['tbps']:.2f} ({row['copy_fraction']:.0%}){mark}")
-        peers = [rows.get((p, b, n)) for p in PEERS]
-        faster = min((p["ms"] for p in peers if p and p.get("status") == "ok"), default=None)
-        for backend in backends:
-            mine = rows.get((backend, b, n))
-            cells.append(f"{faster / mine['ms']:.2f}x" if faster and mine and mine.get("status") == "ok" else "")
+        cells = [_rate_cell(rows.get((impl, b, n))) for impl in impls]
+        peers = [rows.get((p, b, n)) for p in PEERS if rows.get((p, b, n), {}).get("status") == "ok"]
+        faster = min(peers, key=lambda p: p["ms"], default=None)
+        cells += [speedup(rows.get((backend, b, n)), faster) for backend in backends]
+        cells += [speedup(rows.get((implementation_name(backend, None, FP8), b, n)), rows.get((backend, b, n)))
+                  for backend in fp8_backends]
         lines.append(f"| {b} | {_cache(n)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Checks (max |difference| of o)", "",
-              "| B | L | impl | splits | vs FA2 | vs its contiguous cache |", "| --- | --- | --- | --- | --- | --- |"]
+    tolerance = results.get("check_tolerance")
+    lines += ["", "## Checks (max |difference| of o; relative error ||o - o_FA2|| / ||o_FA2||"
+              + (f", WRONG above {tolerance[BF16]:g} for a bf16 cache and {tolerance[FP8]:g} for an FP8 one"
+                 if tolerance else "") + ")", "",
+              "| B | L | impl | splits | vs FA2 | vs its contiguous cache | relative error vs FA2 |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in results["rows"]:
-        if row["impl"] in FLASHX and row.get("status") == "ok":
-            diffs = [f"{row[f]:.2e}" if f in row else "" for f in ("max_diff_vs_fa2", "max_diff_vs_contiguous")]
+        if row["impl"] in FLASHX and row.get("status") in ("ok", "wrong"):
+            diffs = [f"{row[f]:.2e}" if f in row else "" for f in ("max_diff_vs_fa2", "max_diff_vs_contiguous",
+                                                                    "rel_error_vs_fa2")]
+            wrong = " **WRONG**" if row["status"] == "wrong" else ""
             lines.append(f"| {row['batch']} | {_cache(row['cache'])} | {row['impl']} | {row.get('num_splits', '')} | "
-                         + " | ".join(diffs) + " |")
-    errors = sorted({(r["impl"], r["status"]) for r in results["rows"] if r.get("status", "ok") != "ok"})
+                         + " | ".join(diffs) + f"{wrong} |")
+    errors = sorted({(r["impl"], r["status"]) for r in results["rows"] if r.get("status", "ok") not in ("ok", "wrong")})
     if errors:
         lines += ["", "Not measured:", ""] + [f"- {impl}: {status}" for impl, status in errors]
     if results.get("splits_scan"):
@@ -587,7 +666,9 @@ def plot(results: dict, path: Path) -> Path:
 
     batches = sorted({row["batch"] for row in results["rows"]})
     caches = sorted({row["cache"] for row in results["rows"]})
-    styles = {**{name: (STYLES[page], COLOURS[backend]) for name, (backend, page) in FLASHX.items()}, **PEER_STYLES}
+    # An FP8 cache: its backend's colour and its page size's marker, dotted.
+    styles = {**{name: (STYLES[page] if dtype == BF16 else ":" + STYLES[page][-1], COLOURS[backend])
+                 for name, (backend, page, dtype) in FLASHX.items()}, **PEER_STYLES}
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 4.2), sharey=True, squeeze=False)
     for ax, batch in zip(axes[0], batches):
         for impl, (style, colour) in styles.items():
@@ -610,7 +691,8 @@ def plot(results: dict, path: Path) -> Path:
             legend.setdefault(label, line)
     columns = 5
     fig.legend(legend.values(), legend.keys(), fontsize=7, loc="lower center", ncol=min(len(legend), columns))
-    fig.suptitle(f"Decoding, {results['device']} ({results['date']}): bf16, Hq=32, Hk=8, d=128, one query row", fontsize=10)
+    fig.suptitle(f"Decoding, {results['device']} ({results['date']}): bf16 queries, Hq=32, Hk=8, d=128, one query row",
+                 fontsize=10)
     fig.tight_layout(rect=(0, 0.06 * -(-len(legend) // columns), 1, 1))  # room for the legend's rows
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,8 +13,9 @@ not causal and causal, forward and forward+backward, for each feature:
 - **sinks**: one float32 logit per head, N(0, 1), that requires grad (``sinks=``; its gradient is
   part of forward+backward).
 
-- **Implementations.** Every flashx backend available on CUDA, through ``flashx.attention(...,
-  backend=name, softcap=, alibi_slopes=, sinks=)``; a backend that declines a feature is reported
+- **Implementations.** Every flashx backend available on CUDA (in bf16: the FP8 implementations
+  are the main sweep's), through ``flashx.attention(..., backend=name, softcap=, alibi_slopes=,
+  sinks=)``; a backend that declines a feature is reported
   as declined, with the reasons ``flashx.explain`` gives. FlashAttention-4 (``fa4``: softcap and
   learnable sinks, no ALiBi), where ``from flash_attn.cute import flash_attn_func`` works; it is
   absent, with the reason, where not. FlexAttention (softcap and ALiBi through score_mod, no
@@ -109,7 +110,9 @@ def run(args) -> tuple[dict, list[Path]]:
 
     device = torch.device("cuda")
     say_what_is_not_timed(device)
-    impls = [impl for impl in implementations(device, args.impl) if args.impl or impl.is_flashx or impl.name in PEERS]
+    # FP8 implementations are the main sweep's: forward only, they have no forward+backward to check or time.
+    impls = [impl for impl in implementations(device, args.impl)
+             if not impl.fp8 and (args.impl or impl.is_flashx or impl.name in PEERS)]
     sweep = FeatureSweep(args, impls, device)
     print(f"the record goes to {args.out}: {sweep.path.name.replace('.partial', '')} and .md replaced; "
           f"{records.HISTORY} appended")

@@ -4,6 +4,13 @@ the host time of its calls at short sequences.
 Every measurement lands in one JSON document, saved after each row (``records.partial_path``),
 so that a run stopped at its time limit still leaves everything it measured. ``Runner`` runs and
 times one implementation at one shape, for this sweep and the feature sweep (``features``) alike.
+
+An FP8 implementation (``flashx-<backend>-fp8``, ``implementations.flashx_fp8``) is timed on
+float8_e4m3fn casts of the same inputs, beside the bf16 implementations at every shape. It is
+forward only: its forward+backward, its memory (one forward+backward) and its forward+backward host
+time are rows "not applicable" (NOT_APPLICABLE). Its check compares o alone with the same float32
+reference as the bf16 implementations', under FP8_CHECK_TOLERANCE. The report sets its forward
+against the same backend's bf16 forward and grades issue 43's targets (``report.fp8_targets``).
 """
 
 from __future__ import annotations
@@ -26,15 +33,15 @@ from triton.testing import do_bench
 
 import flashx
 from flashx_bench import records
-from flashx_bench.report import MODES, SECTIONS
-from flashx_bench.implementations import Implementation, Shape, absent, fa4_version, to_bhsd, to_layout
+from flashx_bench.report import MODES, NOT_APPLICABLE, SECTIONS
+from flashx_bench.implementations import (CHECK_TOLERANCE, FP8_CHECK_TOLERANCE, Implementation, Shape, absent,
+                                          failure_status, fa4_version, to_bhsd, to_layout)
 from flashx_bench.progress import Progress
 
 BACKWARD_FLOPS = 2.5  # the backward costs 2.5 forwards, as flash-attn counts (5 matmuls against 2)
 WARMUP_MS = 25
 REP_MS = 100
 REST_S = 1.0  # idle before each timing, after the first call (compiles, autotuning): see SmClock
-CHECK_TOLERANCE = 1e-2  # the contract's Numerics section: relative error allowed to bf16 outputs and gradients
 HOST_CALLS = 20  # calls timed back to back in one round of the host section
 HOST_ROUNDS = 3
 HOST_BUSY_S = 0.1  # GPU work queued ahead of each round: longer than the round's host time
@@ -144,15 +151,6 @@ def _device_facts(device: torch.device) -> tuple[str, int]:
     return platform.processor() or platform.machine(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _failure(error: Exception) -> str:
-    if isinstance(error, flashx.UnsupportedError):  # a flashx backend that cannot run this problem says why
-        return "declined: " + " ".join(str(error).split())[:300]
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
-        return "OOM"
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"error: {type(error).__name__}: {first_line[:200]}"
-
-
 class Runner:
     """What every GPU sweep shares: one device and dtype, a time limit, a compile budget, and how one
     implementation runs at one shape, timed in each mode (or why not)."""
@@ -190,10 +188,16 @@ class Runner:
         return [torch.randn(size, device=self.device, dtype=self.dtype) for _ in range(4)]
 
     def in_layout(self, impl: Implementation, inputs: list[torch.Tensor]):
+        """q, k, v, do in ``impl``'s layout: q, k, v leaves that require grad, or for an FP8
+        implementation casts to its dtype (forward only: flashx refuses FP8 that requires grad)."""
         q, k, v, do = (to_layout(x, impl.layout) for x in inputs)
+        if impl.fp8:
+            return *(x.to(getattr(torch, impl.fp8)) for x in (q, k, v)), do
         return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
 
     def skip_reason(self, impl: Implementation, shape: Shape, mode: str) -> str | None:
+        if impl.fp8 and mode == "fwd+bwd":
+            return NOT_APPLICABLE
         if self.deadline is not None and time.perf_counter() > self.deadline:
             return "skipped: time limit"
         if impl.compiled and self.compile_budget_s is not None and self.compiled_s > self.compile_budget_s:
@@ -231,10 +235,12 @@ class Runner:
 
     def outputs(self, impl: Implementation, shape: Shape, inputs: list[torch.Tensor], **modifications):
         """o, dq, dk, dv in BHSD from one forward+backward of ``impl``, and dsinks, the gradient that
-        reached ``modifications["sinks"]`` when it is given."""
+        reached ``modifications["sinks"]`` when it is given; o alone from an FP8 implementation's forward."""
         q, k, v, do = self.in_layout(impl, inputs)
         with impl.context():
             o = impl.build(shape, self.device, **modifications)(q, k, v)
+            if impl.fp8:
+                return {"o": to_bhsd(o, impl.layout)}
             o.backward(do)
         got = {name: to_bhsd(x, impl.layout) for name, x in (("o", o), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
         sinks = modifications.get("sinks")
@@ -270,7 +276,7 @@ class Sweep(Runner):
             **self.facts(),
             "plan": asdict(plan),
             "timing": {"warmup_ms": WARMUP_MS, "rep_ms": REP_MS, "rest_s": REST_S, "statistic": "median",
-                       "check_tolerance": CHECK_TOLERANCE,
+                       "check_tolerance": CHECK_TOLERANCE, "fp8_check_tolerance": FP8_CHECK_TOLERANCE,
                        "host": {"calls": HOST_CALLS, "rounds": HOST_ROUNDS, "busy_s": HOST_BUSY_S}},
             "implementations": [impl.describe() for impl in impls],
             "ceilings": {},
@@ -335,7 +341,7 @@ class Sweep(Runner):
             for impl in (i for i in self.impls if not i.compiled or shape == shapes[-1]):
                 with self.charged(impl):
                     errors, status = attempt(lambda: relative_errors(self.outputs(impl, shape, inputs), reference))
-                if status == "ok" and not all(error <= CHECK_TOLERANCE for error in errors.values()):
+                if status == "ok" and not all(error <= impl.check_tolerance for error in errors.values()):
                     status = "wrong"
                 self.results["checks"].append({"impl": impl.name, **asdict(shape), "status": status, "errors": errors})
                 shown = ", ".join(f"{name} {error:.1e}" for name, error in (errors or {}).items())
@@ -470,8 +476,8 @@ def _float32_reference(inputs: list[torch.Tensor], causal: bool) -> dict[str, to
 
 
 def relative_errors(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
-    """||x - ref|| / ||ref|| of each output, as the contract's Numerics section bounds it."""
-    return {name: ((got[name].float() - ref).norm() / ref.norm()).item() for name, ref in reference.items()}
+    """||x - ref|| / ||ref|| of each output ``got`` has, as the contract's Numerics section bounds it."""
+    return {name: ((x.float() - reference[name]).norm() / reference[name].norm()).item() for name, x in got.items()}
 
 
 def attempt(measure):
@@ -479,7 +485,7 @@ def attempt(measure):
     try:
         return measure(), "ok"
     except Exception as error:  # noqa: BLE001 - recorded in the results, shown in the tables
-        status = _failure(error)
+        status = failure_status(error)
     release_memory()  # outside the handler, once the traceback no longer holds the tensors
     return None, status
 

@@ -10,11 +10,21 @@ before timing, so that no implementation is charged a transpose.
 An implementation also takes the score modifications it has (``features``: softcap, ALiBi, sinks),
 as flashx's keywords (``softcap``, ``alibi_slopes``, ``sinks``), passed to ``build``; the feature
 sweep (``flashx_bench.features``) times each beside the same implementation without it.
+
+FP8 (issue 43, the contract's FP8 section): ``flashx-<backend>-fp8`` runs a flashx backend on
+float8_e4m3fn copies of the run's inputs (``Implementation.fp8``), made by a cast, with descales of
+1 (None) and o in bfloat16; it is forward only. The descales stay None because flashx checks given
+descales on the host, one synchronising copy per call, which under ``do_bench`` would leave the GPU
+idle between the start event and the kernel and charge the forward a host round trip; randn inputs
+(|x| < 6) need no scaling to fit e4m3's range (448). Every flashx backend that names an FP8 dtype
+gets such a sibling, and so do the backends issue 43 measures (``FP8_BACKENDS``), so that one that
+declines FP8 is recorded with flashx's reasons.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from importlib import metadata
@@ -39,6 +49,17 @@ class Shape:
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 #: The score modifications, by flashx's feature names, and the keyword that carries each.
 MODIFICATIONS = {"softcap": "softcap", "alibi": "alibi_slopes", "sinks": "sinks"}
+#: The FP8 format the FP8 implementations cast their inputs to.
+FP8_DTYPE = "float8_e4m3fn"
+#: Issue 43's FP8 backends: each gets an FP8 sibling wherever it runs, declined or not.
+FP8_BACKENDS = ("triton", "cupy")
+CHECK_TOLERANCE = 1e-2  # the contract's Numerics section: relative error allowed to bf16 outputs and gradients
+#: o's relative error allowed to an FP8 implementation, against the float32 reference of the 16-bit
+#: inputs before their cast. Plain attention in FP8 (the contract's FP8 baseline) has 0.047-0.053 at
+#: the main sweep's check shapes (randn, N = 1k, d 64 and 128): about 0.045 from rounding the inputs
+#: to e4m3, 0.025 from rounding the weights; the contract lets a kernel's error reach twice the
+#: baseline's, and a broken kernel (a wrong tile, a lost descale or normaliser) is off by 0.3 or more.
+FP8_CHECK_TOLERANCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -55,13 +76,23 @@ class Implementation:
     compiled: bool = False  # every new shape costs a compile, charged to --compile-budget
     features: frozenset[str] = frozenset()  # of MODIFICATIONS
     backend: str | None = None  # the flashx backend it runs
+    fp8: str | None = None  # the FP8 dtype its inputs are cast to (forward only); None: the run's dtype
 
     @property
     def is_flashx(self) -> bool:
         return self.backend is not None
 
+    @property
+    def check_tolerance(self) -> float:
+        """The largest relative error its checked outputs may have."""
+        return FP8_CHECK_TOLERANCE if self.fp8 else CHECK_TOLERANCE
+
     def describe(self) -> dict:
-        return {"name": self.name, "label": self.label, "flashx": self.is_flashx, "layout": self.layout}
+        """Its entry in a record; an FP8 one names its dtype (the report sets it against the bf16
+        implementation of the same backend)."""
+        fp8 = {"dtype": self.fp8} if self.fp8 else {}
+        return {"name": self.name, "label": self.label, "flashx": self.is_flashx, "layout": self.layout,
+                "backend": self.backend, **fp8}
 
 
 def to_layout(bshd: torch.Tensor, layout: str) -> torch.Tensor:
@@ -83,15 +114,42 @@ def flashx_backend(name: str) -> Implementation:
                           backend=name)
 
 
+def flashx_fp8(name: str) -> Implementation:
+    """flashx backend ``name`` on FP8_DTYPE copies of the inputs (descales of 1, o in bfloat16): forward only."""
+    plain = flashx_backend(name)
+    return dataclasses.replace(plain, name=f"{plain.name}-fp8", label=f"{plain.label} FP8", features=frozenset(),
+                               fp8=FP8_DTYPE)
+
+
+def takes_fp8(backend: str) -> bool:
+    """Whether the flashx backend names an FP8 dtype among those it takes."""
+    return bool(flashx.registry.get(backend).dtypes & flashx.problem.FP8_DTYPES)
+
+
 def refuse_unsupported(impl: Implementation, q, k, v, **options) -> None:
     """Raise flashx.UnsupportedError with the reasons ``flashx.explain`` gives when the flashx backend
     of ``impl`` cannot run these arguments (the sweeps record it as "declined: " and the reasons)."""
-    if not impl.is_flashx:
-        return
-    explanation = flashx.explain(q, k, v, backend=impl.backend, **options)
+    if impl.is_flashx:
+        refuse_unchosen(flashx.explain(q, k, v, backend=impl.backend, **options), impl.backend)
+
+
+def refuse_unchosen(explanation, backend: str) -> None:
+    """Raise flashx.UnsupportedError with the reasons ``explanation`` (of ``flashx.explain`` or
+    ``flashx.kvcache.explain``, asked for ``backend``) gives why ``backend`` cannot run its call."""
     if explanation.chosen is None:
-        row = next(row for row in explanation.rows if row.name == impl.backend)
+        row = next(row for row in explanation.rows if row.name == backend)
         raise flashx.UnsupportedError("; ".join(row.reasons))
+
+
+def failure_status(error: Exception) -> str:
+    """How a row records ``error``: "declined: " and flashx's reasons, "OOM", or "error: " and its
+    type and first line."""
+    if isinstance(error, flashx.UnsupportedError):  # a flashx backend that cannot run this problem says why
+        return "declined: " + " ".join(str(error).split())[:300]
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return "OOM"
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"error: {type(error).__name__}: {first_line[:200]}"
 
 
 def sdpa(name: str, label: str, backend: SDPBackend, dense_scores: bool = False) -> Implementation:
@@ -232,11 +290,12 @@ PEERS = (
 
 
 def implementations(device: torch.device, names: list[str] | None = None) -> list[Implementation]:
-    """Every registered flashx backend available on ``device``, then FA4 (on CUDA, where it imports)
-    and every other peer; ``names`` keeps only those."""
-    found = [
-        flashx_backend(info.name) for info in flashx.backends() if info.available and device.type in info.devices
-    ]
+    """Every registered flashx backend available on ``device``, then the FP8 siblings of those that
+    take FP8 or that issue 43 measures in FP8, then FA4 (on CUDA, where it imports) and every other
+    peer; ``names`` keeps only those."""
+    backends = [info.name for info in flashx.backends() if info.available and device.type in info.devices]
+    found = [flashx_backend(name) for name in backends]
+    found += [flashx_fp8(name) for name in backends if name in FP8_BACKENDS or takes_fp8(name)]
     found += ([FA4] if device.type == "cuda" and fa4_missing() is None else []) + list(PEERS)
     if names:
         unknown = set(names) - {impl.name for impl in found}

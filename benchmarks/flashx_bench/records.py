@@ -137,6 +137,7 @@ def redraw(results: dict, json_path: Path, render: Callable[[dict], str],
 def history_rows(results: dict) -> list[dict]:
     """The numbers of one run as history rows: speed (tflops), host time (host_us), memory
     (peak_mib), checks (rel_error, the largest of o, dq, dk, dv), ceilings; failed rows are left out.
+    An FP8 implementation's rows name its inputs' dtype (float8_e4m3fn), its check the mode fwd.
     The feature sweep's rows name their feature in the mode, after it ("fwd+bwd softcap"); its rows
     without one are plain "fwd" and "fwd+bwd", the main sweep's quantity. The model sweep's name
     their model ("train gpt2-small"): tokens_per_s and peak_mib, and max_seqlen (B = 1, no N)."""
@@ -163,7 +164,8 @@ def history_rows(results: dict) -> list[dict]:
         shape = results["shape"]
         decode = {"mode": "decode", "heads": shape["heads_q"], "head_dim": shape["head_dim"]}
         rows = [row({}, "copy_tbps", results["copy_tbps"])] if results.get("copy_tbps") else []
-        return rows + [row({**r, **decode, "seqlen": r["cache"]}, "tbps", r["tbps"], dtype=shape["dtype"])
+        return rows + [row({**r, **decode, "seqlen": r["cache"]}, "tbps", r["tbps"],
+                           dtype=r.get("cache_dtype", shape["dtype"]))  # an FP8 cache's rows: float8_e4m3fn
                        for r in results["rows"] if r["status"] == "ok"]
     if results["kind"] == "features":
         dtype = results["shape"]["dtype"]
@@ -184,11 +186,19 @@ def history_rows(results: dict) -> list[dict]:
                  if r[metric] is not None]
                 + [row({**s, **models[s["model"]], "batch": 1}, "max_seqlen", s["longest"], dtype=dtype)
                    for s in results["searches"] if s["longest"] is not None])
+    fp8 = {impl["name"]: impl["dtype"] for impl in results.get("implementations", []) if impl.get("dtype")}
+
+    def measured(source: dict, metric: str, value: float, **fields) -> dict:
+        """A row of the main sweep; an FP8 implementation's in its inputs' dtype, its check of o alone (fwd)."""
+        if source["impl"] in fp8:
+            fields.update(dtype=fp8[source["impl"]], **({"mode": "fwd"} if "mode" in fields else {}))
+        return row(source, metric, value, **fields)
+
     rows = [row({}, metric, value) for metric, value in results.get("ceilings", {}).items()]
-    rows += [row(r, "tflops", r["tflops"]) for r in results.get("speed", []) if r["status"] == "ok"]
-    rows += [row(r, "host_us", r["host_us"]) for r in results.get("host", []) if r["status"] == "ok"]
+    rows += [measured(r, "tflops", r["tflops"]) for r in results.get("speed", []) if r["status"] == "ok"]
+    rows += [measured(r, "host_us", r["host_us"]) for r in results.get("host", []) if r["status"] == "ok"]
     rows += [row(r, "peak_mib", r["mib"], mode="fwd+bwd") for r in results.get("memory", []) if r["status"] == "ok"]
-    rows += [row(r, "rel_error", max(r["errors"].values()), mode="fwd+bwd")
+    rows += [measured(r, "rel_error", max(r["errors"].values()), mode="fwd+bwd")
              for r in results.get("checks", []) if r["status"] in ("ok", "wrong")]
     return rows
 

@@ -11,6 +11,13 @@ from pathlib import Path
 MODES = ("fwd", "fwd+bwd")
 SECTIONS = ("check", "memory", "speed", "host")  # a GPU run's, in the order they run, after the ceilings
 HEADLINE_SEQLEN = 8192
+NOT_APPLICABLE = "not applicable: FP8 attention is forward only"  # an FP8 implementation's fwd+bwd rows
+#: Issue 43's targets for the FP8 forward, at the speed section's point (head dim, N) = FP8_TARGET_POINT
+#: (B·N = 16k, H·D = 2048), causal and not: per backend, its FP8 forward at least FP8_TARGET_SPEEDUPS
+#: times the speed of its own bf16 forward, or at least FP8_TARGET_TFLOPS.
+FP8_TARGET_POINT = (128, 8192)
+FP8_TARGET_SPEEDUPS = {"triton": 1.4}
+FP8_TARGET_TFLOPS = {"cupy": 1000.0}
 
 
 def merge(base: dict, extra: dict) -> dict:
@@ -48,6 +55,14 @@ def _split(results: dict) -> tuple[list[str], list[str]]:
     return [i["name"] for i in impls if i["flashx"]], [i["name"] for i in impls if not i["flashx"]]
 
 
+def _fp8_baselines(results: dict) -> dict[str, str | None]:
+    """Each FP8 implementation, and the bf16 implementation of its backend in the run (None where absent)."""
+    impls = results["implementations"]
+    # .get: the records made before FP8 name no backend, and have no FP8 implementation to look one up
+    plain = {i.get("backend"): i["name"] for i in impls if i["flashx"] and not i.get("dtype")}
+    return {i["name"]: plain.get(i["backend"]) for i in impls if i.get("dtype")}
+
+
 def _marks(results: dict) -> dict[tuple[str, int, bool], str]:
     """(implementation, head_dim, causal) whose check failed or could not run: their numbers
     are marked, never hidden."""
@@ -68,13 +83,15 @@ def _configurations(results: dict) -> list[tuple[int, bool, int]]:
 
 
 def ratios(results: dict) -> list[dict]:
-    """Speed-up of each flashx implementation over each peer (peer time / flashx time), per configuration."""
+    """Speed-up of each flashx implementation over each peer (peer time / flashx time), per
+    configuration; an FP8 one is set against its own backend's bf16 forward instead (``fp8_ratios``)."""
     index = _speed_index(results)
     flashx_impls, peers = _split(results)
+    fp8 = _fp8_baselines(results)
     rows = []
     for mode in MODES:
         for head_dim, causal, seqlen in _configurations(results):
-            for ours in flashx_impls:
+            for ours in (name for name in flashx_impls if name not in fp8):
                 mine = index.get((ours, mode, head_dim, causal, seqlen))
                 for peer in peers:
                     theirs = index.get((peer, mode, head_dim, causal, seqlen))
@@ -84,6 +101,63 @@ def ratios(results: dict) -> list[dict]:
                              "flashx": ours, "peer": peer, "ratio": theirs["ms"] / mine["ms"]}
                         )
     return rows
+
+
+def fp8_ratios(results: dict) -> list[dict]:
+    """Each FP8 implementation's forward speed over its backend's bf16 forward (bf16 time / FP8 time),
+    per configuration where both were measured."""
+    index = _speed_index(results)
+    found = []
+    for fp8, plain in _fp8_baselines(results).items():
+        for head_dim, causal, seqlen in _configurations(results):
+            mine, theirs = (index.get((name, "fwd", head_dim, causal, seqlen)) for name in (fp8, plain))
+            if mine and theirs and mine["status"] == theirs["status"] == "ok":
+                found.append({"impl": fp8, "head_dim": head_dim, "causal": causal, "seqlen": seqlen,
+                              "ratio": theirs["ms"] / mine["ms"]})
+    return found
+
+
+def fp8_targets(results: dict) -> list[dict]:
+    """Issue 43's targets for the FP8 forward (FP8_TARGET_SPEEDUPS, FP8_TARGET_TFLOPS), causal and not:
+    what was asked, what was measured at each point, and met (True; False where a point falls short
+    or its check failed; None, not measured, where a point has no number and none falls short)."""
+    index, marks = _speed_index(results), _marks(results)
+    head_dim, seqlen = FP8_TARGET_POINT
+    speedups = {(r["impl"], r["causal"]): r["ratio"] for r in fp8_ratios(results)
+                if (r["head_dim"], r["seqlen"]) == FP8_TARGET_POINT}
+    fp8_of = {i["backend"]: i["name"] for i in results["implementations"] if i.get("dtype")}
+    where = f"d{head_dim}, N={_seqlen(seqlen)}, B·N={results['plan']['tokens']}, H·D={results['plan']['model_dim']}"
+    asked = [(backend, f"flashx {backend} FP8 forward >= {limit:.1f}x its own bf16 forward ({where})", limit, True)
+             for backend, limit in FP8_TARGET_SPEEDUPS.items()]
+    asked += [(backend, f"flashx {backend} FP8 forward >= {limit:.0f} TFLOP/s ({where})", limit, False)
+              for backend, limit in FP8_TARGET_TFLOPS.items()]
+    found = []
+    for backend, target, limit, relative in asked:
+        fp8 = fp8_of.get(backend)
+        if fp8 is None:
+            found.append({"target": target, "measured": "not in this run", "met": None})
+            continue
+        parts, values, wrong = [], [], False
+        for causal in (False, True):
+            row = index.get((fp8, "fwd", head_dim, causal, seqlen))
+            if relative:
+                value = speedups.get((fp8, causal))
+            else:
+                value = row["tflops"] if row is not None and row["status"] == "ok" else None
+            label = "causal" if causal else "not causal"
+            if value is None:
+                why = "no row" if row is None else _short(row["status"]) if row["status"] != "ok" else "no bf16 forward"
+                parts.append(f"{label}: {why}")
+                continue
+            values.append(value)
+            checked = marks.get((fp8, head_dim, causal))
+            wrong |= checked == "WRONG"
+            parts.append(f"{label}: " + (f"{value:.2f}x" if relative else f"{value:.0f} TFLOP/s")
+                         + (f" {checked}" if checked else ""))
+        short = wrong or any(value < limit for value in values)
+        found.append({"target": target, "measured": "; ".join(parts),
+                      "met": False if short else True if len(values) == 2 else None})
+    return found
 
 
 # Markdown ------------------------------------------------------------------------------------
@@ -143,12 +217,53 @@ def markdown(results: dict) -> str:
                       f"ceilings: {runs}."]
     if any(r["seqlen"] == HEADLINE_SEQLEN for r in results["speed"]):
         lines += ["", f"## Headline: TFLOP/s at N={_seqlen(HEADLINE_SEQLEN)}", "", headline(results).rstrip()]
+    lines += _fp8_section(results)
     lines += _check_section(results) + _speed_sections(results) + _clock_section(results) + _host_section(results)
     lines += _memory_section(results)
     lines += _not_measured(results)
     if results.get("sections_s"):
         lines += ["", "Seconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in results["sections_s"].items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _fp8_section(results: dict) -> list[str]:
+    """Issue 43's targets, then each FP8 implementation's forward TFLOP/s and its speed over its
+    backend's bf16 forward; nothing for a run without FP8 implementations."""
+    baselines = _fp8_baselines(results)
+    if not baselines:
+        return []
+    labels, marks, index = _labels(results), _marks(results), _speed_index(results)
+    speedups = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["ratio"] for r in fp8_ratios(results)}
+    met = {True: "yes", False: "**no**", None: "not measured"}
+    tolerance = results["timing"].get("fp8_check_tolerance")
+    lines = [
+        "",
+        "## FP8 (issue 43)",
+        "",
+        "`flashx-<backend>-fp8`: the backend on the same inputs cast to float8_e4m3fn, descales of 1 (None), "
+        "o in bfloat16; forward only, so its forward+backward, memory and forward+backward host time are not "
+        "applicable. Its check compares o with the same float32 reference as the bf16 implementations'"
+        + (f", WRONG above a relative error of {tolerance:g}" if tolerance else "") + ". Its fractions in the "
+        "speed tables are of the bf16 matmul ceiling, which FP8 tensor cores double.",
+        "",
+        *_table(["target", "measured", "met"],
+                [[t["target"], t["measured"], met[t["met"]]] for t in fp8_targets(results)]),
+    ]
+
+    def cell(name, key):
+        row = index.get((name, "fwd", *key))
+        if row is None or row["status"] != "ok":
+            return "-" if row is None else _short(row["status"])
+        mark = marks.get((name, key[0], key[1]))
+        speedup = speedups.get((name, *key))
+        return (f"{row['tflops']:.0f}" + (f" ({speedup:.2f}x)" if speedup is not None else "")
+                + (f" {mark}" if mark else ""))
+
+    configs = [c for c in _configurations(results) if any((name, "fwd", *c) in index for name in baselines)]
+    rows = [[str(d), "yes" if c else "no", _seqlen(n)] + [cell(name, (d, c, n)) for name in baselines]
+            for d, c, n in configs]
+    lines += ["", "### FP8 forward: TFLOP/s (in parentheses: speed over the same backend's bf16 forward)", ""]
+    return lines + _table(["d", "causal", "N"] + [labels[name] for name in baselines], rows)
 
 
 def _check_section(results: dict) -> list[str]:
@@ -158,6 +273,7 @@ def _check_section(results: dict) -> list[str]:
     checks = sorted({(c["head_dim"], c["causal"]) for c in results["checks"]})
     found = {(c["impl"], c["head_dim"], c["causal"]): c for c in results["checks"]}
     first = results["checks"][0]
+    fp8_tolerance = results["timing"].get("fp8_check_tolerance") if _fp8_baselines(results) else None
     rows = []
     for name in sum(_split(results), []):
         cells = []
@@ -175,7 +291,8 @@ def _check_section(results: dict) -> list[str]:
         "",
         f"## Check: largest relative error of o, dq, dk, dv against SDPA math in float32 "
         f"(B={first['batch']}, N={first['seqlen']}, H={first['heads']}; WRONG above "
-        f"{results['timing']['check_tolerance']:g})",
+        f"{results['timing']['check_tolerance']:g}"
+        + (f"; FP8: o alone, WRONG above {fp8_tolerance:g}" if fp8_tolerance else "") + ")",
         "",
         *_table(["implementation"] + [f"d{d}{' causal' if c else ''}" for d, c in checks], rows),
     ]
@@ -186,7 +303,8 @@ def _speed_sections(results: dict) -> list[str]:
     labels, marks, index = _labels(results), _marks(results), _speed_index(results)
     flashx_impls, peers = _split(results)
     names = flashx_impls + peers
-    pairs = [(ours, peer) for ours in flashx_impls for peer in peers]
+    fp8 = _fp8_baselines(results)  # set against their own backend's bf16 forward in the FP8 section instead
+    pairs = [(ours, peer) for ours in flashx_impls if ours not in fp8 for peer in peers]
     speedups = {(r["mode"], r["head_dim"], r["causal"], r["seqlen"], r["flashx"], r["peer"]): r["ratio"]
                 for r in ratios(results)}
     lines = []
@@ -292,19 +410,20 @@ def _memory_section(results: dict) -> list[str]:
 
 
 def _not_measured(results: dict) -> list[str]:
-    """Every status other than ok, with the configurations it struck: nothing is dropped silently."""
+    """Every status other than ok, with the configurations it struck: nothing is dropped silently.
+    (NOT_APPLICABLE is no failure: the tables show it, and the FP8 section says why.)"""
     labels = _labels(results)
     struck: dict[tuple[str, str], list[str]] = {}
     for row in results["speed"]:
-        if row["status"] != "ok":
+        if row["status"] not in ("ok", NOT_APPLICABLE):
             where = f"{row['mode']} d{row['head_dim']}{' causal' if row['causal'] else ''} N={row['seqlen']}"
             struck.setdefault((row["impl"], row["status"]), []).append(where)
     for row in results.get("host", []):
-        if row["status"] != "ok":
+        if row["status"] not in ("ok", NOT_APPLICABLE):
             where = f"host {row['mode']} d{row['head_dim']} N={row['seqlen']}"
             struck.setdefault((row["impl"], row["status"]), []).append(where)
     for row in results["memory"]:
-        if row["status"] != "ok":
+        if row["status"] not in ("ok", NOT_APPLICABLE):
             struck.setdefault((row["impl"], row["status"]), []).append(f"memory N={row['seqlen']}")
     for row in results["checks"]:
         if row["status"] not in ("ok", "wrong"):
@@ -315,7 +434,8 @@ def _not_measured(results: dict) -> list[str]:
         return []
     runs = {}
     for row in results["speed"] + results.get("host", []) + results["memory"] + results["checks"]:
-        runs[row["impl"]] = runs.get(row["impl"], 0) + 1
+        if row["status"] != NOT_APPLICABLE:
+            runs[row["impl"]] = runs.get(row["impl"], 0) + 1
     lines = ["", "## Not measured", ""] + [f"- {name}: absent: {reason}" for name, reason in absent.items()]
     for (name, status), where in struck.items():
         shown = "everywhere" if len(where) == runs[name] else "; ".join(where)

@@ -509,8 +509,11 @@ def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block
     ALiBi distance, like its causal band, is decoding's. The score modifications pass through.
 
     An FP8 cache (``cache_dtype`` one of torch's float8 names; the contract's FP8 section) holds
-    FP8 values: the new tokens go in as the float32 quotient by their descale, converted by torch
-    (round to nearest even, saturating), and k, v hold the values the cache stands for.
+    FP8 values: the new tokens go in as the float32 quotient by their descale, clamped to the
+    format's largest finite value and converted by torch (round to nearest even), and k, v hold
+    the values the cache stands for. The clamp is the contract's saturation: torch's own
+    conversion saturates only from 2.12 on (pytorch#178817); before, a magnitude that rounds past
+    448 became NaN. Clamping first is the same rule, as every magnitude in (448, 464] rounds to 448.
     """
     k_cache, v_cache = np.array(k_cache), np.array(v_cache)
     lengths = np.asarray(cache_seqlens, dtype=np.int64)
@@ -528,10 +531,12 @@ def kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block
             return x
         import torch
 
+        dtype = getattr(torch, cache_dtype)
         quotient = torch.from_numpy(np.asarray(x, dtype=np.float32))
         if descale is not None:
             quotient = quotient / torch.from_numpy(np.asarray(descale[b], dtype=np.float32))[None, :, None]
-        return quotient.to(getattr(torch, cache_dtype)).double().numpy()
+        largest = torch.finfo(dtype).max  # clamp keeps NaN
+        return quotient.clamp(-largest, largest).to(dtype).double().numpy()
 
     for b in range(batch if new else 0):
         where = slots(b, lengths[b] + np.arange(new))

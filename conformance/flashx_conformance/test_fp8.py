@@ -12,8 +12,8 @@ lse = -inf exactly. What FP8 declines (the backward, autograd, dropout) raises w
 every backend, whether or not it implements FP8.
 
 Decoding with an FP8 cache under 16-bit queries: the caches after the call hold the new tokens
-quantized by the contract's rule (torch's saturating conversion of x / descale, bit for bit), and
-o and lse are judged as a call in q's dtype on the values the cache stands for.
+quantized by the contract's rule (x / descale clamped to ±448, then torch's conversion, bit for
+bit), and o and lse are judged as a call in q's dtype on the values the cache stands for.
 """
 
 from __future__ import annotations
