@@ -166,9 +166,9 @@ class BaseProblem:
         }
 
     def holding(self, **auxiliary):
-        """A copy holding other auxiliary arrays (``ARRAYS``) of the same signatures (type, shape,
-        dtype, device): what it caches of its own fields (``static_key``, ``features``) stays true,
-        and nothing is checked again."""
+        """A copy holding other auxiliary arrays (``ARRAYS``), checked by the caller; what the
+        original cached of its fields (``static_key``, ``features``) is copied, so arrays given
+        after that must have the signatures (type, shape, dtype, device) it saw."""
         clone = copy.copy(self)
         for name, value in auxiliary.items():
             object.__setattr__(clone, name, value)

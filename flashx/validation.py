@@ -9,7 +9,6 @@ FP8 descales: a zero, negative or NaN one would silently void every score of its
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import secrets
@@ -453,7 +452,7 @@ def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
         validated=validate,
         cache_dtype=cache_dtype,
     )
-    problem = dataclasses.replace(problem, **decode_arrays(
+    problem = problem.holding(**decode_arrays(
         problem, cache_seqlens=cache_seqlens, block_table=block_table, mask=mask, alibi_slopes=alibi_slopes,
         sinks=sinks, k_descale=k_descale, v_descale=v_descale))
     if validate:
