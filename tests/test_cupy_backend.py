@@ -339,8 +339,9 @@ def test_dsinks_sums_the_rows_of_each_head(varlen):
 # -- decoding (host side) -------------------------------------------------------------------
 
 def _decode_problem(batch=2, seqlen_q=1, heads_q=8, heads_k=2, head_dim=128, head_dim_v=None, dtype="bfloat16",
-                    page_size=None, slots=4096, new=0, **keywords):
-    """A DecodeProblem on CPU torch tensors (the host side reads only their shapes and strides)."""
+                    page_size=None, slots=4096, new=0, cache_dtype=None, **keywords):
+    """A DecodeProblem on CPU torch tensors (the host side reads only their shapes and strides);
+    the caches in ``cache_dtype`` (default: q's)."""
     import torch
 
     from flashx.validation import build_decode_problem
@@ -349,8 +350,9 @@ def _decode_problem(batch=2, seqlen_q=1, heads_q=8, heads_k=2, head_dim=128, hea
     element = getattr(torch, dtype)
     rows = batch if page_size is None else batch * -(-slots // page_size)
     width = slots if page_size is None else page_size
-    caches = (torch.zeros(rows, width, heads_k, head_dim, dtype=element),
-              torch.zeros(rows, width, heads_k, head_dim_v, dtype=element))
+    cached = getattr(torch, cache_dtype or dtype)
+    caches = (torch.zeros(rows, width, heads_k, head_dim, dtype=cached),
+              torch.zeros(rows, width, heads_k, head_dim_v, dtype=cached))
     table = None if page_size is None else torch.arange(rows, dtype=torch.int64).reshape(batch, -1)
     tokens = {} if not new else {"k_new": torch.zeros(batch, new, heads_k, head_dim, dtype=element),
                                  "v_new": torch.zeros(batch, new, heads_k, head_dim_v, dtype=element)}
@@ -388,22 +390,122 @@ def test_decode_rows_per_cta(rows, widest, block_m):
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_tiles_fit(key, paged):
     """Each warp takes whole 16-key products; the thread per row of the join exists; Q, the stages,
-    the pages and the staging fit the H100's shared memory; the join fits the K/V stages (the
-    kernel's static_assert); a 16-bit CTA of 16 rows up to d128 leaves room for two per SM."""
+    the pages and the staging fit the H100's shared memory; the join fits the K/V buffers (the
+    kernel's static_assert: an FP8 cache's one widened tile and its byte stages); a 16-bit or FP8
+    CTA of 16 rows up to d128 leaves room for two per SM."""
     width, dim = key
     block_n, warps, stages = variants.DECODE_TILES[key]
     assert block_n % (16 * warps) == 0 and block_n // warps <= 64 and stages >= 2
-    dtype = "float32" if width == "32" else "bfloat16"
+    dtype, fp8 = "float32" if width == "32" else "bfloat16", width == "8"
     for block_m in (16, 32, 64):
-        if block_m * dim > variants.DECODE_ROW_ELEMENTS:
+        if block_m > variants.decode_rows_most(dim, fp8):
             continue
-        variant = variants.Variant("decode", dtype, dim, dim, block_m, block_n, warps, stages=stages, paged=paged)
+        variant = variants.Variant("decode", dtype, dim, dim, block_m, block_n, warps, stages=stages, paged=paged,
+                                   fp8_cache=fp8)
         assert variant.threads >= block_m and variant.shared_memory <= 227 * 1024
         size, pad = variants.ELEMENT_SIZES[dtype], 16 // variants.ELEMENT_SIZES[dtype]
         join = (block_m * dim + (2 * warps + 1) * block_m) * 4
-        assert join <= stages * block_n * 2 * (dim + pad) * size
-        if width == "16" and dim <= 128 and block_m == 16:
+        buffers = (1 if fp8 else stages) * block_n * 2 * (dim + pad) * size + fp8 * stages * block_n * 2 * dim
+        assert join <= buffers
+        if width != "32" and dim <= 128 and block_m == 16:
             assert decode.ctas_per_sm(variant, 228 * 1024) >= 2
+
+
+@pytest.mark.parametrize("dim", variants.HEAD_DIM_CLASSES)
+def test_fp8_decode_keeps_bytes_in_flight(dim):
+    """An FP8 cache's extra stage keeps at least three quarters of the cache bytes in flight per SM
+    that a 16-bit cache's tiles keep (all of them at d64 and d256): the tiles already requested
+    ahead (STAGES - 1 a CTA) times the CTAs an H100 SM holds, 16 rows a CTA."""
+
+    def in_flight(width, bytes_per_value):
+        block_n, warps, stages = variants.DECODE_TILES[width, dim]
+        variant = variants.Variant("decode", "bfloat16", dim, dim, 16, block_n, warps, stages=stages,
+                                   fp8_cache=width == "8")
+        return (stages - 1) * block_n * 2 * dim * bytes_per_value * decode.ctas_per_sm(variant, 228 * 1024)
+
+    ratio = in_flight("8", 1) / in_flight("16", 2)
+    assert ratio == (0.75 if dim == 128 else 1.0)
+
+
+def test_fp8_cache_declarations(monkeypatch):
+    """float8_e4m3fn is declared for decoding's cache; attention on FP8 q, k, v is declined with the
+    reason (e4m3 by this backend, e5m2 by the base's undeclared dtype); an FP8 cache is declined
+    below compute capability 8.9 (no e4m3 conversions), and taken where CuPy cannot tell (no GPU:
+    the backend is unavailable, and dispatch asks nothing of it)."""
+    import flashx_cupy
+    import torch
+
+    backend = flashx.registry.get("cupy")
+    assert "float8_e4m3fn" in backend.dtypes and "float8_e5m2" not in backend.dtypes
+    for dtype, reason in ((torch.float8_e4m3fn, "does not implement FP8 (float8_e4m3fn) attention yet, only "
+                                                "decoding from an FP8 KV cache"),
+                          (torch.float8_e5m2, "does not implement FP8 (float8_e5m2) yet")):
+        x = torch.zeros(1, 4, 2, 64, dtype=dtype)
+        problem = dataclasses_replace(flashx.explain(x, x, x).problem, device="cuda")
+        assert backend.supports(problem) == [reason]
+    problem, *_ = _decode_problem(cache_dtype="float8_e4m3fn", page_size=16, seqlen_q=2, new=2, head_dim=64,
+                                  mask=np.ones((2, 2), bool), window=(100, -1), softcap=30.0, num_splits=3,
+                                  alibi_slopes=np.ones(8, np.float32), sinks=np.zeros(8, np.float32),
+                                  k_descale=np.ones((2, 2), np.float32), v_descale=np.ones((2, 2), np.float32))
+    problem = dataclasses_replace(problem, device="cuda")
+    for capability, reasons in ((None, []), (90, []), (89, []),
+                                (80, ["reads a float8_e4m3fn cache with the e4m3 conversions of compute capability "
+                                      "8.9 and newer, not 8.0"])):
+        monkeypatch.setattr(flashx_cupy, "compute_capability", lambda index, answer=capability: answer)
+        assert backend.supports(problem) == reasons
+    monkeypatch.setattr(flashx_cupy, "compute_capability", lambda index: pytest.fail("asked without an FP8 cache"))
+    assert backend.supports(dataclasses_replace(_decode_problem()[0], device="cuda")) == []
+
+
+def test_fp8_decode_variant():
+    """An FP8 cache picks the FP8 build (FP8_CACHE, the "8" tiles, the queries' DTYPE) for all three
+    kernels, at most DECODE_FP8_ROWS rows a CTA; a 16-bit cache's decode build says FP8_CACHE=0,
+    and the other kernels carry no such macro (no rebuild of them)."""
+    for dim in variants.HEAD_DIM_CLASSES:
+        problem, *_ = _decode_problem(cache_dtype="float8_e4m3fn", dtype="float16", head_dim=dim, page_size=16)
+        built = [variants.choose_decode(kernel, problem, aligned=True) for kernel in variants.DECODE_KERNELS]
+        assert len({variant.options for variant in built}) == 1
+        fp8 = built[0]
+        assert fp8.fp8_cache and fp8.macros["FP8_CACHE"] == 1 and fp8.macros["DTYPE"] == 0 and fp8.macros["PAGED"]
+        assert (fp8.block_n, fp8.warps, fp8.stages) == variants.DECODE_TILES["8", dim]
+        pad, stages = 8, fp8.stages  # one widened 16-bit tile, the stages in bytes, two tiles' (page, slot)
+        assert fp8.shared_memory == (16 * (dim + pad) * 2 + 64 * 2 * (dim + pad) * 2 + stages * 64 * 2 * dim + 2 * 64 * 8)
+        plain, *_ = _decode_problem(dtype="float16", head_dim=dim)
+        assert variants.choose_decode("decode", plain, aligned=True).macros["FP8_CACHE"] == 0
+    assert "FP8_CACHE" not in variants.choose("forward", _problem(), aligned=True).macros
+    wide = dict(heads_q=32, heads_k=2, seqlen_q=4, head_dim=64)  # 64 rows of a GQA group
+    assert variants.choose_decode("decode", _decode_problem(**wide)[0], aligned=True).block_m == 64
+    fp8_wide = variants.choose_decode("decode", _decode_problem(cache_dtype="float8_e4m3fn", **wide)[0], aligned=True)
+    assert fp8_wide.block_m == variants.DECODE_FP8_ROWS == 32
+    text = variants.source("decode.cu")
+    assert text.count("widen_e4m3x4(u32 w)") == 1 and not re.search(r'^#include "', text, re.MULTILINE)
+
+
+def test_fp8_resources_build_the_shipped_variants():
+    """``python -m flashx_cupy.resources --features fp8_cache=1`` compiles the FP8 build with its tiles
+    and row counts."""
+    from flashx_cupy import resources
+
+    built = resources.decode_variants("decode", "bfloat16", 64, [16, 32, 64], {"fp8_cache": True, "paged": True})
+    assert [variant.block_m for variant in built] == [16, 32]
+    assert all((v.fp8_cache, v.stages, v.block_n) == (True, variants.DECODE_TILES["8", 64][2], 64) for v in built)
+
+
+def test_fp8_aligned():
+    """An FP8 cache is read in 16-byte chunks of 16 values: its head dims are whole chunks of 16,
+    the queries' of 8."""
+    import torch
+
+    def tensors(dim):
+        q = torch.zeros(2, 1, 8, dim, dtype=torch.bfloat16)
+        cache = torch.zeros(2, 64, 2, dim, dtype=torch.float8_e4m3fn)
+        return q, cache, cache
+
+    for dim, want in ((32, True), (64, True), (40, False), (48, True)):
+        q, k_cache, v_cache = tensors(dim)
+        problem = SimpleNamespace(head_dim=dim, head_dim_v=dim)
+        assert launch.aligned(problem, q, k_cache, v_cache) == want
+        assert launch.aligned(problem, q)  # a multiple of 8: the bf16 queries alone are aligned
 
 
 def test_decode_kernels_share_one_build():
@@ -484,6 +586,25 @@ def test_decode_fields():
     assert (fields["lse_b"], fields["lse_h"]) == (8 * 4, 4) and keep == []
     params = decode.pack_decode(problem, **fields)[0]
     assert params["k"] == k_cache.data_ptr() and params["cache_seqlens"] == problem.cache_seqlens.data_ptr()
+    assert params["k_descale"] == params["v_descale"] == 0  # no FP8 cache: null
+
+
+def test_decode_fields_of_an_fp8_cache():
+    """An FP8 cache travels by its address and its strides in bytes (elements); its descales as
+    the addresses of the core's contiguous float32 (B, Hk) arrays, null where None (1); nothing is
+    read on the host."""
+    import torch
+
+    descale = np.full((3, 2), 0.5, np.float32)
+    problem, q, (k_cache, v_cache), tokens = _decode_problem(batch=3, cache_dtype="float8_e4m3fn", page_size=16,
+                                                             slots=64, new=2, k_descale=descale)
+    assert problem.fp8 and problem.v_descale is None
+    o, lse = torch.empty(problem.o_shape), torch.empty(problem.lse_shape)
+    fields, _ = decode.decode_fields(problem, q, k_cache, v_cache, tokens["k_new"], tokens["v_new"], o, lse)
+    params = decode.pack_decode(problem, **fields)[0]
+    assert params["k_descale"] == problem.k_descale.data_ptr() and params["v_descale"] == 0
+    assert [params[f"k_{axis}"] for axis in "bnhd"] == list(k_cache.stride()) == [16 * 2 * 128, 2 * 128, 128, 1]
+    assert params["k"] == k_cache.data_ptr() and params["kn_n"] == tokens["k_new"].stride(1)
 
 
 # -- the kernels, on a GPU ------------------------------------------------------------------
@@ -543,3 +664,74 @@ def test_cupy_arrays_on_a_cupy_stream():
     assert isinstance(o, cupy.ndarray)
     want = oracle.forward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=True)[0]
     np.testing.assert_allclose(o.get(), want, atol=1e-5)
+
+
+#: FP8-cache decoding beyond the conformance suite's cases (head dim 32, up to 40 tokens): many key
+#: tiles through the four stages (d128, d256), the unaligned element path (d40), pages of 1 and 256
+#: slots, a tree mask with every score modification, fixed and chosen splits, and a GQA group of 64
+#: rows (two CTAs of DECODE_FP8_ROWS).
+FP8_DECODE_CASES = {
+    "d128-contiguous-chosen-splits": dict(lengths=[1000, 3, 517], new=1, head_dim=128, num_splits=0),
+    "d128-page1-3-splits": dict(lengths=[300, 64], new=2, seqlen_q=2, head_dim=128, page_size=1, num_splits=3),
+    "d64-page256-tree-mods": dict(lengths=[700, 40], new=4, seqlen_q=4, head_dim=64, page_size=256,
+                                  mask=np.tril(np.ones((4, 4), bool)) | np.eye(4, k=2, dtype=bool), softcap=20.0,
+                                  alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32),
+                                  sinks=np.array([0.5, -1.0, 2.0, 0.0])),
+    "d40-unaligned-window": dict(lengths=[200, 90], new=1, head_dim=40, page_size=16, window=(50, 0)),
+    "d256-fp16-2-splits": dict(lengths=[400, 129], new=1, head_dim=256, dtype="float16", num_splits=2),
+    "group-of-64-rows": dict(lengths=[300, 5], new=4, seqlen_q=4, heads_q=32, head_dim=64, page_size=16),
+}
+
+
+@gpu
+@pytest.mark.parametrize("name", list(FP8_DECODE_CASES))
+def test_fp8_decode_against_the_oracle(name):
+    """The conformance suite's grading (o, lse and the new tokens' bytes) on random descales."""
+    import zlib
+
+    from flashx_conformance.harness import Target
+    from flashx_conformance.test_decode import check, make_decode_case
+
+    spec = dict(FP8_DECODE_CASES[name])
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    descales = {key: (2.0 ** rng.uniform(-2, 2, (len(spec["lengths"]), 2))).astype(np.float32)
+                for key in ("k_descale", "v_descale")}
+    case = make_decode_case(rng, dtype=spec.pop("dtype", "bfloat16"), cache_dtype="float8_e4m3fn", **spec, **descales)
+    check(Target("cupy", "cuda", "full"), case)
+
+
+@gpu
+def test_fp8_decode_in_a_cuda_graph():
+    """validate=False with an FP8 cache: captured in a CUDA graph and replayed after the descales
+    change in place (read on the device at each replay, never on the host), it gives the bits and
+    the cache bytes of an eager call."""
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def normal(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, generator=generator, device="cuda").to(dtype)
+
+    q, k_new, v_new = normal(2, 1, 8, 128), normal(2, 1, 2, 128), normal(2, 1, 2, 128)
+    caches = [normal(2, 300, 2, 128, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    eager_caches = [cache.clone() for cache in caches]
+    lengths = torch.tensor([200, 37], dtype=torch.int32, device="cuda")
+    descales = [torch.full((2, 2), 0.5, device="cuda"), torch.full((2, 2), 2.0, device="cuda")]
+
+    def step(k_cache, v_cache):
+        return flashx.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new,
+                                             k_descale=descales[0], v_descale=descales[1], validate=False,
+                                             return_lse=True, backend="cupy")
+
+    step(*eager_caches)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = step(*caches)
+    for descale in descales:
+        descale.mul_(3.0)
+    graph.replay()
+    want_o, want_lse = step(*eager_caches)
+    torch.cuda.synchronize()
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    for cache, eager in zip(caches, eager_caches):
+        assert torch.equal(cache.view(torch.uint8), eager.view(torch.uint8))

@@ -11,7 +11,9 @@ band, it computes dQ in a kernel of its own, without atomics, and is bitwise rep
 The score modifications (softcap, ALiBi, sinks: ``kernels/score_mods.cuh``) are compile-time
 options of every kernel, so a call without them runs the code it ran before they existed.
 Decoding with a KV cache (``attention_with_kvcache``) is split-KV attention over contiguous or
-paged caches (``kernels/decode.cu``, host side in ``decode.py``).
+paged caches (``kernels/decode.cu``, host side in ``decode.py``), in the queries' dtype or in
+float8_e4m3fn (``kernels/fp8.cuh``; compute capability 8.9 and newer). Attention on FP8 q, k and v
+is not built: ``supports()`` declines it with that reason.
 
 The backend takes torch tensors (``array_kind = "torch"``): CuPy has no bfloat16 dtype, so a
 bfloat16 tensor cannot become a CuPy array, while a CuPy array becomes a torch tensor through
@@ -23,8 +25,11 @@ Importing this module imports neither CuPy nor torch.
 
 from __future__ import annotations
 
+import functools
+
 import flashx
 from flashx.hookspecs import hookimpl
+from flashx.problem import FP8_CACHE_DTYPE
 
 __version__ = "0.1.0"
 
@@ -34,7 +39,7 @@ class CupyBackend(flashx.Backend):
     version = __version__
     array_kind = "torch"
     devices = frozenset({"cuda"})
-    dtypes = frozenset({"float16", "bfloat16", "float32"})
+    dtypes = frozenset({"float16", "bfloat16", "float32", FP8_CACHE_DTYPE})  # FP8: decoding's cache only
     max_head_dim = 256
     features = frozenset({"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "dropout_offsets",
                           "gqa", "dv_ne_d", "softcap", "alibi", "sinks"})
@@ -46,6 +51,18 @@ class CupyBackend(flashx.Backend):
 
     def priority(self, problem) -> int:
         return 50  # below triton
+
+    def extra_reasons(self, problem) -> list[str]:
+        if problem.fp8_dtype == FP8_CACHE_DTYPE:  # named in dtypes for decoding's cache (others: the base says why)
+            return [f"does not implement FP8 ({problem.fp8_dtype}) attention yet, only decoding from an FP8 KV cache"]
+        return []
+
+    def decode_reasons(self, problem) -> list[str]:
+        capability = compute_capability(problem.device_index or 0) if problem.fp8 else None
+        if capability is not None and capability < 89:
+            return [(f"reads a {problem.cache_dtype} cache with the e4m3 conversions of compute capability 8.9 and "
+                     f"newer, not {capability // 10}.{capability % 10}")]
+        return []
 
     def forward(self, problem, q, k, v):
         from flashx_cupy.launch import forward
@@ -70,6 +87,18 @@ class CupyBackend(flashx.Backend):
 
         variant = variants.choose_decode("decode", problem, aligned=True)  # alignment picks no tile
         return count_splits(problem, variant, *device_size(problem.device_index or 0))
+
+
+@functools.cache
+def compute_capability(device_index: int) -> int | None:
+    """The compute capability of a GPU as one number (90 for 9.0), or None where CuPy cannot
+    tell: then the backend is unavailable, and dispatch asks no more of it."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device(device_index).compute_capability)
+    except (ImportError, RuntimeError):
+        return None
 
 
 def unavailable_reason() -> str | None:

@@ -6,6 +6,11 @@ more than one split) their merge. Nothing reads a device value on the host, and 
 allocations are torch's (o, lse, the splits' partial results), so a call with ``validate=False``
 can be captured in a CUDA graph.
 
+A float8_e4m3fn cache (the contract's FP8 section) is the same three launches of the module's FP8
+build (``Variant.fp8_cache``): the caches arrive as torch float8 tensors, read through their
+addresses as bytes, and the (B, Hk) descales as float32 tensors or None, passed as addresses
+(null: 1) that no host code reads, so that such a call is as capturable as any.
+
 ``num_splits=0`` takes ``choose_splits``: as many splits as fill one wave of the CTAs the GPU holds
 at once, none when the (sequence, kv head, row tile) CTAs alone fill it, each split keeping at
 least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. It is chosen from the capacity (S,
@@ -79,6 +84,9 @@ def decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse) -> tuple[d
             fields["k_new" if name == "kn" else "v_new"] = x.data_ptr()
             fields.update({f"{name}_{axis}": stride for axis, stride in zip("bnhd", x.stride())})
     fields["cache_seqlens"] = problem.cache_seqlens.data_ptr()  # int32, contiguous: the core's
+    for name in ("k_descale", "v_descale"):  # float32 (B, Hk), contiguous: the core's; None stays null
+        if getattr(problem, name) is not None:
+            fields[name] = getattr(problem, name).data_ptr()
     if problem.paged:
         fields.update(block_table=problem.block_table.data_ptr(), table_b=problem.block_table.stride(0))
     if problem.mask is not None:

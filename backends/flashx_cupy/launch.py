@@ -19,7 +19,7 @@ from flashx_cupy import variants
 
 _POINTERS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "cu_q", "cu_k", "seqlens_q", "seqlens_k",
              "mask", "blocks", "alibi_slopes", "sinks", "dsinks_rows", "cache_seqlens", "block_table", "k_new", "v_new",
-             "o_part", "lse_part")
+             "o_part", "lse_part", "k_descale", "v_descale")
 _STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n", "v_h", "v_d",
             "o_b", "o_n", "o_h", "o_d", "do_b", "do_n", "do_h", "do_d",
             "dq_b", "dq_n", "dq_h", "dk_b", "dk_n", "dk_h", "dv_b", "dv_n", "dv_h",
@@ -145,12 +145,12 @@ def score_mod_fields(problem) -> tuple[dict, list]:
 
 def aligned(problem, *tensors) -> bool:
     """Whether every operand can be read in 16-byte chunks: unit last stride, 16-byte aligned
-    base and row strides, head dims a whole number of chunks."""
-    size = variants.ELEMENT_SIZES[problem.dtype]
-    chunk = 16 // size
-    if problem.head_dim % chunk or problem.head_dim_v % chunk:
-        return False
+    base and row strides, head dims a whole number of chunks of each operand's elements (16 of an
+    FP8 cache's, 8 of a 16-bit tensor's)."""
     for x in tensors:
+        size = x.element_size()
+        if problem.head_dim % (16 // size) or problem.head_dim_v % (16 // size):
+            return False
         if x.data_ptr() % 16 or (x.shape[-1] > 1 and x.stride(-1) != 1):
             return False
         if any(n > 1 and s * size % 16 for n, s in zip(x.shape[:-1], x.stride()[:-1])):

@@ -9,6 +9,7 @@ holding tensor-core products (the tile loops) are counted by opcode.
     python -m flashx_cupy.resources --kernel forward --features mask=1,dropout=1
     python -m flashx_cupy.resources --kernel forward_sm90 dq dkdv --features softcap=1,alibi=1,sinks=1
     python -m flashx_cupy.resources --kernel decode decode_merge decode_append --features paged=1,mask=1
+    python -m flashx_cupy.resources --kernel decode decode_append --dtype bfloat16 float16 --features fp8_cache=1
 
 NVRTC 13.0 is the one CuPy 14.2 uses on the lent GPUs; cuda-bindings (numba-cuda's dependency)
 finds the wheel's library. A spill or a register count here is what the GPU will run; a block's
@@ -83,7 +84,8 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
         print(f"{variant.kernel:8} {variant.dtype:9} d{variant.dim_qk}/{variant.dim_v} "
               f"{variant.block_m}x{variant.block_n}x{variant.warps}: {registers} registers, spills {stores}/{loads} B "
               f"(stores/loads), shared {variant.shared_memory} B"
-              + (f", {variant.stages} stages{', paged' if variant.paged else ''}" if variant.stages else ""))
+              + (f", {variant.stages} stages" + ", paged" * variant.paged + ", fp8 cache" * variant.fp8_cache
+                 if variant.stages else ""))
         for line in built.splitlines():  # e.g. wgmma serialized by ptxas, which costs the overlap
             if "warning" in line.lower():
                 print(f"    {line}")
@@ -99,10 +101,12 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
 
 
 def decode_variants(kernel: str, dtype: str, dim: int, rows: list[int], features: dict) -> list[variants.Variant]:
-    """The shipped decoding variants of ``kernel`` at head dim ``dim``, one per CTA row count."""
-    block_n, warps, stages = variants.DECODE_TILES["32" if dtype == "float32" else "16", dim]
+    """The shipped decoding variants of ``kernel`` at head dim ``dim``, one per CTA row count (an FP8
+    cache's tiles with ``fp8_cache``)."""
+    width = "8" if features.get("fp8_cache") else "32" if dtype == "float32" else "16"
+    block_n, warps, stages = variants.DECODE_TILES[width, dim]
     return [variants.Variant(kernel, dtype, dim, dim, block_m, block_n, warps, stages=stages, **features)
-            for block_m in rows if block_m <= variants.DECODE_ROW_ELEMENTS // dim]
+            for block_m in rows if block_m <= variants.decode_rows_most(dim, bool(features.get("fp8_cache")))]
 
 
 def main() -> None:

@@ -67,10 +67,15 @@ TILES = {
     ("forward_sm90", "16", 64): (128, 128, 8),
     ("forward_sm90", "16", 128): (128, 128, 8),
 }
-#: Decoding (``kernels/decode.cu``): (16-bit or float32, head-dim class) -> (BLOCK_N, WARPS, STAGES):
-#: BLOCK_N keys a tile, WARPS warps taking 16 of them each, STAGES tiles in flight. The rows a CTA
-#: holds (BLOCK_M) follow the problem (``decode_block_m``). Sized so that a 16-bit CTA of 16 rows
-#: and head dims up to 128 leaves room for two per H100 SM (two tiles in flight each).
+#: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
+#: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
+#: taking 16 of them each, STAGES tiles in flight. The rows a CTA holds (BLOCK_M) follow the problem
+#: (``decode_block_m``). Sized so that a 16-bit CTA of 16 rows and head dims up to 128 leaves room
+#: for two per H100 SM (two tiles in flight each). An FP8 cache keeps the 16-bit tiles, so that a
+#: thread's copies stay 16 bytes (now 16 values) and its products the same, and spends the shared
+#: memory its bytes save (its stages are half as large, beside one widened 16-bit tile) on a stage
+#: more: as many bytes in flight per SM as the 16-bit cache has at d64 and d256, three quarters
+#: at d128, where a fifth stage would leave one CTA per SM.
 DECODE_TILES = {
     ("16", 64): (64, 4, 3),
     ("16", 128): (64, 4, 3),
@@ -78,10 +83,18 @@ DECODE_TILES = {
     ("32", 64): (64, 4, 3),
     ("32", 128): (64, 4, 2),
     ("32", 256): (32, 2, 2),
+    ("8", 64): (64, 4, 4),
+    ("8", 128): (64, 4, 4),
+    ("8", 256): (64, 4, 3),
 }
 #: BLOCK_M x the wider head-dim class of a decoding CTA: every warp holds the output rows of all
 #: of the CTA's rows (BLOCK_M * DIM_V / 32 float32 registers a thread).
 DECODE_ROW_ELEMENTS = 4096
+#: The most rows of a decoding CTA over an FP8 cache. A 64-row CTA (d64) sits at 255 registers with
+#: a 16-bit cache; the FP8 tile's widening in the loop makes ptxas spill it (4 to 92 bytes with
+#: ALiBi, a mask or unaligned operands: flashx_cupy.resources). A group of more rows takes two CTAs,
+#: each reading the (byte-wide) cache.
+DECODE_FP8_ROWS = 32
 DECODE_KERNELS = ("decode", "decode_merge", "decode_append")
 FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "dq": "backward.cu", "dkdv": "backward.cu",
          "delta": "backward.cu", **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
@@ -123,6 +136,7 @@ class Variant:
     dq_atomic: bool = False  # dK/dV kernel: also adds dQ to float32 sums (see ``fused_dq``)
     stages: int = 0  # decoding: key tiles in flight
     paged: bool = False  # decoding: the cache is paged (block_table)
+    fp8_cache: bool = False  # decoding: the cache is float8_e4m3fn (kernels/fp8.cuh), ``dtype`` the queries'
 
     @property
     def threads(self) -> int:
@@ -154,7 +168,8 @@ class Variant:
             "ALIGNED": int(self.aligned),
             "DKDV_PARTS": self.dkdv_parts,
             "DQ_ATOMIC": int(self.dq_atomic),
-            **({"STAGES": self.stages, "PAGED": int(self.paged)} if self.kernel in DECODE_KERNELS else {}),
+            **({"STAGES": self.stages, "PAGED": int(self.paged), "FP8_CACHE": int(self.fp8_cache)}
+               if self.kernel in DECODE_KERNELS else {}),
         }
 
     @property
@@ -169,12 +184,14 @@ class Variant:
         if self.kernel in ("delta", "decode_merge", "decode_append"):
             return 0
         size = ELEMENT_SIZES[self.dtype]
-        if self.kernel == "decode":  # Q, the K/V stages, two tiles' (page, slot), the float32 products' staging
+        if self.kernel == "decode":  # Q, K/V tiles and stages, two tiles' (page, slot), the float32 products' staging
             pad = 16 // size
-            keys = self.stages * self.block_n * (self.dim_qk + self.dim_v + 2 * pad) * size
+            tiles = 1 if self.fp8_cache else self.stages  # an FP8 cache's stages are bytes, widened into one tile
+            keys = tiles * self.block_n * (self.dim_qk + self.dim_v + 2 * pad) * size
+            fp8_stages = self.stages * self.block_n * (self.dim_qk + self.dim_v) if self.fp8_cache else 0
             pages = 2 * self.block_n * 8 if self.paged else 0
             stage = self.block_m * self.block_n * 4 if self.dtype == "float32" else 0
-            return self.block_m * (self.dim_qk + pad) * size + keys + pages + stage
+            return self.block_m * (self.dim_qk + pad) * size + keys + fp8_stages + pages + stage
         if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles, three V tiles, zeros; barriers
             return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 4 * self.dim_v)) + 128
         pad = 16 // size
@@ -225,13 +242,14 @@ def choose_decode(kernel: str, problem, aligned: bool) -> Variant:
     ``problem``; the three of one problem have one set of macros, so one build."""
     dim_qk, dim_v = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
     widest = max(dim_qk, dim_v)
-    block_n, warps, stages = DECODE_TILES["32" if problem.dtype == "float32" else "16", widest]
+    width = "8" if problem.fp8 else "32" if problem.dtype == "float32" else "16"
+    block_n, warps, stages = DECODE_TILES[width, widest]
     return Variant(
         kernel=kernel,
         dtype=problem.dtype,
         dim_qk=dim_qk,
         dim_v=dim_v,
-        block_m=decode_block_m(problem.seqlen_q * problem.group, widest),
+        block_m=decode_block_m(problem.seqlen_q * problem.group, widest, problem.fp8),
         block_n=block_n,
         warps=warps,
         mask=problem.mask is not None,
@@ -241,16 +259,24 @@ def choose_decode(kernel: str, problem, aligned: bool) -> Variant:
         aligned=aligned,
         stages=stages,
         paged=problem.paged,
+        fp8_cache=problem.fp8,
     )
 
 
-def decode_block_m(rows: int, widest: int) -> int:
+def decode_block_m(rows: int, widest: int, fp8_cache: bool = False) -> int:
     """The rows of a decoding CTA for a GQA group of ``rows`` query rows (Nq x group): 16, 32 or
-    64, the fewest that hold them, at most DECODE_ROW_ELEMENTS / widest (more take several CTAs)."""
+    64, the fewest that hold them, at most ``decode_rows_most`` (more take several CTAs)."""
     wanted = 16
     while wanted < rows:
         wanted *= 2
-    return min(wanted, DECODE_ROW_ELEMENTS // widest)
+    return min(wanted, decode_rows_most(widest, fp8_cache))
+
+
+def decode_rows_most(widest: int, fp8_cache: bool) -> int:
+    """The most rows of a decoding CTA: DECODE_ROW_ELEMENTS / widest, and DECODE_FP8_ROWS over an
+    FP8 cache."""
+    most = DECODE_ROW_ELEMENTS // widest
+    return min(most, DECODE_FP8_ROWS) if fp8_cache else most
 
 
 def forward_kernel(problem, aligned: bool, compute_capability: str) -> str:

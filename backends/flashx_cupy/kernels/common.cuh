@@ -51,8 +51,9 @@ struct Params {
     u64 alibi_slopes, sinks;  // float32: slopes (Hq,) or (B, Hq), sinks (Hq,)
     u64 dsinks_rows;          // float32, shaped and strided like delta: each row's term of dsinks
     // decoding (decode.cu): int32 cache_seqlens (B,) and block_table (B, max_pages); the new tokens;
-    // float32 partial results of the splits, (splits, B * Nq * Hq, DIM_V) and (splits, B * Nq * Hq)
-    u64 cache_seqlens, block_table, k_new, v_new, o_part, lse_part;
+    // float32 partial results of the splits, (splits, B * Nq * Hq, DIM_V) and (splits, B * Nq * Hq);
+    // an FP8 cache's float32 descales (B, Hk), null for 1
+    u64 cache_seqlens, block_table, k_new, v_new, o_part, lse_part, k_descale, v_descale;
     i64 q_b, q_n, q_h, q_d, k_b, k_n, k_h, k_d, v_b, v_n, v_h, v_d;
     i64 o_b, o_n, o_h, o_d, do_b, do_n, do_h, do_d;
     i64 dq_b, dq_n, dq_h, dk_b, dk_n, dk_h, dv_b, dv_n, dv_h;

@@ -27,12 +27,35 @@
 // poison_allowed). In a paged cache each row of a tile is found through the block table, whose
 // entries for a tile are read into shared memory one tile before its copies are issued.
 //
+// An FP8 cache (FP8_CACHE, float8_e4m3fn under 16-bit queries) streams its bytes through the
+// STAGES buffers the same way, 16 values a 16-byte copy, at half the bytes of a 16-bit cache. When
+// a tile is in, the CTA widens it once into a single 16-bit tile (fp8.cuh), which the products
+// read as they read a 16-bit cache's stage; k_descale multiplies each dot product before its
+// modifications, v_descale each row's output factor, and flashx_decode_append quantizes new tokens
+// by them. The FP8 code is compile-time: a 16-bit cache's build holds none of it.
+//
 // Macros beyond common.cuh's and score_mods.cuh's (flashx_cupy.variants): STAGES key tiles in
-// flight; PAGED 1 for a paged cache. Params: seqlen_q = Nq, left/right the band with an unbounded
-// side as a reach past every key, tiles_m the row tiles, splits, new_tokens, page_size.
+// flight; PAGED 1 for a paged cache; FP8_CACHE 1 for a float8_e4m3fn cache. Params: seqlen_q = Nq,
+// left/right the band with an unbounded side as a reach past every key, tiles_m the row tiles,
+// splits, new_tokens, page_size; k_descale and v_descale (B, Hk) float32 or null (1).
 
 #include "common.cuh"
 #include "score_mods.cuh"
+
+#if FP8_CACHE
+#include "fp8.cuh"
+typedef u8 cache_t;  // e4m3 bytes, widened in shared memory
+#define CACHE_LD_QK DIM_QK  // a stage's rows unpadded: widen_tile reads them in 128-byte runs
+#define CACHE_LD_V DIM_V
+#define COMPUTE_TILES 1  // the products read one widened tile...
+#define BYTE_STAGES STAGES  // ... from the STAGES buffers of bytes
+#else
+typedef elem_t cache_t;  // the stages are the products' tiles
+#define CACHE_LD_QK LD_QK
+#define CACHE_LD_V LD_V
+#define COMPUTE_TILES STAGES
+#define BYTE_STAGES 0
+#endif
 
 #define ROW_ATOMS (BLOCK_M / 16)         // 16-row atoms of the CTA's rows, every warp holding all of them
 #define WARP_KEYS (BLOCK_N / WARPS)      // keys of each tile that one warp takes
@@ -63,27 +86,28 @@ __device__ __forceinline__ i64 part_row(const Params& p, int b, int i, int h) {
     return ((i64)b * p.seqlen_q + i) * p.heads_q + h;
 }
 
-// Rows [0, ROWS) of a tile into shared memory, LD elements apart: row r from base + at(r) (an
-// element offset; -1: the row is not read and holds zeros), columns >= width zero.
-template <int ROWS, int COLS, int LD, typename RowAt>
-__device__ __forceinline__ void load_rows(elem_t* s, const elem_t* base, RowAt at, int width, i64 col_stride) {
+// Rows [0, ROWS) of a tile of T (elem_t, or an FP8 cache's bytes) into shared memory, LD elements
+// apart: row r from base + at(r) (an element offset; -1: the row is not read and holds zeros),
+// columns >= width zero (all-zero bits: +0 in every element type).
+template <int ROWS, int COLS, int LD, typename T, typename RowAt>
+__device__ __forceinline__ void load_rows(T* s, const T* base, RowAt at, int width, i64 col_stride) {
 #if ALIGNED
     // Each thread copies one 16-byte column chunk of every STEP-th row.
-    constexpr int PER_ROW = COLS / CHUNK, STEP = THREADS / PER_ROW;
+    constexpr int PER_CHUNK = 16 / (int)sizeof(T), PER_ROW = COLS / PER_CHUNK, STEP = THREADS / PER_ROW;
     static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
-    const int c = threadIdx.x % PER_ROW * CHUNK, r0 = threadIdx.x / PER_ROW;
+    const int c = threadIdx.x % PER_ROW * PER_CHUNK, r0 = threadIdx.x / PER_ROW;
     const u32 dst = smem_addr(s + r0 * LD + c);
 #pragma unroll
     for (int r = r0; r < ROWS; r += STEP) {
         const i64 offset = at(r);
         const bool valid = offset >= 0 && c < width;
-        cp_async16(dst + (r - r0) * LD * (int)sizeof(elem_t), valid ? base + offset + c : base, valid);
+        cp_async16(dst + (r - r0) * LD * (int)sizeof(T), valid ? base + offset + c : base, valid);
     }
 #else
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
         const int r = idx / COLS, c = idx % COLS;
         const i64 offset = at(r);
-        s[r * LD + c] = offset >= 0 && c < width ? base[offset + c * col_stride] : from_float(0.f);
+        s[r * LD + c] = offset >= 0 && c < width ? base[offset + c * col_stride] : T(0);
     }
 #endif
 }
@@ -101,7 +125,8 @@ struct DecodeCta {
     ScoreMods mods[ROW_ATOMS][2];  // their heads' modifications (rows mix heads)
     float acc[ROW_ATOMS][DIM_V / 8][4];
     float row_max[ROW_ATOMS][2], row_sum[ROW_ATOMS][2];  // per lane: its columns' share of the row sum
-    elem_t *sQ, *sK, *sV;
+    elem_t *sQ, *sK, *sV;    // the tiles the products read (COMPUTE_TILES of each)
+    cache_t *sKs, *sVs;      // the STAGES buffers the copies fill: sK and sV themselves for a 16-bit cache
     int2* sPages;  // PAGED: (page, slot) of each row of the next two tiles to request
     float* sStage;
 
@@ -197,11 +222,39 @@ struct DecodeCta {
 #endif
             };
         };
-        const elem_t* k = (const elem_t*)p.k + (PAGED ? 0 : (i64)b * p.k_b) + (i64)hk * p.k_h;
-        const elem_t* v = (const elem_t*)p.v + (PAGED ? 0 : (i64)b * p.v_b) + (i64)hk * p.v_h;
-        load_rows<BLOCK_N, DIM_QK, LD_QK>(sK + stage * BLOCK_N * LD_QK, k, row_at(p.k_n, p.k_b), p.head_dim, p.k_d);
-        load_rows<BLOCK_N, DIM_V, LD_V>(sV + stage * BLOCK_N * LD_V, v, row_at(p.v_n, p.v_b), p.head_dim_v, p.v_d);
+        const cache_t* k = (const cache_t*)p.k + (PAGED ? 0 : (i64)b * p.k_b) + (i64)hk * p.k_h;
+        const cache_t* v = (const cache_t*)p.v + (PAGED ? 0 : (i64)b * p.v_b) + (i64)hk * p.v_h;
+        load_rows<BLOCK_N, DIM_QK, CACHE_LD_QK>(sKs + stage * BLOCK_N * CACHE_LD_QK, k, row_at(p.k_n, p.k_b),
+                                                p.head_dim, p.k_d);
+        load_rows<BLOCK_N, DIM_V, CACHE_LD_V>(sVs + stage * BLOCK_N * CACHE_LD_V, v, row_at(p.v_n, p.v_b),
+                                              p.head_dim_v, p.v_d);
     }
+
+    // The tile of stage ``stage`` as the products read it: which of the COMPUTE_TILES holds it. A
+    // 16-bit cache's stage is its own; an FP8 cache's bytes are widened into the one 16-bit tile,
+    // once for all the warps (every warp is past its products on the previous tile, and every copy
+    // of this one is in: the caller's barrier).
+    __device__ __forceinline__ int computed_tile(int stage) {
+#if FP8_CACHE
+        widen_tile<BLOCK_N, DIM_QK, LD_QK>(sK, sKs + stage * BLOCK_N * DIM_QK);
+        widen_tile<BLOCK_N, DIM_V, LD_V>(sV, sVs + stage * BLOCK_N * DIM_V);
+        __syncthreads();
+        return 0;
+#else
+        return stage;
+#endif
+    }
+
+#if FP8_CACHE
+    // The descale (b, hk) of the keys (``k`` true) or of the values, 1 without one. The keys' is
+    // read for each tile (an L1 hit) and applied right after the scores' product: held through the
+    // tile loop, or applied inside the softmax, it made ptxas spill variants at its register targets
+    // (mask and ALiBi at 16 rows; flashx_cupy.resources).
+    __device__ __forceinline__ float descale(bool k) const {
+        const u64 descales = k ? p.k_descale : p.v_descale;
+        return descales ? ((const float*)descales)[(i64)b * p.heads_k + hk] : 1.f;
+    }
+#endif
 
     // The scores of this warp's keys from key0 become probabilities; the running max, sum and
     // output move to the new max.
@@ -241,15 +294,24 @@ struct DecodeCta {
             }
     }
 
-    // This warp's keys of tile t, in stage ``stage``.
+    // This warp's keys of tile t, in compute tile ``tile``.
     template <bool MASKED>
-    __device__ __forceinline__ void attend(int t, int stage) {
+    __device__ __forceinline__ void attend(int t, int tile) {
         const int warp = threadIdx.x / 32, key0 = t * BLOCK_N + warp * WARP_KEYS;
-        const elem_t* k_tile = sK + stage * BLOCK_N * LD_QK;
-        elem_t* v_tile = sV + stage * BLOCK_N * LD_V;
+        const elem_t* k_tile = sK + tile * BLOCK_N * LD_QK;
+        elem_t* v_tile = sV + tile * BLOCK_N * LD_V;
         float sc[ROW_ATOMS][WARP_KEYS / 8][4];
         zero<ROW_ATOMS, WARP_KEYS>(sc);
         gemm_abt<ROW_ATOMS, WARP_KEYS, DIM_QK, LD_QK, LD_QK>(sc, sQ, k_tile + warp * WARP_KEYS * LD_QK);
+#if FP8_CACHE
+        const float k_scale = descale(true);  // q . k8 times it is q . k, which the modifications take
+#pragma unroll
+        for (int mt = 0; mt < ROW_ATOMS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < WARP_KEYS / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sc[mt][nt][e] *= k_scale;
+#endif
         softmax<MASKED>(sc, key0);
         if constexpr (MASKED) {  // the branch is the CTA's: every warp takes it
             if (tile_nonfinite<BLOCK_N, DIM_V, LD_V>(v_tile)) {
@@ -283,10 +345,11 @@ struct DecodeCta {
             request(t + STAGES - 1, (step + STAGES - 1) % STAGES);
             cp_async_commit();
             const int2 pages = page_slot(t + STAGES);  // its latency hides behind the products
+            const int tile = computed_tile(step % STAGES);
             if (t < full_lo || t >= full_hi)
-                attend<true>(t, step % STAGES);
+                attend<true>(t, tile);
             else
-                attend<false>(t, step % STAGES);
+                attend<false>(t, tile);
             keep_pages((step + STAGES) & 1, pages);  // the buffer tile t + STAGES - 2 was requested from
         }
         cp_async_wait<0>();
@@ -355,6 +418,9 @@ struct DecodeCta {
                         empty ? NEG_INF : m_ref + log2f(sum);
                 }
             }
+#if FP8_CACHE
+            scale *= descale(false);  // the products summed v8: o is v's descale times their normalised sum
+#endif
             sScale[r] = scale;
         }
         __syncthreads();
@@ -384,12 +450,20 @@ struct DecodeCta {
 extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode(const Params p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* sQ = (elem_t*)smem;                                // BLOCK_M x LD_QK
-    elem_t* sK = sQ + BLOCK_M * LD_QK;                         // STAGES x BLOCK_N x LD_QK
-    elem_t* sV = sK + STAGES * BLOCK_N * LD_QK;                // STAGES x BLOCK_N x LD_V
+    elem_t* sK = sQ + BLOCK_M * LD_QK;                         // COMPUTE_TILES x BLOCK_N x LD_QK
+    elem_t* sV = sK + COMPUTE_TILES * BLOCK_N * LD_QK;         // COMPUTE_TILES x BLOCK_N x LD_V
+#if FP8_CACHE
+    cache_t* sKs = (cache_t*)(sV + BLOCK_N * LD_V);            // STAGES x BLOCK_N x DIM_QK bytes
+    cache_t* sVs = sKs + STAGES * BLOCK_N * DIM_QK;            // STAGES x BLOCK_N x DIM_V bytes
+    int2* sPages = (int2*)(sVs + STAGES * BLOCK_N * DIM_V);    // PAGED: 2 x BLOCK_N
+#else
+    cache_t *sKs = sK, *sVs = sV;
     int2* sPages = (int2*)(sV + STAGES * BLOCK_N * LD_V);      // PAGED: 2 x BLOCK_N
+#endif
     float* sStage = (float*)(sPages + (PAGED ? 2 * BLOCK_N : 0));  // float32: WARPS x BLOCK_M x WARP_KEYS
-    static_assert((BLOCK_M * DIM_V + (2 * WARPS + 1) * BLOCK_M) * 4 <= STAGES * BLOCK_N * (LD_QK + LD_V) * (int)sizeof(elem_t),
-                  "the join must fit the K/V buffers");
+    static_assert((BLOCK_M * DIM_V + (2 * WARPS + 1) * BLOCK_M) * 4 <= COMPUTE_TILES * BLOCK_N * (LD_QK + LD_V) *
+                  (int)sizeof(elem_t) + BYTE_STAGES * BLOCK_N * (DIM_QK + DIM_V),
+                  "the join must fit the K/V buffers (the tiles and, for an FP8 cache, the stages after them)");
 
     int x = blockIdx.x;  // (sequence, kv head, row tile, split), the split fastest
     const int split = x % p.splits;
@@ -398,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode(const Params
     x /= p.tiles_m;
     const int hk = x % p.heads_k, b = x / p.heads_k;
     DecodeCta cta{p, b, hk, split, tile * BLOCK_M, p.seqlen_q * p.group};
-    cta.sQ = sQ, cta.sK = sK, cta.sV = sV, cta.sPages = sPages, cta.sStage = sStage;
+    cta.sQ = sQ, cta.sK = sK, cta.sV = sV, cta.sKs = sKs, cta.sVs = sVs, cta.sPages = sPages, cta.sStage = sStage;
     cta.start();
 
     const elem_t* q = (const elem_t*)p.q + (i64)b * p.q_b;
@@ -451,6 +525,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode_merge(const 
     }
 }
 
+// A new token's element as its cache holds it: itself in a 16-bit cache; in an FP8 cache the
+// float32 quotient by the descale of its sequence and head (``descales`` (B, Hk), null: 1) at
+// ``at``, correctly rounded, then rounded to e4m3 (the contract's rule).
+__device__ __forceinline__ cache_t cached(elem_t x, u64 descales, i64 at) {
+#if FP8_CACHE
+    const float value = to_float(x);
+    return e4m3_of(descales ? __fdiv_rn(value, ((const float*)descales)[at]) : value);
+#else
+    return x;
+#endif
+}
+
 // One CTA per new token t of sequence b: its (Hk, D) keys and (Hk, Dv) values into the cache slot
 // of position cache_seqlens[b] + t, element by element through every stride (a few kilobytes).
 extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode_append(const Params p) {
@@ -462,16 +548,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode_append(const
 #else
     const int page = b, slot = position;
 #endif
-    elem_t* k = (elem_t*)p.k + (i64)page * p.k_b + (i64)slot * p.k_n;
-    elem_t* v = (elem_t*)p.v + (i64)page * p.v_b + (i64)slot * p.v_n;
+    cache_t* k = (cache_t*)p.k + (i64)page * p.k_b + (i64)slot * p.k_n;
+    cache_t* v = (cache_t*)p.v + (i64)page * p.v_b + (i64)slot * p.v_n;
     const elem_t* k_new = (const elem_t*)p.k_new + (i64)b * p.kn_b + (i64)t * p.kn_n;
     const elem_t* v_new = (const elem_t*)p.v_new + (i64)b * p.vn_b + (i64)t * p.vn_n;
+    const i64 heads = (i64)b * p.heads_k;  // the descales' row of sequence b
     for (int idx = threadIdx.x; idx < p.heads_k * p.head_dim; idx += THREADS) {
         const int h = idx / p.head_dim, d = idx % p.head_dim;
-        k[(i64)h * p.k_h + (i64)d * p.k_d] = k_new[(i64)h * p.kn_h + (i64)d * p.kn_d];
+        k[(i64)h * p.k_h + (i64)d * p.k_d] = cached(k_new[(i64)h * p.kn_h + (i64)d * p.kn_d], p.k_descale, heads + h);
     }
     for (int idx = threadIdx.x; idx < p.heads_k * p.head_dim_v; idx += THREADS) {
         const int h = idx / p.head_dim_v, d = idx % p.head_dim_v;
-        v[(i64)h * p.v_h + (i64)d * p.v_d] = v_new[(i64)h * p.vn_h + (i64)d * p.vn_d];
+        v[(i64)h * p.v_h + (i64)d * p.v_d] = cached(v_new[(i64)h * p.vn_h + (i64)d * p.vn_d], p.v_descale, heads + h);
     }
 }
