@@ -154,13 +154,14 @@ def attention_fields(problem: Problem, options: dict) -> dict:
     fields = dict.fromkeys(Problem.ARRAYS)
     fields.update(given, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
     if p.total_q is not None:  # packed (read from the totals: ``problem`` may hold no cu_seqlens)
-        for side, total in (("q", p.total_q), ("k", p.total_k)):
-            fields[f"cu_seqlens_{side}"], fields[f"seqlen_{side}"] = _cu_seqlens(
-                side, given[f"cu_seqlens_{side}"], total, options[f"max_seqlen_{side}"], *like_q)
-    for side, limit in (("q", p.seqlen_q), ("k", p.seqlen_k)):
-        name = f"seqlens_{side}"
-        if name in given:
-            fields[name] = _seqlens(name, given[name], p.batch, limit, *like_q)
+        fields["cu_seqlens_q"], fields["seqlen_q"] = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
+                                                                 options["max_seqlen_q"], *like_q)
+        fields["cu_seqlens_k"], fields["seqlen_k"] = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
+                                                                 options["max_seqlen_k"], *like_q)
+    if "seqlens_q" in given:
+        fields["seqlens_q"] = _seqlens("seqlens_q", given["seqlens_q"], p.batch, p.seqlen_q, *like_q)
+    if "seqlens_k" in given:
+        fields["seqlens_k"] = _seqlens("seqlens_k", given["seqlens_k"], p.batch, p.seqlen_k, *like_q)
     score_shape = (p.batch, p.heads_q, fields["seqlen_q"], fields["seqlen_k"])
     if "mask" in given:
         _bool_broadcastable("mask", given["mask"], score_shape, *like_q)
