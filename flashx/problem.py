@@ -10,7 +10,6 @@ threshold, the seed's words, the head-dim class) is derived here, once.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -165,13 +164,13 @@ class BaseProblem:
             "sinks": self.sinks is not None,
         }
 
-    def holding(self, **auxiliary):
-        """A copy holding other auxiliary arrays (``ARRAYS``), checked by the caller; what the
-        original cached of its fields (``static_key``, ``features``) is copied, so arrays given
-        after that must have the signatures (type, shape, dtype, device) it saw."""
-        clone = copy.copy(self)
-        for name, value in auxiliary.items():
-            object.__setattr__(clone, name, value)
+    def holding(self, **fields):
+        """A copy holding other values of the fields a call brings of its own (auxiliary arrays
+        ``ARRAYS``, per-call fields ``PER_CALL``), checked by the caller; what the original cached
+        of its fields (``static_key``, ``features``) is copied, so arrays given must have the
+        signatures (type, shape, dtype, device) it saw, and any other field its value."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__, **fields)  # as object.__setattr__ would, field by field
         return clone
 
     def with_arrays(self, convert: Callable[[str, Any], Any]):
