@@ -156,8 +156,12 @@ def attention_fields(problem: Problem, options: dict) -> dict:
     if p.total_q is not None:  # packed (read from the totals: ``problem`` may hold no cu_seqlens)
         fields["cu_seqlens_q"], fields["seqlen_q"] = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
                                                                  options["max_seqlen_q"], *like_q)
-        fields["cu_seqlens_k"], fields["seqlen_k"] = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
-                                                                 options["max_seqlen_k"], *like_q)
+        if (given["cu_seqlens_k"] is given["cu_seqlens_q"] and p.total_k == p.total_q
+                and options["max_seqlen_k"] == options["max_seqlen_q"]):  # self-attention: one host read
+            fields["cu_seqlens_k"], fields["seqlen_k"] = fields["cu_seqlens_q"], fields["seqlen_q"]
+        else:
+            fields["cu_seqlens_k"], fields["seqlen_k"] = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
+                                                                     options["max_seqlen_k"], *like_q)
     if "seqlens_q" in given:
         fields["seqlens_q"] = _seqlens("seqlens_q", given["seqlens_q"], p.batch, p.seqlen_q, *like_q)
     if "seqlens_k" in given:

@@ -171,6 +171,29 @@ def test_varlen_problem_shapes(fresh_registry):
     assert o.shape == (7, 4, 8) and lse.shape == (4, 7)
 
 
+def test_self_attention_reads_its_one_offsets_array_once(fresh_registry, monkeypatch):
+    """On a GPU each read of offsets on the host is a synchronization: cu_seqlens_q given again
+    as cu_seqlens_k is read once, and a different array (or another total) still on its own."""
+    from flashx import validation
+
+    backend = Marker("only")
+    registry.register(backend)
+    reads = []
+    real = validation._cu_seqlens
+    monkeypatch.setattr(validation, "_cu_seqlens", lambda side, *rest: reads.append(side) or real(side, *rest))
+    q, k, v, cu_q, _ = varlen_inputs()
+    k, v = k[: q.shape[0]], v[: q.shape[0]]
+    flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q)
+    shared = backend.received[0]
+    flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q)  # the remembered plan's path
+    assert reads == ["q", "q"]
+    flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q.copy())
+    assert reads[2:] == ["q", "k"]
+    apart = backend.received[0]
+    assert (shared.seqlen_k, shared.total_k) == (apart.seqlen_k, apart.total_k) == (shared.seqlen_q, shared.total_q)
+    assert np.array_equal(shared.cu_seqlens_k, apart.cu_seqlens_k)
+
+
 # -- dispatch --------------------------------------------------------------------------------
 
 
