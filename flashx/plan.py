@@ -6,10 +6,11 @@ Three memories, each keyed on what its outcome depends on, never on an object's 
   version and the problem's ``static_key`` (what runs, not what it runs on: no array contents,
   no dropout seed), so calls with masks, lengths, drawn seeds or a KV cache choose once;
 - the plan (problem and backend) of an attention call, keyed on all of it but the call's own
-  fields: a repeated call without array options or a drawn seed reuses the plan as it is; one
-  with them (masks, lengths, offsets, slopes, sinks, descales, a seed to draw) checks and
-  converts just those (``validation.attention_fields``, shared with ``build_problem``), reading
-  lengths and offsets on the host as every call does, and draws its seed afresh;
+  fields: a repeated call without array options or dropout reuses the plan as it is; one with
+  them (masks, lengths, offsets, slopes, sinks, descales; with dropout its seed, given or to
+  draw, and RNG offset, which a training loop changes every step) checks and converts just
+  those (``validation.attention_fields``, shared with ``build_problem``), reading lengths and
+  offsets on the host as every call does, and draws a seed not given afresh;
 - the plan of a decoding call with ``validate=False`` but for its auxiliary arrays (lengths,
   tables, masks, slopes, sinks, descales): a decoding loop's steps differ in those alone, so a
   step checks and converts just them (``validation.decode_arrays``).
@@ -82,11 +83,10 @@ def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
 
 def _template(problem: Problem, impl: Backend, options: dict) -> tuple[Problem, Backend, bool]:
     """What ``plan`` remembers of a call: its problem, its backend, and whether a call of its key
-    brings fields of its own (arrays, a drawn seed). Such a problem is kept without its arrays,
+    brings fields of its own (arrays; with dropout, its seed and RNG offset). Such a problem is kept without its arrays,
     so that the memory holds on to none of a caller's data; its ``static_key``, which ``choose``
     has read, stays cached with the signatures of the arrays it had."""
-    owns_fields = options["seed"] is None and problem.dropout_p > 0 or any(
-        getattr(problem, name) is not None for name in Problem.ARRAYS)
+    owns_fields = problem.dropout_p > 0 or any(getattr(problem, name) is not None for name in Problem.ARRAYS)
     if owns_fields:
         problem = problem.holding(**dict.fromkeys(Problem.ARRAYS))
     return problem, impl, owns_fields
@@ -169,6 +169,10 @@ def _key(q, k, v, backend, options):
         pair = values[position]
         if not (pair is None or (type(pair) is tuple and all(type(side) is int for side in pair))):
             return None
+    dropout_p = values[_DROPOUT_POSITION]
+    if type(dropout_p) in (int, float) and dropout_p > 0:  # the seed and offset are the call's own
+        for position in _PER_CALL_POSITIONS:
+            values[position] = None
     operands = (arrays.signature(q), arrays.signature(k), arrays.signature(v))
     return dispatch.requested(backend), registry.version(), operands, tuple(values), types
 
@@ -177,6 +181,8 @@ _NAMES = list(OPTIONS)
 _ARRAY_POSITIONS = tuple(map(_NAMES.index, ARRAY_OPTIONS))
 _BLOCK_MASK_POSITION = _NAMES.index("block_mask")
 _PAIR_POSITIONS = tuple(map(_NAMES.index, ("window", "dropout_offsets")))  # options given as two ints
+_DROPOUT_POSITION = _NAMES.index("dropout_p")
+_PER_CALL_POSITIONS = tuple(map(_NAMES.index, Problem.PER_CALL))
 #: The types of the options that ``_key`` holds as they are, from the types of all of them.
 _scalar_types = operator.itemgetter(*sorted(set(range(len(_NAMES))) - {*_ARRAY_POSITIONS, _BLOCK_MASK_POSITION,
                                                                          *_PAIR_POSITIONS}))

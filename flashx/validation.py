@@ -105,7 +105,6 @@ def build_problem(q, k, v, **options) -> Problem:
         _number("softmax_scale", o.softmax_scale, _is_real, "a finite real number or None", math.isfinite)
     o.softcap, _, _ = _score_modifications(o.softcap, None, None, batch, heads_q, dtype, kind, device, device_index)
     _number("dropout_p", o.dropout_p, _is_real, "a number in [0, 1)", lambda x: 0 <= x < 1)
-    _number("rng_offset", o.rng_offset, _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
     o.dropout_offsets = (0, 0) if o.dropout_offsets is None else _dropout_offsets(o.dropout_offsets)
     fp8 = dtype in FP8_DTYPES
     if o.out_dtype is not None and not fp8:
@@ -131,7 +130,6 @@ def build_problem(q, k, v, **options) -> Problem:
         window=o.window,
         softcap=o.softcap,
         dropout_p=float(o.dropout_p),
-        rng_offset=int(o.rng_offset),
         dropout_offsets=o.dropout_offsets,
         deterministic=o.deterministic,
         out_dtype=out_dtype,
@@ -143,8 +141,9 @@ def attention_fields(problem: Problem, options: dict) -> dict:
     """The fields of an attention call's problem that are its own: its auxiliary arrays
     (``Problem.ARRAYS``), each checked against ``problem`` (its scalars and shapes checked) and
     converted as the contract states, lengths and offsets read on the host; its seed, drawn
-    afresh for dropout without one; and its ``seqlen_q``, ``seqlen_k``: ``problem``'s, or with
-    cu_seqlens the longest sequences they hold (or the max_seqlen hints, checked against those).
+    afresh for dropout without one, and its RNG offset (``Problem.PER_CALL``); and its
+    ``seqlen_q``, ``seqlen_k``: ``problem``'s, or with cu_seqlens the longest sequences they hold
+    (or the max_seqlen hints, checked against those).
 
     ``options`` holds every option (``flashx.options.complete``). Calls of one key of
     ``flashx.plan`` differ in these fields alone, so that a remembered plan runs just this."""
@@ -188,7 +187,8 @@ def attention_fields(problem: Problem, options: dict) -> dict:
         seed = _draw_seed(p.array_kind) if p.dropout_p > 0 else 0
     else:
         _number("seed", seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
-    fields["seed"] = int(seed)
+    _number("rng_offset", options["rng_offset"], _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
+    fields["seed"], fields["rng_offset"] = int(seed), int(options["rng_offset"])
     return fields
 
 

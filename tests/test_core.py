@@ -507,6 +507,8 @@ def array_option_calls():
                             for cu_q, cu_k in offsets]),
         "alibi and sinks": ((q, k, v), [{"alibi_slopes": RNG.random(4) + 0.1, "sinks": randn(4)} for _ in range(3)]),
         "dropout with a drawn seed": ((q, k, v), [{"dropout_p": 0.3}] * 3),
+        "dropout with a seed and offset a step": ((q, k, v), [{"dropout_p": 0.3, "seed": seed, "rng_offset": offset}
+                                                              for seed, offset in ((1, 0), (2, 64), (2, 2**63))]),
     }
 
 
@@ -525,7 +527,7 @@ def test_a_repeated_call_with_array_options_plans_once_and_equals_a_validated_ca
     for options in calls:
         o, res = flashx.attention_forward(q, k, v, causal=True, backend="numpy", **options)
         problem, impl = plan.plan(q, k, v, "numpy", flashx.options.complete("attention", dict(options, causal=True)))
-        seed = {"seed": res.seed} if "dropout_p" in options else {}
+        seed = {"seed": res.seed} if "dropout_p" in options and "seed" not in options else {}
         validated = validation.build_problem(q, k, v, causal=True, **options, **seed)
         assert problem.static_key == validated.static_key
         o_validated, lse_validated = run_forward(impl, validated, q, k, v)
@@ -536,32 +538,34 @@ def test_a_repeated_call_with_array_options_plans_once_and_equals_a_validated_ca
 
 
 def test_a_remembered_plan_still_refuses_wrong_lengths_and_masks():
-    """A call of a remembered plan's key, wrong only in its arrays' contents, meets the checks of a
-    first call; so does one whose arrays have another dtype or shape (another key)."""
+    """A call of a remembered plan's key, wrong only in its arrays' contents (or its seed and RNG
+    offset), meets the checks of a first call; so does one whose arrays have another dtype or shape (another key)."""
     from flashx import plan
 
     q, k, v = qkv(batch=2, seqlen_q=6, seqlen_k=7)
     packed = tuple(x.reshape(-1, *x.shape[2:]) for x in (q, k, v))  # 12 query rows, 14 key rows
     cu = np.array([0, 5, 12], np.int32)
     right = {"packed": dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7), "seqlens": dict(seqlens_q=np.array([6, 3], np.int32)),
-             "mask": dict(mask=RNG.random((2, 1, 6, 7)) < 0.5)}
+             "mask": dict(mask=RNG.random((2, 1, 6, 7)) < 0.5), "dropout": dict(dropout_p=0.2, seed=5, rng_offset=0)}
     wrong_contents = [
-        ("packed", dict(cu_seqlens_q=np.array([0, 7, 5], np.int32)),
+        ("packed", dict(cu_seqlens_q=np.array([0, 7, 5], np.int32)), flashx.ShapeError,
          r"cu_seqlens_q: expected offsets starting at 0, non-decreasing, ending at most at 12 \(rows of q\), "
          r"got \[0, 7, 5\]"),
-        ("packed", dict(cu_seqlens_k=np.array([1, 5, 12], np.int32)), "cu_seqlens_k: expected offsets starting at 0"),
-        ("packed", dict(cu_seqlens_k=np.array([0, 5, 15], np.int32)), r"ending at most at 14 \(rows of k\)"),
-        ("packed", dict(cu_seqlens_q=np.array([0, 8, 12], np.int32)),
+        ("packed", dict(cu_seqlens_k=np.array([1, 5, 12], np.int32)), flashx.ShapeError, "cu_seqlens_k: expected offsets starting at 0"),
+        ("packed", dict(cu_seqlens_k=np.array([0, 5, 15], np.int32)), flashx.ShapeError, r"ending at most at 14 \(rows of k\)"),
+        ("packed", dict(cu_seqlens_q=np.array([0, 8, 12], np.int32)), flashx.ShapeError,
          r"max_seqlen_q: expected an int >= the longest sequence \(8\), got 7"),
-        ("seqlens", dict(seqlens_q=np.array([7, 3], np.int32)), r"seqlens_q: expected lengths in \[0, 6\], got values from 3 to 7"),
-        ("seqlens", dict(seqlens_q=np.array([-1, 3], np.int32)), r"seqlens_q: expected lengths in \[0, 6\]"),
+        ("seqlens", dict(seqlens_q=np.array([7, 3], np.int32)), flashx.ShapeError, r"seqlens_q: expected lengths in \[0, 6\], got values from 3 to 7"),
+        ("seqlens", dict(seqlens_q=np.array([-1, 3], np.int32)), flashx.ShapeError, r"seqlens_q: expected lengths in \[0, 6\]"),
+        ("dropout", dict(seed=-1), flashx.OptionError, r"seed: expected an int in \[0, 2\*\*64\) or None, got -1"),
+        ("dropout", dict(rng_offset=2**64), flashx.OptionError, r"rng_offset: expected an int in \[0, 2\*\*64\)"),
     ]
-    for layout, options, message in wrong_contents:
+    for layout, options, error, message in wrong_contents:
         inputs = packed if layout == "packed" else (q, k, v)
         flashx.attention(*inputs, backend="numpy", **right[layout])
         call = dict(right[layout], **options)
         assert plan._key(*inputs, "numpy", flashx.options.complete("attention", call)) in plan._plans
-        with pytest.raises(flashx.ShapeError, match=message):
+        with pytest.raises(error, match=message):
             flashx.attention(*inputs, backend="numpy", **call)
     wrong_arrays = [
         ("packed", dict(cu_seqlens_q=cu.astype(np.float32)), flashx.DTypeError,
