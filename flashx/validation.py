@@ -387,11 +387,12 @@ def _draw_seed(kind: str) -> int:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    # the exact types first: an abstract class's isinstance costs a repeated call's checks more
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
