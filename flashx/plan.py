@@ -34,7 +34,8 @@ differ from the plan's: those lengths are part of what runs, so such a call's pr
 plan's with its own lengths, its backend chosen again (from the memory of choices).
 
 Only successes are stored, so a wrong call always meets every check and raises as before, and a
-repeated call's own fields meet the checks a first call's do. Decoding calls with
+repeated call's own fields meet the checks a first call's do, but for those whose outcome the key
+fixes (a mask's type, shape, dtype and device; without dropout, the seed and RNG offset). Decoding calls with
 ``validate=True`` are validated every time, since they read lengths and tables on the host.
 """
 
@@ -74,7 +75,7 @@ def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
     template, impl, owns_fields = found
     if not owns_fields:
         return template, impl
-    fields = attention_fields(template, options)
+    fields = attention_fields(template, options, key_checked=True)
     if (fields["seqlen_q"], fields["seqlen_k"]) != (template.seqlen_q, template.seqlen_k):
         problem = dataclasses.replace(template, **fields)  # packed sequences of other lengths: another static problem
         return problem, choose(problem, backend)
@@ -84,11 +85,12 @@ def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
 def _template(problem: Problem, impl: Backend, options: dict) -> tuple[Problem, Backend, bool]:
     """What ``plan`` remembers of a call: its problem, its backend, and whether a call of its key
     brings fields of its own (arrays; with dropout, its seed and RNG offset). Such a problem is kept without its arrays,
-    so that the memory holds on to none of a caller's data; its ``static_key``, which ``choose``
-    has read, stays cached with the signatures of the arrays it had."""
+    so that the memory holds on to none of a caller's data; its derived values (``static_key``,
+    ``features``, shapes), worked out before its arrays are dropped, stay with the signatures of
+    the arrays it had, and reach each call's copy (``Problem.holding``)."""
     owns_fields = problem.dropout_p > 0 or any(getattr(problem, name) is not None for name in Problem.ARRAYS)
     if owns_fields:
-        problem = problem.holding(**dict.fromkeys(Problem.ARRAYS))
+        problem = problem.with_derived_values().holding(**dict.fromkeys(Problem.ARRAYS))
     return problem, impl, owns_fields
 
 

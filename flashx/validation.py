@@ -137,21 +137,24 @@ def build_problem(q, k, v, **options) -> Problem:
     return dataclasses.replace(problem, **attention_fields(problem, vars(o)))
 
 
-def attention_fields(problem: Problem, options: dict) -> dict:
+def attention_fields(problem: Problem, options: dict, key_checked: bool = False) -> dict:
     """The fields of an attention call's problem that are its own: its auxiliary arrays
-    (``Problem.ARRAYS``), each checked against ``problem`` (its scalars and shapes checked) and
-    converted as the contract states, lengths and offsets read on the host; its seed, drawn
-    afresh for dropout without one, and its RNG offset (``Problem.PER_CALL``); and its
+    (``Problem.ARRAYS``; those given), each checked against ``problem`` (its scalars and shapes
+    checked) and converted as the contract states, lengths and offsets read on the host; its seed,
+    drawn afresh for dropout without one, and its RNG offset (``Problem.PER_CALL``); and its
     ``seqlen_q``, ``seqlen_k``: ``problem``'s, or with cu_seqlens the longest sequences they hold
     (or the max_seqlen hints, checked against those).
 
     ``options`` holds every option (``flashx.options.complete``). Calls of one key of
-    ``flashx.plan`` differ in these fields alone, so that a remembered plan runs just this."""
+    ``flashx.plan`` differ in these fields alone, so that a remembered plan runs just this. There
+    (``key_checked``) the call that made the plan has checked what the key holds, so the checks
+    that read nothing else are not made again: those of a mask's and a block mask's type, shape,
+    dtype and device, and, without dropout, of the seed and RNG offset, which the plan's problem
+    holds."""
     p = problem
     like_q = (p.array_kind, p.device, p.device_index)
     given = {name: arrays.resolved(options[name]) for name in ARRAY_OPTIONS if options[name] is not None}
-    fields = dict.fromkeys(Problem.ARRAYS)
-    fields.update(given, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
+    fields = dict(given, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
     if p.total_q is not None:  # packed (read from the totals: ``problem`` may hold no cu_seqlens)
         fields["cu_seqlens_q"], fields["seqlen_q"] = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
                                                                  options["max_seqlen_q"], *like_q)
@@ -166,29 +169,31 @@ def attention_fields(problem: Problem, options: dict) -> dict:
     if "seqlens_k" in given:
         fields["seqlens_k"] = _seqlens("seqlens_k", given["seqlens_k"], p.batch, p.seqlen_k, *like_q)
     score_shape = (p.batch, p.heads_q, fields["seqlen_q"], fields["seqlen_k"])
-    if "mask" in given:
+    if "mask" in given and not key_checked:
         _bool_broadcastable("mask", given["mask"], score_shape, *like_q)
     block_mask = options["block_mask"]
     if block_mask is not None:
         if arrays.resolved(block_mask.blocks) is not block_mask.blocks:
             block_mask = BlockMask(arrays.resolved(block_mask.blocks), block_mask.block_size)
-        bq, bk = block_mask.block_size
-        grid = (*score_shape[:2], -(-score_shape[2] // bq), -(-score_shape[3] // bk))
-        _bool_broadcastable("block_mask.blocks", block_mask.blocks, grid, *like_q)
+        if not key_checked:
+            bq, bk = block_mask.block_size
+            grid = (*score_shape[:2], -(-score_shape[2] // bq), -(-score_shape[3] // bk))
+            _bool_broadcastable("block_mask.blocks", block_mask.blocks, grid, *like_q)
         fields["block_mask"] = block_mask
     if "alibi_slopes" in given or "sinks" in given:
         _, fields["alibi_slopes"], fields["sinks"] = _score_modifications(
-            None, fields["alibi_slopes"], fields["sinks"], p.batch, p.heads_q, p.dtype, *like_q)
+            None, given.get("alibi_slopes"), given.get("sinks"), p.batch, p.heads_q, p.dtype, *like_q)
     if not given.keys().isdisjoint(DESCALES):
-        fields.update(_descales({name: fields[name] for name in DESCALES}, p.fp8,
+        fields.update(_descales({name: given.get(name) for name in DESCALES}, p.fp8,
                                 f"{_FP8_INPUTS}, got q of dtype {p.dtype}", p.batch, p.heads_k, *like_q))
-    seed = options["seed"]
-    if seed is None:
-        seed = _draw_seed(p.array_kind) if p.dropout_p > 0 else 0
-    else:
-        _number("seed", seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
-    _number("rng_offset", options["rng_offset"], _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
-    fields["seed"], fields["rng_offset"] = int(seed), int(options["rng_offset"])
+    if p.dropout_p > 0 or not key_checked:
+        seed = options["seed"]
+        if seed is None:
+            seed = _draw_seed(p.array_kind) if p.dropout_p > 0 else 0
+        else:
+            _number("seed", seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
+        _number("rng_offset", options["rng_offset"], _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
+        fields["seed"], fields["rng_offset"] = int(seed), int(options["rng_offset"])
     return fields
 
 
@@ -377,16 +382,17 @@ def _draw_seed(kind: str) -> int:
     if kind == "torch":
         import torch
 
-        return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
+        return torch.randint(2**63 - 1, (), dtype=torch.int64).item()
     return secrets.randbits(64)
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    # the exact types first: an abstract class's isinstance costs a repeated call's checks more
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
