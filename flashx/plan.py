@@ -84,10 +84,10 @@ def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
 
 def _template(problem: Problem, impl: Backend, options: dict) -> tuple[Problem, Backend, bool]:
     """What ``plan`` remembers of a call: its problem, its backend, and whether a call of its key
-    brings fields of its own (arrays; with dropout, its seed and RNG offset). Such a problem is kept without its arrays,
-    so that the memory holds on to none of a caller's data; its derived values (``static_key``,
-    ``features``, shapes), worked out before its arrays are dropped, stay with the signatures of
-    the arrays it had, and reach each call's copy (``Problem.holding``)."""
+    brings fields of its own (arrays; with dropout, its seed and RNG offset). Such a problem is
+    kept without its arrays, so that the memory holds on to none of a caller's data; its derived
+    values (``static_key``, ``features``, shapes), worked out before its arrays are dropped, stay
+    with the signatures of the arrays it had, and reach each call's copy (``Problem.holding``)."""
     owns_fields = problem.dropout_p > 0 or any(getattr(problem, name) is not None for name in Problem.ARRAYS)
     if owns_fields:
         problem = problem.with_derived_values().holding(**dict.fromkeys(Problem.ARRAYS))
@@ -101,10 +101,11 @@ def plan_decode(q, k_cache, v_cache, backend, keywords: dict) -> tuple[DecodePro
     found = _decode_plans.get(key) if key is not None else None
     if found is None:
         problem = build_decode_problem(q, k_cache, v_cache, **keywords)
-        found = problem, choose(problem, backend)
-        if key is not None:
-            _remember(_decode_plans, key, found)
-        return found
+        impl = choose(problem, backend)
+        if key is not None:  # kept without the call's arrays, as ``_template`` keeps a prefill problem
+            _remember(_decode_plans, key, (problem.with_derived_values().holding(**dict.fromkeys(DecodeProblem.ARRAYS)),
+                                           impl))
+        return problem, impl
     template, impl = found
     return template.holding(**decode_arrays(template, **{name: keywords[name] for name in DecodeProblem.ARRAYS})), impl
 
