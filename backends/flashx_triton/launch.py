@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.arguments import mask_tensors
 from flashx_triton.dropout import dropout_args
 
 
@@ -48,10 +47,10 @@ def per_problem(problem, key, build):
 def call_args(problem) -> tuple:
     """The kernel arguments that change from call to call of one static problem, which kernels
     take right after their own tensors: the optional tensors CU_Q, CU_K, SEQLENS_Q, SEQLENS_K,
-    MASK, BLOCKS (None where absent; masks broadcast to (B, Hq, ., .)), SLOPES and SINKS, and
-    ``dropout`` (``dropout_args``)."""
-    mask, blocks = mask_tensors(problem)
-    return (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k, mask, blocks,
+    MASK, BLOCKS (None where absent; masks as given, read through the strides of their broadcast,
+    ``mask_layout``), SLOPES and SINKS, and ``dropout`` (``dropout_args``)."""
+    blocks = problem.block_mask.blocks if problem.block_mask is not None else None
+    return (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k, problem.mask, blocks,
             problem.alibi_slopes, problem.sinks, dropout_args(problem))
 
 
