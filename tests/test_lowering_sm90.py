@@ -146,7 +146,9 @@ def test_fp8_forward_lowers_to_fp8_tensor_cores_with_vector_copies(compiled, cau
 
 def test_fp8_cache_decoding_with_new_tokens_lowers(compiled, lowered):
     """An e4m3 cache: the append quantizes by an explicit saturation and the saturating
-    conversion, and the split kernel widens 128-key tiles that cp.async copies 16 bytes at a time."""
+    conversion, and the split kernel widens 128-key tiles that cp.async copies 16 bytes at a time,
+    without Triton's one-per-element F2F to bfloat16; V's tile reaches its product with P as 16-bit
+    values through ldmatrix.trans, never read from shared memory byte by byte."""
     from flashx_triton import TritonBackend
 
     generator = torch.Generator().manual_seed(0)
@@ -161,6 +163,8 @@ def test_fp8_cache_decoding_with_new_tokens_lowers(compiled, lowered):
     append, split = (kernel.asm["ptx"] for kernel in compiled[:2])
     assert "cvt.rn.satfinite.e4m3x2.f32" in append and "0f43E00000" in append  # 448
     assert "cp.async.cg.shared.global" in split and "cvt.rn.f16x2.e4m3x2" in split
+    assert "cvt.bf16.f16" not in split and "cvt.rn.bf16x2.f32" in split
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in split and "ld.shared.b8" not in split
 
 
 def test_paged_decoding_with_new_tokens_lowers(lowered):

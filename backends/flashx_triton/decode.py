@@ -48,10 +48,13 @@ An FP8 cache takes 128 keys (64 for more than 16 rows), 8 warps and 4 stages (3 
 timed on a GPU: a key takes half the bytes, so 64-key tiles keep half the bytes in flight that
 held the copy bandwidth in 16 bits (the first FP8 decoder, with them, read 0.41x the bytes a
 second of the bfloat16 cache's). 128 keys hold as many bytes per tile as 16 bits' 64, one more
-stage keeps more in flight, and 8 warps share the widening of each tile to 16 bits (its V through
-single-byte shared loads, as the 16-bit tensor-core operand wants V's keys paired where the cache
-holds features together); each compiles for sm_90 without spilling, where 128 keys under 32 or
-64 rows spilled.
+stage keeps more in flight, and 8 warps share the widening of each tile to 16 bits
+(``flashx_triton.fp8.cache_values``); each compiles for sm_90 without spilling, where 128 keys
+under 32 or 64 rows spilled. Widening, not memory, bounds an FP8 cache's tiles: V is widened in
+the layout it is loaded in (features contiguous) and reaches its product with P through shared
+memory as 16-bit values, read by ldmatrix.trans, since the tensor-core operand wants V's keys in
+pairs where the cache holds features together, and widened in that operand's layout its bytes are
+read from shared memory one at a time.
 """
 
 from __future__ import annotations
@@ -114,9 +117,10 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
         k_ptrs = K_HEAD + (page * stride_kp + slot * stride_ks)[:, None] + dims[None, :] * stride_kd
         v_ptrs = V_HEAD + (page * stride_vp + slot * stride_vs)[:, None] + dims_v[None, :] * stride_vd
         if MASKED:
-            k = cache_values(tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0), q.dtype, FP8)
+            k = cache_values(tl.load(k_ptrs, mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0), q.dtype, FP8,
+                             False)
             v = cache_values(tl.load(v_ptrs, mask=used[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0), q.dtype,
-                             FP8)
+                             FP8, True)
             position = diag + i  # each row's query position among the keys
             ok = (valid[:, None] & used[None, :] & (cols[None, :] >= position[:, None] - left)
                   & (cols[None, :] <= position[:, None] + right))
@@ -136,8 +140,8 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = masked_dot(p.to(v.dtype), v, ok, acc * alpha[:, None], True, DOT_PRECISION)
         else:
-            k = cache_values(tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0), q.dtype, FP8)
-            v = cache_values(tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0), q.dtype, FP8)
+            k = cache_values(tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0), q.dtype, FP8, False)
+            v = cache_values(tl.load(v_ptrs, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0), q.dtype, FP8, True)
             s, _ = modified_scores(dot(q, tl.trans(k), None, DOT_PRECISION), i[:, None], cols[None, :], scale_log2,
                                    rule, SOFTCAP, ALIBI, FAST_TANH)
             m_new = tl.maximum(m_i, tl.max(s, 1))

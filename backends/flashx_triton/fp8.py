@@ -7,7 +7,8 @@ hardware's conversion (round to nearest even, saturating), and V's tile is read 
 contiguous, as Hopper's FP8 tensor-core product wants its second operand (``keys_contiguous``),
 16 bytes at a time in every tile, masked ones too (``readable_keys``). Tiles are wider and
 pipelines deeper than in 16 bits (``flashx_triton.tuning.FORWARD_FP8``; decoding's in
-``flashx_triton.decode.config``), as a key takes half the bytes.
+``flashx_triton.decode.config``), as a key takes half the bytes. A decoding cache's FP8 tiles are
+widened to the queries' 16-bit dtype instead (``cache_values``), which holds every e4m3 value.
 
 Triton's interpreter (3.9) converts FP8 through a generic bit routine that gets it wrong: e4m3's
 NaN reads as 480, e5m2's infinities and NaN as finite numbers, and a float rounded to e4m3 may
@@ -102,13 +103,57 @@ def quantized_e4m3(x, EMULATED: tl.constexpr):
 
 
 @triton.jit
-def cache_values(x, dtype: tl.constexpr, FP8: tl.constexpr):
+def cache_values(x, dtype: tl.constexpr, FP8: tl.constexpr, KEEP_LAYOUT: tl.constexpr):
     """A tile of a decoding cache in the queries' 16-bit ``dtype``: an FP8 cache's widened (exact:
-    bfloat16 and float16 hold every e4m3 value), any other as loaded."""
-    if FP8 != "":
-        return widened(x, FP8 == "emulated").to(dtype)
+    bfloat16 and float16 hold every e4m3 value), any other as loaded.
+
+    On the GPU an e4m3 tile is widened four bytes at a time by ``_e4m3_widened``. KEEP_LAYOUT
+    widens it in the layout it is loaded in, so that a tile whose keys the tensor cores want
+    paired (V's, features contiguous) reaches its product as 16-bit values, through
+    ldmatrix.trans, rather than as bytes read one at a time from shared memory."""
+    if FP8 == "native":
+        return _e4m3_widened(x, dtype, KEEP_LAYOUT)
+    elif FP8 == "emulated":
+        return widened(x, True).to(dtype)
     else:
         return x
+
+
+@triton.jit
+def _e4m3_widened(x, dtype: tl.constexpr, KEEP_LAYOUT: tl.constexpr):
+    """An e4m3 tile in float16 or bfloat16, by sm_89+'s pair conversion to float16 (NaN kept) and,
+    for bfloat16, through float32: float16 to float32 on the FMA pipe and a pair rounding to
+    bfloat16, exact, where Triton's own conversion takes one F2F per element (16 a clock per SM
+    on sm_90 in the CUDA guide's table, a quarter of the integer ALU's rate).
+
+    Triton moves a dot operand's layout change up through pure one-operand inline asm, to the
+    tile's load; a tile that must keep its loaded layout (KEEP_LAYOUT) is widened by asm marked
+    impure, which it leaves in place."""
+    bits = x.to(tl.uint8, bitcast=True)
+    if dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("""{
+        .reg .b16 pair<2>, half<4>;
+        .reg .b32 halves<2>;
+        .reg .f32 single<4>;
+        mov.b32 {pair0, pair1}, $2;
+        cvt.rn.f16x2.e4m3x2 halves0, pair0;
+        cvt.rn.f16x2.e4m3x2 halves1, pair1;
+        mov.b32 {half0, half1}, halves0;
+        mov.b32 {half2, half3}, halves1;
+        cvt.f32.f16 single0, half0;
+        cvt.f32.f16 single1, half1;
+        cvt.f32.f16 single2, half2;
+        cvt.f32.f16 single3, half3;
+        cvt.rn.bf16x2.f32 $0, single1, single0;
+        cvt.rn.bf16x2.f32 $1, single3, single2;
+        }""", "=r,=r,r", [bits], dtype=tl.bfloat16, is_pure=not KEEP_LAYOUT, pack=4)
+    else:
+        return tl.inline_asm_elementwise("""{
+        .reg .b16 pair<2>;
+        mov.b32 {pair0, pair1}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, pair0;
+        cvt.rn.f16x2.e4m3x2 $1, pair1;
+        }""", "=r,=r,r", [bits], dtype=tl.float16, is_pure=not KEEP_LAYOUT, pack=4)
 
 
 @triton.jit
