@@ -132,7 +132,7 @@ def test_the_band_parts_left_out_of_a_kernel_never_hold_a_tile(nq, nk, options):
     tile = 32
     for keys in (False, True):
         rows, other = (k_lengths, q_lengths) if keys else (q_lengths, k_lengths)
-        near, far = args["band"][::-1] if keys else args["band"]
+        near, far = (args["right"], args["left"]) if keys else (args["left"], args["right"])
         tiles = math.ceil((nk if keys else nq) / tile)
         sizes = torch.empty(rows.numel(), tiles, 3, dtype=torch.int32)
         band_part_sizes[(tiles, rows.numel())](sizes, rows.flatten().int(), other.flatten().int(), near, far, tile,
