@@ -12,6 +12,7 @@ chosen when a kernel is decorated.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -178,12 +179,14 @@ def test_paged_decoding_with_new_tokens_lowers(lowered):
     assert len(lowered) == 3  # append, split, merge
 
 
-def test_lengths_and_band_reaches_compile_no_variants_of_their_own(lowered, monkeypatch):
-    """A ring calls the kernels on many chunk lengths and bands (``flashx.ring``): each kernel
-    compiles once per set of constexprs and options whatever its lengths and band reaches
-    (``flashx_triton.arguments.LENGTHS``), where Triton would compile one per class of each (1, a
-    multiple of 16, neither). Each launch is keyed by Triton's JIT, which is then told not to
-    compile (``jit_cache_hook``)."""
+def test_lengths_band_reaches_and_dropout_draws_compile_no_variants_of_their_own(lowered, monkeypatch):
+    """A ring calls the kernels on many chunk lengths and bands, and with dropout each of its
+    steps draws at its own offsets (``flashx.ring``); a training loop draws a new seed every
+    step. Each kernel compiles once per set of constexprs and options whatever its lengths, band
+    reaches and dropout draw (``flashx_triton.arguments.LENGTHS``,
+    ``flashx_triton.dropout.DROPOUT_DRAW``), where Triton would compile one per class of each (1,
+    a multiple of 16, neither; i32 or i64). Each launch is keyed by Triton's JIT, which is then
+    told not to compile (``jit_cache_hook``)."""
     from flashx_triton import TritonBackend, launch
     from triton import knobs
 
@@ -210,5 +213,11 @@ def test_lengths_and_band_reaches_compile_no_variants_of_their_own(lowered, monk
             problem = build_problem(q, k, v, window=window)
             o, lse = backend.forward(problem, q, k, v)
             backend.backward(problem, q, k, v, o, lse, torch.randn_like(o))
+    q, k, v = _inputs(seqlen=1000, head_dim=64)
+    draws = ((0, (0, 0)), (1, (1, 16)), (2**31 + 1, (17, 1000)))  # rng_offset, dropout_offsets
+    for seed, (rng_offset, offsets) in itertools.product((1, 2**36 + 16, 2**64 - 1), draws):
+        problem = build_problem(q, k, v, dropout_p=0.1, seed=seed, rng_offset=rng_offset, dropout_offsets=offsets)
+        o, lse = backend.forward(problem, q, k, v)
+        backend.backward(problem, q, k, v, o, lse, torch.randn_like(o))
     assert {name for name, _ in variants} == {"_forward_kernel", "_prepare_kernel", "_gradients_kernel"}
     assert len(variants) == len(option_sets)

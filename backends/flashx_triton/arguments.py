@@ -24,7 +24,8 @@ LENGTHS = ("padded_q", "padded_k", "left", "right", "stride_lb", "stride_lh")
 def problem_args(problem) -> dict:
     """The kernel arguments that describe the static problem rather than one tensor or one call:
     the scalars padded_q, padded_k, heads_q, group, left and right (``LENGTHS`` but the heads,
-    which are the model's), the group ``masks`` (``mask_layout``), and the constexprs."""
+    which are the model's), the groups ``masks`` (``mask_layout``) and ``dropout_rate`` (the draw
+    below which a pair is dropped, and 1 / (1 - p): ``dropout.dropout_state``), and the constexprs."""
     varlen = problem.varlen
     left, right = problem.band_reach
     args = dict(
@@ -38,7 +39,8 @@ def problem_args(problem) -> dict:
         **tile_widths(problem.head_dim, problem.head_dim_v),
         DOT_PRECISION=dot_precision(problem.dtype),
     )
-    args.update(mask_layout(problem), DROPOUT=problem.dropout_p > 0)
+    args.update(mask_layout(problem), DROPOUT=problem.dropout_p > 0,
+                dropout_rate=(problem.dropout_threshold, problem.dropout_scale))
     return args
 
 

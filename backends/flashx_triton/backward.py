@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.arguments import LENGTHS, problem_args
-from flashx_triton.dropout import dropout_keep, kept_scale
+from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep, dropout_state, kept_scale
 from flashx_triton.launch import (Launch, Passes, call_args, call_layout, flag_nonfinite, layout, next_program,
                                   per_problem, program_share)
 from flashx_triton.loads import (allow_kernel_descriptors, head_descriptors, last_dim_contiguous, load_rows,
@@ -396,14 +396,16 @@ def _dq_program(
                  mask=(rows[:, None] < rows_out) & (dims[None, :] < HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["programs", *LENGTHS])  # Passes's program count, LENGTHS: one compile for any
+# Passes's program count, LENGTHS and DROPOUT_DRAW: one compile for any
+@triton.jit(do_not_specialize=["programs", *LENGTHS, *DROPOUT_DRAW])
 def _gradients_kernel(
     Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS, dropout,  # each call's own (call_args)
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS,  # each call's own (call_args)
+    seed_lo, seed_hi, rng_offset, row0, key0,  # each call's own too (call_args: DROPOUT_DRAW)
     REDO,  # Passes's flags (None: one launch)
     strides, stride_lb, stride_lh,  # (batch, row, head) of q, k, v, do, dq, dk, dv; (batch, head) of LSE2 and DELTA
     padded_q, padded_k, heads_q, group, left, right,  # problem_args
-    masks, scales, mods, programs,  # groups of scalars (problem_args, score_mod_args); scales: (scale, in log2)
+    masks, dropout_rate, scales, mods, programs,  # groups (problem_args, score_mod_args); scales: (scale, in log2)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -417,6 +419,7 @@ def _gradients_kernel(
     query tiles of its query heads (dQ; if QUERY_PROGRAMS). Each program keeps TILE rows resident
     and streams the other axis STREAM rows at a time; the first key tiles and the last query tiles,
     which a causal band gives the most work, start first. Either part alone is the same kernel."""
+    dropout = dropout_state(seed_lo, seed_hi, rng_offset, row0, key0, dropout_rate)
     key_tiles = tl.cdiv(padded_k, TILE) if KEY_PROGRAMS else 0
     query_tiles = tl.cdiv(padded_q, TILE)
     per_head = key_tiles + (group * query_tiles if QUERY_PROGRAMS else 0)
@@ -465,7 +468,7 @@ def backward(problem, q, k, v, o, lse, do):
     prepare(o, do, lse, delta, lse2, problem.cu_seqlens_q, problem.seqlens_q, sinks, sink_terms)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    dq, dk, dv = gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call)
+    dq, dk, dv = gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call.values())
     if sinks is None:
         return dq, dk, dv
     # dsinks[h] = -(sum of its rows' terms): lse's head axis is its second-to-last
