@@ -1,22 +1,27 @@
 """Planning a call of either operation: its validated problem and its chosen backend, remembered.
 
-Two memories, each keyed on what its outcome depends on, never on an object's identity:
+Three memories, each keyed on what its outcome depends on, never on an object's identity:
 
 - the choice of a backend, for every operation: keyed on the requested backend, the registry's
   version and the problem's ``static_key`` (what runs, not what it runs on: no array contents,
   no dropout seed), so calls with masks, lengths, drawn seeds or a KV cache choose once;
-- the whole plan (problem and backend) of an attention call without array options, whose
-  validation itself is skipped when it repeats;
+- the plan (problem and backend) of an attention call, keyed on all of it but the call's own
+  fields: a repeated call without array options or dropout reuses the plan as it is; one with
+  them (masks, lengths, offsets, slopes, sinks, descales; with dropout its seed, given or to
+  draw, and RNG offset, which a training loop changes every step) checks and converts just
+  those (``validation.attention_fields``, shared with ``build_problem``), reading lengths and
+  offsets on the host as every call does, and draws a seed not given afresh;
 - the plan of a decoding call with ``validate=False`` but for its auxiliary arrays (lengths,
   tables, masks, slopes, sinks, descales): a decoding loop's steps differ in those alone, so a
   step checks and converts just them (``validation.decode_arrays``).
 
 Benchmarks and training loops call ``attention`` again and again with arrays of the same
 shapes and the same options; at short sequences, validating and dispatching each time
-would cost more than the kernel. A whole plan depends only on what its key holds:
+would cost more than the kernel. An attention plan depends only on what its key holds:
 
-- of q, k and v: type, shape, dtype and device (validation and dispatch read nothing else;
-  strides and contents reach the backend with each call's own arrays),
+- of q, k, v and each array option: type, shape, dtype and device (validation and dispatch read
+  nothing else of q, k and v, and check an array option's contents with each call; strides and
+  contents reach the backend with each call's own arrays), and a block mask's block size,
 - the scalar options with their types (``causal=1`` is an error where ``causal=True`` is
   not, and ``1 == True`` in Python),
 - the backend name once ``use_backend`` and ``FLASHX_BACKEND`` are applied, and the
@@ -24,42 +29,69 @@ would cost more than the kernel. A whole plan depends only on what its key holds
   ``available()`` and ``supports()`` are taken to answer alike for problems of one static key:
   they read shapes and options, never an array's contents (the contract's Backend plugins section).
 
-Only successes are stored, so a wrong call always meets every check and raises as before.
-Calls with array options (masks, seqlens, ...) are validated every time, since their
-contents matter, and so are calls that draw a dropout seed, which must be fresh; decoding calls
-with ``validate=True`` are validated every time, since they read lengths and tables on the host.
+The exception is packed sequences (cu_seqlens) whose longest lengths, read from the offsets,
+differ from the plan's: those lengths are part of what runs, so such a call's problem is the
+plan's with its own lengths, its backend chosen again (from the memory of choices).
+
+Only successes are stored, so a wrong call always meets every check and raises as before, and a
+repeated call's own fields meet the checks a first call's do, but for those whose outcome the key
+fixes (a mask's type, shape, dtype and device; without dropout, the seed and RNG offset). Decoding calls with
+``validate=True`` are validated every time, since they read lengths and tables on the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
+
 from flashx import arrays, dispatch, registry
 from flashx.backend import Backend
-from flashx.problem import BaseProblem, DecodeProblem, Problem
-from flashx.validation import build_decode_problem, build_problem, decode_arrays
+from flashx.options import OPTIONS
+from flashx.problem import BaseProblem, BlockMask, DecodeProblem, Problem
+from flashx.validation import ARRAY_OPTIONS, attention_fields, build_decode_problem, build_problem, decode_arrays
 
 _SCALARS = frozenset({type(None), bool, int, float, str})  # str: out_dtype by name
-_PAIRS = ("window", "dropout_offsets")  # options given as a tuple of two ints
 _LIMIT = 256  # distinct calls remembered; past it the cache starts again empty
 
-_plans: dict[tuple, tuple[Problem, Backend]] = {}
+_plans: dict[tuple, tuple[Problem, Backend, bool]] = {}  # _template's
 _decode_plans: dict[tuple, tuple[DecodeProblem, Backend]] = {}
 _choices: dict[tuple, Backend] = {}
 
 
 def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
-    """``build_problem`` then ``dispatch.choose``, or their result for an identical earlier call.
+    """``build_problem`` then ``dispatch.choose``, or for a call of the same key as an earlier one,
+    that call's plan holding this call's own fields (``validation.attention_fields``).
 
     ``options`` holds every option (``flashx.options.complete``), in the declared order.
     """
     key = _key(q, k, v, backend, options)
     found = _plans.get(key) if key is not None else None
-    if found is not None:
-        return found
-    problem = build_problem(q, k, v, **options)
-    found = problem, choose(problem, backend)
-    if key is not None:
-        _remember(_plans, key, found)
-    return found
+    if found is None:
+        problem = build_problem(q, k, v, **options)
+        impl = choose(problem, backend)
+        if key is not None:
+            _remember(_plans, key, _template(problem, impl, options))
+        return problem, impl
+    template, impl, owns_fields = found
+    if not owns_fields:
+        return template, impl
+    fields = attention_fields(template, options, key_checked=True)
+    if (fields["seqlen_q"], fields["seqlen_k"]) != (template.seqlen_q, template.seqlen_k):
+        problem = dataclasses.replace(template, **fields)  # packed sequences of other lengths: another static problem
+        return problem, choose(problem, backend)
+    return template.holding(**fields), impl
+
+
+def _template(problem: Problem, impl: Backend, options: dict) -> tuple[Problem, Backend, bool]:
+    """What ``plan`` remembers of a call: its problem, its backend, and whether a call of its key
+    brings fields of its own (arrays; with dropout, its seed and RNG offset). Such a problem is
+    kept without its arrays, so that the memory holds on to none of a caller's data; its derived
+    values (``static_key``, ``features``, shapes), worked out before its arrays are dropped, stay
+    with the signatures of the arrays it had, and reach each call's copy (``Problem.holding``)."""
+    owns_fields = problem.dropout_p > 0 or any(getattr(problem, name) is not None for name in Problem.ARRAYS)
+    if owns_fields:
+        problem = problem.with_derived_values().holding(**dict.fromkeys(Problem.ARRAYS))
+    return problem, impl, owns_fields
 
 
 def plan_decode(q, k_cache, v_cache, backend, keywords: dict) -> tuple[DecodeProblem, Backend]:
@@ -69,10 +101,11 @@ def plan_decode(q, k_cache, v_cache, backend, keywords: dict) -> tuple[DecodePro
     found = _decode_plans.get(key) if key is not None else None
     if found is None:
         problem = build_decode_problem(q, k_cache, v_cache, **keywords)
-        found = problem, choose(problem, backend)
-        if key is not None:
-            _remember(_decode_plans, key, found)
-        return found
+        impl = choose(problem, backend)
+        if key is not None:  # kept without the call's arrays, as ``_template`` keeps a prefill problem
+            _remember(_decode_plans, key, (problem.with_derived_values().holding(**dict.fromkeys(DecodeProblem.ARRAYS)),
+                                           impl))
+        return problem, impl
     template, impl = found
     return template.holding(**decode_arrays(template, **{name: keywords[name] for name in DecodeProblem.ARRAYS})), impl
 
@@ -118,18 +151,41 @@ def _remember(memory: dict, key, value):
 
 
 def _key(q, k, v, backend, options):
-    """Everything the outcome depends on, or None when the call must be checked in full."""
-    options = dict(options)
-    pairs = tuple(options.pop(name) for name in _PAIRS)
-    values = tuple(options.values())
+    """Everything the outcome depends on but the call's own fields (``validation.attention_fields``),
+    arrays by their signatures; None when the call must be checked in full."""
+    values = [*options.values()]
     types = tuple(map(type, values))
-    cacheable = (
-        isinstance(backend, str)
-        and _SCALARS.issuperset(types)  # not with an array option, nor a number of another type
-        and all(pair is None or (type(pair) is tuple and all(type(side) is int for side in pair)) for pair in pairs)
-        and (options["seed"] is not None or options["dropout_p"] == 0)  # else a seed is drawn
-    )
-    if not cacheable:
-        return None
-    signatures = (arrays.signature(q), arrays.signature(k), arrays.signature(v))
-    return dispatch.requested(backend), registry.version(), signatures, pairs, values, types
+    if not isinstance(backend, str) or not _SCALARS.issuperset(_scalar_types(types)):
+        return None  # a number of another type: checked in full, it may be an error
+    for position in _ARRAY_POSITIONS:
+        x = values[position]
+        if x is not None:
+            values[position] = signature = arrays.signature(x)
+            if signature is None:
+                return None  # not an array: validation says what is wrong
+    block_mask = values[_BLOCK_MASK_POSITION]
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask) or arrays.signature(block_mask.blocks) is None:
+            return None
+        values[_BLOCK_MASK_POSITION] = arrays.signature(block_mask.blocks), block_mask.block_size
+    for position in _PAIR_POSITIONS:
+        pair = values[position]
+        if not (pair is None or (type(pair) is tuple and all(type(side) is int for side in pair))):
+            return None
+    dropout_p = values[_DROPOUT_POSITION]
+    if type(dropout_p) in (int, float) and dropout_p > 0:  # the seed and offset are the call's own
+        for position in _PER_CALL_POSITIONS:
+            values[position] = None
+    operands = (arrays.signature(q), arrays.signature(k), arrays.signature(v))
+    return dispatch.requested(backend), registry.version(), operands, tuple(values), types
+
+
+_NAMES = list(OPTIONS)
+_ARRAY_POSITIONS = tuple(map(_NAMES.index, ARRAY_OPTIONS))
+_BLOCK_MASK_POSITION = _NAMES.index("block_mask")
+_PAIR_POSITIONS = tuple(map(_NAMES.index, ("window", "dropout_offsets")))  # options given as two ints
+_DROPOUT_POSITION = _NAMES.index("dropout_p")
+_PER_CALL_POSITIONS = tuple(map(_NAMES.index, Problem.PER_CALL))
+#: The types of the options that ``_key`` holds as they are, from the types of all of them.
+_scalar_types = operator.itemgetter(*sorted(set(range(len(_NAMES))) - {*_ARRAY_POSITIONS, _BLOCK_MASK_POSITION,
+                                                                         *_PAIR_POSITIONS}))

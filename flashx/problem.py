@@ -10,7 +10,6 @@ threshold, the seed's words, the head-dim class) is derived here, once.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -165,14 +164,22 @@ class BaseProblem:
             "sinks": self.sinks is not None,
         }
 
-    def holding(self, **auxiliary):
-        """A copy holding other auxiliary arrays (``ARRAYS``), checked by the caller; what the
-        original cached of its fields (``static_key``, ``features``) is copied, so arrays given
-        after that must have the signatures (type, shape, dtype, device) it saw."""
-        clone = copy.copy(self)
-        for name, value in auxiliary.items():
-            object.__setattr__(clone, name, value)
+    def holding(self, **fields):
+        """A copy holding other values of the fields a call brings of its own (auxiliary arrays
+        ``ARRAYS``, per-call fields ``PER_CALL``), checked by the caller; what the original cached
+        of its fields (``static_key``, ``features``) is copied, so arrays given must have the
+        signatures (type, shape, dtype, device) it saw, and any other field its value."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__, **fields)  # as object.__setattr__ would, field by field
         return clone
+
+    def with_derived_values(self):
+        """Itself, every derived value (each ``functools.cached_property``) worked out: a problem
+        kept for repeated calls hands them to each copy ``holding`` makes, which would otherwise
+        work them out again on every call (under the lock Python 3.11 takes for each)."""
+        for name in _derived_values(type(self)):
+            getattr(self, name)
+        return self
 
     def with_arrays(self, convert: Callable[[str, Any], Any]):
         """A copy whose auxiliary arrays (``ARRAYS``) went through ``convert(name, array)``;
@@ -427,6 +434,13 @@ def _key_fields(cls) -> tuple[tuple[str, bool], ...]:
     """(name, is an auxiliary array) of each field of a problem class that ``static_key`` holds."""
     return tuple((field.name, field.name in cls.ARRAYS) for field in dataclasses.fields(cls)
                  if field.name not in cls.PER_CALL)
+
+
+@functools.cache
+def _derived_values(cls) -> tuple[str, ...]:
+    """The names of a problem class's derived values (``with_derived_values``)."""
+    return tuple(name for klass in cls.__mro__ for name, value in vars(klass).items()
+                 if isinstance(value, functools.cached_property))
 
 
 def head_dim_class(dim: int) -> int:

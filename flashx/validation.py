@@ -9,6 +9,7 @@ FP8 descales: a zero, negative or NaN one would silently void every score of its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import secrets
@@ -33,16 +34,17 @@ U64 = 2**64
 ARRAY_OPTIONS = ("alibi_slopes", "sinks", "mask", "seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k",
                  "q_descale", "k_descale", "v_descale")
 DESCALES = ("q_descale", "k_descale", "v_descale")
+_FP8_INPUTS = f"FP8 inputs ({', '.join(sorted(FP8_DTYPES))})"
 INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
 def build_problem(q, k, v, **options) -> Problem:
-    """Every argument checked once; ``options`` are the keywords of ``flashx.options.OPTIONS``."""
+    """Every argument checked once; ``options`` are the keywords of ``flashx.options.OPTIONS``.
+
+    Shapes, dtypes and scalar options are checked here, the call's own values (its auxiliary
+    arrays and seed) by ``attention_fields``, which a remembered plan runs alone on a repeated
+    call (``flashx.plan.plan``)."""
     o = SimpleNamespace(**complete("build_problem", options))
-    for name in ARRAY_OPTIONS:
-        setattr(o, name, arrays.resolved(getattr(o, name)))
-    if isinstance(o.block_mask, BlockMask) and arrays.resolved(o.block_mask.blocks) is not o.block_mask.blocks:
-        o.block_mask = BlockMask(arrays.resolved(o.block_mask.blocks), o.block_mask.block_size)
     kind, device, device_index, dtype = _operands(q, ALL_DTYPES | FP8_DTYPES, k=k, v=v)
 
     varlen = o.cu_seqlens_q is not None or o.cu_seqlens_k is not None
@@ -74,27 +76,22 @@ def build_problem(q, k, v, **options) -> Problem:
         for name, x in (("mask", o.mask), ("block_mask", o.block_mask), ("seqlens_q", o.seqlens_q), ("seqlens_k", o.seqlens_k)):
             if x is not None:
                 raise ShapeError(f"{name}: indexes the padded layout and cannot be combined with cu_seqlens, got both")
-        o.cu_seqlens_q, seqlen_q = _cu_seqlens("q", o.cu_seqlens_q, total_q, o.max_seqlen_q, kind, device, device_index)
-        o.cu_seqlens_k, seqlen_k = _cu_seqlens("k", o.cu_seqlens_k, total_k, o.max_seqlen_k, kind, device, device_index)
+        for side in ("q", "k"):
+            name = f"cu_seqlens_{side}"
+            cu = getattr(o, name)
+            _same_array_as_q(name, cu, kind, device, device_index)
+            if cu.ndim != 1 or cu.shape[0] < 1:
+                raise ShapeError(f"{name}: expected shape (B + 1,), got {tuple(cu.shape)}")
         batch = o.cu_seqlens_q.shape[0] - 1
         if o.cu_seqlens_k.shape[0] - 1 != batch:
             raise ShapeError(f"cu_seqlens_k: expected shape ({batch + 1},) like cu_seqlens_q, got {tuple(o.cu_seqlens_k.shape)}")
+        seqlen_q = seqlen_k = 0  # the longest sequences, which attention_fields reads from cu_seqlens
     else:
         for name, x in (("max_seqlen_q", o.max_seqlen_q), ("max_seqlen_k", o.max_seqlen_k)):
             if x is not None:
                 raise ShapeError(f"{name}: only meaningful with cu_seqlens (varlen layout), got {x!r}")
-        o.seqlens_q = _seqlens("seqlens_q", o.seqlens_q, batch, seqlen_q, kind, device, device_index)
-        o.seqlens_k = _seqlens("seqlens_k", o.seqlens_k, batch, seqlen_k, kind, device, device_index)
-
-    score_shape = (batch, heads_q, seqlen_q, seqlen_k)
-    if o.mask is not None:
-        _bool_broadcastable("mask", o.mask, score_shape, kind, device, device_index)
-    if o.block_mask is not None:
-        if not isinstance(o.block_mask, BlockMask):
-            raise DTypeError(f"block_mask: expected a flashx.BlockMask, got {type(o.block_mask).__name__}")
-        bq, bk = o.block_mask.block_size
-        grid = (batch, heads_q, -(-seqlen_q // bq), -(-seqlen_k // bk))
-        _bool_broadcastable("block_mask.blocks", o.block_mask.blocks, grid, kind, device, device_index)
+    if o.block_mask is not None and not isinstance(o.block_mask, BlockMask):
+        raise DTypeError(f"block_mask: expected a flashx.BlockMask, got {type(o.block_mask).__name__}")
 
     if not isinstance(o.causal, bool):
         raise DTypeError(f"causal: expected a bool, got {o.causal!r}")
@@ -106,23 +103,15 @@ def build_problem(q, k, v, **options) -> Problem:
         o.softmax_scale = default_scale(head_dim)
     else:
         _number("softmax_scale", o.softmax_scale, _is_real, "a finite real number or None", math.isfinite)
-    o.softcap, o.alibi_slopes, o.sinks = _score_modifications(o.softcap, o.alibi_slopes, o.sinks, batch, heads_q,
-                                                              dtype, kind, device, device_index)
+    o.softcap, _, _ = _score_modifications(o.softcap, None, None, batch, heads_q, dtype, kind, device, device_index)
     _number("dropout_p", o.dropout_p, _is_real, "a number in [0, 1)", lambda x: 0 <= x < 1)
-    if o.seed is None:
-        o.seed = _draw_seed(kind) if o.dropout_p > 0 else 0
-    else:
-        _number("seed", o.seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
-    _number("rng_offset", o.rng_offset, _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
     o.dropout_offsets = (0, 0) if o.dropout_offsets is None else _dropout_offsets(o.dropout_offsets)
-    fp8, needs = dtype in FP8_DTYPES, f"FP8 inputs ({', '.join(sorted(FP8_DTYPES))}), got q of dtype {dtype}"
-    descales = _descales({name: getattr(o, name) for name in DESCALES}, fp8, needs, batch, heads_k,
-                         kind, device, device_index)
+    fp8 = dtype in FP8_DTYPES
     if o.out_dtype is not None and not fp8:
-        raise DTypeError(f"out_dtype: only for {needs}")
+        raise DTypeError(f"out_dtype: only for {_FP8_INPUTS}, got q of dtype {dtype}")
     out_dtype = _out_dtype(o.out_dtype) if fp8 else dtype
 
-    return Problem(
+    problem = Problem(
         array_kind=kind,
         device=device,
         device_index=device_index,
@@ -140,22 +129,72 @@ def build_problem(q, k, v, **options) -> Problem:
         causal=o.causal,
         window=o.window,
         softcap=o.softcap,
-        alibi_slopes=o.alibi_slopes,
-        sinks=o.sinks,
-        mask=o.mask,
-        block_mask=o.block_mask,
-        seqlens_q=o.seqlens_q,
-        seqlens_k=o.seqlens_k,
-        cu_seqlens_q=o.cu_seqlens_q,
-        cu_seqlens_k=o.cu_seqlens_k,
         dropout_p=float(o.dropout_p),
-        seed=int(o.seed),
-        rng_offset=int(o.rng_offset),
         dropout_offsets=o.dropout_offsets,
         deterministic=o.deterministic,
         out_dtype=out_dtype,
-        **descales,
     )
+    return dataclasses.replace(problem, **attention_fields(problem, vars(o)))
+
+
+def attention_fields(problem: Problem, options: dict, key_checked: bool = False) -> dict:
+    """The fields of an attention call's problem that are its own: its auxiliary arrays
+    (``Problem.ARRAYS``; those given), each checked against ``problem`` (its scalars and shapes
+    checked) and converted as the contract states, lengths and offsets read on the host; its seed,
+    drawn afresh for dropout without one, and its RNG offset (``Problem.PER_CALL``); and its
+    ``seqlen_q``, ``seqlen_k``: ``problem``'s, or with cu_seqlens the longest sequences they hold
+    (or the max_seqlen hints, checked against those).
+
+    ``options`` holds every option (``flashx.options.complete``). Calls of one key of
+    ``flashx.plan`` differ in these fields alone, so that a remembered plan runs just this. There
+    (``key_checked``) the call that made the plan has checked what the key holds, so the checks
+    that read nothing else are not made again: those of a mask's and a block mask's type, shape,
+    dtype and device, and, without dropout, of the seed and RNG offset, which the plan's problem
+    holds."""
+    p = problem
+    like_q = (p.array_kind, p.device, p.device_index)
+    given = {name: arrays.resolved(options[name]) for name in ARRAY_OPTIONS if options[name] is not None}
+    fields = dict(given, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
+    if p.total_q is not None:  # packed (read from the totals: ``problem`` may hold no cu_seqlens)
+        fields["cu_seqlens_q"], fields["seqlen_q"] = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
+                                                                 options["max_seqlen_q"], *like_q)
+        if (given["cu_seqlens_k"] is given["cu_seqlens_q"] and p.total_k == p.total_q
+                and options["max_seqlen_k"] == options["max_seqlen_q"]):  # self-attention: one host read
+            fields["cu_seqlens_k"], fields["seqlen_k"] = fields["cu_seqlens_q"], fields["seqlen_q"]
+        else:
+            fields["cu_seqlens_k"], fields["seqlen_k"] = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
+                                                                     options["max_seqlen_k"], *like_q)
+    if "seqlens_q" in given:
+        fields["seqlens_q"] = _seqlens("seqlens_q", given["seqlens_q"], p.batch, p.seqlen_q, *like_q)
+    if "seqlens_k" in given:
+        fields["seqlens_k"] = _seqlens("seqlens_k", given["seqlens_k"], p.batch, p.seqlen_k, *like_q)
+    score_shape = (p.batch, p.heads_q, fields["seqlen_q"], fields["seqlen_k"])
+    if "mask" in given and not key_checked:
+        _bool_broadcastable("mask", given["mask"], score_shape, *like_q)
+    block_mask = options["block_mask"]
+    if block_mask is not None:
+        if arrays.resolved(block_mask.blocks) is not block_mask.blocks:
+            block_mask = BlockMask(arrays.resolved(block_mask.blocks), block_mask.block_size)
+        if not key_checked:
+            bq, bk = block_mask.block_size
+            grid = (*score_shape[:2], -(-score_shape[2] // bq), -(-score_shape[3] // bk))
+            _bool_broadcastable("block_mask.blocks", block_mask.blocks, grid, *like_q)
+        fields["block_mask"] = block_mask
+    if "alibi_slopes" in given or "sinks" in given:
+        _, fields["alibi_slopes"], fields["sinks"] = _score_modifications(
+            None, given.get("alibi_slopes"), given.get("sinks"), p.batch, p.heads_q, p.dtype, *like_q)
+    if not given.keys().isdisjoint(DESCALES):
+        fields.update(_descales({name: given.get(name) for name in DESCALES}, p.fp8,
+                                f"{_FP8_INPUTS}, got q of dtype {p.dtype}", p.batch, p.heads_k, *like_q))
+    if p.dropout_p > 0 or not key_checked:
+        seed = options["seed"]
+        if seed is None:
+            seed = _draw_seed(p.array_kind) if p.dropout_p > 0 else 0
+        else:
+            _number("seed", seed, _is_int, "an int in [0, 2**64) or None", lambda x: 0 <= x < U64)
+        _number("rng_offset", options["rng_offset"], _is_int, "an int in [0, 2**64)", lambda x: 0 <= x < U64)
+        fields["seed"], fields["rng_offset"] = int(seed), int(options["rng_offset"])
+    return fields
 
 
 def _operands(q, dtypes, **others) -> tuple:
@@ -207,8 +246,6 @@ def _int_vector(name, x, length, kind, device, device_index):
 
 def _seqlens(name, x, batch, limit, kind, device, device_index):
     """``x`` checked, as int32 (a copy only when given in another integer dtype)."""
-    if x is None:
-        return None
     values = _int_vector(name, x, batch, kind, device, device_index)
     if values.size and (values.min() < 0 or values.max() > limit):
         raise ShapeError(f"{name}: expected lengths in [0, {limit}], got values from {values.min()} to {values.max()}")
@@ -216,10 +253,9 @@ def _seqlens(name, x, batch, limit, kind, device, device_index):
 
 
 def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
+    """``cu`` (of shape (B + 1,), ``build_problem`` checked) as int32, and the longest sequence it
+    holds, or ``max_seqlen`` checked against it."""
     name = f"cu_seqlens_{side}"
-    _same_array_as_q(name, cu, kind, device, device_index)
-    if cu.ndim != 1 or cu.shape[0] < 1:
-        raise ShapeError(f"{name}: expected shape (B + 1,), got {tuple(cu.shape)}")
     offsets = _int_vector(name, cu, cu.shape[0], kind, device, device_index)
     lengths = offsets[1:] - offsets[:-1]
     if offsets[0] != 0 or (lengths < 0).any() or offsets[-1] > total:
@@ -346,16 +382,17 @@ def _draw_seed(kind: str) -> int:
     if kind == "torch":
         import torch
 
-        return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
+        return torch.randint(2**63 - 1, (), dtype=torch.int64).item()
     return secrets.randbits(64)
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    # the exact types first: an abstract class's isinstance costs a repeated call's checks more
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def build_decode_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,

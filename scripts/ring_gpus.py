@@ -1,6 +1,7 @@
 """Ring attention on the GPUs of one host, through NCCL: correctness, scaling, overlap, longest context.
 
-    python3 scripts/ring_gpus.py [--out DIR] [--parts check,packed]   # the driver: 1, 2, 4 (8) GPUs, then a table
+    python3 scripts/ring_gpus.py [--out DIR] [--parts check,packed] [--check-layouts document_zigzag]
+                                                                    # the driver: 1, 2, 4 (8) GPUs, then a table
     torchrun --nproc-per-node W scripts/ring_gpus.py PART ARGS...   # one part on W GPUs (the driver's child)
 
 Parts (each rank prints one JSON line per result; rank 0's lines are the part's results):
@@ -138,7 +139,9 @@ def _synchronize(torch) -> None:
         torch.cuda.synchronize()
 
 
-def part_check() -> None:
+def part_check(layouts: list[str]) -> None:
+    """The check part's cases of ``layouts`` (all of them where empty); a case's seed is its place in
+    CHECK_CASES whichever are run."""
     import numpy as np
     from flashx_conformance.harness import OUTPUTS, conformance_failures, make_case, make_varlen_case
 
@@ -178,6 +181,8 @@ def part_check() -> None:
 
     graded, compared = CHECK_SEQLENS
     for index, (layout, exchange, options, documents) in enumerate(CHECK_CASES):
+        if layouts and layout not in layouts:
+            continue
         # the oracle's grade, on a sequence the float64 oracle computes in seconds
         rng = np.random.default_rng(index)
         shapes = dict(heads_q=4, heads_k=2, head_dim=HEAD_DIM, dtype=DTYPE, **options)
@@ -424,12 +429,13 @@ def _longest(times: list[dict], world: int) -> dict | None:
     return dict(world=world, mib_per_token_per_rank=per_token, longest_tokens=tokens, verified_tokens=verified)
 
 
-def _plan(worlds: list[int], trace: Path, parts: set[str]) -> list[tuple[int, list[str]]]:
-    """(ranks, part arguments) in the order run: correctness, packed documents with their single-GPU
-    baseline, the overlap trace, the scaling table with its single-GPU baselines, then one longer step
-    per group size toward the longest context; only ``parts``."""
+def _plan(worlds: list[int], trace: Path, parts: set[str], check_layouts: list[str]) -> list[tuple[int, list[str]]]:
+    """(ranks, part arguments) in the order run: correctness (of ``check_layouts``' cases; empty:
+    all), packed documents with their single-GPU baseline, the overlap trace, the scaling table with
+    its single-GPU baselines, then one longer step per group size toward the longest context; only
+    ``parts``."""
     widest = worlds[-1]
-    plan = [(w, ["check"]) for w in reversed(worlds)]
+    plan = [(w, ["check", *check_layouts]) for w in reversed(worlds)]
     plan += [(w, ["packed", str(PACKED_TOKENS), "3"]) for w in [1, *reversed(worlds)]]
     plan.append((widest, ["trace", str(SIZES[0]), str(trace)]))
     for seqlen in SIZES:
@@ -466,7 +472,7 @@ def _version(distribution: str) -> str:
         return "none"
 
 
-def driver(out: Path, budget: float, parts: set[str]) -> None:
+def driver(out: Path, budget: float, parts: set[str], check_layouts: list[str]) -> None:
     import torch
     from flashx_bench.records import append_rows, device_slug
 
@@ -483,7 +489,7 @@ def driver(out: Path, budget: float, parts: set[str]) -> None:
     slug = "ring-" + (device_slug(device) if DEVICE == "cuda" else "cpu")
     deadline = time.monotonic() + budget
     with open(out / f"{slug}.log", "w") as log:
-        for world, args in _plan(worlds, out / f"{slug}-trace.json.gz", parts):
+        for world, args in _plan(worlds, out / f"{slug}-trace.json.gz", parts, check_layouts):
             left = deadline - time.monotonic()
             if left < 30:
                 results["rows"].append({"part": "error", "world": world, "args": args + ["(not run: time box)"]})
@@ -605,9 +611,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/flashx-out")))
     parser.add_argument("--budget", type=float, default=500, help="seconds for the whole driver run")
     parser.add_argument("--parts", default=",".join(PARTS), help="the driver's parts, comma-separated")
+    parser.add_argument("--check-layouts", default="", help="the check part's layouts, comma-separated (default: all)")
     options = parser.parse_args()
     if options.part == "check":
-        part_check()
+        part_check(options.args)
     elif options.part == "time":
         part_time(int(options.args[0]), int(options.args[1]))
     elif options.part == "trace":
@@ -615,7 +622,7 @@ def main() -> None:
     elif options.part == "packed":
         part_packed(int(options.args[0]), int(options.args[1]))
     else:
-        driver(options.out, options.budget, set(options.parts.split(",")))
+        driver(options.out, options.budget, set(options.parts.split(",")), [x for x in options.check_layouts.split(",") if x])
 
 
 if __name__ == "__main__":

@@ -171,6 +171,29 @@ def test_varlen_problem_shapes(fresh_registry):
     assert o.shape == (7, 4, 8) and lse.shape == (4, 7)
 
 
+def test_self_attention_reads_its_one_offsets_array_once(fresh_registry, monkeypatch):
+    """On a GPU each read of offsets on the host is a synchronization: cu_seqlens_q given again
+    as cu_seqlens_k is read once, and a different array (or another total) still on its own."""
+    from flashx import validation
+
+    backend = Marker("only")
+    registry.register(backend)
+    reads = []
+    real = validation._cu_seqlens
+    monkeypatch.setattr(validation, "_cu_seqlens", lambda side, *rest: reads.append(side) or real(side, *rest))
+    q, k, v, cu_q, _ = varlen_inputs()
+    k, v = k[: q.shape[0]], v[: q.shape[0]]
+    flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q)
+    shared = backend.received[0]
+    flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q)  # the remembered plan's path
+    assert reads == ["q", "q"]
+    flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q.copy())
+    assert reads[2:] == ["q", "k"]
+    apart = backend.received[0]
+    assert (shared.seqlen_k, shared.total_k) == (apart.seqlen_k, apart.total_k) == (shared.seqlen_q, shared.total_q)
+    assert np.array_equal(shared.cu_seqlens_k, apart.cu_seqlens_k)
+
+
 # -- dispatch --------------------------------------------------------------------------------
 
 
@@ -465,6 +488,114 @@ def test_a_drawn_dropout_seed_is_drawn_again_on_every_call():
     assert len(seeds) == 4 and 0 not in seeds
     assert flashx.attention_forward(q, k, v, dropout_p=0.5, seed=5, backend="numpy")[1].seed == 5
     assert {flashx.attention_forward(q, k, v, backend="numpy")[1].seed for _ in range(2)} == {0}
+
+
+def array_option_calls():
+    """Calls with array options, one kind per entry: (q, k, v, each call's options), three calls a
+    kind of one static key (shapes, dtypes, options) and other contents; packed calls differ in
+    their longest sequences too."""
+    q, k, v = qkv(batch=2, seqlen_q=6, seqlen_k=7)
+    packed = tuple(x.reshape(-1, *x.shape[2:]) for x in (q, k, v))  # 12 query rows, 14 key rows
+    offsets = (([0, 5, 12], [0, 7, 14]), ([0, 2, 9], [0, 0, 11]), ([0, 6, 12], [0, 7, 14]))
+    return {
+        "mask": ((q, k, v), [{"mask": RNG.random((2, 1, 6, 7)) < 0.7} for _ in range(3)]),
+        "block_mask": ((q, k, v), [{"block_mask": flashx.BlockMask(RNG.random((1, 4, 3, 4)) < 0.7, 2)}
+                                   for _ in range(3)]),
+        "seqlens": ((q, k, v), [{"seqlens_q": np.array(lengths_q, np.int32), "seqlens_k": np.array(lengths_k, np.int64)}
+                                for lengths_q, lengths_k in (([6, 3], [7, 2]), ([1, 6], [5, 7]), ([0, 4], [3, 0]))]),
+        "varlen": (packed, [{"cu_seqlens_q": np.array(cu_q, np.int32), "cu_seqlens_k": np.array(cu_k, np.int32)}
+                            for cu_q, cu_k in offsets]),
+        "alibi and sinks": ((q, k, v), [{"alibi_slopes": RNG.random(4) + 0.1, "sinks": randn(4)} for _ in range(3)]),
+        "dropout with a drawn seed": ((q, k, v), [{"dropout_p": 0.3}] * 3),
+        "dropout with a seed and offset a step": ((q, k, v), [{"dropout_p": 0.3, "seed": seed, "rng_offset": offset}
+                                                              for seed, offset in ((1, 0), (2, 64), (2, 2**63))]),
+    }
+
+
+@pytest.mark.parametrize("kind", list(array_option_calls()))
+def test_a_repeated_call_with_array_options_plans_once_and_equals_a_validated_call(kind, monkeypatch):
+    """Calls of one static key share a plan holding each call's own arrays (and drawn seed): each
+    returns what a call validated in full on the same arguments returns, and its problem has the
+    static key of that call's, which backends keep their launches under."""
+    from flashx import plan, validation
+    from flashx.execute import run_forward
+
+    (q, k, v), calls = array_option_calls()[kind]
+    built = []
+    monkeypatch.setattr(plan, "build_problem", lambda *args, **kw: built.append(1) or validation.build_problem(*args, **kw))
+    plan._plans.clear()
+    for options in calls:
+        o, res = flashx.attention_forward(q, k, v, causal=True, backend="numpy", **options)
+        problem, impl = plan.plan(q, k, v, "numpy", flashx.options.complete("attention", dict(options, causal=True)))
+        seed = {"seed": res.seed} if "dropout_p" in options and "seed" not in options else {}
+        validated = validation.build_problem(q, k, v, causal=True, **options, **seed)
+        assert problem.static_key == validated.static_key
+        o_validated, lse_validated = run_forward(impl, validated, q, k, v)
+        np.testing.assert_array_equal(o, o_validated)
+        np.testing.assert_array_equal(res.lse, lse_validated)
+        np.testing.assert_allclose(o, oracle.forward(q, k, v, causal=True, **options, **seed)[0], atol=2e-5)
+    assert len(built) == 1  # the first call's
+
+
+def test_a_remembered_plan_still_refuses_wrong_lengths_and_masks():
+    """A call of a remembered plan's key, wrong only in its arrays' contents (or its seed and RNG
+    offset), meets the checks of a first call; so does one whose arrays have another dtype or shape (another key)."""
+    from flashx import plan
+
+    q, k, v = qkv(batch=2, seqlen_q=6, seqlen_k=7)
+    packed = tuple(x.reshape(-1, *x.shape[2:]) for x in (q, k, v))  # 12 query rows, 14 key rows
+    cu = np.array([0, 5, 12], np.int32)
+    right = {"packed": dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7), "seqlens": dict(seqlens_q=np.array([6, 3], np.int32)),
+             "mask": dict(mask=RNG.random((2, 1, 6, 7)) < 0.5), "dropout": dict(dropout_p=0.2, seed=5, rng_offset=0)}
+    wrong_contents = [
+        ("packed", dict(cu_seqlens_q=np.array([0, 7, 5], np.int32)), flashx.ShapeError,
+         r"cu_seqlens_q: expected offsets starting at 0, non-decreasing, ending at most at 12 \(rows of q\), "
+         r"got \[0, 7, 5\]"),
+        ("packed", dict(cu_seqlens_k=np.array([1, 5, 12], np.int32)), flashx.ShapeError, "cu_seqlens_k: expected offsets starting at 0"),
+        ("packed", dict(cu_seqlens_k=np.array([0, 5, 15], np.int32)), flashx.ShapeError, r"ending at most at 14 \(rows of k\)"),
+        ("packed", dict(cu_seqlens_q=np.array([0, 8, 12], np.int32)), flashx.ShapeError,
+         r"max_seqlen_q: expected an int >= the longest sequence \(8\), got 7"),
+        ("seqlens", dict(seqlens_q=np.array([7, 3], np.int32)), flashx.ShapeError, r"seqlens_q: expected lengths in \[0, 6\], got values from 3 to 7"),
+        ("seqlens", dict(seqlens_q=np.array([-1, 3], np.int32)), flashx.ShapeError, r"seqlens_q: expected lengths in \[0, 6\]"),
+        ("dropout", dict(seed=-1), flashx.OptionError, r"seed: expected an int in \[0, 2\*\*64\) or None, got -1"),
+        ("dropout", dict(rng_offset=2**64), flashx.OptionError, r"rng_offset: expected an int in \[0, 2\*\*64\)"),
+    ]
+    for layout, options, error, message in wrong_contents:
+        inputs = packed if layout == "packed" else (q, k, v)
+        flashx.attention(*inputs, backend="numpy", **right[layout])
+        call = dict(right[layout], **options)
+        assert plan._key(*inputs, "numpy", flashx.options.complete("attention", call)) in plan._plans
+        with pytest.raises(error, match=message):
+            flashx.attention(*inputs, backend="numpy", **call)
+    wrong_arrays = [
+        ("packed", dict(cu_seqlens_q=cu.astype(np.float32)), flashx.DTypeError,
+         "cu_seqlens_q: expected an integer dtype, got float32"),
+        ("seqlens", dict(seqlens_q=np.array([6, 3], np.float64)), flashx.DTypeError,
+         "seqlens_q: expected an integer dtype, got float64"),
+        ("mask", dict(mask=RNG.random((2, 1, 6, 7))), flashx.DTypeError, "mask: expected a bool array"),
+        ("mask", dict(mask=RNG.random((3, 1, 6, 7)) < 0.5), flashx.ShapeError,
+         r"mask: expected a shape broadcastable to \(2, 4, 6, 7\), got \(3, 1, 6, 7\)"),
+    ]
+    for layout, options, error, message in wrong_arrays:
+        inputs = packed if layout == "packed" else (q, k, v)
+        flashx.attention(*inputs, backend="numpy", **right[layout])
+        with pytest.raises(error, match=message):
+            flashx.attention(*inputs, backend="numpy", **dict(right[layout], **options))
+
+
+def test_the_remembered_plans_hold_no_callers_arrays():
+    import weakref
+
+    from flashx import plan
+
+    q, k, v = qkv()
+    mask = RNG.random((2, 1, 5, 7)) < 0.7
+    flashx.attention(q, k, v, mask=mask, backend="numpy")
+    flashx.attention(q, k, v, mask=mask, backend="numpy")
+    held = weakref.ref(mask)
+    del mask
+    assert held() is None
+    assert len(plan._plans) >= 1
 
 
 @pytest.mark.parametrize(

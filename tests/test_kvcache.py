@@ -264,6 +264,21 @@ def test_a_decoding_loop_without_validation_plans_once_and_reads_each_steps_arra
     assert len(plan._decode_plans) == 1
 
 
+def test_a_remembered_decoding_plan_holds_no_callers_arrays():
+    import weakref
+
+    from flashx import plan
+
+    plan._decode_plans.clear()
+    call = paged_call(new=0)
+    lengths, table = call.pop("cache_seqlens"), call.pop("block_table")
+    flashx.attention_with_kvcache(**call, cache_seqlens=lengths, block_table=table, validate=False)
+    held = weakref.ref(lengths), weakref.ref(table)
+    del lengths, table
+    assert [ref() for ref in held] == [None, None]
+    assert len(plan._decode_plans) == 1
+
+
 def test_a_remembered_decoding_plan_still_checks_each_calls_arrays():
     call = paged_call(new=0)
     flashx.attention_with_kvcache(**call, validate=False)

@@ -74,3 +74,11 @@ def test_causal_work_of_the_layouts(ring):
     9-11 and 3-8; document_zigzag's, a quarter of each document twice."""
     assert ring.causal_work([8, 4], 2, "zigzag") == [1 + 2 + 3 + 2 + 3 + 4, 4 + 5 + 6 + 7 + 8 + 1]
     assert ring.causal_work([8, 4], 2, "document_zigzag") == [1 + 2 + 7 + 8 + 1 + 4, 3 + 4 + 5 + 6 + 2 + 3]
+
+
+def test_check_layouts_reach_every_check_part_only(ring, tmp_path):
+    plan = ring._plan([2, 4], tmp_path / "trace.json.gz", {"check", "packed"}, ["document_zigzag"])
+    checks = [args for _, args in plan if args[0] == "check"]
+    assert checks == [["check", "document_zigzag"]] * 2
+    assert all(args[0] == "check" or "document_zigzag" not in args for _, args in plan)
+    assert [args for _, args in ring._plan([2], tmp_path / "t", {"check"}, [])] == [["check"]]

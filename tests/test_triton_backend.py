@@ -164,6 +164,18 @@ def test_block_mask_with_blocks_unlike_the_tiles():
     check_against_oracle(q, k, v, do, block_mask=block_mask, causal=True)
 
 
+def test_masks_of_one_shape_and_other_strides_are_each_read_through_their_own():
+    """Kernels read a mask as given through the strides of its broadcast, which a launch binds:
+    calls with masks (and block masks) of one shape laid out otherwise, in turn, each get theirs."""
+    B, H, Nq, Nk, D = 2, 2, 40, 40, 16
+    q, k, v, do = randn(B, Nq, H, D), randn(B, Nk, H, D), randn(B, Nk, H, D), randn(B, Nq, H, D)
+    mask, blocks = torch.rand(1, H, Nq, Nk) < 0.5, torch.rand(B, 1, 5, 5) < 0.7
+    for _ in range(2):
+        for layout in (lambda x: x, lambda x: x.transpose(-1, -2).contiguous().transpose(-1, -2)):
+            check_against_oracle(q, k, v, do, mask=layout(mask))
+            check_against_oracle(q, k, v, do, block_mask=flashx.BlockMask(layout(blocks), 8), causal=True)
+
+
 def test_seqlens_with_nan_padding_never_leak():
     B, H, N, D = 3, 2, 70, 16
     lq, lk = torch.tensor([70, 33, 0]), torch.tensor([41, 70, 9])

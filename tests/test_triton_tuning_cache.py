@@ -303,3 +303,15 @@ def test_flashx_tune_needs_a_shape_or_list_or_clear(capsys):
         cli.main(["tune"])
     assert exit.value.code == 2
     assert "one of the arguments --seqlen --list --clear is required" in capsys.readouterr().err
+
+
+def test_flashx_tune_takes_fp8_inputs_for_the_forward(table, monkeypatch, capsys):
+    two = [tuning.INTERPRETED, replace(tuning.INTERPRETED, num_stages=2)]
+    monkeypatch.setattr(tuning, "candidates", lambda kernel, problem: two if kernel == "forward" else two[:1])
+    plans_timed(monkeypatch, [2.0, 1.0])
+    assert cli.main(["tune", "--seqlen", "40", "--heads", "2", "--head-dim", "16", "--dtype", "float8_e4m3fn"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^    forward-d16x16-float8_e4m3fn-\S+ .*num_stages=2 .*\(fastest of 2 timed, 1\.000 ms\)$", out,
+                     re.MULTILINE), out
+    assert cli.main(["tune", "--seqlen", "40", "--dtype", "float8_e4m3fn", "--backward"]) == 1
+    assert capsys.readouterr().err == "flashx tune: FP8 attention is forward only; leave out --backward\n"

@@ -43,6 +43,38 @@ class Correct(flashx.Backend):
         return oracle.backward(do, q, k, v, **self.options(problem))
 
 
+class StoredLse(Correct):
+    """The control as a recomputing kernel runs it: the backward rebuilds P = exp(S - lse) from
+    the float32 lse the forward returned, exact in every other step.
+
+    Row i's rebuilt weights are its exact ones times r_i = exp(lse_i - stored lse_i), and every
+    gradient is linear in each row's weights, dO and delta included: the gradients are the exact
+    ones of dO scaled by r."""
+
+    name = "toy-stored-lse"
+
+    def backward(self, problem, q, k, v, o, lse, do):
+        exact = self.forward64(problem, *_as64(q, k, v))[1]
+        with np.errstate(invalid="ignore"):  # -inf - -inf at empty rows, which read nothing
+            weights = np.where(np.isfinite(lse), np.exp(exact - self.rebuilt_from(lse)), 1.0)
+        return super().backward(problem, q, k, v, o, lse, do * np.swapaxes(weights, -1, -2)[..., None])
+
+    def rebuilt_from(self, lse):
+        """The lse the backward computes its weights with."""
+        return np.asarray(lse, dtype=np.float64)
+
+
+class LossyBackwardLse(StoredLse):
+    """The backward loses the 4 lowest bits of the float32 lse it rebuilds P from, as a
+    conversion through a narrower intermediate would: 16 times the rounding the contract allows."""
+
+    name = "toy-lossy-backward-lse"
+
+    def rebuilt_from(self, lse):
+        lse = np.asarray(lse, dtype=np.float32)
+        return (lse.view(np.int32) & ~np.int32(15)).view(np.float32).astype(np.float64)
+
+
 class UnmaskedTail(Correct):
     """Keys past Nk in the last partial tile are loaded as zeros and never masked: they score 0."""
 

@@ -68,9 +68,12 @@ from flashx_numba.score_mods import modify, with_sink
 MIN_TILES_PER_SPLIT = 4  # a split of fewer key tiles would cost more in the merge than it gains
 MAX_SPLITS = 128
 #: Split blocks an SM holds at once, by the caches' dtype: a 16-bit cache's kernel is compiled with
-#: launch bounds of three blocks of 128 threads (ptxas, sm_90: 168 registers, no spills, d64 to
-#: d256, with and without score mods); a float32 cache's, holding twice the words, takes 230
-#: registers unbounded (bounded to 168 it spilled ~300 bytes in the key loop).
+#: launch bounds of three blocks of 128 threads (ptxas, sm_90: 168 registers and 56-72 bytes of
+#: spills, d64 to d256, with and without score mods; unbounded it takes 213-226). On an H200 three
+#: blocks ran 6% faster than two at B=16, L=8k and 20% slower at B=1, where the third block's
+#: extra splits cost more in the merge (benchmarks/results/decode-h200.md). A float32 cache's
+#: kernel, holding twice the words, takes 230 registers unbounded (bounded to 168 it spilled ~300
+#: bytes in the key loop).
 RESIDENT_BLOCKS = {"float16": 3, "bfloat16": 3, "float32": 2}
 SIMULATED_SMS = 4  # the stand-in SM count in the simulator, so that small problems split too
 THREADS = 1 if SIMULATOR else 64  # of the append and merge kernels (the simulator runs each as a Python thread)

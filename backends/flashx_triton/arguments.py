@@ -68,24 +68,20 @@ def dot_precision(dtype: str) -> str:
     return "tf32"  # ignored for 16-bit inputs
 
 
-def mask_tensors(problem) -> tuple:
-    """MASK and BLOCKS, broadcast to (B, Hq, Nq, Nk) and (B, Hq, Nq / bq, Nk / bk) (None where absent)."""
-    shape = (problem.batch, problem.heads_q)
-    mask = blocks = None
-    if problem.mask is not None:
-        mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
-    if problem.block_mask is not None:
-        bq, bk = problem.block_mask.block_size
-        blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
-    return mask, blocks
-
-
 def mask_layout(problem) -> dict:
-    """``masks``: the (batch, head, row, column) strides of MASK and BLOCKS (``mask_tensors``),
-    then the block mask's (block_q, block_k); and whether each is there. The strides are the same
-    for every call of one ``call_layout``."""
-    mask, blocks = mask_tensors(problem)
-    block_size = problem.block_mask.block_size if blocks is not None else (1, 1)
-    mask_strides, block_strides = (x.stride() if x is not None else (0, 0, 0, 0) for x in (mask, blocks))
-    return dict(masks=(*mask_strides, *block_strides, *block_size), HAS_MASK=mask is not None,
-                HAS_BLOCK_MASK=blocks is not None)
+    """``masks``: the (batch, head, row, column) strides of MASK and BLOCKS broadcast to
+    (B, Hq, Nq, Nk) and (B, Hq, Nq / bq, Nk / bk), then the block mask's (block_q, block_k); and
+    whether each is there. The kernels read the tensors as given (``call_args``) through these
+    strides, which the given tensors' shapes (the static problem's) and strides (``call_layout``)
+    fix."""
+    shape = (problem.batch, problem.heads_q)
+    mask_strides = block_strides = (0, 0, 0, 0)
+    block_size = (1, 1)
+    if problem.mask is not None:
+        mask_strides = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k).stride()
+    if problem.block_mask is not None:
+        block_size = bq, bk = problem.block_mask.block_size
+        grid = (*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
+        block_strides = problem.block_mask.blocks.expand(*grid).stride()
+    return dict(masks=(*mask_strides, *block_strides, *block_size), HAS_MASK=problem.mask is not None,
+                HAS_BLOCK_MASK=problem.block_mask is not None)

@@ -16,6 +16,7 @@ import flashx
 from flashx.cli import INSTALL_TRITON, positive_int
 from flashx.devices import cuda_refusal
 from flashx.hookspecs import Command
+from flashx.problem import FP8_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=positive_int, default=16, help="query heads")
     parser.add_argument("--kv-heads", type=positive_int, default=None, help="key and value heads (default: --heads)")
     parser.add_argument("--head-dim", type=positive_int, default=128)
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32", *sorted(FP8_DTYPES)), default="bfloat16",
+                        help="FP8: torch.randn's values cast, descales of 1, the forward only")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--backward", action="store_true", help="tune the backward's kernels too")
 
@@ -46,6 +48,9 @@ def tune(args: argparse.Namespace) -> int:
         removed = tuning_cache.clear()
         print(f"flashx tune: removed {_choices(removed)} from {tuning_cache.table_directory()}")
         return 0
+    if args.backward and args.dtype in FP8_DTYPES:
+        print("flashx tune: FP8 attention is forward only; leave out --backward", file=sys.stderr)
+        return 1
     refusal = None if tuning.interpreting() else _cuda_refusal()  # the interpreter: tests only
     if refusal:
         print(f"flashx tune: {refusal}", file=sys.stderr)
@@ -62,8 +67,8 @@ def tune(args: argparse.Namespace) -> int:
         generator = torch.Generator(device).manual_seed(seqlen)
 
         def normal(heads, grad=args.backward):
-            return torch.randn(args.batch, seqlen, heads, args.head_dim, generator=generator, device=device,
-                               dtype=getattr(torch, args.dtype), requires_grad=grad)
+            x = torch.randn(args.batch, seqlen, heads, args.head_dim, generator=generator, device=device)
+            return x.to(getattr(torch, args.dtype)).requires_grad_(grad)
 
         q, k, v = normal(args.heads), normal(kv_heads), normal(kv_heads)
         start = time.perf_counter()

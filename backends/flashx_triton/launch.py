@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.arguments import mask_tensors
 from flashx_triton.dropout import DROPOUT_DRAW, dropout_args
 
 
@@ -48,11 +47,12 @@ def per_problem(problem, key, build):
 def call_args(problem) -> dict:
     """The kernel arguments that change from call to call of one static problem, by name in the
     order kernels take them, right after their own tensors: the optional tensors CU_Q, CU_K,
-    SEQLENS_Q, SEQLENS_K, MASK, BLOCKS (None where absent; masks broadcast to (B, Hq, ., .)),
-    SLOPES and SINKS, then dropout's ``DROPOUT_DRAW`` (``dropout_args``)."""
-    mask, blocks = mask_tensors(problem)
+    SEQLENS_Q, SEQLENS_K, MASK, BLOCKS (None where absent; masks as given, read through the
+    strides of their broadcast, ``mask_layout``), SLOPES and SINKS, then dropout's
+    ``DROPOUT_DRAW`` (``dropout_args``)."""
+    blocks = problem.block_mask.blocks if problem.block_mask is not None else None
     return dict(CU_Q=problem.cu_seqlens_q, CU_K=problem.cu_seqlens_k, SEQLENS_Q=problem.seqlens_q,
-                SEQLENS_K=problem.seqlens_k, MASK=mask, BLOCKS=blocks, SLOPES=problem.alibi_slopes,
+                SEQLENS_K=problem.seqlens_k, MASK=problem.mask, BLOCKS=blocks, SLOPES=problem.alibi_slopes,
                 SINKS=problem.sinks, **dropout_args(problem))
 
 
