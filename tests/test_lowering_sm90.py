@@ -12,6 +12,7 @@ chosen when a kernel is decorated.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -180,3 +181,47 @@ def test_paged_decoding_with_new_tokens_lowers(lowered):
                                    block_table=block_table, num_splits=2)
     TritonBackend().decode(problem, q, k_cache, v_cache, k_new, v_new)
     assert len(lowered) == 3  # append, split, merge
+
+
+def test_lengths_band_reaches_and_dropout_draws_compile_no_variants_of_their_own(lowered, monkeypatch):
+    """A ring calls the kernels on many chunk lengths and bands, and with dropout each of its
+    steps draws at its own offsets (``flashx.ring``); a training loop draws a new seed every
+    step. Each kernel compiles once per set of constexprs and options whatever its lengths, band
+    reaches and dropout draw (``flashx_triton.arguments.LENGTHS``,
+    ``flashx_triton.dropout.DROPOUT_DRAW``), where Triton would compile one per class of each (1,
+    a multiple of 16, neither; i32 or i64). Each launch is keyed by Triton's JIT, which is then
+    told not to compile (``jit_cache_hook``)."""
+    from flashx_triton import TritonBackend, launch
+    from triton import knobs
+
+    variants, option_sets = set(), set()
+
+    def declined(*, key, fn, **_):
+        variants.add((fn.name, str(key)))
+        return True
+
+    def keyed_only(self, *tensors):
+        values = dict(zip(self.kernel.arg_names, (*tensors, *self.bound)))
+        constexprs = tuple(values[param.name] for param in self.kernel.params if param.is_constexpr)
+        option_sets.add((self.kernel.fn.__name__, constexprs, tuple(sorted(self.options.items()))))
+        self.kernel.warmup(*tensors, *self.bound, grid=self.grid, **self.options)
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", declined)
+    monkeypatch.setattr(launch.Launch, "__call__", keyed_only)
+    backend = TritonBackend()
+    generator = torch.Generator().manual_seed(0)
+    for seqlen_q, seqlen_k in ((1000, 1024), (1, 4096), (4100, 300), (17, 1), (4096, 4100)):
+        for window in (None, (-1, 0), (100, 0), (0, 37)):
+            q = torch.randn(1, seqlen_q, 4, 64, generator=generator).to(torch.bfloat16)
+            k, v = (torch.randn(1, seqlen_k, 2, 64, generator=generator).to(torch.bfloat16) for _ in range(2))
+            problem = build_problem(q, k, v, window=window)
+            o, lse = backend.forward(problem, q, k, v)
+            backend.backward(problem, q, k, v, o, lse, torch.randn_like(o))
+    q, k, v = _inputs(seqlen=1000, head_dim=64)
+    draws = ((0, (0, 0)), (1, (1, 16)), (2**31 + 1, (17, 1000)))  # rng_offset, dropout_offsets
+    for seed, (rng_offset, offsets) in itertools.product((1, 2**36 + 16, 2**64 - 1), draws):
+        problem = build_problem(q, k, v, dropout_p=0.1, seed=seed, rng_offset=rng_offset, dropout_offsets=offsets)
+        o, lse = backend.forward(problem, q, k, v)
+        backend.backward(problem, q, k, v, o, lse, torch.randn_like(o))
+    assert {name for name, _ in variants} == {"_forward_kernel", "_prepare_kernel", "_gradients_kernel"}
+    assert len(variants) == len(option_sets)

@@ -24,7 +24,7 @@ from flashx_conformance import oracle, philox  # noqa: E402
 import flashx  # noqa: E402
 from flashx.validation import build_problem  # noqa: E402
 from flashx_triton.arguments import problem_args  # noqa: E402
-from flashx_triton.dropout import dropout_keep  # noqa: E402
+from flashx_triton.dropout import dropout_args, dropout_keep, dropout_state  # noqa: E402
 from flashx_triton.masking import band_part, band_parts, band_tiles  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's 1/0 on empty rows
@@ -132,7 +132,7 @@ def test_the_band_parts_left_out_of_a_kernel_never_hold_a_tile(nq, nk, options):
     tile = 32
     for keys in (False, True):
         rows, other = (k_lengths, q_lengths) if keys else (q_lengths, k_lengths)
-        near, far = args["band"][::-1] if keys else args["band"]
+        near, far = (args["right"], args["left"]) if keys else (args["left"], args["right"])
         tiles = math.ceil((nk if keys else nq) / tile)
         sizes = torch.empty(rows.numel(), tiles, 3, dtype=torch.int32)
         band_part_sizes[(tiles, rows.numel())](sizes, rows.flatten().int(), other.flatten().int(), near, far, tile,
@@ -344,29 +344,30 @@ def test_poison_at_masked_keys_and_rows_never_leaks(value):
 # ---------------------------------------------------------------- dropout
 
 
-# Seeds with the high word set (passed to the kernel as a negative int64), an offset past 2**32.
+# Words with the top bit set (passed to the kernel as negative int32s), an offset past 2**32.
 DROPOUT_DRAWS = [  # seed, rng_offset, Hq, b, h, i, j
     (0x0, 0, 1, 0, 0, 0, 0),
-    (0x2A, 0, 4, 1, 2, 3, 5),
+    (0x2A, 0x80000005, 4, 1, 2, 3, 5),
     (0x1234567890ABCDEF, 7, 8, 0, 7, 100, 1023),
     (0xFFFFFFFFFFFFFFFF, 4294967299, 16, 3, 15, 4095, 4094),
 ]
 
 
 @triton.jit
-def draw(OUT, i, j, stream, seed, rng_offset, threshold):
-    tl.store(OUT + tl.arange(0, 2), dropout_keep(i, j + tl.arange(0, 2) * 0, stream,
-                                                 (seed, rng_offset, threshold, 0, 0, 1.0)).to(tl.int8))
+def draw(OUT, i, j, stream, seed_lo, seed_hi, rng_offset, row0, key0, threshold):
+    dropout = dropout_state(seed_lo, seed_hi, rng_offset, row0, key0, (threshold, 1.0))
+    tl.store(OUT + tl.arange(0, 2), dropout_keep(i, j + tl.arange(0, 2) * 0, stream, dropout).to(tl.int8))
 
 
 @pytest.mark.parametrize("seed, offset, hq, b, h, i, j", DROPOUT_DRAWS)
 def test_kernel_dropout_draw_is_the_suites(seed, offset, hq, b, h, i, j):
     counter = (j // 4, i, b * hq + h, offset & 0xFFFFFFFF)  # the contract's Dropout section
     r = int(philox.philox4x32(counter, (seed & 0xFFFFFFFF, seed >> 32))[j % 4])
+    x = torch.zeros(1, 1, 1, 16)
+    draws = dropout_args(build_problem(x, x, x, dropout_p=0.5, seed=seed, rng_offset=offset))
     for threshold in (r, r + 1):  # r >= r keeps, r >= r + 1 drops: the kernel saw exactly r
         out = torch.empty(2, dtype=torch.int8)
-        draw[(1,)](out, i, j, b * hq + h, seed - (1 << 64) if seed >= 1 << 63 else seed, offset & 0xFFFFFFFF,
-                   threshold)
+        draw[(1,)](out, i, j, b * hq + h, **draws, threshold=threshold)
         assert out.tolist() == [int(r >= threshold)] * 2
 
 
@@ -542,9 +543,9 @@ def test_calls_of_one_static_problem_share_their_launches_and_bring_their_own_va
     q, k, v, do = (randn(2, 48, 2, 16) for _ in range(4))
     launch._built.clear()
     built = []
-    # seeds 5 and 7 are specialised alike (i32, not 1, not a multiple of 16); 2**40 + 17 is an i64
-    for p, n, seed in ((0.5, 40, 5), (0.8, 9, 7), (0.6, 33, 2**40 + 17)):
+    # any seed: its words travel as int32s that Triton does not specialise (dropout.DROPOUT_DRAW)
+    for p, n, seed in ((0.5, 40, 1), (0.8, 9, 2**40 + 16), (0.6, 33, 2**64 - 1)):
         check_against_oracle(q, k, v, do, mask=torch.rand(2, 1, 48, 48) < p, dropout_p=0.3, seed=seed,
                              seqlens_k=torch.tensor([n, 48 - n], dtype=torch.int32))
         built.append(len(launch._built))
-    assert built == [2, 2, 4]  # the forward's and the backward's launches
+    assert built == [2, 2, 2]  # the forward's and the backward's launches

@@ -10,16 +10,27 @@ import triton
 
 from flashx.problem import FP8_DTYPES
 
+#: The kernels' scalar arguments that Triton must not specialise (on == 1 and on divisibility by
+#: 16): the lengths, the band's reaches (an unbounded one is the lengths' sum) and the LSE's
+#: strides (its rows are the queries). They change from call to call of one model, a ring's chunks
+#: alone giving many classes, and each class would compile every kernel anew; a known multiple of
+#: 16 buys little there (row masks and LSE rows taken 16 at a time). The heads stay specialised:
+#: they are the model's, one class each, and a group of 1 drops the grouping's divisions. Separate
+#: scalars, not tuples: Triton 3.6 specialises a tuple's elements whatever ``do_not_specialize``
+#: says. A kernel without one of these arguments ignores its name.
+LENGTHS = ("padded_q", "padded_k", "left", "right", "stride_lb", "stride_lh")
+
 
 def problem_args(problem) -> dict:
     """The kernel arguments that describe the static problem rather than one tensor or one call:
-    the groups ``shape`` (padded_q, padded_k, heads_q, group), ``band`` (left, right) and ``masks``
-    (``mask_layout``), and the constexprs."""
+    the scalars padded_q, padded_k, heads_q, group, left and right (``LENGTHS`` but the heads,
+    which are the model's), the groups ``masks`` (``mask_layout``) and ``dropout_rate`` (the draw
+    below which a pair is dropped, and 1 / (1 - p): ``dropout.dropout_state``), and the constexprs."""
     varlen = problem.varlen
     left, right = problem.band_reach
     args = dict(
-        shape=(problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.group),
-        band=(left, right),
+        padded_q=problem.seqlen_q, padded_k=problem.seqlen_k, heads_q=problem.heads_q, group=problem.group,
+        left=left, right=right,
         IS_VARLEN=varlen,
         HAS_SEQLENS_Q=problem.seqlens_q is not None,
         HAS_SEQLENS_K=problem.seqlens_k is not None,
@@ -28,7 +39,8 @@ def problem_args(problem) -> dict:
         **tile_widths(problem.head_dim, problem.head_dim_v),
         DOT_PRECISION=dot_precision(problem.dtype),
     )
-    args.update(mask_layout(problem), DROPOUT=problem.dropout_p > 0)
+    args.update(mask_layout(problem), DROPOUT=problem.dropout_p > 0,
+                dropout_rate=(problem.dropout_threshold, problem.dropout_scale))
     return args
 
 

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.arguments import problem_args
-from flashx_triton.dropout import dropout_keep, kept_scale
+from flashx_triton.arguments import LENGTHS, problem_args
+from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep, dropout_state, kept_scale
 from flashx_triton.launch import (Launch, Passes, call_args, call_layout, flag_nonfinite, layout, next_program,
                                   per_problem, program_share)
 from flashx_triton.loads import (allow_kernel_descriptors, head_descriptors, last_dim_contiguous, load_rows,
@@ -35,13 +35,13 @@ from flashx_triton.products import any_nonfinite, dot, masked_dot
 from flashx_triton.score_mods import alibi_split, modified_scores, score_mod_args, score_rule
 
 
-@triton.jit
-def _prepare_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, SEQLENS_Q, SINKS, SINK_TERMS, o_strides, do_strides, lse_strides,
-                    padded_q, heads_q, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr, HAS_SINKS: tl.constexpr):
+@triton.jit(do_not_specialize=LENGTHS)
+def _prepare_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, SEQLENS_Q, SINKS, SINK_TERMS, o_strides, do_strides, stride_lb,
+                    stride_lh, padded_q, heads_q, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
+                    HAS_SINKS: tl.constexpr):
     stride_ob, stride_on, stride_oh = o_strides
     stride_db, stride_dn, stride_dh = do_strides
-    stride_lb, stride_lh = lse_strides
     num_tiles = tl.cdiv(padded_q, BLOCK_M)
     pid = tl.program_id(0)
     head = pid // num_tiles
@@ -170,8 +170,9 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
 
 @triton.jit
 def _dkdv_program(
-    head_k, n0, Q, K, V, DO, q_desc, do_desc, DK, DV, LSE2, DELTA, REDO, strides,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, shape, band, masks, dropout, scales, mods,
+    head_k, n0, Q, K, V, DO, q_desc, do_desc, DK, DV, LSE2, DELTA, REDO, strides, stride_lb, stride_lh,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, padded_q, padded_k, heads_q, group, left, right, masks,
+    dropout, scales, mods,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -179,17 +180,14 @@ def _dkdv_program(
     USE_TMA: tl.constexpr, PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time.
-    ``strides`` are _gradients_kernel's, in its order."""
-    q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides, lse_strides = strides
+    The strides and lengths are _gradients_kernel's."""
+    q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides = strides
     stride_qb, stride_qn, stride_qh = q_strides
     stride_kb, stride_kn, stride_kh = k_strides
     stride_vb, stride_vn, stride_vh = v_strides
     stride_db, stride_dn, stride_dh = do_strides
     stride_dkb, stride_dkn, stride_dkh = dk_strides
     stride_dvb, stride_dvn, stride_dvh = dv_strides
-    stride_lb, stride_lh = lse_strides
-    padded_q, padded_k, heads_q, group = shape
-    left, right = band
     softmax_scale, scale_log2 = scales
     heads_k = heads_q // group
     b = head_k // heads_k
@@ -224,7 +222,7 @@ def _dkdv_program(
             do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_dn + h * stride_dh
             lse2_base = LSE2 + b64 * stride_lb + h * stride_lh + q_start
             delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-            pairs = pair_rule(b, head, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
+            pairs = pair_rule(b, head, q_len, k_len, left, right, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
             rule = score_rule(SLOPES, b, head, q_len, k_len, mods, ALIBI)
             stream = b * heads_q + h
             q_tiles, do_tiles = head_descriptors(q_desc, do_desc, q_base, do_base, q_len, stride_qn, stride_dn,
@@ -324,8 +322,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
 
 @triton.jit
 def _dq_program(
-    head, m0, Q, K, V, DO, k_desc, v_desc, DQ, LSE2, DELTA, REDO, strides,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, shape, band, masks, dropout, scales, mods,
+    head, m0, Q, K, V, DO, k_desc, v_desc, DQ, LSE2, DELTA, REDO, strides, stride_lb, stride_lh,
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, padded_q, padded_k, heads_q, group, left, right, masks,
+    dropout, scales, mods,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -333,15 +332,13 @@ def _dq_program(
     USE_TMA: tl.constexpr, PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
 ):
     """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time.
-    ``strides`` are _gradients_kernel's, in its order."""
-    q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides, lse_strides = strides
+    The strides and lengths are _gradients_kernel's."""
+    q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides = strides
     stride_qb, stride_qn, stride_qh = q_strides
     stride_kb, stride_kn, stride_kh = k_strides
     stride_vb, stride_vn, stride_vh = v_strides
     stride_db, stride_dn, stride_dh = do_strides
     stride_dqb, stride_dqn, stride_dqh = dq_strides
-    stride_lb, stride_lh = lse_strides
-    padded_q, padded_k, heads_q, group = shape
     softmax_scale, scale_log2 = scales
     b = head // heads_q
     h = head % heads_q
@@ -371,12 +368,12 @@ def _dq_program(
         seq = 0 if IS_VARLEN else b  # the descriptors' batch axis (a varlen tensor gets one of length 1)
         k_tiles, v_tiles = head_descriptors(k_desc, v_desc, k_base, v_base, k_len, stride_kn, stride_vn, HEAD_DIM,
                                             HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, HOST_DESCRIPTORS)
-        pairs = pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
+        pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
         rule = score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI)
         stream = b * heads_q + h
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, band[0], band[1], BLOCK_M, BLOCK_N,
+        first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                                   HAS_MASK or HAS_BLOCK_MASK)
         SPLIT_PART: tl.constexpr = 1 if ALIBI else -1  # ALiBi's full tiles run by side of the diagonal
         for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles (band_part)
@@ -399,13 +396,16 @@ def _dq_program(
                  mask=(rows[:, None] < rows_out) & (dims[None, :] < HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
+# Passes's program count, LENGTHS and DROPOUT_DRAW: one compile for any
+@triton.jit(do_not_specialize=["programs", *LENGTHS, *DROPOUT_DRAW])
 def _gradients_kernel(
     Q, K, V, DO, Q_DESC, DO_DESC, K_DESC, V_DESC, DQ, DK, DV, LSE2, DELTA,
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS, dropout,  # each call's own (call_args)
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS,  # each call's own (call_args)
+    seed_lo, seed_hi, rng_offset, row0, key0,  # each call's own too (call_args: DROPOUT_DRAW)
     REDO,  # Passes's flags (None: one launch)
-    strides,  # (batch, row, head) of q, k, v, do, dq, dk, dv, then (batch, head) of LSE2 and DELTA
-    shape, band, masks, scales, mods, programs,  # scalars (problem_args, score_mod_args); scales: (scale, in log2)
+    strides, stride_lb, stride_lh,  # (batch, row, head) of q, k, v, do, dq, dk, dv; (batch, head) of LSE2 and DELTA
+    padded_q, padded_k, heads_q, group, left, right,  # problem_args
+    masks, dropout_rate, scales, mods, programs,  # groups (problem_args, score_mod_args); scales: (scale, in log2)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE: tl.constexpr, STREAM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -419,7 +419,7 @@ def _gradients_kernel(
     query tiles of its query heads (dQ; if QUERY_PROGRAMS). Each program keeps TILE rows resident
     and streams the other axis STREAM rows at a time; the first key tiles and the last query tiles,
     which a causal band gives the most work, start first. Either part alone is the same kernel."""
-    padded_q, padded_k, heads_q, group = shape
+    dropout = dropout_state(seed_lo, seed_hi, rng_offset, row0, key0, dropout_rate)
     key_tiles = tl.cdiv(padded_k, TILE) if KEY_PROGRAMS else 0
     query_tiles = tl.cdiv(padded_q, TILE)
     per_head = key_tiles + (group * query_tiles if QUERY_PROGRAMS else 0)
@@ -434,18 +434,19 @@ def _gradients_kernel(
             keys: tl.constexpr = KEY_PROGRAMS  # known when compiling: the other part is left out
         if keys:
             _dkdv_program(head_k, local * TILE, Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, LSE2, DELTA, REDO, strides,
-                          CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, shape, band, masks, dropout,
-                          scales, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, STREAM, TILE, IS_VARLEN,
-                          HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI,
-                          DOT_PRECISION, USE_TMA, KEY_PARTS, HOST_DESCRIPTORS, EXACT)
+                          stride_lb, stride_lh, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, padded_q,
+                          padded_k, heads_q, group, left, right, masks, dropout, scales, mods, HEAD_DIM, HEAD_DIM_V,
+                          BLOCK_D, BLOCK_DV, STREAM, TILE, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK,
+                          HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, KEY_PARTS,
+                          HOST_DESCRIPTORS, EXACT)
         else:
             local -= key_tiles
             _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE, Q, K, V,
-                        DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO, strides, CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK,
-                        BLOCKS, SLOPES, shape, band, masks, dropout, scales, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                        BLOCK_DV, TILE, STREAM, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK,
-                        DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS,
-                        EXACT)
+                        DO, K_DESC, V_DESC, DQ, LSE2, DELTA, REDO, strides, stride_lb, stride_lh, CU_Q, CU_K,
+                        SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, padded_q, padded_k, heads_q, group, left, right,
+                        masks, dropout, scales, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, TILE, STREAM, IS_VARLEN,
+                        HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI,
+                        DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT)
 
 
 def backward(problem, q, k, v, o, lse, do):
@@ -467,7 +468,7 @@ def backward(problem, q, k, v, o, lse, do):
     prepare(o, do, lse, delta, lse2, problem.cu_seqlens_q, problem.seqlens_q, sinks, sink_terms)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    dq, dk, dv = gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call)
+    dq, dk, dv = gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call.values())
     if sinks is None:
         return dq, dk, dv
     # dsinks[h] = -(sum of its rows' terms): lse's head axis is its second-to-last
@@ -481,7 +482,7 @@ def _launches(problem, q, k, v, o, do, lse):
     rows = 64 if not tuning.interpreting() else 16
     prepare = Launch(_prepare_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, rows),), {},
                      o_strides=row_strides(o, varlen), do_strides=row_strides(do, varlen),
-                     lse_strides=lse_strides(lse, varlen), padded_q=problem.seqlen_q,
+                     **lse_strides(lse, varlen), padded_q=problem.seqlen_q,
                      heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
                      BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"],
                      HAS_SINKS=problem.sinks is not None)
@@ -526,7 +527,8 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, *ca
     query_parts = band_parts(problem, False, stream) if queries else 0
     kernel = Passes(_gradients_kernel, problem.batch * problem.heads_k * per_head, config.options(),
                     bool((key_parts | query_parts) & MASKED_PARTS) or problem.dropout_p > 0,
-                    strides=(*(row_strides(x, varlen) for x in (q, k, v, do, dq, dk, dv)), lse_strides(lse2, varlen)),
+                    strides=tuple(row_strides(x, varlen) for x in (q, k, v, do, dq, dk, dv)),
+                    **lse_strides(lse2, varlen),
                     **args, scales=(problem.softmax_scale, problem.scale_log2),
                     **score_mod_args(problem, problem.softmax_scale), TILE=tile, STREAM=stream,
                     USE_TMA=use_tma,

@@ -7,10 +7,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: The kernels' dropout arguments that change from call to call (``dropout_args``): the seed's
+#: low and high words, rng_offset's low word and the positions of row 0 and key 0
+#: (``dropout_offsets``; a ring's every step draws at its own). Triton must not specialise them
+#: (on == 1 and on divisibility by 16), or each seed and step would compile the kernels anew;
+#: and each travels as an int32 holding the bits the draw reads, since Triton also compiles an
+#: int once per width (i32, i64). The rate, a model's, is ``problem_args``' ``dropout_rate``:
+#: (threshold, scale).
+DROPOUT_DRAW = ("seed_lo", "seed_hi", "rng_offset", "row0", "key0")
+
+
+@triton.jit
+def dropout_state(seed_lo, seed_hi, rng_offset, row0, key0, dropout_rate):
+    """``dropout``, what ``dropout_keep`` and ``kept_scale`` read, from a kernel's arguments
+    ``DROPOUT_DRAW`` and ``dropout_rate``: (seed, rng_offset, threshold, row0, key0, scale), the
+    seed a uint64 again."""
+    threshold, scale = dropout_rate
+    seed = seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32 | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return seed, rng_offset, threshold, row0, key0, scale
+
 
 @triton.jit
 def kept_scale(dropout):
-    """1 / (1 - p), what a kept value is multiplied by: the last of ``dropout_args``' values."""
+    """1 / (1 - p), what a kept value is multiplied by: the last of ``dropout_state``'s values."""
     seed, rng_offset, threshold, row0, key0, scale = dropout
     return scale
 
@@ -20,7 +39,7 @@ def dropout_keep(i, j, stream, dropout):
     """Z[i, j] of the contract's Dropout section, row i and key j at positions row0 + i and key0 + j
     (the ``dropout_offsets`` option): with y = key0 + j, word y % 4 of
     Philox4x32-10((y // 4, row0 + i, stream, offset), seed) >= threshold. ``dropout`` is
-    (seed, rng_offset, threshold, row0, key0, scale) (``dropout_args``)."""
+    (seed, rng_offset, threshold, row0, key0, scale) (``dropout_state``)."""
     seed, rng_offset, threshold, row0, key0, _ = dropout
     zero = i * 0 + j * 0
     j = j + key0
@@ -34,10 +53,14 @@ def dropout_keep(i, j, stream, dropout):
     return r.to(tl.int64) >= threshold
 
 
-def dropout_args(problem) -> tuple:
-    """(seed, rng_offset, threshold, row0, key0, scale): what ``dropout_keep`` draws from and the
-    kept values' scale."""
-    seed = problem.seed
-    # The seed is passed as a signed 64-bit value with the same bits; tl.philox reads it as uint64.
-    return (seed - (1 << 64) if seed >= 1 << 63 else seed, problem.rng_offset_words[0], problem.dropout_threshold,
-            *problem.dropout_offsets, problem.dropout_scale)
+def dropout_args(problem) -> dict:
+    """A call's ``DROPOUT_DRAW``, by name, each the int32 with the bits of its uint32 word (the
+    offsets are below 2**31)."""
+    (seed_lo, seed_hi), rng_offset = problem.seed_words, problem.rng_offset_words[0]
+    row0, key0 = problem.dropout_offsets
+    return {"seed_lo": _int32(seed_lo), "seed_hi": _int32(seed_hi), "rng_offset": _int32(rng_offset), "row0": row0,
+            "key0": key0}
+
+
+def _int32(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word

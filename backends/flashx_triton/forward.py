@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.arguments import problem_args
-from flashx_triton.dropout import dropout_keep, kept_scale
+from flashx_triton.arguments import LENGTHS, problem_args
+from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep, dropout_state, kept_scale
 from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negated, readable_keys, widened
 from flashx_triton.launch import (Passes, call_args, call_layout, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
@@ -114,13 +114,16 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["programs"])  # Passes's program count: one compile for any
+# Passes's program count, LENGTHS and DROPOUT_DRAW: one compile for any
+@triton.jit(do_not_specialize=["programs", *LENGTHS, *DROPOUT_DRAW])
 def _forward_kernel(
     Q, K, V, K_DESC, V_DESC, O, LSE, Q_DESCALE, K_DESCALE, V_DESCALE,  # descales: FP8's (None: 1)
-    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS, dropout,  # each call's own (call_args)
+    CU_Q, CU_K, SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, SINKS,  # each call's own (call_args)
+    seed_lo, seed_hi, rng_offset, row0, key0,  # each call's own too (call_args: DROPOUT_DRAW)
     REDO,  # Passes's flags (None: one launch)
-    q_strides, k_strides, v_strides, o_strides, lse_strides,  # (batch, row, head); lse: (batch, head)
-    shape, band, masks, scale_log2, mods, programs,  # groups of scalars (problem_args, score_mod_args)
+    q_strides, k_strides, v_strides, o_strides, stride_lb, stride_lh,  # (batch, row, head); lse: (batch, head)
+    padded_q, padded_k, heads_q, group, left, right,  # problem_args
+    masks, dropout_rate, scale_log2, mods, programs,  # groups of scalars (problem_args, score_mod_args)
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQLENS_Q: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -132,9 +135,7 @@ def _forward_kernel(
     stride_kb, stride_kn, stride_kh = k_strides
     stride_vb, stride_vn, stride_vh, stride_vd = v_strides  # FP8: keys contiguous (fp8.keys_contiguous)
     stride_ob, stride_on, stride_oh = o_strides
-    stride_lb, stride_lh = lse_strides
-    padded_q, padded_k, heads_q, group = shape
-    left, right = band
+    dropout = dropout_state(seed_lo, seed_hi, rng_offset, row0, key0, dropout_rate)
     ids, todo, runs = program_share(REDO, programs, EXACT)
     for _ in range(runs):
         pid, todo = next_program(ids, todo, REDO, EXACT)
@@ -162,7 +163,7 @@ def _forward_kernel(
             first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_MASK or HAS_BLOCK_MASK)
             stream = b * heads_q + h
-            pairs = pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
+            pairs = pair_rule(b, h, q_len, k_len, left, right, MASK, BLOCKS, masks, HAS_MASK, HAS_BLOCK_MASK)
             rule = score_rule(SLOPES, b, h, q_len, k_len, mods, ALIBI)
             scale = scale_log2
             if FP8 != "":  # the descales of the raw scores join their scale, V's joins o's
@@ -224,11 +225,11 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     else:
         o = torch.empty(problem.o_shape, dtype=out_dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-    descales = (problem.q_descale, problem.k_descale, problem.v_descale)
-    call = call_args(problem)
-    tuned = per_problem(problem, ("forward", layout(q, k, v), call_layout(descales + call)),
+    call = dict(Q_DESCALE=problem.q_descale, K_DESCALE=problem.k_descale, V_DESCALE=problem.v_descale,
+                **call_args(problem))
+    tuned = per_problem(problem, ("forward", layout(q, k, v), call_layout(call)),
                         lambda: tuning.Tuned("forward", _launch))
-    return tuned(problem, q, k, v, o, lse, *descales, *call)
+    return tuned(problem, q, k, v, o, lse, *call.values())
 
 
 def _launch(problem, config, q, k, v, o, lse, *call):
@@ -245,7 +246,7 @@ def _launch(problem, config, q, k, v, o, lse, *call):
                     config.options(), bool(parts & MASKED_PARTS) or problem.dropout_p > 0, PARTS=parts,
                     q_strides=row_strides(q, varlen), k_strides=row_strides(k, varlen),
                     v_strides=(*row_strides(v, varlen), v.stride(-1)), o_strides=row_strides(o, varlen),
-                    lse_strides=lse_strides(lse, varlen), **args, scale_log2=abs(problem.scale_log2),
+                    **lse_strides(lse, varlen), **args, scale_log2=abs(problem.scale_log2),
                     **score_mod_args(problem, abs(problem.softmax_scale)), USE_TMA=use_tma,
                     FP8=fp8_mode(problem.fp8), **config.tiles())
 

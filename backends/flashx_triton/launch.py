@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from flashx_triton import tuning
-from flashx_triton.dropout import dropout_args
+from flashx_triton.dropout import DROPOUT_DRAW, dropout_args
 
 
 def layout(*tensors: torch.Tensor) -> tuple:
@@ -44,32 +44,33 @@ def per_problem(problem, key, build):
     return found
 
 
-def call_args(problem) -> tuple:
-    """The kernel arguments that change from call to call of one static problem, which kernels
-    take right after their own tensors: the optional tensors CU_Q, CU_K, SEQLENS_Q, SEQLENS_K,
-    MASK, BLOCKS (None where absent; masks as given, read through the strides of their broadcast,
-    ``mask_layout``), SLOPES and SINKS, and ``dropout`` (``dropout_args``)."""
+def call_args(problem) -> dict:
+    """The kernel arguments that change from call to call of one static problem, by name in the
+    order kernels take them, right after their own tensors: the optional tensors CU_Q, CU_K,
+    SEQLENS_Q, SEQLENS_K, MASK, BLOCKS (None where absent; masks as given, read through the
+    strides of their broadcast, ``mask_layout``), SLOPES and SINKS, then dropout's
+    ``DROPOUT_DRAW`` (``dropout_args``)."""
     blocks = problem.block_mask.blocks if problem.block_mask is not None else None
-    return (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k, problem.mask, blocks,
-            problem.alibi_slopes, problem.sinks, dropout_args(problem))
+    return dict(CU_Q=problem.cu_seqlens_q, CU_K=problem.cu_seqlens_k, SEQLENS_Q=problem.seqlens_q,
+                SEQLENS_K=problem.seqlens_k, MASK=problem.mask, BLOCKS=blocks, SLOPES=problem.alibi_slopes,
+                SINKS=problem.sinks, **dropout_args(problem))
 
 
-def call_layout(values: tuple) -> tuple:
-    """What Triton specialises a kernel on in ``call_args``' values: a tensor's strides and
-    16-byte alignment, an int's type (i32, i64 or u64) and whether it is 1 or a multiple of 16.
-    A launch compiled for one call's values serves another call's only where these agree."""
-    return tuple(_specialisation(x) for x in values)
+def call_layout(values: dict) -> tuple:
+    """What Triton specialises a kernel on in ``call_args``' values (by name): a tensor's strides
+    and 16-byte alignment, an int's type (i32, i64 or u64) and, unless the kernels name it in
+    ``do_not_specialize`` (``DROPOUT_DRAW``), whether it is 1 or a multiple of 16. A launch
+    compiled for one call's values serves another call's only where these agree."""
+    return tuple(_specialisation(x, name not in DROPOUT_DRAW) for name, x in values.items())
 
 
-def _specialisation(x):
+def _specialisation(x, specialised: bool):
     if x is None or isinstance(x, float):
         return x is None
     if isinstance(x, torch.Tensor):
         return x.stride(), x.data_ptr() % 16 == 0
-    if isinstance(x, tuple):
-        return tuple(_specialisation(item) for item in x)
     width = "i32" if -2**31 <= x < 2**31 else "u64" if x >= 2**63 else "i64"
-    return width, x == 1, x % 16 == 0
+    return (width, x == 1, x % 16 == 0) if specialised else width
 
 
 class Launch:

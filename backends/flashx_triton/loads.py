@@ -145,6 +145,8 @@ def row_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return (0, *x.stride()[:2]) if varlen else tuple(x.stride()[:3])
 
 
-def lse_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int]:
-    """The (batch, head) strides of an lse-shaped (B, H, N) or (H, T) tensor, rows contiguous."""
-    return (0, x.stride(0)) if varlen else (x.stride(0), x.stride(1))
+def lse_strides(x: torch.Tensor, varlen: bool) -> dict:
+    """stride_lb and stride_lh, the batch and head strides of an lse-shaped (B, H, N) or (H, T)
+    tensor, rows contiguous: scalars of their own, as they follow the query length (``LENGTHS``)."""
+    batch, head = (0, x.stride(0)) if varlen else (x.stride(0), x.stride(1))
+    return {"stride_lb": batch, "stride_lh": head}

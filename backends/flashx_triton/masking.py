@@ -107,11 +107,11 @@ def diagonal_part(side: tl.constexpr, lo, hi, first_row, diag, ROWS: tl.constexp
 
 
 @triton.jit
-def pair_rule(b, h, q_len, k_len, band, MASK, BLOCKS, masks, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr):
+def pair_rule(b, h, q_len, k_len, left, right, MASK, BLOCKS, masks, HAS_MASK: tl.constexpr,
+              HAS_BLOCK_MASK: tl.constexpr):
     """What decides which pairs of sequence b, query head h are allowed, packed for allowed_pairs
-    (an absent mask is 0: Triton 3.6 takes no None into a tuple). ``band`` is (left, right),
-    ``masks`` the strides of MASK and BLOCKS and the block mask's block sizes (``mask_layout``)."""
-    left, right = band
+    (an absent mask is 0: Triton 3.6 takes no None into a tuple): the band's reaches, and
+    ``masks``, the strides of MASK and BLOCKS and the block mask's block sizes (``mask_layout``)."""
     stride_mb, stride_mh, stride_mi, stride_mj, stride_bb, stride_bh, stride_bi, stride_bj, block_q, block_k = masks
     mask_base = MASK + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh if HAS_MASK else 0
     blocks_base = BLOCKS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh if HAS_BLOCK_MASK else 0
