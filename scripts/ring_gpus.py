@@ -25,6 +25,13 @@ Parts (each rank prints one JSON line per result; rank 0's lines are the part's 
                per GPU measured beside the count of flashx.distributed.peak_bytes_per_token, and the
                longest context it predicts.
                With one rank it times flashx.attention, the baseline.
+  trace-packed T F
+               one profiled step of the packed part's documents in T tokens, Hk = H/4: document_zigzag over
+               the ring (flashx.attention with one rank), after a warm-up, on rank 0: its Chrome trace,
+               gzipped to F; the step's time; the GPU's time in flashx's attention kernels (by name), in
+               NCCL's and in other kernels, with their launches; the time no kernel ran and no compute
+               kernel ran within the step; the overlap, as the trace part's. On the CPU (RING_SMOKE) the
+               host's operators stand in for kernels, so labelled.
 
 The check part grades packed documents too (documents spanning ranks, both exchanges, both layouts). The driver
 writes ring-<device>.json and .md under --out (default $OUT, else /tmp/flashx-out), keeping what it has
@@ -81,10 +88,16 @@ PACKED_HEADS_K = (HEADS, HEADS // 4)  # without and with grouped-query attention
 PACKED_LAYOUTS = ("zigzag", "document_zigzag")
 #: every document's length is a multiple of this, so that "document_zigzag" cuts it on 2, 4 and 8 GPUs
 DOCUMENT_MULTIPLE = 16
-PARTS = ("check", "packed", "trace", "time")
+PARTS = ("check", "packed", "trace-packed", "trace", "time")
 #: A rank still running after this many seconds prints its threads' stacks, and again as often: a
 #: part the driver's time box cuts short leaves in the log where each rank stood.
 STACKS_EVERY = 120
+#: the name of a timed step's span in a profiled run's trace (``torch.profiler.record_function``)
+STEP_LABEL = "ring_gpus step"
+#: the Triton backend's attention kernels, the ones "auto" runs on a GPU
+ATTENTION_KERNELS = ("_forward_kernel", "_prepare_kernel", "_gradients_kernel")
+#: the trace's categories of GPU work: kernels, and the copies and fills that are not kernels
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def flops(seqlen: int, causal: bool = True) -> float:
@@ -269,7 +282,8 @@ def _timer(torch, inputs: tuple, do, forward):
         _synchronize(torch)
         dist.barrier()
         start = time.perf_counter()  # steps of seconds: the host's clock after a synchronisation is exact enough
-        forward().backward(do)
+        with torch.profiler.record_function(STEP_LABEL):
+            forward().backward(do)
         _synchronize(torch)
         return time.perf_counter() - start
 
@@ -357,20 +371,95 @@ def _packed_step(torch, rank: int, world: int, tokens: int, heads_k: int, cu, la
 
 def part_trace(seqlen: int, trace: str) -> None:
     torch, dist, rank, world = _start()
-    step = _step(torch, seqlen, world, rank)
-    step()  # compiled and warm
-    activities = [torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities) as profile:
-        step()
+    _, events = _profiled(torch, rank, _step(torch, seqlen, world, rank), trace)
     if rank == 0:
-        path = Path(trace).with_suffix("")  # the .json beside the .json.gz
-        profile.export_chrome_trace(str(path))
-        overlap = _overlap(json.loads(path.read_text())["traceEvents"])
-        with open(path, "rb") as source, gzip.open(trace, "wb") as packed:
-            shutil.copyfileobj(source, packed)
-        path.unlink()
-        _emit(rank, part="trace", world=world, seqlen=seqlen, trace=Path(trace).name, **overlap)
+        _emit(rank, part="trace", world=world, seqlen=seqlen, trace=Path(trace).name, **_overlap(events))
     dist.destroy_process_group()
+
+
+def part_trace_packed(tokens: int, trace: str) -> None:
+    """One step of the packed part at the smaller Hk, document_zigzag over the ring (flashx.attention
+    with one rank), profiled: where rank 0's GPU spent it."""
+    torch, dist, rank, world = _start()
+    lengths, heads_k, layout = document_lengths(tokens, *PACKED_LENGTHS), PACKED_HEADS_K[-1], "document_zigzag"
+    cu = torch.tensor(offsets(lengths), dtype=torch.int32, device=DEVICE)
+    seconds, events = _profiled(torch, rank, _packed_step(torch, rank, world, tokens, heads_k, cu, layout, "ring"),
+                                trace)
+    if rank == 0:
+        _emit(rank, part="trace-packed", world=world, layout=layout if world > 1 else "",
+              exchange="ring" if world > 1 else "one GPU", heads_k=heads_k, tokens=tokens, documents=len(lengths),
+              seconds=seconds, trace=Path(trace).name, **_kernel_time(events), **_overlap(events))
+    dist.destroy_process_group()
+
+
+def _profiled(torch, rank: int, step, trace: str) -> tuple[float, list[dict] | None]:
+    """The seconds of one profiled ``step`` after a warm-up one, and on rank 0 its trace's events,
+    the Chrome trace gzipped to ``trace``. The host's operators are recorded beside the kernels: they
+    show whether the host kept the GPU waiting."""
+    step()  # compiled and warm
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if DEVICE == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        seconds = step()
+    if rank != 0:
+        return seconds, None
+    path = Path(trace).with_suffix("")  # the .json beside the .json.gz
+    profile.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    with open(path, "rb") as source, gzip.open(trace, "wb") as packed:
+        shutil.copyfileobj(source, packed)
+    path.unlink()
+    return seconds, events
+
+
+def _union(intervals) -> list[list[float]]:
+    """The union of (start, end) intervals, as disjoint [start, end] in order."""
+    union = []
+    for start, end in sorted(intervals):
+        if union and start <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], end)
+        else:
+            union.append([start, end])
+    return union
+
+
+def _kernel_time(events: list[dict], top: int = 4) -> dict:
+    """Where the GPU's time went in a trace's timed step (``STEP_LABEL``), from the host's start of the
+    step to its last kernel's end: for each kind of kernel (attention: ``ATTENTION_KERNELS``; nccl;
+    other, copies and fills included) the launches, their milliseconds and the ``top`` kernels by
+    time; the time no kernel ran (idle), and no compute kernel (idle, or NCCL's alone: waiting for a
+    peer or for the host); the host's time issuing the step, near the span where the host keeps the
+    GPU waiting. Without CUDA kernels (the CPU) the host's operators stand in, nested ones each
+    counted, so that the script can be checked there."""
+    step = next(e for e in events if e.get("cat") == "user_annotation" and e["name"] == STEP_LABEL)
+    start = step["ts"]
+    kernels = [e for e in events if e.get("cat") in GPU_WORK and e.get("ph") == "X"]
+    timeline = "CUDA kernels" if kernels else "CPU operators (no CUDA kernel in the trace)"
+    kernels = kernels or [e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"]
+    kernels = [(max(e["ts"], start), e["ts"] + e["dur"], e["name"], _kernel_kind(e["name"]))
+               for e in kernels if e["ts"] + e["dur"] > start]  # not the barrier before the step
+    end = max([start + step["dur"], *(stop for _, stop, _, _ in kernels)])
+
+    def uncovered(kinds: tuple) -> float:
+        return (end - start - sum(b - a for a, b in _union((a, b) for a, b, _, kind in kernels if kind in kinds))) / 1e3
+
+    summary = dict(timeline=timeline, span_ms=(end - start) / 1e3, host_ms=step["dur"] / 1e3,
+                   idle_ms=uncovered(("attention", "nccl", "other")), no_compute_ms=uncovered(("attention", "other")))
+    for kind in ("attention", "nccl", "other"):
+        names = {}  # name: (launches, microseconds)
+        for begin, stop, name, _ in (x for x in kernels if x[3] == kind):
+            count, microseconds = names.get(name, (0, 0.0))
+            names[name] = (count + 1, microseconds + stop - begin)
+        ranked = sorted(names.items(), key=lambda item: -item[1][1])
+        summary[kind] = dict(launches=sum(count for count, _ in names.values()),
+                             ms=sum(us for _, us in names.values()) / 1e3,
+                             top=[[name, count, us / 1e3] for name, (count, us) in ranked[:top]])
+    return summary
+
+
+def _kernel_kind(kernel: str) -> str:
+    return "attention" if kernel in ATTENTION_KERNELS else "nccl" if "nccl" in kernel.lower() else "other"
 
 
 def _overlap(events: list[dict]) -> dict:
@@ -379,12 +468,7 @@ def _overlap(events: list[dict]) -> dict:
     that waits for the slowest rank."""
     kernels = [(e["ts"], e["ts"] + e["dur"], e["name"].lower()) for e in events
                if e.get("cat") == "kernel" and e.get("ph") == "X"]
-    compute = []  # the union of compute kernels' intervals
-    for start, end in sorted((start, end) for start, end, name in kernels if "nccl" not in name):
-        if compute and start <= compute[-1][1]:
-            compute[-1][1] = max(compute[-1][1], end)
-        else:
-            compute.append([start, end])
+    compute = _union((start, end) for start, end, name in kernels if "nccl" not in name)
     transfers = [(start, end) for start, end, name in kernels if "sendrecv" in name]
     transfer_us = sum(end - start for start, end in transfers)
     overlapped_us = sum(max(0.0, min(end, b) - max(start, a)) for start, end in transfers for a, b in compute)
@@ -429,15 +513,17 @@ def _longest(times: list[dict], world: int) -> dict | None:
     return dict(world=world, mib_per_token_per_rank=per_token, longest_tokens=tokens, verified_tokens=verified)
 
 
-def _plan(worlds: list[int], trace: Path, parts: set[str], check_layouts: list[str]) -> list[tuple[int, list[str]]]:
+def _plan(worlds: list[int], traces: str, parts: set[str], check_layouts: list[str]) -> list[tuple[int, list[str]]]:
     """(ranks, part arguments) in the order run: correctness (of ``check_layouts``' cases; empty:
-    all), packed documents with their single-GPU baseline, the overlap trace, the scaling table with
-    its single-GPU baselines, then one longer step per group size toward the longest context; only
-    ``parts``."""
+    all), packed documents with their single-GPU baseline, the profile of a packed step on the most
+    GPUs and on one, the overlap trace, the scaling table with its single-GPU baselines, then one
+    longer step per group size toward the longest context; only ``parts``. Traces are written to
+    ``traces`` + ".json.gz" (the overlap's) and + "-packed-wW.json.gz"."""
     widest = worlds[-1]
     plan = [(w, ["check", *check_layouts]) for w in reversed(worlds)]
     plan += [(w, ["packed", str(PACKED_TOKENS), "3"]) for w in [1, *reversed(worlds)]]
-    plan.append((widest, ["trace", str(SIZES[0]), str(trace)]))
+    plan += [(w, ["trace-packed", str(PACKED_TOKENS), f"{traces}-packed-w{w}.json.gz"]) for w in (widest, 1)]
+    plan.append((widest, ["trace", str(SIZES[0]), f"{traces}.json.gz"]))
     for seqlen in SIZES:
         plan += [(w, ["time", str(seqlen), "3"]) for w in reversed(worlds)]
     singles = sorted({seqlen // w for seqlen in SIZES for w in [1, *worlds]})
@@ -489,7 +575,7 @@ def driver(out: Path, budget: float, parts: set[str], check_layouts: list[str]) 
     slug = "ring-" + (device_slug(device) if DEVICE == "cuda" else "cpu")
     deadline = time.monotonic() + budget
     with open(out / f"{slug}.log", "w") as log:
-        for world, args in _plan(worlds, out / f"{slug}-trace.json.gz", parts, check_layouts):
+        for world, args in _plan(worlds, str(out / f"{slug}-trace"), parts, check_layouts):
             left = deadline - time.monotonic()
             if left < 30:
                 results["rows"].append({"part": "error", "world": world, "args": args + ["(not run: time box)"]})
@@ -526,6 +612,7 @@ def render(results: dict) -> str:
                          f"{r['options']} | {difference} | {verdict} |")
         lines.append("")
     lines += render_packed([r for r in rows if r["part"] == "packed"])
+    lines += render_packed_profile([r for r in rows if r["part"] == "trace-packed"])
     times = [r for r in rows if r["part"] == "time"]
     single = {r["seqlen"]: r for r in times if r["world"] == 1}
     if times:
@@ -595,6 +682,40 @@ def render_packed(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def render_packed_profile(rows: list[dict]) -> list[str]:
+    """The profiled packed steps: where rank 0's GPU spent its step, the ring's beside one GPU's."""
+    if not rows:
+        return []
+    first = rows[0]
+    lines = [f"## Profile of one packed step: causal fwd+bwd, Hk = {first['heads_k']}, rank 0's GPU", "",
+             f"The packed part's {first['tokens']:,} tokens in {first['documents']} documents, document_zigzag over "
+             f"the ring, or flashx.attention on one GPU; one step after a warm-up, profiled (host operators "
+             f"recorded too, so the host runs slower than in the timed parts). Timeline: {first['timeline']}. "
+             f"Time in kernels: the sum of their durations, launches in brackets; attention: flashx's Triton "
+             f"kernels; other: the rest, copies and fills included. Per token: the attention kernels' time over "
+             f"the GPU's tokens (T/W), equal where the ring's calls compute as fast as one GPU's. Idle: the step "
+             f"(the host's start to the last kernel's end) less the union of kernels; no compute: less the union "
+             f"of all but NCCL's. Host: the host's time issuing the step. Overlap: the trace part's.", "",
+             "| W | step (ms) | host (ms) | attention (ms) | ns/token | NCCL (ms) | other (ms) | idle (ms) "
+             "| no compute (ms) | overlap |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = sorted(rows, key=lambda r: r["world"])
+    for r in rows:
+        attention, nccl, other = (f"{r[kind]['ms']:.1f} ({r[kind]['launches']})" for kind in ("attention", "nccl",
+                                                                                                "other"))
+        per_token = r["attention"]["ms"] * 1e6 / (r["tokens"] / r["world"])
+        overlap = f"{r['overlap']:.2f}" if r["overlap"] is not None else ""
+        lines.append(f"| {r['world']} | {r['seconds'] * 1e3:.1f} | {r['host_ms']:.1f} | {attention} | {per_token:.0f} "
+                     f"| {nccl} | {other} | {r['idle_ms']:.1f} | {r['no_compute_ms']:.1f} | {overlap} |")
+    lines.append("")
+    for r in rows:
+        longest = "; ".join(f"{kind}: " + ", ".join(f"`{name[:60]}` {ms:.1f} ms ({count})"  # PyTorch's names run long
+                                                    for name, count, ms in r[kind]["top"])
+                            for kind in ("attention", "other") if r[kind]["top"])
+        lines.append(f"W={r['world']}, the longest kernels by name: {longest or 'none'}. Trace: `{r['trace']}`.")
+    return lines + [""]
+
+
 def packed_kib_per_token(row: dict) -> float:
     return row["peak_mib"] * 1024 / (row["tokens"] / row["world"])
 
@@ -619,6 +740,8 @@ def main() -> None:
         part_time(int(options.args[0]), int(options.args[1]))
     elif options.part == "trace":
         part_trace(int(options.args[0]), options.args[1])
+    elif options.part == "trace-packed":
+        part_trace_packed(int(options.args[0]), options.args[1])
     elif options.part == "packed":
         part_packed(int(options.args[0]), int(options.args[1]))
     else:

@@ -1,5 +1,5 @@
-"""scripts/ring_gpus.py's arithmetic: the overlap read from a trace, and the longest context from
-peak memory (the GPU parts themselves run on a GPU host, or under RING_SMOKE=1)."""
+"""scripts/ring_gpus.py's arithmetic: the overlap and the kernel time read from a trace, and the
+longest context from peak memory (the GPU parts themselves run on a GPU host, or under RING_SMOKE=1)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,51 @@ def test_overlap_counts_transfers_only(ring):
     assert found["overlap"] == pytest.approx(25 / 30)
 
 
+def test_kernel_time_of_the_step_only(ring):
+    """A step from 100 us to its last kernel's end at 207 us: the barrier before it is left out,
+    the copy counts as other GPU work."""
+    events = [
+        {"cat": "user_annotation", "ph": "X", "name": ring.STEP_LABEL, "ts": 100, "dur": 50},
+        _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 90),  # the barrier
+        _kernel("_forward_kernel", 110, 20),
+        _kernel("ncclDevKernel_SendRecv(args)", 120, 40),
+        _kernel("_gradients_kernel", 140, 60),
+        _kernel("_gradients_kernel", 200, 5),
+        {"cat": "gpu_memcpy", "ph": "X", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 205, "dur": 2},
+        {"cat": "cpu_op", "ph": "X", "name": "aten::add", "ts": 100, "dur": 500},
+    ]
+    found = ring._kernel_time(events)
+    assert found["timeline"] == "CUDA kernels"
+    assert found["span_ms"] == pytest.approx(0.107) and found["host_ms"] == pytest.approx(0.050)
+    assert found["idle_ms"] == pytest.approx(0.010)  # 100 to 110
+    assert found["no_compute_ms"] == pytest.approx(0.020)  # and 130 to 140, NCCL's alone
+    assert found["attention"] == dict(launches=3, ms=pytest.approx(0.085),
+                                      top=[["_gradients_kernel", 2, pytest.approx(0.065)],
+                                           ["_forward_kernel", 1, pytest.approx(0.020)]])
+    assert (found["nccl"]["launches"], found["other"]["launches"]) == (1, 1)
+
+
+def test_kernel_time_without_cuda_kernels_says_so(ring):
+    events = [{"cat": "user_annotation", "ph": "X", "name": ring.STEP_LABEL, "ts": 0, "dur": 10},
+              {"cat": "cpu_op", "ph": "X", "name": "aten::add", "ts": 2, "dur": 4}]
+    found = ring._kernel_time(events)
+    assert found["timeline"].startswith("CPU operators")
+    assert found["other"]["launches"] == 1 and found["idle_ms"] == pytest.approx(0.006)
+
+
+def test_packed_profile_table(ring):
+    common = dict(part="trace-packed", heads_k=4, tokens=262144, documents=12, timeline="CUDA kernels",
+                  host_ms=20.0, nccl=dict(launches=30, ms=40.0, top=[]), other=dict(launches=900, ms=10.0, top=[]))
+    one = dict(common, world=1, seconds=0.2, idle_ms=1.0, no_compute_ms=1.0, overlap=None, trace="one.json.gz",
+               attention=dict(launches=6, ms=190.0, top=[["_gradients_kernel", 2, 130.0]]))
+    four = dict(common, world=4, seconds=0.065, attention=dict(launches=600, ms=52.0, top=[]), idle_ms=5.0,
+                no_compute_ms=9.0, overlap=0.9, trace="four.json.gz")
+    table = "\n".join(ring.render_packed_profile([four, one]))
+    assert "| 1 | 200.0 | 20.0 | 190.0 (6) | 725 | 40.0 (30) | 10.0 (900) | 1.0 | 1.0 |  |" in table
+    assert "| 4 | 65.0 | 20.0 | 52.0 (600) | 793 | 40.0 (30) | 10.0 (900) | 5.0 | 9.0 | 0.90 |" in table
+    assert "W=1, the longest kernels by name: attention: `_gradients_kernel` 130.0 ms (2)" in table
+
+
 def test_longest_context_from_two_peaks(ring):
     rows = [dict(part="time", world=4, seqlen=4 * n, peak_mib=1000 + n / 64, capacity_mib=10240)
             for n in (32768, 131072)]
@@ -77,8 +122,14 @@ def test_causal_work_of_the_layouts(ring):
 
 
 def test_check_layouts_reach_every_check_part_only(ring, tmp_path):
-    plan = ring._plan([2, 4], tmp_path / "trace.json.gz", {"check", "packed"}, ["document_zigzag"])
+    plan = ring._plan([2, 4], str(tmp_path / "trace"), {"check", "packed"}, ["document_zigzag"])
     checks = [args for _, args in plan if args[0] == "check"]
     assert checks == [["check", "document_zigzag"]] * 2
     assert all(args[0] == "check" or "document_zigzag" not in args for _, args in plan)
-    assert [args for _, args in ring._plan([2], tmp_path / "t", {"check"}, [])] == [["check"]]
+    assert [args for _, args in ring._plan([2], str(tmp_path / "t"), {"check"}, [])] == [["check"]]
+
+
+def test_packed_profile_on_the_most_gpus_and_one(ring):
+    plan = ring._plan([2, 4], "out/ring-trace", {"trace-packed"}, [])
+    assert plan == [(w, ["trace-packed", str(ring.PACKED_TOKENS), f"out/ring-trace-packed-w{w}.json.gz"])
+                    for w in (4, 1)]
