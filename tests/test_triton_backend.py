@@ -279,6 +279,34 @@ def test_the_exact_launch_takes_every_flagged_program_of_every_share(monkeypatch
     check_against_oracle(q, k, v, do, causal=True)
 
 
+def test_calls_reuse_their_flags_and_flag_only_their_own_programs(monkeypatch):
+    """Passes's flags live in one buffer per thread, device, stream and size (launch.flags), not
+    one allocation per call: a clean call after one that flagged two programs uses the same buffer,
+    flags none of them and equals the oracle; another thread gets a buffer of its own."""
+    import threading
+
+    from flashx_triton import launch
+
+    flags = []
+    run = launch.Passes.__call__
+    monkeypatch.setattr(launch.Passes, "__call__", lambda self, *tensors: flags.append(run(self, *tensors)))
+    B, H, N, D = 1, 4, 96, 16
+    q, k, v = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
+    poisoned = v.clone()
+    poisoned[0, 40, 2, 3] = math.nan
+    flashx.attention_forward(q, k, poisoned, backend="triton", causal=True)
+    assert flags[0].tolist().count(1) == 2
+    o, _ = flashx.attention_forward(q, k, v, backend="triton", causal=True)
+    assert flags[1] is flags[0] and flags[1].tolist().count(1) == 0
+    np.testing.assert_allclose(o.numpy(), oracle.forward(*(x.double().numpy() for x in (q, k, v)), causal=True)[0],
+                               atol=2e-5)
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(launch.flags(q.device, len(flags[0]))))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not flags[0] and launch.flags(q.device, len(flags[0])) is flags[0]
+
+
 @pytest.mark.parametrize("plan", ["split", "fused"])
 def test_dkdv_and_dq_in_one_launch_or_two(monkeypatch, plan):
     """Both ways of launching the gradient kernel's two kinds of programs (tuning.GRADIENTS): in
