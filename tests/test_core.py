@@ -583,6 +583,60 @@ def test_a_remembered_plan_still_refuses_wrong_lengths_and_masks():
             flashx.attention(*inputs, backend="numpy", **dict(right[layout], **options))
 
 
+def test_a_remembered_call_checks_its_lengths_and_offsets_by_value_only(monkeypatch):
+    """The key of a remembered plan holds the type, shape, dtype and device of its lengths and
+    offsets, which the call that made it checked: a repeated call reads their values on the host
+    and checks those, and checks nothing else of them again."""
+    from flashx import validation
+
+    q, k, v = qkv(batch=2, seqlen_q=6, seqlen_k=7)
+    packed = tuple(x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    calls = {"seqlens": ((q, k, v), dict(seqlens_q=np.array([6, 3], np.int32), seqlens_k=np.array([7, 2], np.int64))),
+             "packed": (packed, dict(cu_seqlens_q=np.array([0, 5, 12], np.int32),
+                                     cu_seqlens_k=np.array([0, 7, 14], np.int32)))}
+    checked = []
+    same_array_as_q = validation._same_array_as_q
+    monkeypatch.setattr(validation, "_same_array_as_q",
+                        lambda name, *rest: checked.append(name) or same_array_as_q(name, *rest))
+    for inputs, options in calls.values():
+        flashx.attention(*inputs, backend="numpy", **options)
+        checked.clear()
+        flashx.attention(*inputs, backend="numpy", **options)
+        assert not set(checked) & set(options), checked
+
+
+@pytest.mark.parametrize("batch", [3, 70])
+def test_lengths_and_offsets_are_checked_alike_for_a_few_sequences_and_many(batch):
+    """Up to validation._FEW_VALUES values are checked as Python ints, more in NumPy: either way
+    the same longest sequences and the same errors, for offsets whose int32 differences would
+    wrap and for uint64 lengths past int64's range too."""
+    from flashx import validation
+
+    assert (batch <= validation._FEW_VALUES) == (batch == 3)
+    q, k, v = qkv(batch=batch, seqlen_q=4, seqlen_k=5, heads_q=1, heads_k=1, dim=2)
+    lengths = np.arange(batch, dtype=np.int32) % 5
+    problem = validation.build_problem(q, k, v, seqlens_k=lengths)
+    assert problem.seqlens_k.tolist() == lengths.tolist()
+    largest = lengths.astype(np.uint64)
+    largest[lengths == 1] = 2**64 - 1
+    for bad, shown in ((np.where(lengths == 2, 6, lengths), "from 0 to 6"),
+                       (np.where(lengths == 1, -1, lengths), f"from -1 to {lengths.max()}"), (largest, "from ")):
+        with pytest.raises(flashx.ShapeError, match=rf"seqlens_k: expected lengths in \[0, 5\], got values {shown}"):
+            validation.build_problem(q, k, v, seqlens_k=bad)
+    packed = tuple(x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    problem = validation.build_problem(*packed, cu_seqlens_q=offsets, cu_seqlens_k=offsets)
+    longest = int(lengths.max())
+    assert (problem.seqlen_q, problem.seqlen_k) == (longest, longest)
+    wrapping = offsets.copy()
+    wrapping[1:] = [2**31 - 1, -2**31] + [0] * (batch - 2)  # an int32 difference would wrap to a length of 1
+    for bad in (offsets + 1, offsets[::-1].copy(), np.append(offsets[:-1], 4 * batch + 1).astype(np.int32), wrapping):
+        with pytest.raises(flashx.ShapeError, match="cu_seqlens_q: expected offsets starting at 0, non-decreasing"):
+            validation.build_problem(*packed, cu_seqlens_q=bad, cu_seqlens_k=offsets)
+    with pytest.raises(flashx.ShapeError, match=rf"max_seqlen_q: expected an int >= the longest sequence \({longest}\)"):
+        validation.build_problem(*packed, cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=longest - 1)
+
+
 def test_the_remembered_plans_hold_no_callers_arrays():
     import weakref
 
