@@ -13,6 +13,7 @@ import dataclasses
 import math
 import numbers
 import secrets
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -401,10 +402,25 @@ def _number(name, value, is_type, expected, in_range, error=OptionError):
 def _draw_seed(kind: str) -> int:
     # torch users expect torch.manual_seed to make dropout reproducible, as in flash-attn.
     if kind == "torch":
+        return _seed_tensor().random_(0, 2**63 - 1).item()
+    return secrets.randbits(64)
+
+
+_seeds = threading.local()
+
+
+def _seed_tensor():
+    """This thread's scalar tensor that torch's default (CPU) generator draws dropout seeds into:
+    the draw of ``torch.randint(2**63 - 1, ())``, without a tensor made for each call. One per
+    thread, since another thread's draw could land between a draw and its read; made outside
+    inference mode, where it would become a tensor that no call outside inference mode may write."""
+    tensor = getattr(_seeds, "tensor", None)
+    if tensor is None:
         import torch
 
-        return torch.randint(2**63 - 1, (), dtype=torch.int64).item()
-    return secrets.randbits(64)
+        with torch.inference_mode(False):
+            tensor = _seeds.tensor = torch.empty((), dtype=torch.int64, device="cpu")
+    return tensor
 
 
 def _is_int(x) -> bool:

@@ -964,6 +964,32 @@ def test_drawn_seed_is_returned_and_follows_torch_manual_seed():
     assert first.seed == second.seed and first.rng_offset == 0
 
 
+def test_drawn_seeds_are_torchs_draws_into_one_tensor_per_thread(monkeypatch):
+    """Each seed is what torch.randint(2**63 - 1, ()) draws from torch's default generator, drawn
+    into a tensor that the thread keeps rather than one made per call; one first made under
+    inference mode still takes the draws of calls outside it."""
+    import threading
+
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    torch.manual_seed(3)
+    expected = [torch.randint(2**63 - 1, (), dtype=torch.int64).item() for _ in range(3)]
+    seeds = []
+
+    def draw():
+        torch.manual_seed(3)
+        with torch.inference_mode():
+            seeds.append(flashx.attention_forward(q, k, v, dropout_p=0.5, backend="numpy")[1].seed)
+        with monkeypatch.context() as patched:
+            for name in ("empty", "randint", "tensor"):
+                patched.setattr(torch, name, lambda *args, **kw: pytest.fail("made a tensor for a seed"))
+            seeds.extend(flashx.attention_forward(q, k, v, dropout_p=0.5, backend="numpy")[1].seed for _ in range(2))
+
+    thread = threading.Thread(target=draw)  # a thread of its own: its first draw makes its tensor
+    thread.start()
+    thread.join()
+    assert seeds == expected
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_merge_states_of_two_key_halves_is_the_whole(varlen):
     if varlen:
