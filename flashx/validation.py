@@ -144,7 +144,8 @@ def attention_fields(problem: Problem, options: dict, key_checked: bool = False)
     checked) and converted as the contract states, lengths and offsets read on the host; its seed,
     drawn afresh for dropout without one, and its RNG offset (``Problem.PER_CALL``); and its
     ``seqlen_q``, ``seqlen_k``: ``problem``'s, or with cu_seqlens the longest sequences they hold
-    (or the max_seqlen hints, checked against those).
+    (or the max_seqlen hints, checked against those), and whether rows lie past their last
+    sequences (``rows_past_sequences``, per call too).
 
     ``options`` holds every option (``flashx.options.complete``). Calls of one key of
     ``flashx.plan`` differ in these fields alone, so that a remembered plan runs just this. There
@@ -157,14 +158,16 @@ def attention_fields(problem: Problem, options: dict, key_checked: bool = False)
     given = {name: arrays.resolved(options[name]) for name in ARRAY_OPTIONS if options[name] is not None}
     fields = dict(given, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
     if p.total_q is not None:  # packed (read from the totals: ``problem`` may hold no cu_seqlens)
-        fields["cu_seqlens_q"], fields["seqlen_q"] = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
-                                                                 options["max_seqlen_q"], like_q, key_checked)
+        fields["cu_seqlens_q"], fields["seqlen_q"], past_q = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
+                                                                         options["max_seqlen_q"], like_q, key_checked)
         if (given["cu_seqlens_k"] is given["cu_seqlens_q"] and p.total_k == p.total_q
                 and options["max_seqlen_k"] == options["max_seqlen_q"]):  # self-attention: one host read
-            fields["cu_seqlens_k"], fields["seqlen_k"] = fields["cu_seqlens_q"], fields["seqlen_q"]
+            fields["cu_seqlens_k"], fields["seqlen_k"], past_k = fields["cu_seqlens_q"], fields["seqlen_q"], past_q
         else:
-            fields["cu_seqlens_k"], fields["seqlen_k"] = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
-                                                                     options["max_seqlen_k"], like_q, key_checked)
+            fields["cu_seqlens_k"], fields["seqlen_k"], past_k = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
+                                                                             options["max_seqlen_k"], like_q,
+                                                                             key_checked)
+        fields["rows_past_sequences"] = past_q or past_k
     if "seqlens_q" in given:
         fields["seqlens_q"] = _seqlens("seqlens_q", given["seqlens_q"], p.batch, p.seqlen_q, like_q, key_checked)
     if "seqlens_k" in given:
@@ -274,8 +277,8 @@ def _seqlens(name, x, batch, limit, like_q, key_checked):
 
 
 def _cu_seqlens(side, cu, total, max_seqlen, like_q, key_checked):
-    """``cu`` (of shape (B + 1,), ``build_problem`` checked) as int32, and the longest sequence it
-    holds, or ``max_seqlen`` checked against it."""
+    """``cu`` (of shape (B + 1,), ``build_problem`` checked) as int32; the longest sequence it
+    holds, or ``max_seqlen`` checked against it; and whether rows lie past its last sequence."""
     name = f"cu_seqlens_{side}"
     offsets = _int_vector(name, cu, cu.shape[0], like_q, key_checked)
     if isinstance(offsets, list):
@@ -289,7 +292,7 @@ def _cu_seqlens(side, cu, total, max_seqlen, like_q, key_checked):
     if max_seqlen is not None:
         _number(f"max_seqlen_{side}", max_seqlen, _is_int, f"an int >= the longest sequence ({longest})", lambda x: x >= longest,
                 error=ShapeError)
-    return arrays.astype(cu, "int32"), longest if max_seqlen is None else int(max_seqlen)
+    return arrays.astype(cu, "int32"), longest if max_seqlen is None else int(max_seqlen), bool(offsets[-1] < total)
 
 
 def _score_modifications(softcap, alibi_slopes, sinks, batch, heads_q, dtype, kind, device, device_index):

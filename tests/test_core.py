@@ -171,6 +171,23 @@ def test_varlen_problem_shapes(fresh_registry):
     assert o.shape == (7, 4, 8) and lse.shape == (4, 7)
 
 
+def test_a_packed_call_says_whether_rows_lie_past_its_sequences(fresh_registry):
+    """Each packed call's problem, a remembered plan's too, says whether rows of q or k lie past
+    cu_seqlens[-1] (rows_past_sequences): where none do, a backend's kernels write every output
+    element, and it allocates them without filling them first. Its static key is the same either way."""
+    backend = Marker("only")
+    registry.register(backend)
+    q, k, v, _, _ = varlen_inputs()  # 7 query rows, 8 key rows
+    keys = set()
+    for cu_q, cu_k, past in (([0, 3, 7], [0, 5, 8], False), ([0, 2, 6], [0, 5, 8], True),
+                             ([0, 3, 7], [0, 2, 7], True), ([0, 4, 7], [0, 5, 8], False)):  # the same longest
+        flashx.attention(q, k, v, cu_seqlens_q=np.array(cu_q, np.int32), cu_seqlens_k=np.array(cu_k, np.int64))
+        problem = backend.received[0]
+        assert problem.rows_past_sequences is past, (cu_q, cu_k)
+        keys.add(problem.static_key)
+    assert len(keys) == 1
+
+
 def test_self_attention_reads_its_one_offsets_array_once(fresh_registry, monkeypatch):
     """On a GPU each read of offsets on the host is a synchronization: cu_seqlens_q given again
     as cu_seqlens_k is read once, and a different array (or another total) still on its own."""

@@ -337,6 +337,31 @@ def test_empty_rows_of_varlen_lse():
     assert torch.equal(launch.empty_row_lse(_torch_problem(**varlen), "cpu"), torch.full((3, 6), -math.inf))
 
 
+@pytest.mark.parametrize("past", [False, True])
+def test_varlen_outputs_are_filled_only_where_rows_lie_past_the_sequences(monkeypatch, past):
+    """No kernel writes the rows past cu_seqlens[-1]: o, lse and the gradients start as the
+    contract's values there (0, -inf), filled when allocated. Where every row belongs to a sequence
+    (``rows_past_sequences`` False), every element is written and nothing is filled first."""
+    import contextlib
+
+    import torch
+
+    cu = np.array([0, 2, 5], np.int32)
+    problem = _torch_problem(total_q=5, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu, rows_past_sequences=past)
+    q, k, v, o, do = torch.ones(5, 3, 8), torch.ones(5, 1, 8), torch.ones(5, 1, 8), torch.ones(5, 3, 8), torch.ones(5, 3, 8)
+    lse = torch.zeros(problem.lse_shape)
+    device = SimpleNamespace(id=0, compute_capability="90")
+    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
+    monkeypatch.setattr(launch, "launch", lambda *args, **kw: None)
+    fills = []
+    for name in ("zeros", "full"):
+        fill = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, fill=fill, **kw: fills.append(fill) or fill(*args, **kw))
+    launch.forward(problem, q, k, v)
+    launch.backward(problem, q, k, v, o, lse, do)
+    assert bool(fills) == past
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_dsinks_sums_the_rows_of_each_head(varlen):
     import torch

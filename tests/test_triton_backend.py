@@ -196,6 +196,22 @@ def test_varlen_with_an_empty_sequence_and_rows_past_the_last():
     assert (o[100:] == 0).all() and (res.lse[:, 100:] == -math.inf).all()
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_varlen_whose_sequences_cover_every_row_fills_nothing_first(monkeypatch, sinks):
+    """Without rows past cu_seqlens[-1] (an empty sequence and empty rows inside), the kernels
+    write every element of every output: the backend allocates them without a fill (a kernel
+    launch each on a GPU), and the NaN-poisoned allocations never show."""
+    H, D = 2, 16
+    cu_q, cu_k = torch.tensor([0, 37, 37, 100], dtype=torch.int32), torch.tensor([0, 50, 61, 66], dtype=torch.int32)
+    q, k, v, do = randn(100, H, D), randn(66, H, D), randn(66, H, D), randn(100, H, D)
+    options = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, window=(8, 0))
+    if sinks:
+        options["sinks"] = torch.tensor([0.5, -1.0])
+    for name in ("zeros", "zeros_like", "full"):
+        monkeypatch.setattr(torch, name, lambda *args, **kw: pytest.fail("filled an output the kernels write"))
+    check_against_oracle(q, k, v, do, **options)
+
+
 # ---------------------------------------------------------------- shapes, strides, dtypes
 
 

@@ -209,7 +209,7 @@ def forward(problem, q, k, v):
 
     varlen = problem.varlen
     with caller_stream(problem, q) as device:
-        if varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
+        if varlen and problem.rows_past_sequences:  # rows of no sequence read as empty rows
             o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
             lse = empty_row_lse(problem, q.device)
         else:
@@ -231,7 +231,8 @@ def backward(problem, q, k, v, o, lse, do):
 
     varlen = problem.varlen
     with caller_stream(problem, q) as device:
-        zeros_or_empty = torch.zeros if varlen else torch.empty  # varlen: rows of no sequence stay 0
+        # varlen: rows past cu_seqlens[-1], of no sequence, stay 0
+        zeros_or_empty = torch.zeros if varlen and problem.rows_past_sequences else torch.empty
         dq = zeros_or_empty(q.shape, dtype=q.dtype, device=q.device)
         dk = zeros_or_empty(k.shape, dtype=k.dtype, device=k.device)
         dv = zeros_or_empty(v.shape, dtype=v.dtype, device=v.device)
