@@ -174,7 +174,7 @@ def _key(q, k, v, backend, options):
             return None
     dropout_p = values[_DROPOUT_POSITION]
     if type(dropout_p) in (int, float) and dropout_p > 0:  # the seed and offset are the call's own
-        for position in _PER_CALL_POSITIONS:
+        for position in _DROPOUT_STATE_POSITIONS:
             values[position] = None
     operands = (arrays.signature(q), arrays.signature(k), arrays.signature(v))
     return dispatch.requested(backend), registry.version(), operands, tuple(values), types
@@ -185,7 +185,7 @@ _ARRAY_POSITIONS = tuple(map(_NAMES.index, ARRAY_OPTIONS))
 _BLOCK_MASK_POSITION = _NAMES.index("block_mask")
 _PAIR_POSITIONS = tuple(map(_NAMES.index, ("window", "dropout_offsets")))  # options given as two ints
 _DROPOUT_POSITION = _NAMES.index("dropout_p")
-_PER_CALL_POSITIONS = tuple(map(_NAMES.index, Problem.PER_CALL))
+_DROPOUT_STATE_POSITIONS = tuple(map(_NAMES.index, ("seed", "rng_offset")))
 #: The types of the options that ``_key`` holds as they are, from the types of all of them.
 _scalar_types = operator.itemgetter(*sorted(set(range(len(_NAMES))) - {*_ARRAY_POSITIONS, _BLOCK_MASK_POSITION,
                                                                          *_PAIR_POSITIONS}))

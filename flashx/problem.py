@@ -81,7 +81,8 @@ class BaseProblem:
     operation: ClassVar[str]
     #: The auxiliary arrays a call may hold (``block_mask`` standing for its blocks).
     ARRAYS: ClassVar[tuple[str, ...]]
-    #: Fields that change from call to call without changing what runs (dropout's RNG state).
+    #: Fields that change from call to call without changing what runs (dropout's RNG state; for
+    #: packed sequences, whether rows lie past them, which changes what is allocated, not launched).
     PER_CALL: ClassVar[tuple[str, ...]] = ()
 
     array_kind: str  # "numpy" | "torch" | "cupy": the kind of the caller's arrays
@@ -241,12 +242,16 @@ class Problem(BaseProblem):
     operation: ClassVar[str] = "attention"
     ARRAYS: ClassVar[tuple[str, ...]] = ("alibi_slopes", "sinks", "mask", "block_mask", "seqlens_q", "seqlens_k",
                                          "cu_seqlens_q", "cu_seqlens_k", "q_descale", "k_descale", "v_descale")
-    PER_CALL: ClassVar[tuple[str, ...]] = ("seed", "rng_offset")
+    PER_CALL: ClassVar[tuple[str, ...]] = ("seed", "rng_offset", "rows_past_sequences")
 
     seqlen_q: int  # padded: Nq; varlen: the longest query sequence (max_seqlen_q)
     seqlen_k: int  # padded: Nk; varlen: the longest key sequence (max_seqlen_k)
     total_q: int | None = None  # varlen: Tq rows of q; padded: None
     total_k: int | None = None
+    # varlen: whether rows of q or k lie past cu_seqlens[-1]. No kernel program writes them, so
+    # their outputs must start as the contract's (o = 0, lse = -inf, dq = dk = dv = 0); without
+    # them, every output element is written. True unless the core read the offsets.
+    rows_past_sequences: bool = True
     mask: Any = None
     block_mask: BlockMask | None = None
     seqlens_q: Any = None

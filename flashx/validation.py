@@ -13,6 +13,7 @@ import dataclasses
 import math
 import numbers
 import secrets
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -143,31 +144,34 @@ def attention_fields(problem: Problem, options: dict, key_checked: bool = False)
     checked) and converted as the contract states, lengths and offsets read on the host; its seed,
     drawn afresh for dropout without one, and its RNG offset (``Problem.PER_CALL``); and its
     ``seqlen_q``, ``seqlen_k``: ``problem``'s, or with cu_seqlens the longest sequences they hold
-    (or the max_seqlen hints, checked against those).
+    (or the max_seqlen hints, checked against those), and whether rows lie past their last
+    sequences (``rows_past_sequences``, per call too).
 
     ``options`` holds every option (``flashx.options.complete``). Calls of one key of
     ``flashx.plan`` differ in these fields alone, so that a remembered plan runs just this. There
     (``key_checked``) the call that made the plan has checked what the key holds, so the checks
-    that read nothing else are not made again: those of a mask's and a block mask's type, shape,
-    dtype and device, and, without dropout, of the seed and RNG offset, which the plan's problem
-    holds."""
+    that read nothing else are not made again: those of the type, shape, dtype and device of
+    masks, block masks, lengths and offsets (whose values are still read and checked), and,
+    without dropout, of the seed and RNG offset, which the plan's problem holds."""
     p = problem
     like_q = (p.array_kind, p.device, p.device_index)
     given = {name: arrays.resolved(options[name]) for name in ARRAY_OPTIONS if options[name] is not None}
     fields = dict(given, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
     if p.total_q is not None:  # packed (read from the totals: ``problem`` may hold no cu_seqlens)
-        fields["cu_seqlens_q"], fields["seqlen_q"] = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
-                                                                 options["max_seqlen_q"], *like_q)
+        fields["cu_seqlens_q"], fields["seqlen_q"], past_q = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
+                                                                         options["max_seqlen_q"], like_q, key_checked)
         if (given["cu_seqlens_k"] is given["cu_seqlens_q"] and p.total_k == p.total_q
                 and options["max_seqlen_k"] == options["max_seqlen_q"]):  # self-attention: one host read
-            fields["cu_seqlens_k"], fields["seqlen_k"] = fields["cu_seqlens_q"], fields["seqlen_q"]
+            fields["cu_seqlens_k"], fields["seqlen_k"], past_k = fields["cu_seqlens_q"], fields["seqlen_q"], past_q
         else:
-            fields["cu_seqlens_k"], fields["seqlen_k"] = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
-                                                                     options["max_seqlen_k"], *like_q)
+            fields["cu_seqlens_k"], fields["seqlen_k"], past_k = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
+                                                                             options["max_seqlen_k"], like_q,
+                                                                             key_checked)
+        fields["rows_past_sequences"] = past_q or past_k
     if "seqlens_q" in given:
-        fields["seqlens_q"] = _seqlens("seqlens_q", given["seqlens_q"], p.batch, p.seqlen_q, *like_q)
+        fields["seqlens_q"] = _seqlens("seqlens_q", given["seqlens_q"], p.batch, p.seqlen_q, like_q, key_checked)
     if "seqlens_k" in given:
-        fields["seqlens_k"] = _seqlens("seqlens_k", given["seqlens_k"], p.batch, p.seqlen_k, *like_q)
+        fields["seqlens_k"] = _seqlens("seqlens_k", given["seqlens_k"], p.batch, p.seqlen_k, like_q, key_checked)
     score_shape = (p.batch, p.heads_q, fields["seqlen_q"], fields["seqlen_k"])
     if "mask" in given and not key_checked:
         _bool_broadcastable("mask", given["mask"], score_shape, *like_q)
@@ -232,42 +236,63 @@ def _same_array_as_q(name, x, kind, device, device_index):
         raise DeviceError(f"{name}: expected an array on q's device {where}, got one on {got}")
 
 
-def _int_vector(name, x, length, kind, device, device_index):
-    """The values of an integer vector on the host (any integer dtype; kernels receive int32)."""
-    _same_array_as_q(name, x, kind, device, device_index)
-    if arrays.dtype_name(x) not in INTEGER_DTYPES:
-        raise DTypeError(f"{name}: expected an integer dtype, got {arrays.dtype_name(x)}")
-    if tuple(x.shape) != (length,):
-        raise ShapeError(f"{name}: expected shape ({length},), got {tuple(x.shape)}")
+#: Up to this many values, lengths and offsets are checked as Python ints, more in NumPy, whose
+#: every operation costs about a microsecond however few the values: a call with a few sequences
+#: would pay that several times over.
+_FEW_VALUES = 64
+
+
+def _int_vector(name, x, length, like_q, key_checked):
+    """The values of an integer vector, read on the host in one copy (any integer dtype; kernels
+    receive int32): a list of Python ints for up to ``_FEW_VALUES``, an int64 NumPy array for more.
+    Its kind, device, dtype and shape are checked unless ``key_checked`` (``attention_fields``)."""
+    if not key_checked:
+        _same_array_as_q(name, x, *like_q)
+        if arrays.dtype_name(x) not in INTEGER_DTYPES:
+            raise DTypeError(f"{name}: expected an integer dtype, got {arrays.dtype_name(x)}")
+        if tuple(x.shape) != (length,):
+            raise ShapeError(f"{name}: expected shape ({length},), got {tuple(x.shape)}")
+    if length <= _FEW_VALUES:
+        return x.tolist()  # NumPy, torch and CuPy arrays alike: one copy to the host
     import numpy as np
 
     return np.asarray(arrays.to_host(x), dtype=np.int64)
 
 
-def _seqlens(name, x, batch, limit, kind, device, device_index):
+def _extremes(values) -> tuple[int, int]:
+    """(min, max) of ``_int_vector``'s values (or of their differences), (0, 0) for none."""
+    if not len(values):
+        return 0, 0
+    if isinstance(values, list):
+        return min(values), max(values)
+    return int(values.min()), int(values.max())
+
+
+def _seqlens(name, x, batch, limit, like_q, key_checked):
     """``x`` checked, as int32 (a copy only when given in another integer dtype)."""
-    values = _int_vector(name, x, batch, kind, device, device_index)
-    if values.size and (values.min() < 0 or values.max() > limit):
-        raise ShapeError(f"{name}: expected lengths in [0, {limit}], got values from {values.min()} to {values.max()}")
+    low, high = _extremes(_int_vector(name, x, batch, like_q, key_checked))
+    if low < 0 or high > limit:
+        raise ShapeError(f"{name}: expected lengths in [0, {limit}], got values from {low} to {high}")
     return arrays.astype(x, "int32")
 
 
-def _cu_seqlens(side, cu, total, max_seqlen, kind, device, device_index):
-    """``cu`` (of shape (B + 1,), ``build_problem`` checked) as int32, and the longest sequence it
-    holds, or ``max_seqlen`` checked against it."""
+def _cu_seqlens(side, cu, total, max_seqlen, like_q, key_checked):
+    """``cu`` (of shape (B + 1,), ``build_problem`` checked) as int32; the longest sequence it
+    holds, or ``max_seqlen`` checked against it; and whether rows lie past its last sequence."""
     name = f"cu_seqlens_{side}"
-    offsets = _int_vector(name, cu, cu.shape[0], kind, device, device_index)
-    lengths = offsets[1:] - offsets[:-1]
-    if offsets[0] != 0 or (lengths < 0).any() or offsets[-1] > total:
-        raise ShapeError(
-            f"{name}: expected offsets starting at 0, non-decreasing, ending at most at {total} (rows of {side}), "
-            f"got {offsets.tolist() if offsets.size <= 16 else f'{offsets[:8].tolist()}...'}"
-        )
-    longest = int(lengths.max()) if lengths.size else 0
+    offsets = _int_vector(name, cu, cu.shape[0], like_q, key_checked)
+    if isinstance(offsets, list):
+        shortest, longest = _extremes([end - start for start, end in zip(offsets, offsets[1:])])
+    else:
+        shortest, longest = _extremes(offsets[1:] - offsets[:-1])
+    if offsets[0] != 0 or shortest < 0 or offsets[-1] > total:
+        shown = offsets if len(offsets) <= 16 else f"{[int(x) for x in offsets[:8]]}..."
+        raise ShapeError(f"{name}: expected offsets starting at 0, non-decreasing, ending at most at {total} "
+                         f"(rows of {side}), got {shown}")
     if max_seqlen is not None:
         _number(f"max_seqlen_{side}", max_seqlen, _is_int, f"an int >= the longest sequence ({longest})", lambda x: x >= longest,
                 error=ShapeError)
-    return arrays.astype(cu, "int32"), longest if max_seqlen is None else int(max_seqlen)
+    return arrays.astype(cu, "int32"), longest if max_seqlen is None else int(max_seqlen), bool(offsets[-1] < total)
 
 
 def _score_modifications(softcap, alibi_slopes, sinks, batch, heads_q, dtype, kind, device, device_index):
@@ -380,10 +405,25 @@ def _number(name, value, is_type, expected, in_range, error=OptionError):
 def _draw_seed(kind: str) -> int:
     # torch users expect torch.manual_seed to make dropout reproducible, as in flash-attn.
     if kind == "torch":
+        return _seed_tensor().random_(0, 2**63 - 1).item()
+    return secrets.randbits(64)
+
+
+_seeds = threading.local()
+
+
+def _seed_tensor():
+    """This thread's scalar tensor that torch's default (CPU) generator draws dropout seeds into:
+    the draw of ``torch.randint(2**63 - 1, ())``, without a tensor made for each call. One per
+    thread, since another thread's draw could land between a draw and its read; made outside
+    inference mode, where it would become a tensor that no call outside inference mode may write."""
+    tensor = getattr(_seeds, "tensor", None)
+    if tensor is None:
         import torch
 
-        return torch.randint(2**63 - 1, (), dtype=torch.int64).item()
-    return secrets.randbits(64)
+        with torch.inference_mode(False):
+            tensor = _seeds.tensor = torch.empty((), dtype=torch.int64, device="cpu")
+    return tensor
 
 
 def _is_int(x) -> bool:

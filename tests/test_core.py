@@ -171,6 +171,23 @@ def test_varlen_problem_shapes(fresh_registry):
     assert o.shape == (7, 4, 8) and lse.shape == (4, 7)
 
 
+def test_a_packed_call_says_whether_rows_lie_past_its_sequences(fresh_registry):
+    """Each packed call's problem, a remembered plan's too, says whether rows of q or k lie past
+    cu_seqlens[-1] (rows_past_sequences): where none do, a backend's kernels write every output
+    element, and it allocates them without filling them first. Its static key is the same either way."""
+    backend = Marker("only")
+    registry.register(backend)
+    q, k, v, _, _ = varlen_inputs()  # 7 query rows, 8 key rows
+    keys = set()
+    for cu_q, cu_k, past in (([0, 3, 7], [0, 5, 8], False), ([0, 2, 6], [0, 5, 8], True),
+                             ([0, 3, 7], [0, 2, 7], True), ([0, 4, 7], [0, 5, 8], False)):  # the same longest
+        flashx.attention(q, k, v, cu_seqlens_q=np.array(cu_q, np.int32), cu_seqlens_k=np.array(cu_k, np.int64))
+        problem = backend.received[0]
+        assert problem.rows_past_sequences is past, (cu_q, cu_k)
+        keys.add(problem.static_key)
+    assert len(keys) == 1
+
+
 def test_self_attention_reads_its_one_offsets_array_once(fresh_registry, monkeypatch):
     """On a GPU each read of offsets on the host is a synchronization: cu_seqlens_q given again
     as cu_seqlens_k is read once, and a different array (or another total) still on its own."""
@@ -583,6 +600,60 @@ def test_a_remembered_plan_still_refuses_wrong_lengths_and_masks():
             flashx.attention(*inputs, backend="numpy", **dict(right[layout], **options))
 
 
+def test_a_remembered_call_checks_its_lengths_and_offsets_by_value_only(monkeypatch):
+    """The key of a remembered plan holds the type, shape, dtype and device of its lengths and
+    offsets, which the call that made it checked: a repeated call reads their values on the host
+    and checks those, and checks nothing else of them again."""
+    from flashx import validation
+
+    q, k, v = qkv(batch=2, seqlen_q=6, seqlen_k=7)
+    packed = tuple(x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    calls = {"seqlens": ((q, k, v), dict(seqlens_q=np.array([6, 3], np.int32), seqlens_k=np.array([7, 2], np.int64))),
+             "packed": (packed, dict(cu_seqlens_q=np.array([0, 5, 12], np.int32),
+                                     cu_seqlens_k=np.array([0, 7, 14], np.int32)))}
+    checked = []
+    same_array_as_q = validation._same_array_as_q
+    monkeypatch.setattr(validation, "_same_array_as_q",
+                        lambda name, *rest: checked.append(name) or same_array_as_q(name, *rest))
+    for inputs, options in calls.values():
+        flashx.attention(*inputs, backend="numpy", **options)
+        checked.clear()
+        flashx.attention(*inputs, backend="numpy", **options)
+        assert not set(checked) & set(options), checked
+
+
+@pytest.mark.parametrize("batch", [3, 70])
+def test_lengths_and_offsets_are_checked_alike_for_a_few_sequences_and_many(batch):
+    """Up to validation._FEW_VALUES values are checked as Python ints, more in NumPy: either way
+    the same longest sequences and the same errors, for offsets whose int32 differences would
+    wrap and for uint64 lengths past int64's range too."""
+    from flashx import validation
+
+    assert (batch <= validation._FEW_VALUES) == (batch == 3)
+    q, k, v = qkv(batch=batch, seqlen_q=4, seqlen_k=5, heads_q=1, heads_k=1, dim=2)
+    lengths = np.arange(batch, dtype=np.int32) % 5
+    problem = validation.build_problem(q, k, v, seqlens_k=lengths)
+    assert problem.seqlens_k.tolist() == lengths.tolist()
+    largest = lengths.astype(np.uint64)
+    largest[lengths == 1] = 2**64 - 1
+    for bad, shown in ((np.where(lengths == 2, 6, lengths), "from 0 to 6"),
+                       (np.where(lengths == 1, -1, lengths), f"from -1 to {lengths.max()}"), (largest, "from ")):
+        with pytest.raises(flashx.ShapeError, match=rf"seqlens_k: expected lengths in \[0, 5\], got values {shown}"):
+            validation.build_problem(q, k, v, seqlens_k=bad)
+    packed = tuple(x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    problem = validation.build_problem(*packed, cu_seqlens_q=offsets, cu_seqlens_k=offsets)
+    longest = int(lengths.max())
+    assert (problem.seqlen_q, problem.seqlen_k) == (longest, longest)
+    wrapping = offsets.copy()
+    wrapping[1:] = [2**31 - 1, -2**31] + [0] * (batch - 2)  # an int32 difference would wrap to a length of 1
+    for bad in (offsets + 1, offsets[::-1].copy(), np.append(offsets[:-1], 4 * batch + 1).astype(np.int32), wrapping):
+        with pytest.raises(flashx.ShapeError, match="cu_seqlens_q: expected offsets starting at 0, non-decreasing"):
+            validation.build_problem(*packed, cu_seqlens_q=bad, cu_seqlens_k=offsets)
+    with pytest.raises(flashx.ShapeError, match=rf"max_seqlen_q: expected an int >= the longest sequence \({longest}\)"):
+        validation.build_problem(*packed, cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=longest - 1)
+
+
 def test_the_remembered_plans_hold_no_callers_arrays():
     import weakref
 
@@ -908,6 +979,32 @@ def test_drawn_seed_is_returned_and_follows_torch_manual_seed():
     torch.manual_seed(3)
     _, second = flashx.attention_forward(q, k, v, dropout_p=0.5, backend="numpy")
     assert first.seed == second.seed and first.rng_offset == 0
+
+
+def test_drawn_seeds_are_torchs_draws_into_one_tensor_per_thread(monkeypatch):
+    """Each seed is what torch.randint(2**63 - 1, ()) draws from torch's default generator, drawn
+    into a tensor that the thread keeps rather than one made per call; one first made under
+    inference mode still takes the draws of calls outside it."""
+    import threading
+
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    torch.manual_seed(3)
+    expected = [torch.randint(2**63 - 1, (), dtype=torch.int64).item() for _ in range(3)]
+    seeds = []
+
+    def draw():
+        torch.manual_seed(3)
+        with torch.inference_mode():
+            seeds.append(flashx.attention_forward(q, k, v, dropout_p=0.5, backend="numpy")[1].seed)
+        with monkeypatch.context() as patched:
+            for name in ("empty", "randint", "tensor"):
+                patched.setattr(torch, name, lambda *args, **kw: pytest.fail("made a tensor for a seed"))
+            seeds.extend(flashx.attention_forward(q, k, v, dropout_p=0.5, backend="numpy")[1].seed for _ in range(2))
+
+    thread = threading.Thread(target=draw)  # a thread of its own: its first draw makes its tensor
+    thread.start()
+    thread.join()
+    assert seeds == expected
 
 
 @pytest.mark.parametrize("varlen", [False, True])

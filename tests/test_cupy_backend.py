@@ -302,12 +302,26 @@ def test_auxiliary_fields_slopes_and_sinks(slopes_shape, alibi_b):
     rng = np.random.default_rng(3)
     slopes, sinks = rng.random(slopes_shape).astype(np.float32), rng.random(3).astype(np.float32)
     problem = _torch_problem(alibi_slopes=slopes, sinks=sinks)
-    fields, keep = launch.auxiliary_fields(problem)
+    fields = launch.auxiliary_fields(problem)
     assert fields["alibi_b"] == alibi_b
     assert fields["alibi_slopes"] == problem.alibi_slopes.data_ptr() and fields["sinks"] == problem.sinks.data_ptr()
-    assert len(keep) == 2
-    fields, _ = launch.auxiliary_fields(_torch_problem())
-    assert not {"alibi_slopes", "alibi_b", "sinks"} & fields.keys()
+    assert not {"alibi_slopes", "alibi_b", "sinks"} & launch.auxiliary_fields(_torch_problem()).keys()
+
+
+def test_auxiliary_fields_read_the_cores_lengths_where_they_are(monkeypatch):
+    """The core hands lengths and offsets over as contiguous int32 arrays (and slopes and sinks
+    as float32 ones): a call takes their addresses, and converts or copies none of them."""
+    import torch
+
+    cu, lengths = np.array([0, 2, 5], np.int32), np.array([2, 3], np.int32)
+    varlen = _torch_problem(total_q=5, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    padded = _torch_problem(seqlens_q=lengths, seqlens_k=lengths, sinks=np.zeros(3, np.float32))
+    monkeypatch.setattr(torch.Tensor, "to", lambda *args, **kw: pytest.fail("converted an array the core converted"))
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda *args, **kw: pytest.fail("copied a contiguous array"))
+    fields = launch.auxiliary_fields(varlen)
+    assert (fields["cu_q"], fields["cu_k"]) == (varlen.cu_seqlens_q.data_ptr(), varlen.cu_seqlens_k.data_ptr())
+    fields = launch.auxiliary_fields(padded)
+    assert (fields["seqlens_q"], fields["seqlens_k"]) == (padded.seqlens_q.data_ptr(), padded.seqlens_k.data_ptr())
 
 
 def test_empty_rows_of_varlen_lse():
@@ -321,6 +335,31 @@ def test_empty_rows_of_varlen_lse():
     assert lse.shape == (3, 6) and lse.is_contiguous()
     assert torch.equal(lse, torch.from_numpy(sinks)[:, None].expand(3, 6))
     assert torch.equal(launch.empty_row_lse(_torch_problem(**varlen), "cpu"), torch.full((3, 6), -math.inf))
+
+
+@pytest.mark.parametrize("past", [False, True])
+def test_varlen_outputs_are_filled_only_where_rows_lie_past_the_sequences(monkeypatch, past):
+    """No kernel writes the rows past cu_seqlens[-1]: o, lse and the gradients start as the
+    contract's values there (0, -inf), filled when allocated. Where every row belongs to a sequence
+    (``rows_past_sequences`` False), every element is written and nothing is filled first."""
+    import contextlib
+
+    import torch
+
+    cu = np.array([0, 2, 5], np.int32)
+    problem = _torch_problem(total_q=5, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu, rows_past_sequences=past)
+    q, k, v, o, do = torch.ones(5, 3, 8), torch.ones(5, 1, 8), torch.ones(5, 1, 8), torch.ones(5, 3, 8), torch.ones(5, 3, 8)
+    lse = torch.zeros(problem.lse_shape)
+    device = SimpleNamespace(id=0, compute_capability="90")
+    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
+    monkeypatch.setattr(launch, "launch", lambda *args, **kw: None)
+    fills = []
+    for name in ("zeros", "full"):
+        fill = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, fill=fill, **kw: fills.append(fill) or fill(*args, **kw))
+    launch.forward(problem, q, k, v)
+    launch.backward(problem, q, k, v, o, lse, do)
+    assert bool(fills) == past
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -578,12 +617,12 @@ def test_decode_fields():
     problem = dataclasses_replace(problem, mask=mask)
     o = torch.empty(problem.o_shape)
     lse = torch.empty(problem.lse_shape)
-    fields, keep = decode.decode_fields(problem, q, k_cache, v_cache, tokens["k_new"], tokens["v_new"], o, lse)
+    fields = decode.decode_fields(problem, q, k_cache, v_cache, tokens["k_new"], tokens["v_new"], o, lse)
     assert [fields[f"v_{axis}"] for axis in "bnhd"] == list(v_cache.stride()) and fields["v_n"] > fields["v_b"]
     assert [fields[f"kn_{axis}"] for axis in "bnhd"] == list(tokens["k_new"].stride())
     assert fields["table_b"] == 4 and fields["block_table"] == problem.block_table.data_ptr()
     assert [fields[f"mask_{axis}"] for axis in "bhij"] == [0, 0, 4, 1]
-    assert (fields["lse_b"], fields["lse_h"]) == (8 * 4, 4) and keep == []
+    assert (fields["lse_b"], fields["lse_h"]) == (8 * 4, 4)
     params = decode.pack_decode(problem, **fields)[0]
     assert params["k"] == k_cache.data_ptr() and params["cache_seqlens"] == problem.cache_seqlens.data_ptr()
     assert params["k_descale"] == params["v_descale"] == 0  # no FP8 cache: null
@@ -600,7 +639,7 @@ def test_decode_fields_of_an_fp8_cache():
                                                              slots=64, new=2, k_descale=descale)
     assert problem.fp8 and problem.v_descale is None
     o, lse = torch.empty(problem.o_shape), torch.empty(problem.lse_shape)
-    fields, _ = decode.decode_fields(problem, q, k_cache, v_cache, tokens["k_new"], tokens["v_new"], o, lse)
+    fields = decode.decode_fields(problem, q, k_cache, v_cache, tokens["k_new"], tokens["v_new"], o, lse)
     params = decode.pack_decode(problem, **fields)[0]
     assert params["k_descale"] == problem.k_descale.data_ptr() and params["v_descale"] == 0
     assert [params[f"k_{axis}"] for axis in "bnhd"] == list(k_cache.stride()) == [16 * 2 * 128, 2 * 128, 128, 1]

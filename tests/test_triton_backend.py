@@ -196,6 +196,22 @@ def test_varlen_with_an_empty_sequence_and_rows_past_the_last():
     assert (o[100:] == 0).all() and (res.lse[:, 100:] == -math.inf).all()
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_varlen_whose_sequences_cover_every_row_fills_nothing_first(monkeypatch, sinks):
+    """Without rows past cu_seqlens[-1] (an empty sequence and empty rows inside), the kernels
+    write every element of every output: the backend allocates them without a fill (a kernel
+    launch each on a GPU), and the NaN-poisoned allocations never show."""
+    H, D = 2, 16
+    cu_q, cu_k = torch.tensor([0, 37, 37, 100], dtype=torch.int32), torch.tensor([0, 50, 61, 66], dtype=torch.int32)
+    q, k, v, do = randn(100, H, D), randn(66, H, D), randn(66, H, D), randn(100, H, D)
+    options = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, window=(8, 0))
+    if sinks:
+        options["sinks"] = torch.tensor([0.5, -1.0])
+    for name in ("zeros", "zeros_like", "full"):
+        monkeypatch.setattr(torch, name, lambda *args, **kw: pytest.fail("filled an output the kernels write"))
+    check_against_oracle(q, k, v, do, **options)
+
+
 # ---------------------------------------------------------------- shapes, strides, dtypes
 
 
@@ -277,6 +293,34 @@ def test_the_exact_launch_takes_every_flagged_program_of_every_share(monkeypatch
     q, k, v, do = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
     v[0, 40, :, 3] = math.nan
     check_against_oracle(q, k, v, do, causal=True)
+
+
+def test_calls_reuse_their_flags_and_flag_only_their_own_programs(monkeypatch):
+    """Passes's flags live in one buffer per thread, device, stream and size (launch.flags), not
+    one allocation per call: a clean call after one that flagged two programs uses the same buffer,
+    flags none of them and equals the oracle; another thread gets a buffer of its own."""
+    import threading
+
+    from flashx_triton import launch
+
+    flags = []
+    run = launch.Passes.__call__
+    monkeypatch.setattr(launch.Passes, "__call__", lambda self, *tensors: flags.append(run(self, *tensors)))
+    B, H, N, D = 1, 4, 96, 16
+    q, k, v = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
+    poisoned = v.clone()
+    poisoned[0, 40, 2, 3] = math.nan
+    flashx.attention_forward(q, k, poisoned, backend="triton", causal=True)
+    assert flags[0].tolist().count(1) == 2
+    o, _ = flashx.attention_forward(q, k, v, backend="triton", causal=True)
+    assert flags[1] is flags[0] and flags[1].tolist().count(1) == 0
+    np.testing.assert_allclose(o.numpy(), oracle.forward(*(x.double().numpy() for x in (q, k, v)), causal=True)[0],
+                               atol=2e-5)
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(launch.flags(q.device, len(flags[0]))))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not flags[0] and launch.flags(q.device, len(flags[0])) is flags[0]
 
 
 @pytest.mark.parametrize("plan", ["split", "fused"])

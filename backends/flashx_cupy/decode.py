@@ -42,13 +42,12 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new):
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
         variant = variants.choose_decode("decode", problem, aligned(problem, q, k_cache, v_cache))
         splits = count_splits(problem, variant, *device_size(device.id))
-        fields, keep = decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse)
+        fields = decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse)
         rows = problem.batch * problem.seqlen_q * problem.heads_q
         if splits > 1 and rows:
             o_part = torch.empty((splits, rows, variant.dim_v), dtype=torch.float32, device=q.device)
             lse_part = torch.empty((splits, rows), dtype=torch.float32, device=q.device)
             fields.update(o_part=o_part.data_ptr(), lse_part=lse_part.data_ptr())
-            keep += [o_part, lse_part]
         row_tiles = tiles(problem.seqlen_q * problem.group, variant.block_m)
         params = pack_decode(problem, splits=splits, tiles_m=row_tiles, **fields)
         same_build = {kernel: dataclasses.replace(variant, kernel=kernel) for kernel in variants.DECODE_KERNELS}
@@ -57,7 +56,6 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new):
             launch(variant, device, problem.batch * problem.heads_k * row_tiles * splits, params)
             if splits > 1:
                 launch(same_build["decode_merge"], device, tiles(rows, variant.warps), params)
-        del keep  # lived until the launches were queued (torch's allocator is stream-ordered)
     return o, lse
 
 
@@ -71,10 +69,10 @@ def pack_decode(problem, **fields):
                                 new_tokens=problem.new_tokens, page_size=problem.page_size or 0) | fields)
 
 
-def decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse) -> tuple[dict, list]:
-    """The tensors' addresses and strides for ``pack_decode``, and the arrays to keep alive until
-    the launches are queued. A cache's strides are (page or sequence, slot, head, dim)."""
-    fields, keep = score_mod_fields(problem)
+def decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse) -> dict:
+    """The tensors' addresses and strides for ``pack_decode``. A cache's strides are (page or
+    sequence, slot, head, dim)."""
+    fields = score_mod_fields(problem)
     for name, x in (("q", q), ("k", k_cache), ("v", v_cache), ("o", o)):
         fields[name] = x.data_ptr()
         fields.update({f"{name}_{axis}": stride for axis, stride in zip("bnhd", x.stride())})
@@ -92,7 +90,7 @@ def decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse) -> tuple[d
     if problem.mask is not None:
         mask = problem.mask.expand(*problem.lse_shape, problem.seqlen_q)
         fields.update(mask=mask.data_ptr(), **dict(zip(("mask_b", "mask_h", "mask_i", "mask_j"), mask.stride())))
-    return fields, keep
+    return fields
 
 
 def count_splits(problem, variant, sm_count: int, shared_per_sm: int) -> int:

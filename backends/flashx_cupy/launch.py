@@ -104,17 +104,15 @@ def row_stat_fields(name: str, x, varlen: bool) -> dict:
     return {name: x.data_ptr(), f"{name}_b": b, f"{name}_h": h}
 
 
-def auxiliary_fields(problem) -> tuple[dict, list]:
-    """cu_seqlens, seqlens (as int32), ALiBi's slopes and the sinks (as float32), the mask and the
-    block mask, broadcast to (B, Hq, ., .)."""
-    import torch
-
-    fields, keep = score_mod_fields(problem)
+def auxiliary_fields(problem) -> dict:
+    """The addresses of cu_seqlens and seqlens, ALiBi's slopes and the sinks (``score_mod_fields``),
+    the mask and the block mask, broadcast to (B, Hq, ., .). The core hands the lengths over as
+    int32 and the slopes and sinks in the lse's dtype (float32 here), each contiguous: the kernels
+    read them where they are, so a call converts and copies none of them."""
+    fields = score_mod_fields(problem)
     for name, array in (("cu_q", problem.cu_seqlens_q), ("cu_k", problem.cu_seqlens_k),
                         ("seqlens_q", problem.seqlens_q), ("seqlens_k", problem.seqlens_k)):
         if array is not None:
-            array = array.to(torch.int32).contiguous()
-            keep.append(array)
             fields[name] = array.data_ptr()
     shape = (problem.batch, problem.heads_q)
     if problem.mask is not None:
@@ -125,22 +123,18 @@ def auxiliary_fields(problem) -> tuple[dict, list]:
         blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
         fields.update(blocks=blocks.data_ptr(),
                       **dict(zip(("blocks_b", "blocks_h", "blocks_i", "blocks_j"), blocks.stride())))
-    return fields, keep
+    return fields
 
 
-def score_mod_fields(problem) -> tuple[dict, list]:
-    """ALiBi's slopes and the sinks as float32 (the arrays to keep until the launch is queued)."""
-    import torch
-
-    fields, keep = {}, []
+def score_mod_fields(problem) -> dict:
+    """The addresses of ALiBi's slopes and the sinks, float32 and contiguous from the core."""
+    fields = {}
     for name, array in (("alibi_slopes", problem.alibi_slopes), ("sinks", problem.sinks)):
         if array is not None:
-            array = array.to(torch.float32).contiguous()
-            keep.append(array)
             fields[name] = array.data_ptr()
     if problem.alibi_slopes is not None:  # (Hq,) slopes serve every sequence
         fields["alibi_b"] = problem.heads_q if problem.alibi_slopes.dim() == 2 else 0
-    return fields, keep
+    return fields
 
 
 def aligned(problem, *tensors) -> bool:
@@ -215,7 +209,7 @@ def forward(problem, q, k, v):
 
     varlen = problem.varlen
     with caller_stream(problem, q) as device:
-        if varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
+        if varlen and problem.rows_past_sequences:  # rows of no sequence read as empty rows
             o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
             lse = empty_row_lse(problem, q.device)
         else:
@@ -224,13 +218,11 @@ def forward(problem, q, k, v):
         is_aligned = aligned(problem, q, k, v)
         kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability)
         variant = variants.choose(kernel, problem, is_aligned)
-        aux, keep = auxiliary_fields(problem)
         tiles_m = tiles(problem.seqlen_q, variant.block_m)
-        params = pack(problem, tiles_m=tiles_m, **aux, **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),
-                      **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
+        params = pack(problem, tiles_m=tiles_m, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
+                      **tensor_fields("k", k, varlen), **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
                       **row_stat_fields("lse", lse, varlen))
         launch(variant, device, tiles_m * problem.heads_q * problem.batch, params)
-        del keep  # the auxiliary copies lived until the launch was queued (torch's allocator is stream-ordered)
     return o, lse
 
 
@@ -239,7 +231,8 @@ def backward(problem, q, k, v, o, lse, do):
 
     varlen = problem.varlen
     with caller_stream(problem, q) as device:
-        zeros_or_empty = torch.zeros if varlen else torch.empty  # varlen: rows of no sequence stay 0
+        # varlen: rows past cu_seqlens[-1], of no sequence, stay 0
+        zeros_or_empty = torch.zeros if varlen and problem.rows_past_sequences else torch.empty
         dq = zeros_or_empty(q.shape, dtype=q.dtype, device=q.device)
         dk = zeros_or_empty(k.shape, dtype=k.dtype, device=k.device)
         dv = zeros_or_empty(v.shape, dtype=v.dtype, device=v.device)
@@ -247,8 +240,7 @@ def backward(problem, q, k, v, o, lse, do):
         # the delta kernel's term of each row in dsinks, summed here in a fixed order (deterministic)
         dsinks_rows = torch.empty_like(delta) if problem.sinks is not None else None
         is_aligned = aligned(problem, q, k, v, o, do)
-        aux, keep = auxiliary_fields(problem)
-        fields = dict(**aux, **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),
+        fields = dict(**auxiliary_fields(problem), **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),
                       **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
                       **tensor_fields("do", do, varlen), **tensor_fields("dq", dq, varlen, 3),
                       **tensor_fields("dk", dk, varlen, 3), **tensor_fields("dv", dv, varlen, 3),
@@ -272,7 +264,6 @@ def backward(problem, q, k, v, o, lse, do):
                 launch(variant, device, tiles_m * problem.heads_k * problem.batch,
                        pack(problem, tiles_m=tiles_m, **fields))
         grads = (dq, dk, dv) if dsinks_rows is None else (dq, dk, dv, sum_over_rows(problem, dsinks_rows))
-        del keep
     return grads
 
 
@@ -305,4 +296,4 @@ def empty_row_lse(problem, device):
 
     if problem.sinks is None:
         return torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=device)
-    return problem.sinks.to(torch.float32)[:, None].expand(problem.lse_shape).contiguous()
+    return problem.sinks[:, None].expand(problem.lse_shape).contiguous()

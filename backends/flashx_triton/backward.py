@@ -456,12 +456,12 @@ def backward(problem, q, k, v, o, lse, do):
     # dense and row-major whatever the inputs' layout (an input's strides may tie or be 0, and
     # *_like would keep a layout the kernel does not write); *_like costs half the host time of
     # torch.empty with shape, dtype and device.
-    alloc = torch.zeros_like if problem.varlen else torch.empty_like
+    alloc = torch.zeros_like if problem.varlen and problem.rows_past_sequences else torch.empty_like
     dq, dk, dv = (alloc(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     sinks = problem.sinks
     # rows past cu_seqlens[-1] get no term: they read no key
-    sink_terms = None if sinks is None else (torch.zeros_like if problem.varlen else torch.empty_like)(lse)
+    sink_terms = None if sinks is None else alloc(lse)
     call = call_args(problem)
     prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse), call_layout(call)),
                                               lambda: _launches(problem, q, k, v, o, do, lse))

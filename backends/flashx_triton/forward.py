@@ -217,7 +217,7 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # a negative scale runs as (-q) k^T * |scale|, bit for bit the same scores.
         q = negated(q) if problem.fp8 else -q
     out_dtype = getattr(torch, problem.out_dtype)  # q's, or FP8's out_dtype
-    if problem.varlen:  # rows past cu_seqlens[-1] belong to no sequence: they read as empty rows
+    if problem.varlen and problem.rows_past_sequences:  # rows of no sequence read as empty rows
         o = torch.zeros(problem.o_shape, dtype=out_dtype, device=q.device)
         lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
         if problem.sinks is not None:

@@ -8,6 +8,8 @@ masked tiles twice, plain and then exactly where the first pass found non-finite
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -141,7 +143,7 @@ class Passes:
         A candidate under trial (``tuning.trying_candidates``) compiles its exact kernel only
         when a program is flagged: so a choice compiles each candidate once, not twice (compiling
         is most of what tuning costs)."""
-        redo = torch.empty(self.programs, dtype=torch.int8, device=tensors[0].device) if self.masked else None
+        redo = flags(tensors[0].device, self.programs) if self.masked else None
         plain, *exact = self.launches
         plain(*tensors, redo)
         for launch in exact:
@@ -152,6 +154,41 @@ class Passes:
 
 
 FLAGS_PER_PROGRAM = tl.constexpr(32)
+
+_flags = threading.local()  # this thread's buffers of ``flags``, by device, stream and size
+
+
+def flags(device: torch.device, programs: int) -> torch.Tensor:
+    """The REDO flags of a ``Passes`` call of ``programs`` programs: a buffer kept per thread,
+    device, stream and size, since an allocation per call costs a short call a visible share of
+    its host time.
+
+    A buffer is shared only by launches that run in order. A call's plain launch writes the flags
+    and its exact launch reads them, on the stream Triton launches on (the current one), and a
+    later call of this thread on that stream queues its plain launch behind both. Calls on another
+    stream would not wait for them, so each stream has buffers of its own; nor would another
+    thread's, whose launches may fall between a call's two, so each thread has its own too. Under
+    CUDA graph capture the flags are allocated afresh, in the graph's memory: a graph replays its
+    launches with the addresses it captured, on whatever stream and long after this call.
+
+    Flags left by an earlier call need no clearing: every program of the plain launch that has
+    rows or keys to compute writes its flag, and one that has none does nothing in the exact
+    launch either."""
+    stream = None
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(programs, dtype=torch.int8, device=device)
+        stream = triton.runtime.driver.active.get_current_stream(device.index)
+    buffers = getattr(_flags, "buffers", None)
+    if buffers is None:
+        buffers = _flags.buffers = {}
+    key = (device, stream, programs)
+    found = buffers.get(key)
+    if found is None:
+        if len(buffers) >= _BUILT_LIMIT:
+            buffers.clear()
+        found = buffers[key] = torch.empty(programs, dtype=torch.int8, device=device)
+    return found
 
 
 @triton.jit
