@@ -71,6 +71,7 @@ _TYPES = {
     "k_descale": "Tensor?",
     "v_descale": "Tensor?",
     "out_dtype": "str?",  # a dtype's name: the schema's ScalarType would not take one
+    "validate": "bool",
     "backend": "str",
 }
 _OPTIONS = ", ".join(f"{type_} {name}" for name, type_ in _TYPES.items())

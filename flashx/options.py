@@ -39,6 +39,8 @@ OPTIONS: dict[str, Any] = {
     "k_descale": None,
     "v_descale": None,
     "out_dtype": None,
+    # False: the caller vouches for the auxiliary arrays' values, which are then not read on the host
+    "validate": True,
 }
 
 #: Keywords of other attention libraries that flashx spells differently -> the flashx keywords

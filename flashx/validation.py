@@ -96,8 +96,9 @@ def build_problem(q, k, v, **options) -> Problem:
 
     if not isinstance(o.causal, bool):
         raise DTypeError(f"causal: expected a bool, got {o.causal!r}")
-    if not isinstance(o.deterministic, bool):
-        raise DTypeError(f"deterministic: expected a bool, got {o.deterministic!r}")
+    for name in ("deterministic", "validate"):
+        if not isinstance(getattr(o, name), bool):
+            raise DTypeError(f"{name}: expected a bool, got {getattr(o, name)!r}")
     if o.window is not None:
         o.window = _window(o.window)
     if o.softmax_scale is None:
@@ -155,23 +156,27 @@ def attention_fields(problem: Problem, options: dict, key_checked: bool = False)
     without dropout, of the seed and RNG offset, which the plan's problem holds."""
     p = problem
     like_q = (p.array_kind, p.device, p.device_index)
+    read = options["validate"]
     given = {name: arrays.resolved(options[name]) for name in ARRAY_OPTIONS if options[name] is not None}
     fields = dict(given, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
     if p.total_q is not None:  # packed (read from the totals: ``problem`` may hold no cu_seqlens)
         fields["cu_seqlens_q"], fields["seqlen_q"], past_q = _cu_seqlens("q", given["cu_seqlens_q"], p.total_q,
-                                                                         options["max_seqlen_q"], like_q, key_checked)
+                                                                         options["max_seqlen_q"], like_q, key_checked,
+                                                                         read)
         if (given["cu_seqlens_k"] is given["cu_seqlens_q"] and p.total_k == p.total_q
                 and options["max_seqlen_k"] == options["max_seqlen_q"]):  # self-attention: one host read
             fields["cu_seqlens_k"], fields["seqlen_k"], past_k = fields["cu_seqlens_q"], fields["seqlen_q"], past_q
         else:
             fields["cu_seqlens_k"], fields["seqlen_k"], past_k = _cu_seqlens("k", given["cu_seqlens_k"], p.total_k,
                                                                              options["max_seqlen_k"], like_q,
-                                                                             key_checked)
+                                                                             key_checked, read)
         fields["rows_past_sequences"] = past_q or past_k
     if "seqlens_q" in given:
-        fields["seqlens_q"] = _seqlens("seqlens_q", given["seqlens_q"], p.batch, p.seqlen_q, like_q, key_checked)
+        fields["seqlens_q"] = _seqlens("seqlens_q", given["seqlens_q"], p.batch, p.seqlen_q, like_q, key_checked,
+                                       read)
     if "seqlens_k" in given:
-        fields["seqlens_k"] = _seqlens("seqlens_k", given["seqlens_k"], p.batch, p.seqlen_k, like_q, key_checked)
+        fields["seqlens_k"] = _seqlens("seqlens_k", given["seqlens_k"], p.batch, p.seqlen_k, like_q, key_checked,
+                                       read)
     score_shape = (p.batch, p.heads_q, fields["seqlen_q"], fields["seqlen_k"])
     if "mask" in given and not key_checked:
         _bool_broadcastable("mask", given["mask"], score_shape, *like_q)
@@ -189,7 +194,8 @@ def attention_fields(problem: Problem, options: dict, key_checked: bool = False)
             None, given.get("alibi_slopes"), given.get("sinks"), p.batch, p.heads_q, p.dtype, *like_q)
     if not given.keys().isdisjoint(DESCALES):
         fields.update(_descales({name: given.get(name) for name in DESCALES}, p.fp8,
-                                f"{_FP8_INPUTS}, got q of dtype {p.dtype}", p.batch, p.heads_k, *like_q))
+                                f"{_FP8_INPUTS}, got q of dtype {p.dtype}", p.batch, p.heads_k, *like_q,
+                                read_values=read))
     if p.dropout_p > 0 or not key_checked:
         seed = options["seed"]
         if seed is None:
@@ -242,16 +248,19 @@ def _same_array_as_q(name, x, kind, device, device_index):
 _FEW_VALUES = 64
 
 
-def _int_vector(name, x, length, like_q, key_checked):
+def _int_vector(name, x, length, like_q, key_checked, read=True):
     """The values of an integer vector, read on the host in one copy (any integer dtype; kernels
-    receive int32): a list of Python ints for up to ``_FEW_VALUES``, an int64 NumPy array for more.
-    Its kind, device, dtype and shape are checked unless ``key_checked`` (``attention_fields``)."""
+    receive int32): a list of Python ints for up to ``_FEW_VALUES``, an int64 NumPy array for more;
+    None unless ``read``. Its kind, device, dtype and shape are checked unless ``key_checked``
+    (``attention_fields``)."""
     if not key_checked:
         _same_array_as_q(name, x, *like_q)
         if arrays.dtype_name(x) not in INTEGER_DTYPES:
             raise DTypeError(f"{name}: expected an integer dtype, got {arrays.dtype_name(x)}")
         if tuple(x.shape) != (length,):
             raise ShapeError(f"{name}: expected shape ({length},), got {tuple(x.shape)}")
+    if not read:
+        return None
     if length <= _FEW_VALUES:
         return x.tolist()  # NumPy, torch and CuPy arrays alike: one copy to the host
     import numpy as np
@@ -268,18 +277,27 @@ def _extremes(values) -> tuple[int, int]:
     return int(values.min()), int(values.max())
 
 
-def _seqlens(name, x, batch, limit, like_q, key_checked):
-    """``x`` checked, as int32 (a copy only when given in another integer dtype)."""
-    low, high = _extremes(_int_vector(name, x, batch, like_q, key_checked))
-    if low < 0 or high > limit:
-        raise ShapeError(f"{name}: expected lengths in [0, {limit}], got values from {low} to {high}")
+def _seqlens(name, x, batch, limit, like_q, key_checked, read):
+    """``x`` checked (its values only if ``read``), as int32 (a copy only when given in another
+    integer dtype)."""
+    values = _int_vector(name, x, batch, like_q, key_checked, read)
+    if values is not None:
+        low, high = _extremes(values)
+        if low < 0 or high > limit:
+            raise ShapeError(f"{name}: expected lengths in [0, {limit}], got values from {low} to {high}")
     return arrays.astype(x, "int32")
 
 
-def _cu_seqlens(side, cu, total, max_seqlen, like_q, key_checked):
+def _cu_seqlens(side, cu, total, max_seqlen, like_q, key_checked, read):
     """``cu`` (of shape (B + 1,), ``build_problem`` checked) as int32; the longest sequence it
-    holds, or ``max_seqlen`` checked against it; and whether rows lie past its last sequence."""
+    holds, or ``max_seqlen`` checked against it; and whether rows lie past its last sequence.
+    Unless ``read``, the hint ``max_seqlen`` is taken as it is, if given, and the offsets are not
+    read: rows past the last sequence are then assumed."""
     name = f"cu_seqlens_{side}"
+    if not read and max_seqlen is not None:
+        _int_vector(name, cu, cu.shape[0], like_q, key_checked, read=False)
+        _number(f"max_seqlen_{side}", max_seqlen, _is_int, "an int >= 0", lambda x: x >= 0, error=ShapeError)
+        return arrays.astype(cu, "int32"), int(max_seqlen), True
     offsets = _int_vector(name, cu, cu.shape[0], like_q, key_checked)
     if isinstance(offsets, list):
         shortest, longest = _extremes([end - start for start, end in zip(offsets, offsets[1:])])

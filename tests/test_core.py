@@ -623,6 +623,53 @@ def test_a_remembered_call_checks_its_lengths_and_offsets_by_value_only(monkeypa
 
 
 @pytest.mark.parametrize("batch", [3, 70])
+def test_validate_false_reads_no_values(batch, monkeypatch):
+    """validate=False: lengths, offsets with both max_seqlen hints and FP8 descales reach the
+    backend unread (no host copy, so a GPU call needs no synchronization), a few values or many,
+    and the problem takes the hints as its longest sequences with rows past the last sequence
+    assumed; without the hints the offsets are still read, since they size the launch. With
+    validate=True the same calls read them, and refuse values out of range."""
+    from flashx import arrays, validation
+
+    reads = []
+
+    def counted(x):
+        reads.append(x.shape)
+        return to_host(x)
+
+    to_host = arrays.to_host
+    monkeypatch.setattr(arrays, "to_host", counted)
+    monkeypatch.setattr(validation, "_FEW_VALUES", -1)  # every read through to_host
+    q, k, v = qkv(batch=batch, seqlen_q=6, seqlen_k=7)
+    lengths = {"seqlens_q": np.full(batch, 6, np.int32), "seqlens_k": np.arange(batch, dtype=np.int64) % 8}
+    cu = np.arange(batch + 1, dtype=np.int32) * 4
+    packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    hints = {"max_seqlen_q": 5, "max_seqlen_k": 5}
+    calls = [((q, k, v), lengths), (packed, dict(cu_seqlens_q=cu, cu_seqlens_k=cu, **hints))]
+    for inputs, options in calls:
+        problem = validation.build_problem(*inputs, validate=False, **options)
+        assert not reads
+        assert problem.seqlens_q is not None or (problem.seqlen_q, problem.rows_past_sequences) == (5, True)
+        validation.build_problem(*inputs, **options)
+        assert reads
+        reads.clear()
+    validation.build_problem(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu, validate=False)
+    assert reads  # no hints: the offsets size the launch
+    too_long = dict(lengths, seqlens_k=np.full(batch, 8, np.int32))
+    with pytest.raises(flashx.ShapeError, match="seqlens_k"):
+        validation.build_problem(q, k, v, **too_long)
+    assert validation.build_problem(q, k, v, validate=False, **too_long).seqlens_k is not None
+    torch = pytest.importorskip("torch")
+    fp8 = [torch.from_numpy(x).to(torch.float8_e4m3fn) for x in (q, k, v)]
+    scales = {name: torch.full((batch, k.shape[2]), 0.5) for name in ("q_descale", "k_descale", "v_descale")}
+    reads.clear()
+    validation.build_problem(*fp8, validate=False, **scales)
+    assert not reads
+    validation.build_problem(*fp8, **scales)
+    assert len(reads) == 3
+
+
+@pytest.mark.parametrize("batch", [3, 70])
 def test_lengths_and_offsets_are_checked_alike_for_a_few_sequences_and_many(batch):
     """Up to validation._FEW_VALUES values are checked as Python ints, more in NumPy: either way
     the same longest sequences and the same errors, for offsets whose int32 differences would

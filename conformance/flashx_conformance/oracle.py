@@ -50,7 +50,7 @@ OPTIONS = (
     "dropout_offsets",
 )
 #: Keywords accepted for call compatibility with flashx.attention; they change no value.
-HINTS = ("max_seqlen_q", "max_seqlen_k", "deterministic")
+HINTS = ("max_seqlen_q", "max_seqlen_k", "deterministic", "validate")
 #: The keywords of FP8 inputs: ``naive_fp8`` takes them; the other functions see dequantized inputs.
 FP8_OPTIONS = ("q_descale", "k_descale", "v_descale", "out_dtype")
 

@@ -299,6 +299,22 @@ def test_a_thread_that_has_made_no_gpu_call(flashx_target, flashx_rng):
     assert not failures, case.describe() + "\n" + "\n".join(failures)
 
 
+@pytest.mark.parametrize("layout", ["seqlens", "varlen"])
+def test_unvalidated_lengths(flashx_target, flashx_rng, layout):
+    """``validate=False``: lengths and offsets reach the backend unread, packed ones with
+    ``max_seqlen_*`` hints above their longest sequence (which then size the launch) and rows past
+    the last sequence; the outputs meet the oracle as with validation, padding rows included."""
+    if layout == "varlen":
+        case = make_varlen_case(flashx_rng, lengths_q=[5, 40, 0], lengths_k=[9, 33, 4], spare_rows=3, heads_q=4,
+                                heads_k=2, head_dim=32, dtype=flashx_target.dtype, causal=True, validate=False,
+                                max_seqlen_q=64, max_seqlen_k=48)
+    else:
+        case = make_case(flashx_rng, batch=3, seqlen_q=40, seqlen_k=56, heads_q=4, heads_k=2, head_dim=32,
+                         dtype=flashx_target.dtype, causal=True, validate=False,
+                         seqlens_q=np.array([40, 0, 17], np.int32), seqlens_k=np.array([3, 56, 30], np.int32))
+    flashx_target.check(case)
+
+
 def test_repeated_calls(flashx_target, flashx_rng):
     """One problem called again and again meets the oracle every time: with new arrays alive at
     other addresses beside the earlier ones, then with new values in the first call's arrays.
