@@ -496,7 +496,10 @@ def _run_part(world: int, args: list[str], log, timeout: float) -> list[dict]:
     log.write(output)
     log.flush()
     results = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
-    return results + ([{"part": "error", "world": world, "args": args}] if failed else [])
+    # A part whose processes abort in their teardown (NCCL, the profiler) once rank 0 has written
+    # its results has those results: they stand, and the failure is said as coming after them.
+    failure = {"part": "error", "world": world, "args": args, "after_results": bool(results)}
+    return results + ([failure] if failed else [])
 
 
 def _longest(times: list[dict], world: int) -> dict | None:
@@ -647,8 +650,13 @@ def render(results: dict) -> str:
         lines += [f"| {r['world']} | {r['mib_per_token_per_rank'] * 1024:.1f} KiB | {r['longest_tokens']:,} | "
                   f"{r['verified_tokens']:,} |" for r in results["longest"]]
         lines.append("")
-    errors = ["W={} {}".format(r["world"], " ".join(r["args"])) for r in rows if r["part"] == "error"]
-    return "\n".join(lines + ([f"Parts that did not finish: {'; '.join(errors)}.", ""] if errors else []))
+    failures = [r for r in rows if r["part"] == "error"]
+    for after, say in ((False, "Parts that did not finish"),
+                       (True, "Parts that ended abnormally after writing their results (which stand)")):
+        named = ["W={} {}".format(r["world"], " ".join(r["args"])) for r in failures
+                 if r.get("after_results", False) == after]
+        lines += [f"{say}: {'; '.join(named)}.", ""] if named else []
+    return "\n".join(lines)
 
 
 def render_packed(rows: list[dict]) -> list[str]:

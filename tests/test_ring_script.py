@@ -133,3 +133,15 @@ def test_packed_profile_on_the_most_gpus_and_one(ring):
     plan = ring._plan([2, 4], "out/ring-trace", {"trace-packed"}, [])
     assert plan == [(w, ["trace-packed", str(ring.PACKED_TOKENS), f"out/ring-trace-packed-w{w}.json.gz"])
                     for w in (4, 1)]
+
+
+def test_a_part_that_aborts_after_its_results_is_told_apart(ring):
+    """A part whose processes abort in their teardown once its results are written (NCCL and the
+    profiler shutting down) keeps its rows, and the record says it ended abnormally after them,
+    apart from parts that did not finish."""
+    results = dict(gpus=2, device="GPU", date="today", flashx="0", torch="0", triton="0", nccl="0", longest=[],
+                   rows=[dict(part="error", world=2, args=["trace-packed", "262144"], after_results=True),
+                         dict(part="error", world=2, args=["check", "(not run: time box)"])])
+    text = ring.render(results)
+    assert "Parts that did not finish: W=2 check (not run: time box)." in text
+    assert "after writing their results (which stand): W=2 trace-packed 262144." in text
