@@ -101,7 +101,14 @@ def merge_states(o_a, lse_a, o_b, lse_b):
             raise ShapeError(f"lse_{name}: expected shape {expected} to match o_{name} {tuple(o.shape)}, got {tuple(lse.shape)}")
     if tuple(o_a.shape) != tuple(o_b.shape):
         raise ShapeError(f"o_b: expected the shape of o_a {tuple(o_a.shape)}, got {tuple(o_b.shape)}")
-    xp = arrays.module(kind)
+    weight_a, weight_b, lse = merge_weights(arrays.module(kind), lse_a, lse_b)
+    o = weight_a * o_a + weight_b * o_b
+    return arrays.to_caller(o, o_a, arrays.dtype_name(o_a)), lse
+
+
+def merge_weights(xp, lse_a, lse_b):
+    """(weight of o_a, weight of o_b, the merged lse) of ``merge_states``, the weights shaped to
+    multiply o: exp(lse_part - lse), and 0 where both parts are empty. ``xp``: the arrays' module."""
     lse = xp.logaddexp(lse_a, lse_b)
     empty = lse == -float("inf")
 
@@ -109,8 +116,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         w = xp.where(empty, 0.0, xp.exp(part_lse - xp.where(empty, 0.0, lse)))
         return w.swapaxes(-1, -2)[..., None]
 
-    o = weight(lse_a) * o_a + weight(lse_b) * o_b
-    return arrays.to_caller(o, o_a, arrays.dtype_name(o_a)), lse
+    return weight(lse_a), weight(lse_b), lse
 
 
 def backends():

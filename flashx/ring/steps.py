@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashx.api import merge_states
+from flashx.api import merge_weights
 from flashx.execute import run_backward, run_forward
 from flashx.options import complete
 from flashx.plan import plan
@@ -68,7 +68,10 @@ class Rank:
             rows, lse_rows = (call.batch, call.rows), (call.batch, slice(None), call.rows)
             o_part, lse_part = run_forward(call.impl, call.problem, q[rows], k[call.batch, call.keys],
                                            v[call.batch, call.keys])
-            o[rows], lse[lse_rows] = merge_states(o[rows], lse[lse_rows], o_part, lse_part)
+            # merge_states's arithmetic, written into the running sums where they lie: no merged
+            # copy of o to allocate and copy back, a pass over the rows' float32 o fewer
+            weight, weight_part, lse[lse_rows] = merge_weights(torch, lse[lse_rows], lse_part)
+            o[rows].mul_(weight).add_(o_part * weight_part)
 
     def backward_parts(self, q, k, v, o, lse, do, source: int, dq) -> Iterator[tuple]:
         """Add each call's part of dq to ``dq``, and yield (keys index, its dk part, its dv part)
