@@ -31,7 +31,7 @@ would cost more than the kernel. An attention plan depends only on what its key 
 
 The exception is packed sequences (cu_seqlens) whose longest lengths, read from the offsets,
 differ from the plan's: those lengths are part of what runs, so such a call's problem is the
-plan's with its own lengths, its backend chosen again (from the memory of choices).
+plan's with its own lengths, remembered under the key and those lengths, its backend chosen once.
 
 Only successes are stored, so a wrong call always meets every check and raises as before, and a
 repeated call's own fields meet the checks a first call's do, but for those whose outcome the key
@@ -76,9 +76,15 @@ def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:
     if not owns_fields:
         return template, impl
     fields = attention_fields(template, options, key_checked=True)
-    if (fields["seqlen_q"], fields["seqlen_k"]) != (template.seqlen_q, template.seqlen_k):
-        problem = dataclasses.replace(template, **fields)  # packed sequences of other lengths: another static problem
-        return problem, choose(problem, backend)
+    lengths = (fields["seqlen_q"], fields["seqlen_k"])
+    if lengths != (template.seqlen_q, template.seqlen_k):
+        # packed sequences of other longest lengths: another static problem, remembered under the
+        # key and those lengths, so that a training loop's batches plan once per longest lengths
+        found = _plans.get((key, lengths))
+        if found is None:
+            problem = dataclasses.replace(template, **fields)
+            found = _remember(_plans, (key, lengths), _template(problem, choose(problem, backend), options))
+        template, impl, _ = found
     return template.holding(**fields), impl
 
 

@@ -211,6 +211,30 @@ def test_self_attention_reads_its_one_offsets_array_once(fresh_registry, monkeyp
     assert np.array_equal(shared.cu_seqlens_k, apart.cu_seqlens_k)
 
 
+def test_packed_calls_plan_once_per_longest_lengths(fresh_registry, monkeypatch):
+    """A training loop's packed batches have other longest sequences from step to step, and each
+    longest lengths are another static problem: one plan each (its problem built, its backend
+    chosen), which later calls with those lengths reuse, with their own offsets."""
+    from flashx import plan
+
+    backend = Marker("only")
+    registry.register(backend)
+    built = []
+    template = plan._template
+    monkeypatch.setattr(plan, "_template", lambda problem, *rest: built.append(problem) or template(problem, *rest))
+    q, k, v, _, _ = varlen_inputs()
+    batches = [(3, 0, 4), (1, 5, 1), (4, 2, 1), (1, 5, 1), (2, 1, 4)]  # longest 4, 5, 4, 5, 4
+    received = []
+    for lengths in batches:
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        flashx.attention(q, k[:7], v[:7], cu_seqlens_q=cu, cu_seqlens_k=cu)
+        received.append(backend.received[0])
+    assert [p.seqlen_q for p in received] == [4, 5, 4, 5, 4]
+    assert len(built) == 2  # the key's first call, then longest 5
+    assert received[1].static_key is received[3].static_key  # one plan, its derived values reused
+    assert [p.cu_seqlens_q.tolist()[-2] for p in received] == [3, 6, 6, 6, 3]
+
+
 # -- dispatch --------------------------------------------------------------------------------
 
 
