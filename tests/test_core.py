@@ -188,6 +188,13 @@ def test_a_packed_call_says_whether_rows_lie_past_its_sequences(fresh_registry):
     assert len(keys) == 1
 
 
+def recorded_calls(monkeypatch, module, name) -> list:
+    """``module.name`` patched to record each call's first argument, then to run as before."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda first, *rest: calls.append(first) or real(first, *rest))
+    return calls
+
+
 def test_self_attention_reads_its_one_offsets_array_once(fresh_registry, monkeypatch):
     """On a GPU each read of offsets on the host is a synchronization: cu_seqlens_q given again
     as cu_seqlens_k is read once, and a different array (or another total) still on its own."""
@@ -195,9 +202,7 @@ def test_self_attention_reads_its_one_offsets_array_once(fresh_registry, monkeyp
 
     backend = Marker("only")
     registry.register(backend)
-    reads = []
-    real = validation._cu_seqlens
-    monkeypatch.setattr(validation, "_cu_seqlens", lambda side, *rest: reads.append(side) or real(side, *rest))
+    reads = recorded_calls(monkeypatch, validation, "_cu_seqlens")  # their sides
     q, k, v, cu_q, _ = varlen_inputs()
     k, v = k[: q.shape[0]], v[: q.shape[0]]
     flashx.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q)
@@ -219,9 +224,7 @@ def test_packed_calls_plan_once_per_longest_lengths(fresh_registry, monkeypatch)
 
     backend = Marker("only")
     registry.register(backend)
-    built = []
-    template = plan._template
-    monkeypatch.setattr(plan, "_template", lambda problem, *rest: built.append(problem) or template(problem, *rest))
+    built = recorded_calls(monkeypatch, plan, "_template")  # the problems remembered
     q, k, v, _, _ = varlen_inputs()
     batches = [(3, 0, 4), (1, 5, 1), (4, 2, 1), (1, 5, 1), (2, 1, 4)]  # longest 4, 5, 4, 5, 4
     received = []
