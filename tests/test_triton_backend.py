@@ -281,6 +281,25 @@ def test_the_exact_gradient_launch_redoes_only_the_programs_that_met_a_nonfinite
     assert len(gradient_flags) == 1 and gradient_flags[0].count(1) == 3, gradient_flags
 
 
+def test_programs_of_one_wave_run_in_one_exact_launch(monkeypatch):
+    """A masked problem whose programs fit one wave of the GPU (launch.fits_one_wave; stood in
+    for here, since the interpreter never fits) runs its forward and its gradients in one exact
+    launch each, with no flags: NaN in V at key 40 of one head, causal, still as the oracle."""
+    from flashx_triton import launch
+
+    monkeypatch.setattr(launch, "fits_one_wave", lambda programs, device: True)
+    monkeypatch.setattr(launch, "_built", {})
+    launched = []
+    run = launch.Launch.__call__
+    monkeypatch.setattr(launch.Launch, "__call__", lambda self, *tensors: (launched.append(
+        dict(zip(self.kernel.arg_names[-len(self.bound):], self.bound)).get("EXACT")), run(self, *tensors))[1])
+    B, H, N, D = 1, 4, 96, 16
+    q, k, v, do = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
+    v[0, 40, 2, 3] = math.nan
+    check_against_oracle(q, k, v, do, causal=True)
+    assert launched == [True, None, True]  # the forward, the backward's prepare kernel and its gradients
+
+
 def test_the_exact_launch_takes_every_flagged_program_of_every_share(monkeypatch):
     """Each program of an exact launch runs the flagged ones among FLAGS_PER_PROGRAM programs of
     the first launch (launch.program_share): with 4 to a share, a NaN in V at key 40 of every

@@ -526,7 +526,7 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, *ca
     key_parts = band_parts(problem, True, stream) if keys else 0
     query_parts = band_parts(problem, False, stream) if queries else 0
     kernel = Passes(_gradients_kernel, problem.batch * problem.heads_k * per_head, config.options(),
-                    bool((key_parts | query_parts) & MASKED_PARTS) or problem.dropout_p > 0,
+                    bool((key_parts | query_parts) & MASKED_PARTS) or problem.dropout_p > 0, q.device,
                     strides=tuple(row_strides(x, varlen) for x in (q, k, v, do, dq, dk, dv)),
                     **lse_strides(lse2, varlen),
                     **args, scales=(problem.softmax_scale, problem.scale_log2),

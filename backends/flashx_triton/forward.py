@@ -243,7 +243,7 @@ def _launch(problem, config, q, k, v, o, lse, *call):
     v_descriptor = row_descriptors(v, varlen, config.block_n, args["BLOCK_DV"], use_tma)
     parts = band_parts(problem, False, config.block_n)
     kernel = Passes(_forward_kernel, problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, config.block_m),
-                    config.options(), bool(parts & MASKED_PARTS) or problem.dropout_p > 0, PARTS=parts,
+                    config.options(), bool(parts & MASKED_PARTS) or problem.dropout_p > 0, q.device, PARTS=parts,
                     q_strides=row_strides(q, varlen), k_strides=row_strides(k, varlen),
                     v_strides=(*row_strides(v, varlen), v.stride(-1)), o_strides=row_strides(o, varlen),
                     **lse_strides(lse, varlen), **args, scale_log2=abs(problem.scale_log2),

@@ -129,9 +129,14 @@ class Passes:
     In the backward's gradient kernel the plain masked tiles also keep their software pipelining,
     which the exact ones must go without (``_dq_tiles``): that is what pays for the second launch
     there.
+
+    Programs that fit one wave of the GPU (no more than its multiprocessors) run in one exact
+    launch: the plain kernel's occupancy buys nothing there, and a second launch costs a short
+    call (a decoding step's one-row prefill) host time of the order of its GPU time.
     """
 
-    def __init__(self, kernel, programs: int, options: dict, masked: bool, **bound):
+    def __init__(self, kernel, programs: int, options: dict, masked: bool, device: torch.device, **bound):
+        masked = masked and not fits_one_wave(programs, device)
         self.programs, self.masked = programs, masked
         shares = triton.cdiv(programs, FLAGS_PER_PROGRAM.value)
         self.launches = [Launch(kernel, (shares if exact and masked else programs,), options, **bound,
@@ -154,6 +159,13 @@ class Passes:
 
 
 FLAGS_PER_PROGRAM = tl.constexpr(32)
+
+
+def fits_one_wave(programs: int, device: torch.device) -> bool:
+    """Whether ``programs`` programs run side by side on ``device``, one per multiprocessor at
+    least (``Passes``). Never under the interpreter, which runs both launches of every masked
+    problem as a GPU runs them for large ones."""
+    return device.type == "cuda" and programs <= torch.cuda.get_device_properties(device).multi_processor_count
 
 _flags = threading.local()  # this thread's buffers of ``flags``, by device, stream and size
 
