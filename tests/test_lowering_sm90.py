@@ -58,7 +58,8 @@ class Sm90Driver:
 
 @pytest.fixture
 def lowered(monkeypatch):
-    """Launches compile for sm_90 and run nothing; returns the names of the kernels compiled."""
+    """Launches compile for sm_90 and run nothing, exact ones too (as under CUDA graph capture,
+    where no flag is read first: ``launch.ExactLaunch``); returns the names of the kernels compiled."""
     from flashx_triton import launch, tuning
     from triton.runtime import driver
 
@@ -76,6 +77,7 @@ def lowered(monkeypatch):
 
     stand_in = Sm90Driver()
     monkeypatch.setattr(launch.Launch, "__call__", compile_only)
+    monkeypatch.setattr(launch, "capturing", lambda device: True)
     monkeypatch.setattr(tuning, "choose", shipped_choice)
     # the class's property, restored afterwards: a host without a GPU has no driver to reset to
     monkeypatch.setattr(type(driver), "active", property(lambda config: stand_in))
@@ -225,3 +227,42 @@ def test_lengths_band_reaches_and_dropout_draws_compile_no_variants_of_their_own
         backend.backward(problem, q, k, v, o, lse, torch.randn_like(o))
     assert {name for name, _ in variants} == {"_forward_kernel", "_prepare_kernel", "_gradients_kernel"}
     assert len(variants) == len(option_sets)
+
+
+def test_an_exact_kernel_left_out_on_clean_data_compiles_in_another_process_and_later_loads(lowered, monkeypatch,
+                                                                                            tmp_path):
+    """A causal forward's first call on clean data compiles its plain kernel here and sends the
+    exact one to the worker (flashx_triton.background), which compiles it into Triton's cache on
+    disk; the call after that loads it from there: Triton builds no IR for it in this process."""
+    from collections import defaultdict
+
+    from flashx_triton import TritonBackend, background, forward, launch
+    from triton.compiler import compiler
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernel = forward._forward_kernel
+    monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))  # nothing compiled here yet
+    monkeypatch.setattr(launch, "_built", {})
+    monkeypatch.setattr(launch, "capturing", lambda device: False)
+    built_here = []
+    make_ir = compiler.ASTSource.make_ir
+    monkeypatch.setattr(compiler.ASTSource, "make_ir", lambda self, *args, **kwargs: (
+        built_here.append(self.constants), make_ir(self, *args, **kwargs))[1])
+
+    def compile_only(self, *tensors):  # and the flags a plain launch leaves on clean data
+        self.kernel.warmup(*tensors, *self.bound, grid=self.grid, **self.options)
+        lowered.append(isinstance(self, launch.ExactLaunch))
+        values = dict(zip(self.kernel.arg_names, (*tensors, *self.bound)))
+        if values.get("EXACT") is False:
+            values["REDO"].zero_()
+
+    monkeypatch.setattr(launch.Launch, "__call__", compile_only)
+    q, k, v = _inputs()
+    problem = build_problem(q, k, v, causal=True)
+    TritonBackend().forward(problem, q, k, v)
+    assert True not in lowered and len(built_here) == 1  # the plain kernel (run by the choice, then the call)
+    background.wait_for_all()
+    assert list(tmp_path.glob("*/_forward_kernel.cubin"))
+    del lowered[:]
+    TritonBackend().forward(problem, q, k, v)
+    assert lowered == [False, True] and len(built_here) == 1

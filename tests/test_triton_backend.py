@@ -200,16 +200,21 @@ def test_varlen_with_an_empty_sequence_and_rows_past_the_last():
 def test_varlen_whose_sequences_cover_every_row_fills_nothing_first(monkeypatch, sinks):
     """Without rows past cu_seqlens[-1] (an empty sequence and empty rows inside), the kernels
     write every element of every output: the backend allocates them without a fill (a kernel
-    launch each on a GPU), and the NaN-poisoned allocations never show."""
+    launch each on a GPU), and the NaN-poisoned allocations never show. The int8 flags of the
+    exact launches are no output, and are cleared once per buffer (launch.flags), not per call."""
     H, D = 2, 16
     cu_q, cu_k = torch.tensor([0, 37, 37, 100], dtype=torch.int32), torch.tensor([0, 50, 61, 66], dtype=torch.int32)
     q, k, v, do = randn(100, H, D), randn(66, H, D), randn(66, H, D), randn(100, H, D)
     options = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, window=(8, 0))
     if sinks:
         options["sinks"] = torch.tensor([0.5, -1.0])
+    fills = []
     for name in ("zeros", "zeros_like", "full"):
-        monkeypatch.setattr(torch, name, lambda *args, **kw: pytest.fail("filled an output the kernels write"))
+        fill = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, fill=fill, **kw: (fills.append(kw.get("dtype")),
+                                                                          fill(*args, **kw))[1])
     check_against_oracle(q, k, v, do, **options)
+    assert all(dtype == torch.int8 for dtype in fills), fills
 
 
 # ---------------------------------------------------------------- shapes, strides, dtypes
@@ -340,6 +345,118 @@ def test_calls_reuse_their_flags_and_flag_only_their_own_programs(monkeypatch):
     thread.start()
     thread.join()
     assert elsewhere[0] is not flags[0] and launch.flags(q.device, len(flags[0])) is flags[0]
+
+
+@pytest.fixture
+def exact_launches(monkeypatch):
+    """Launches built afresh, each ExactLaunch's actual launches recorded (the ExactLaunch), the
+    atomic plan's backward (one exact launch for dK/dV, one for dQ)."""
+    from flashx_triton import launch, tuning
+
+    monkeypatch.setattr(launch, "_built", {})
+    monkeypatch.setattr(tuning, "INTERPRETED_GRADIENTS", ["atomic"])
+    launched = []
+    run = launch.Launch.__call__
+    monkeypatch.setattr(launch.Launch, "__call__", lambda self, *tensors: (
+        launched.append(self) if isinstance(self, launch.ExactLaunch) else None, run(self, *tensors))[1])
+    return launched
+
+
+class Sent:
+    """A kernel sent to compile elsewhere (background.Compiling), ended by the test."""
+
+    def __init__(self):
+        self.ended, self.waited = False, 0
+
+    def done(self):
+        return self.ended
+
+    def wait(self):
+        self.waited += 1
+        self.ended = True
+
+
+def test_a_first_call_on_clean_data_launches_no_exact_kernel_and_a_later_nan_call_is_exact(exact_launches):
+    """Clean data never runs an exact launch past its flag check, so a shape's first call reads
+    the flags and, none set, leaves the exact kernels out (to compile elsewhere; under the
+    interpreter, which has nothing to compile, nowhere). Later calls launch them without a flag
+    read, and one with a NaN in V gets the oracle's outputs: NaN only where rows read it."""
+    B, H, N, D = 1, 4, 96, 16
+    q, k, v, do = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
+    check_against_oracle(q, k, v, do, causal=True)
+    assert exact_launches == []
+    check_against_oracle(q, k, v, do, causal=True)
+    assert len(exact_launches) == 3  # the forward's, and the backward's for dK/dV and for dQ
+    v[0, 40, 2, 3] = math.nan
+    check_against_oracle(q, k, v, do, causal=True)
+    assert len(exact_launches) == 6
+
+
+def test_while_an_exact_kernel_compiles_elsewhere_clean_calls_skip_it_and_a_flagged_one_waits(exact_launches,
+                                                                                                   monkeypatch):
+    """Each exact kernel is sent elsewhere once, by the first clean call; clean calls skip it
+    while it compiles there, a call with a flag waits for that compile and launches (exact), and
+    once a compile has ended its launch runs on every call without a flag read."""
+    from flashx_triton import background
+
+    sent = []
+    monkeypatch.setattr(background, "compile_elsewhere", lambda *args: sent.append(Sent()) or sent[-1])
+    B, H, N, D = 1, 4, 96, 16
+    q, k, v = randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D)
+    for _ in range(2):
+        flashx.attention_forward(q, k, v, backend="triton", causal=True)
+    assert len(sent) == 1 and exact_launches == []
+    poisoned = v.clone()
+    poisoned[0, 40, 2, 3] = math.nan
+    o, _ = flashx.attention_forward(q, k, poisoned, backend="triton", causal=True)
+    assert sent[0].waited == 1 and len(exact_launches) == 1
+    assert o[0, :40].isfinite().all() and o[0, 40:, 2, 3].isnan().all()  # rows 32-39 exact
+    flashx.attention_forward(q, k, v, backend="triton", causal=True)
+    assert len(sent) == 1 and len(exact_launches) == 2
+    q2 = randn(B, 64, H, D)  # another shape: its own exact launch, sent elsewhere
+    flashx.attention_forward(q2, q2, q2, backend="triton", causal=True)
+    assert len(sent) == 2 and len(exact_launches) == 2
+    sent[1].ended = True  # compiled elsewhere: launched from now on, clean or not
+    flashx.attention_forward(q2, q2, q2, backend="triton", causal=True)
+    assert sent[1].waited == 0 and len(exact_launches) == 3
+
+
+def test_programs_without_rows_leave_a_new_buffer_of_flags_clear(exact_launches):
+    """Varlen programs past their sequence's rows write no flag: a new buffer starts clear
+    (launch.flags), or what memory held there would have the exact kernels compiled on clean data."""
+    cu = torch.tensor([0, 37, 37, 100], dtype=torch.int32)  # query tiles [32, 64) of sequence 0 and all of 1: none
+    q, k, v, do = randn(100, 2, 16), randn(100, 2, 16), randn(100, 2, 16), randn(100, 2, 16)
+    check_against_oracle(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    assert exact_launches == []
+
+
+def test_under_graph_capture_exact_launches_are_launched_on_the_first_call(exact_launches, monkeypatch):
+    """A graph replays its launches long after the capture, where no flag read can decide: the
+    exact launches are captured (compiled here) on the first call, and nothing is sent elsewhere."""
+    from flashx_triton import background, launch
+
+    monkeypatch.setattr(launch, "capturing", lambda device: True)
+    monkeypatch.setattr(background, "compile_elsewhere", lambda *args: pytest.fail("sent elsewhere"))
+    B, H, N, D = 1, 4, 96, 16
+    check_against_oracle(randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), randn(B, N, H, D), causal=True)
+    assert len(exact_launches) == 3
+
+
+def test_a_candidate_under_trial_skips_its_clean_exact_launch_and_sends_nothing_elsewhere(exact_launches,
+                                                                                             monkeypatch):
+    """Tuning runs every candidate; only the chosen one's exact kernel will be needed. Once the
+    choice is made, the chosen launch's first clean call sends its kernel elsewhere."""
+    from flashx_triton import background, tuning
+
+    sent = []
+    monkeypatch.setattr(background, "compile_elsewhere", lambda *args: sent.append(Sent()) or sent[-1])
+    q, k, v = (randn(1, 96, 4, 16) for _ in range(3))
+    monkeypatch.setattr(tuning._trying, "active", True, raising=False)
+    flashx.attention_forward(q, k, v, backend="triton", causal=True)
+    assert sent == [] and exact_launches == []
+    monkeypatch.setattr(tuning._trying, "active", False)
+    flashx.attention_forward(q, k, v, backend="triton", causal=True)
+    assert len(sent) == 1 and exact_launches == []
 
 
 @pytest.mark.parametrize("plan", ["split", "fused"])

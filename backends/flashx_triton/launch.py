@@ -3,7 +3,8 @@
 ``per_problem`` keeps what a call builds (tuned configurations, launches with their bound
 arguments) under the problem's static key; ``call_args`` are the values each call brings; a
 ``Launch`` hands them to the compiled kernel with the bound rest; ``Passes`` runs a kernel with
-masked tiles twice, plain and then exactly where the first pass found non-finite data.
+masked tiles twice, plain and then exactly where the first pass found non-finite data, the exact
+kernel compiled only when needed (``ExactLaunch``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashx_triton import tuning
+from flashx_triton import background, tuning
 from flashx_triton.dropout import DROPOUT_DRAW, dropout_args
 
 
@@ -138,22 +139,14 @@ class Passes:
     def __init__(self, kernel, programs: int, options: dict, masked: bool, device: torch.device, **bound):
         masked = masked and not fits_one_wave(programs, device)
         self.programs, self.masked = programs, masked
-        shares = triton.cdiv(programs, FLAGS_PER_PROGRAM.value)
-        self.launches = [Launch(kernel, (shares if exact and masked else programs,), options, **bound,
-                                programs=programs, EXACT=exact) for exact in ((False, True) if masked else (True,))]
+        self.launches = [Launch(kernel, (programs,), options, **bound, programs=programs, EXACT=not masked)]
+        if masked:
+            self.launches.append(exact_relaunch(kernel, programs, options, **bound))
 
     def __call__(self, *tensors) -> torch.Tensor | None:
-        """Both launches; returns the flags (None: one launch).
-
-        A candidate under trial (``tuning.trying_candidates``) compiles its exact kernel only
-        when a program is flagged: so a choice compiles each candidate once, not twice (compiling
-        is most of what tuning costs)."""
+        """Both launches (the second as ``ExactLaunch`` decides); returns the flags (None: one launch)."""
         redo = flags(tensors[0].device, self.programs) if self.masked else None
-        plain, *exact = self.launches
-        plain(*tensors, redo)
-        for launch in exact:
-            if launch.compiled is None and tuning.trying_candidates() and not redo.any():
-                continue
+        for launch in self.launches:
             launch(*tensors, redo)
         return redo
 
@@ -166,6 +159,64 @@ def fits_one_wave(programs: int, device: torch.device) -> bool:
     least (``Passes``). Never under the interpreter, which runs both launches of every masked
     problem as a GPU runs them for large ones."""
     return device.type == "cuda" and programs <= torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def exact_relaunch(kernel, programs: int, options: dict, **bound) -> ExactLaunch:
+    """The exact launch that runs the flagged ones of ``programs`` programs (``Passes``), one
+    program per FLAGS_PER_PROGRAM of them (``program_share``)."""
+    return ExactLaunch(kernel, (triton.cdiv(programs, FLAGS_PER_PROGRAM.value),), options, **bound,
+                       programs=programs, EXACT=True)
+
+
+class ExactLaunch(Launch):
+    """An exact launch, whose last argument is the flags (REDO) of the launch before it; its
+    kernel is compiled only when a call needs it.
+
+    Clean data never runs an exact launch past its flag check, yet its kernel takes as long to
+    compile as the plain one, or longer: most of a new shape's first call (docs/triton-design.md,
+    "What a new shape costs"). So until the kernel is at hand, a call reads the flags on the host
+    (a synchronisation) and launches only if a program is flagged. The first call that finds none
+    sends the kernel to be compiled in another process (``background.compile_elsewhere``), into
+    Triton's cache on disk; once that compile has ended, calls launch as any Launch does, without
+    reading the flags, and the first of them loads the kernel from the cache (or compiles it,
+    should the other process have failed). A call that finds a flag while that compile runs
+    waits for it. Where nothing can be sent (the kernel compiled here already, the interpreter),
+    the calls after the first launch as any Launch does.
+
+    Under CUDA graph capture the host may not read the flags (the graph replays long after):
+    the launch is captured as any Launch's, its kernel compiled here if it is not at hand. A
+    candidate under trial (``tuning.trying_candidates``) skips its clean calls too but sends
+    nothing elsewhere: only the chosen candidate's kernel will be needed, and compiling every
+    candidate's twice had doubled what tuning costs.
+    """
+
+    def __init__(self, kernel, grid: tuple[int], options: dict, **bound):
+        super().__init__(kernel, grid, options, **bound)
+        self.at_hand = False  # launched, or compiled elsewhere: the flags are no longer read
+        self.compiling: background.Compiling | None = None
+
+    def __call__(self, *tensors):
+        if not self.at_hand:
+            redo = tensors[-1]
+            if self.compiling is not None and self.compiling.done():
+                self.at_hand = True
+            elif capturing(redo.device) or redo.any():
+                if self.compiling is not None:
+                    self.compiling.wait()
+                self.at_hand = True
+            else:
+                if self.compiling is None and not tuning.trying_candidates():
+                    self.compiling = background.compile_elsewhere(self.kernel, (*tensors, *self.bound), self.grid,
+                                                                  self.options)
+                    self.at_hand = self.compiling is None
+                return
+        super().__call__(*tensors)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether launches on ``device`` are being captured into a CUDA graph (and not run)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
 
 _flags = threading.local()  # this thread's buffers of ``flags``, by device, stream and size
 
@@ -185,11 +236,13 @@ def flags(device: torch.device, programs: int) -> torch.Tensor:
 
     Flags left by an earlier call need no clearing: every program of the plain launch that has
     rows or keys to compute writes its flag, and one that has none does nothing in the exact
-    launch either."""
+    launch either. A new buffer starts clear all the same: until its kernel is at hand, an
+    ``ExactLaunch`` reads every flag on the host, and the garbage of a program that writes none
+    would have that kernel compiled for nothing."""
     stream = None
+    if capturing(device):
+        return torch.empty(programs, dtype=torch.int8, device=device)
     if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.empty(programs, dtype=torch.int8, device=device)
         stream = triton.runtime.driver.active.get_current_stream(device.index)
     buffers = getattr(_flags, "buffers", None)
     if buffers is None:
@@ -199,7 +252,7 @@ def flags(device: torch.device, programs: int) -> torch.Tensor:
     if found is None:
         if len(buffers) >= _BUILT_LIMIT:
             buffers.clear()
-        found = buffers[key] = torch.empty(programs, dtype=torch.int8, device=device)
+        found = buffers[key] = torch.zeros((programs,), dtype=torch.int8, device=device)
     return found
 
 
