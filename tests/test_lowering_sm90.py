@@ -266,3 +266,23 @@ def test_an_exact_kernel_left_out_on_clean_data_compiles_in_another_process_and_
     del lowered[:]
     TritonBackend().forward(problem, q, k, v)
     assert lowered == [False, True] and len(built_here) == 1
+
+
+def test_a_kernel_the_worker_cannot_compile_or_never_compiles_is_answered():
+    """A launch waits on the worker only until it answers; one that failed answers all the same
+    (the launch then compiles here, where the compiler's error is raised), and one that died
+    answers everything sent to it. A dead worker is replaced by the next kernel sent."""
+    from flashx_triton import background
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    worker = background._worker(target)
+    failing = worker.send("flashx_triton.no_such_module", "_kernel", "{}")
+    failing.wait()
+    assert failing.done() and worker.alive()
+    worker.process.kill()
+    worker.process.wait()
+    with pytest.raises(OSError):
+        worker.send("flashx_triton.forward", "_forward_kernel", "{}")
+    assert all(compiling.done() for compiling in worker.waiting)
+    assert background._worker(target) is not worker

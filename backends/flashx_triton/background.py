@@ -109,8 +109,13 @@ class _Worker:
         compiling = Compiling()
         with self.lock:
             self.waiting.append(compiling)
-            self.process.stdin.write(json.dumps(dict(module=module, name=name, specialization=specialization)) + "\n")
-            self.process.stdin.flush()
+            try:
+                self.process.stdin.write(json.dumps(dict(module=module, name=name, specialization=specialization))
+                                         + "\n")
+                self.process.stdin.flush()
+            except OSError:  # the worker has ended: answered, by nobody
+                compiling._answered.set()
+                raise
         return compiling
 
     def _answers(self) -> None:
@@ -122,14 +127,16 @@ class _Worker:
 
 
 _workers: dict[tuple, _Worker] = {}
+_starting = threading.Lock()
 
 
 def _worker(target) -> _Worker:
     # by process too: a forked child has its parent's objects but neither its pipes' far ends nor its threads
     key = (os.getpid(), target)
-    found = _workers.get(key)
-    if found is None or not found.alive():
-        found = _workers[key] = _Worker(target)
+    with _starting:
+        found = _workers.get(key)
+        if found is None or not found.alive():
+            found = _workers[key] = _Worker(target)
     return found
 
 
