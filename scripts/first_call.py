@@ -79,6 +79,15 @@ def child(case: str) -> None:
     print(json.dumps(row))
 
 
+def child_row(command: list[str], env: dict, label: str) -> dict | None:
+    """The last line a child case printed, read as JSON; None, its error printed, where it failed."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        print(f"{label}: failed\n{done.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def main() -> None:
     root = tempfile.mkdtemp(prefix="first-call-")
     fresh = iter(range(100))
@@ -103,12 +112,10 @@ def main() -> None:
     rows = []
     for label, case, dirs in cases:
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, __file__, "--case", case], env={**env, **dirs}, capture_output=True,
-                              text=True)
-        if done.returncode:
-            print(f"{label}: failed\n{done.stderr[-3000:]}", flush=True)
+        found = child_row([sys.executable, __file__, "--case", case], {**env, **dirs}, label)
+        if found is None:
             continue
-        row = {"case": label, **json.loads(done.stdout.splitlines()[-1]), "process_s": time.perf_counter() - started}
+        row = {"case": label, **found, "process_s": time.perf_counter() - started}
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"\nB={B} N={N} H={H} d={D} {'float32 (smoke, CPU)' if SMOKE else 'bf16'} causal, fwd+bwd")

@@ -19,10 +19,11 @@ in the calling process (a load from Triton's cache is not one).
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from first_call import child_row  # this script's folder: sys.path's first entry
 
 B, N, H, D = 2, 6000, 16, 128
 
@@ -91,13 +92,10 @@ def main() -> None:
         cache = os.path.join(root, f"triton-{'causal' if causal else 'full'}")
         for case in ("cold", "warm"):
             command = [sys.executable, __file__, "--case", str(int(causal)), str(int(eager))]
-            done = subprocess.run(command, env=dict(os.environ, TRITON_CACHE_DIR=cache), capture_output=True,
-                                  text=True)
-            if done.returncode:
-                print(f"{case}: failed\n{done.stderr[-3000:]}", flush=True)
+            found = child_row(command, dict(os.environ, TRITON_CACHE_DIR=cache), case)
+            if found is None:
                 continue
-            row = {"shape": "causal" if causal else "full", "case": case, "eager": eager,
-                   **json.loads(done.stdout.splitlines()[-1])}
+            row = {"shape": "causal" if causal else "full", "case": case, "eager": eager, **found}
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(f"\nB={B} N={N} H={H} d={D} bf16 fwd+bwd, sm_90 target{', exact kernels eager' if eager else ''}")
