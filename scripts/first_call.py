@@ -17,6 +17,8 @@ FIRST_CALL_BACKENDS (default "triton") names the flashx backends to run, comma-s
 The first call is timed from the inputs on the GPU (CUDA context made) to the gradients there;
 "kernels" counts the kernels a triton case found compiled in its Triton cache afterwards.
 FIRST_CALL_SMOKE=1 runs the flashx cases on a tiny float32 shape under TRITON_INTERPRET=1 (CPU).
+FIRST_CALL_PROFILE=DIR profiles each case's first call (cProfile) into DIR/<case>.prof and prints
+its 15 costliest functions by cumulative time (where a warm cache's first call goes).
 """
 
 import json
@@ -56,16 +58,29 @@ def child(case: str) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    seconds = []
-    for _ in range(3):
+    def timed_step() -> float:
         for x in (q, k, v):
             x.grad = None
         sync()
         start = time.perf_counter()
-        o = step()
-        o.backward(do)
+        step().backward(do)
         sync()
-        seconds.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    profile = os.environ.get("FIRST_CALL_PROFILE")
+    if profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        seconds = [profiler.runcall(timed_step)]
+        os.makedirs(profile, exist_ok=True)
+        profiler.dump_stats(os.path.join(profile, f"{os.environ['FIRST_CALL_LABEL'].replace(' ', '-')}.prof"))
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(15)
+    else:
+        seconds = [timed_step()]
+    seconds += [timed_step() for _ in range(2)]
+    o = step()
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     want = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
     want.backward(do.transpose(1, 2))
@@ -80,11 +95,14 @@ def child(case: str) -> None:
 
 
 def child_row(command: list[str], env: dict, label: str) -> dict | None:
-    """The last line a child case printed, read as JSON; None, its error printed, where it failed."""
+    """The last line a child case printed, read as JSON; None, its error printed, where it failed.
+    A profiled child's profile (on its stderr) is printed too."""
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         print(f"{label}: failed\n{done.stderr[-3000:]}", flush=True)
         return None
+    if env.get("FIRST_CALL_PROFILE"):
+        print(f"{label}, first call:\n{done.stderr[-4000:]}", flush=True)
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -112,7 +130,8 @@ def main() -> None:
     rows = []
     for label, case, dirs in cases:
         started = time.perf_counter()
-        found = child_row([sys.executable, __file__, "--case", case], {**env, **dirs}, label)
+        found = child_row([sys.executable, __file__, "--case", case], {**env, **dirs, "FIRST_CALL_LABEL": label},
+                          label)
         if found is None:
             continue
         row = {"case": label, **found, "process_s": time.perf_counter() - started}
