@@ -129,9 +129,16 @@ def sdpa_as_flashx(query, key, value, *, attn_mask=None, dropout_p=0.0, is_causa
             causal = True
         else:  # the band j <= i, written in flashx's bottom-right terms
             window = (-1, length_q - length_k)
-    q, k, v = (x.reshape(-1, *x.shape[-3:]).transpose(1, 2) for x in (query, key, value))
+    q, k, v = (_batch_leading(x, lead).transpose(1, 2) for x in (query, key, value))
     return attention(q, k, v, causal=causal, window=window, mask=attn_mask, softmax_scale=scale,
                      dropout_p=dropout_p, **keywords)
+
+
+def _batch_leading(x, lead: tuple):
+    """(..., H, L, E) as (B, H, L, E), the leading dims ``lead`` merged into B: ``x`` itself when
+    it has four dims (a view costs a call microseconds of host time), and B given, not -1, so that
+    an empty tensor has one."""
+    return x if x.ndim == 4 else x.reshape(math.prod(lead), *x.shape[-3:])
 
 
 def _flash_keywords(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic) -> dict:
@@ -167,5 +174,5 @@ def _bool_mask(mask, ndim: int, lead: tuple):
                          f"got shape {tuple(mask.shape)}")
     if len(lead) > 1:
         mask = mask.reshape((1,) * (ndim - mask.ndim) + tuple(mask.shape))
-        mask = mask.expand(*lead, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+        mask = _batch_leading(mask.expand(*lead, *mask.shape[-3:]), lead)
     return mask
