@@ -107,10 +107,10 @@ def sdpa_as_flashx(query, key, value, *, attn_mask=None, dropout_p=0.0, is_causa
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim < 3:
             raise ShapeError(f"{name}: expected (..., H, L, E) with at least 3 dims, got shape {tuple(x.shape)}")
-    lead = tuple(query.shape[:-3])
+    lead = query.shape[:-3]
     for name, x in (("key", key), ("value", value)):
-        if tuple(x.shape[:-3]) != lead:
-            raise UnsupportedError(f"{name}: flashx needs the leading (batch) dims of query {lead}, "
+        if x.shape[:-3] != lead:
+            raise UnsupportedError(f"{name}: flashx needs the leading (batch) dims of query {tuple(lead)}, "
                                    f"got shape {tuple(x.shape)}; SDPA would broadcast them")
     if key.shape[-3] != query.shape[-3] and not enable_gqa:
         raise ShapeError(f"key: expected {query.shape[-3]} heads like query (enable_gqa=False), "
@@ -129,9 +129,17 @@ def sdpa_as_flashx(query, key, value, *, attn_mask=None, dropout_p=0.0, is_causa
             causal = True
         else:  # the band j <= i, written in flashx's bottom-right terms
             window = (-1, length_q - length_k)
-    q, k, v = (x.reshape(-1, *x.shape[-3:]).transpose(1, 2) for x in (query, key, value))
+    q, k, v = _batch_leading(query, lead), _batch_leading(key, lead), _batch_leading(value, lead)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return attention(q, k, v, causal=causal, window=window, mask=attn_mask, softmax_scale=scale,
                      dropout_p=dropout_p, **keywords)
+
+
+def _batch_leading(x, lead):
+    """(..., H, L, E) as (B, H, L, E), the leading dims ``lead`` merged into B: ``x`` itself when
+    it has four dims (a view costs a call microseconds of host time), and B given, not -1, so that
+    an empty tensor has one."""
+    return x if x.ndim == 4 else x.reshape(math.prod(lead), *x.shape[-3:])
 
 
 def _flash_keywords(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic) -> dict:
@@ -150,7 +158,7 @@ def _window(window_size):
     return None if tuple(window_size) == (-1, -1) else tuple(window_size)
 
 
-def _bool_mask(mask, ndim: int, lead: tuple):
+def _bool_mask(mask, ndim: int, lead):
     """SDPA's attn_mask as flashx's bool mask, its leading dims merged as the batch is."""
     import torch
 
@@ -167,5 +175,5 @@ def _bool_mask(mask, ndim: int, lead: tuple):
                          f"got shape {tuple(mask.shape)}")
     if len(lead) > 1:
         mask = mask.reshape((1,) * (ndim - mask.ndim) + tuple(mask.shape))
-        mask = mask.expand(*lead, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+        mask = _batch_leading(mask.expand(*lead, *mask.shape[-3:]), lead)
     return mask

@@ -58,11 +58,15 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 def complete(function: str, given: dict[str, Any]) -> dict[str, Any]:
     """Every option, the given ones as Python scalars, the rest at their defaults."""
-    unknown = sorted(set(given) - set(OPTIONS))
+    unknown = given.keys() - OPTIONS.keys()
     if unknown:
         what = "an unexpected keyword argument" if len(unknown) == 1 else "unexpected keyword arguments"
-        raise TypeError(f"{function}() got {what} {', '.join(map(_with_suggestion, unknown))}; known: {', '.join(OPTIONS)}")
-    return {name: python_scalar(given.get(name, default)) for name, default in OPTIONS.items()}
+        raise TypeError(f"{function}() got {what} {', '.join(map(_with_suggestion, sorted(unknown)))}; "
+                        f"known: {', '.join(OPTIONS)}")
+    completed = OPTIONS.copy()  # the defaults, Python scalars already; a given option keeps its place
+    for name, value in given.items():
+        completed[name] = python_scalar(value)
+    return completed
 
 
 def _with_suggestion(name: str) -> str:
@@ -72,11 +76,16 @@ def _with_suggestion(name: str) -> str:
 
 def python_scalar(value: Any) -> Any:
     """A NumPy scalar as the Python scalar it holds; anything else as it is (tuples element-wise)."""
+    if type(value) in _PYTHON_SCALARS:
+        return value
     if type(value).__module__ == "numpy" and type(value).__name__ != "ndarray":
         return value.item()
     if type(value) in (tuple, list):
         return type(value)(map(python_scalar, value))
     return value
+
+
+_PYTHON_SCALARS = frozenset({type(None), bool, int, float, str})
 
 
 def signature(*leading: str, **trailing: Any) -> inspect.Signature:

@@ -70,6 +70,16 @@ def test_sdpa_masks_match_torch(kind, shape_q, mask_shape):
         _close(got, want)
 
 
+@pytest.mark.parametrize("shape_q", [(2, 3, 0, 8), (0, 3, 5, 8), (2, 2, 3, 0, 8), (0, 2, 3, 5, 8)])
+def test_sdpa_takes_empty_tensors_as_sdpa_does(shape_q):
+    """No query rows or no batch: an empty output of SDPA's shape (not an error of the
+    merge of the leading dims, which has no size to infer from an empty tensor)."""
+    q = _randn(*shape_q)
+    k = v = _randn(*shape_q[:-2], 4, 8, seed=1)
+    got, want = compat.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v)
+    assert got.shape == want.shape == shape_q
+
+
 def test_sdpa_dropout_is_flashx_dropout_in_sdpa_layout():
     """Dropout draws flashx's Philox mask, seeded from torch's generator as flashx.attention seeds it."""
     q, k, v = _randn(1, 2, 16, 8), _randn(1, 2, 16, 8, seed=1), _randn(1, 2, 16, 8, seed=2)

@@ -784,6 +784,15 @@ def test_a_remembered_call_meets_a_changed_environment(fresh_registry, monkeypat
         flashx.attention(q, k, v)
 
 
+def test_completed_options_keep_the_declared_order_whatever_the_order_given():
+    """The plan's key reads options by their declared position (``flashx.plan._key``)."""
+    given = dict(validate=False, seed=np.int64(3), causal=True)
+    completed = flashx.options.complete("attention", given)
+    assert list(completed) == list(flashx.options.OPTIONS)
+    assert completed == {**flashx.options.OPTIONS, "validate": False, "seed": 3, "causal": True}
+    assert type(completed["seed"]) is int and given["seed"].dtype == np.int64  # the caller's dict as it was
+
+
 def test_options_given_as_numpy_scalars_are_taken_as_python_scalars():
     q, k, v = qkv()
     python = dict(causal=True, window=(3, 0), softmax_scale=0.5, dropout_p=0.25, seed=7, rng_offset=2, dropout_offsets=(1, 2),

@@ -549,8 +549,18 @@ def test_kernel_dropout_draw_is_the_suites(seed, offset, hq, b, h, i, j):
     draws = dropout_args(build_problem(x, x, x, dropout_p=0.5, seed=seed, rng_offset=offset))
     for threshold in (r, r + 1):  # r >= r keeps, r >= r + 1 drops: the kernel saw exactly r
         out = torch.empty(2, dtype=torch.int8)
-        draw[(1,)](out, i, j, b * hq + h, **draws, threshold=threshold)
+        draw[(1,)](out, i, j, b * hq + h, *draws, threshold=threshold)
         assert out.tolist() == [int(r >= threshold)] * 2
+
+
+def test_dropout_draws_are_int32s_at_every_seed_offset_and_position():
+    """A launch serves every call whose tensors are laid out alike (``launch.call_args``), so the
+    draws must travel in the one width Triton compiled them for, whatever their values."""
+    x = torch.zeros(1, 1, 1, 16)
+    for seed, offset, position in ((0, 0, 0), (2**64 - 1, 2**64 - 1, 2**31 - 1), (2**63, 2**32 + 3, 2**31 - 16)):
+        problem = build_problem(x, x, x, dropout_p=0.5, seed=seed, rng_offset=offset,
+                                dropout_offsets=(position, position))
+        assert all(type(draw) is int and -2**31 <= draw < 2**31 for draw in dropout_args(problem))
 
 
 def test_dropout_forward_and_backward_use_the_spec_mask():

@@ -72,7 +72,7 @@ def mask_layout(problem) -> dict:
     """``masks``: the (batch, head, row, column) strides of MASK and BLOCKS broadcast to
     (B, Hq, Nq, Nk) and (B, Hq, Nq / bq, Nk / bk), then the block mask's (block_q, block_k); and
     whether each is there. The kernels read the tensors as given (``call_args``) through these
-    strides, which the given tensors' shapes (the static problem's) and strides (``call_layout``)
+    strides, which the given tensors' shapes (the static problem's) and strides (``layout``)
     fix."""
     shape = (problem.batch, problem.heads_q)
     mask_strides = block_strides = (0, 0, 0, 0)

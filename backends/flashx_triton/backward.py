@@ -25,8 +25,8 @@ import triton.language as tl
 from flashx_triton import tuning
 from flashx_triton.arguments import LENGTHS, problem_args
 from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep, dropout_state, kept_scale
-from flashx_triton.launch import (Launch, Passes, call_args, call_layout, flag_nonfinite, layout, next_program,
-                                  per_problem, program_share)
+from flashx_triton.launch import (Launch, Passes, call_args, flag_nonfinite, layout, next_program, per_problem,
+                                  program_share)
 from flashx_triton.loads import (allow_kernel_descriptors, head_descriptors, last_dim_contiguous, load_rows,
                                  lse_strides, row_descriptors, row_strides, tma_ready)
 from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, diagonal_part,
@@ -462,13 +462,13 @@ def backward(problem, q, k, v, o, lse, do):
     sinks = problem.sinks
     # rows past cu_seqlens[-1] get no term: they read no key
     sink_terms = None if sinks is None else alloc(lse)
-    call = call_args(problem)
-    prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse), call_layout(call)),
+    tensors, draws = call_args(problem)
+    prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse, *tensors)),
                                               lambda: _launches(problem, q, k, v, o, do, lse))
     prepare(o, do, lse, delta, lse2, problem.cu_seqlens_q, problem.seqlens_q, sinks, sink_terms)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    dq, dk, dv = gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call.values())
+    dq, dk, dv = gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *tensors, *draws)
     if sinks is None:
         return dq, dk, dv
     # dsinks[h] = -(sum of its rows' terms): lse's head axis is its second-to-last

@@ -424,8 +424,7 @@ def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _launch(kernel: str, problem, tensors: tuple, count: int = 1) -> None:
     """``kernel`` on ``tensors``, through a ``Launch`` kept per static problem, layout and split count."""
-    key = (kernel, problem.static_key, layout(*(x for x in tensors if x is not None)),
-           tuple(x is None for x in tensors), count)
+    key = (kernel, problem.static_key, layout(*tensors), count)
     launch = _launches.get(key)
     if launch is None:
         if len(_launches) >= _LIMIT:

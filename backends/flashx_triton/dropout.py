@@ -53,13 +53,13 @@ def dropout_keep(i, j, stream, dropout):
     return r.to(tl.int64) >= threshold
 
 
-def dropout_args(problem) -> dict:
-    """A call's ``DROPOUT_DRAW``, by name, each the int32 with the bits of its uint32 word (the
-    offsets are below 2**31)."""
+def dropout_args(problem) -> tuple[int, ...]:
+    """A call's ``DROPOUT_DRAW``, in its order, each an int32: the bits of its uint32 word, or an
+    offset (validation holds them below 2**31). Launches rely on it (``launch.call_args``): Triton
+    would compile another width anew."""
     (seed_lo, seed_hi), rng_offset = problem.seed_words, problem.rng_offset_words[0]
     row0, key0 = problem.dropout_offsets
-    return {"seed_lo": _int32(seed_lo), "seed_hi": _int32(seed_hi), "rng_offset": _int32(rng_offset), "row0": row0,
-            "key0": key0}
+    return _int32(seed_lo), _int32(seed_hi), _int32(rng_offset), row0, key0
 
 
 def _int32(word: int) -> int:

@@ -22,7 +22,7 @@ from flashx_triton import tuning
 from flashx_triton.arguments import LENGTHS, problem_args
 from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep, dropout_state, kept_scale
 from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negated, readable_keys, widened
-from flashx_triton.launch import (Passes, call_args, call_layout, flag_nonfinite, layout, next_program, per_problem,
+from flashx_triton.launch import (Passes, call_args, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
 from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row_descriptors, row_strides, tma_ready
 from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, diagonal_part,
@@ -225,11 +225,10 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     else:
         o = torch.empty(problem.o_shape, dtype=out_dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-    call = dict(Q_DESCALE=problem.q_descale, K_DESCALE=problem.k_descale, V_DESCALE=problem.v_descale,
-                **call_args(problem))
-    tuned = per_problem(problem, ("forward", layout(q, k, v), call_layout(call)),
-                        lambda: tuning.Tuned("forward", _launch))
-    return tuned(problem, q, k, v, o, lse, *call.values())
+    tensors, draws = call_args(problem)
+    tensors = (problem.q_descale, problem.k_descale, problem.v_descale, *tensors)
+    tuned = per_problem(problem, ("forward", layout(q, k, v, *tensors)), lambda: tuning.Tuned("forward", _launch))
+    return tuned(problem, q, k, v, o, lse, *tensors, *draws)
 
 
 def _launch(problem, config, q, k, v, o, lse, *call):

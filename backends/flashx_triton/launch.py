@@ -16,17 +16,18 @@ import triton
 import triton.language as tl
 
 from flashx_triton import background, tuning
-from flashx_triton.dropout import DROPOUT_DRAW, dropout_args
+from flashx_triton.dropout import dropout_args
 
 
-def layout(*tensors: torch.Tensor) -> tuple:
+def layout(*tensors: torch.Tensor | None) -> tuple:
     """What a launch depends on in tensors of a given problem (whose shapes and dtype are fixed):
-    their strides, and whether each is 16-byte aligned (TMA needs it; Triton specialises on it)."""
-    return tuple((x.stride(), x.data_ptr() % 16 == 0) for x in tensors)
+    their strides, and whether each is 16-byte aligned (TMA needs it; Triton specialises on it);
+    None for an absent one."""
+    return tuple(None if x is None else (x.stride(), x.data_ptr() % 16 == 0) for x in tensors)
 
 
 #: What was built for a static problem (``Problem.static_key``: what runs, not what it runs on)
-#: and a caller's key (the kernel, the layout of its tensors and of ``call_args``): a call of the
+#: and a caller's key (the kernel, the layout of its tensors and of ``call_args``' tensors): a call of the
 #: same shapes and options skips everything built, whether or not it is the same Problem (calls
 #: with masks, lengths or a drawn seed are new Problems every time). Nothing built holds a Problem
 #: or a call's own values: those reach the kernels through ``call_args`` on every call.
@@ -47,33 +48,18 @@ def per_problem(problem, key, build):
     return found
 
 
-def call_args(problem) -> dict:
-    """The kernel arguments that change from call to call of one static problem, by name in the
-    order kernels take them, right after their own tensors: the optional tensors CU_Q, CU_K,
-    SEQLENS_Q, SEQLENS_K, MASK, BLOCKS (None where absent; masks as given, read through the
-    strides of their broadcast, ``mask_layout``), SLOPES and SINKS, then dropout's
-    ``DROPOUT_DRAW`` (``dropout_args``)."""
+def call_args(problem) -> tuple[tuple, tuple]:
+    """The kernel arguments that change from call to call of one static problem, in the order
+    kernels take them, right after their own tensors: (the optional tensors CU_Q, CU_K, SEQLENS_Q,
+    SEQLENS_K, MASK, BLOCKS, SLOPES and SINKS, None where absent, masks as given, read through the
+    strides of their broadcast, ``mask_layout``; dropout's ``DROPOUT_DRAW``, ``dropout_args``).
+
+    What Triton specialises a launch on in them is the tensors' ``layout`` alone: the draws are
+    int32s whatever their values, which the kernels name in ``do_not_specialize``. So a launch
+    compiled for one call's values serves another call's where the tensors' layouts agree."""
     blocks = problem.block_mask.blocks if problem.block_mask is not None else None
-    return dict(CU_Q=problem.cu_seqlens_q, CU_K=problem.cu_seqlens_k, SEQLENS_Q=problem.seqlens_q,
-                SEQLENS_K=problem.seqlens_k, MASK=problem.mask, BLOCKS=blocks, SLOPES=problem.alibi_slopes,
-                SINKS=problem.sinks, **dropout_args(problem))
-
-
-def call_layout(values: dict) -> tuple:
-    """What Triton specialises a kernel on in ``call_args``' values (by name): a tensor's strides
-    and 16-byte alignment, an int's type (i32, i64 or u64) and, unless the kernels name it in
-    ``do_not_specialize`` (``DROPOUT_DRAW``), whether it is 1 or a multiple of 16. A launch
-    compiled for one call's values serves another call's only where these agree."""
-    return tuple(_specialisation(x, name not in DROPOUT_DRAW) for name, x in values.items())
-
-
-def _specialisation(x, specialised: bool):
-    if x is None or isinstance(x, float):
-        return x is None
-    if isinstance(x, torch.Tensor):
-        return x.stride(), x.data_ptr() % 16 == 0
-    width = "i32" if -2**31 <= x < 2**31 else "u64" if x >= 2**63 else "i64"
-    return (width, x == 1, x % 16 == 0) if specialised else width
+    return ((problem.cu_seqlens_q, problem.cu_seqlens_k, problem.seqlens_q, problem.seqlens_k, problem.mask, blocks,
+             problem.alibi_slopes, problem.sinks), dropout_args(problem))
 
 
 class Launch:

@@ -46,10 +46,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention-function contract: query (B, Hq, N, D), key and value (B, Hk, S, D)
     -> (output (B, N, Hq, Dv), None). Other keywords (sliding_window, position_ids, ...) are already
     in the mask, as they are for SDPA."""
-    for given, what in ((position_bias is not None, "position_bias: an additive position bias"),
-                        (output_attentions, "output_attentions: the attention weights, which flashx never materialises")):
-        if given:
-            raise UnsupportedError(f"{what} are not computed by flashx; use attn_implementation='eager'")
+    if position_bias is not None or output_attentions:
+        for given, what in ((position_bias is not None, "position_bias: an additive position bias"),
+                            (output_attentions, "output_attentions: the attention weights, which flashx never materialises")):
+            if given:
+                raise UnsupportedError(f"{what} are not computed by flashx; use attn_implementation='eager'")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # As transformers' SDPA integration: a single query row attends to every key (decoding), and a
     # mask, when there is one, already holds causality. The shape is tested first so that a
