@@ -189,9 +189,10 @@ def test_dq_sums_in_chunks_of_kv_heads(batch, seqlen, heads_k, group, varlen):
 # -- sources and cache keys ----------------------------------------------------------------
 
 def test_source_inlines_the_headers():
-    text = variants.source("backward.cu")
+    text = variants.source("dq.cu")  # through backward.cuh and common.cuh
     assert not re.search(r'^#include "', text, re.MULTILINE)
-    assert text.count("struct Params {") == 1 and "flashx_dkdv" in text and "flashx_delta" in text
+    assert text.count("struct Params {") == 1 and "flashx_dq" in text and "flashx_delta" in text
+    assert "flashx_dkdv" not in text  # a build compiles the kernels of its file alone
     text = variants.source("forward_sm90.cu")  # through forward.cuh
     assert not re.search(r'^#include "', text, re.MULTILINE)
     assert text.count("struct Params {") == 1 and text.count("struct ForwardRows {") == 1
@@ -236,7 +237,7 @@ def test_kernels_are_built_once_and_looked_up_by_variant(monkeypatch):
     for _ in range(3):
         assert variants.kernel(delta, device).name == "flashx_delta"
         assert variants.kernel(dq, device).name == "flashx_dq"
-    assert len(builds) == 1 and reads == ["backward.cu", "backward.cu"]
+    assert len(builds) == 1 and reads == ["dq.cu", "dq.cu"]
     variants.kernel(delta, SimpleNamespace(id=1, compute_capability="90"))  # another GPU: looked up again
     assert len(builds) == 1 and len(reads) == 3
 

@@ -77,7 +77,7 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
         target = variants.ARCHITECTURES.get(variant.kernel, f"sm_{arch}")
         built = subprocess.run([tool("ptxas"), "-v", f"-arch={target}", str(source), "-o", str(binary)],
                                capture_output=True, text=True, check=True).stderr
-        # ptxas reports every entry of the module (backward.cu holds three): keep this variant's
+        # ptxas reports every entry of the module (dq.cu holds two): keep this variant's
         entry = built.split(f"Compiling entry function '{variant.entry_point}'")[1].split("Compiling entry")[0]
         registers = re.search(r"Used (\d+) registers", entry).group(1)
         stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", entry).groups()

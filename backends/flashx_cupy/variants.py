@@ -96,8 +96,7 @@ DECODE_ROW_ELEMENTS = 4096
 #: each reading the (byte-wide) cache.
 DECODE_FP8_ROWS = 32
 DECODE_KERNELS = ("decode", "decode_merge", "decode_append")
-FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "dq": "backward.cu", "dkdv": "backward.cu",
-         "delta": "backward.cu", **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
+FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "dq": "dq.cu", "dkdv": "dkdv.cu", "delta": "dq.cu", **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
 ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm90", "dq": "flashx_dq",
                 "dkdv": "flashx_dkdv", "delta": "flashx_delta", "decode": "flashx_decode",
                 "decode_merge": "flashx_decode_merge", "decode_append": "flashx_decode_append"}

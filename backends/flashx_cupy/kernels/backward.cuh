@@ -1,0 +1,54 @@
+// The backward, in three kernels (dkdv.cu, and dq.cu with the delta kernel):
+//   flashx_delta  D = rowsum(dO * O) per query row, float32;
+//   flashx_dkdv   one CTA per (key tile, kv head, sequence), K and V resident, streaming the
+//                 query tiles of every query head of its group: dV = P^T dO, dK = dS^T Q, summed
+//                 over the group in registers. Scores are held transposed (keys x queries), so
+//                 the warps own keys and the products are those of the forward;
+//   flashx_dq     one CTA per (query tile, query head, sequence), Q and dO resident, streaming
+//                 key tiles: dQ = dS K.
+// Without atomics the backward is deterministic, and flashx_dq computes S and dP again: seven
+// products. With DQ_ATOMIC, flashx_dkdv also adds each tile's dS K to a float32 dQ (p.dq, of the
+// launch's kv heads) by unordered reductions, and flashx_dq is not launched: five products, the
+// sum's order left to the hardware. The host picks it for 16-bit problems without a band unless
+// the call asks for determinism (flashx_cupy.variants.fused_dq).
+// P is recomputed from the LSE; with dropout, Z is drawn again from (seed, rng_offset):
+//   dV = (P Z / (1 - p))^T dO,  dS = P (Z dP / (1 - p) - D),  dP = dO V^T;
+// a dropped pair reads no dO (its dP is 0), but its dS = -P D still reaches dQ and dK. The score
+// modifications (score_mods.cuh) recompute S as the forward did, multiply dS by the softcap's
+// derivative, and leave dsinks to flashx_delta: a term of each row, -exp(sink - lse) D where the
+// row has an allowed key, which the host sums in a fixed order.
+// DKDV_PARTS (bit 0: dK, bit 1: dV) lets the widest head dims compute dK and dV in two launches,
+// each holding one accumulator in registers.
+//
+// In flashx_dkdv, as in the forward, each query tile runs one of two compiled bodies, picked by
+// one uniform branch: masked tiles (the band's edges, a sequence's end, any mask) test every
+// pair, the others test none, so that the steady state carries no pair-test registers (one
+// body with run-time tests spilled at d128). A tile's Q and dO arrive as one cp.async group,
+// requested when the previous tile starts: one wait and one barrier a tile. Splitting them into
+// a group per product, as the forward does for K and V, costs the registers that d128 lacks.
+// Masked tiles work out which pairs read what only in the rare tile with non-finite operands,
+// rather than record every pair. flashx_dq keeps one body, which fits without spills, and its
+// record of allowed pairs (a byte a pair of shared memory); it too waits and syncs once a tile.
+
+
+#include "common.cuh"
+#include "score_mods.cuh"
+
+#ifndef DKDV_PARTS
+#define DKDV_PARTS 3
+#endif
+#ifndef DQ_ATOMIC
+#define DQ_ATOMIC 0
+#endif
+#define LD_DS (BLOCK_N + CHUNK)  // dS^T in shared memory: keys x queries
+static_assert(!DQ_ATOMIC || (TENSOR_CORES && DKDV_PARTS == 3), "the fused dQ takes dS of both parts' kernel, on tensor cores");
+
+// The LSE of query row i (within the sequence) in base 2, and D.
+__device__ __forceinline__ void row_stats(const Params& p, const Sequence& s, int h, int i, float& lse2, float& delta) {
+    if (i < s.len_q) {
+        lse2 = ((const float*)p.lse)[(i64)s.b * p.lse_b + (i64)h * p.lse_h + s.start_q + i] * LOG2E;
+        delta = ((const float*)p.delta)[(i64)s.b * p.delta_b + (i64)h * p.delta_h + s.start_q + i];
+    } else {
+        lse2 = delta = 0.f;  // a row past the sequence: every pair of it is disallowed
+    }
+}
