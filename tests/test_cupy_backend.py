@@ -192,7 +192,8 @@ def test_source_inlines_the_headers():
     text = variants.source("dq.cu")  # through backward.cuh and common.cuh
     assert not re.search(r'^#include "', text, re.MULTILINE)
     assert text.count("struct Params {") == 1 and "flashx_dq" in text and "flashx_delta" in text
-    assert "flashx_dkdv" not in text  # a build compiles the kernels of its file alone
+    assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" not in text  # a build compiles its file's kernels alone
+    assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" in variants.source("dkdv.cu")
     text = variants.source("forward_sm90.cu")  # through forward.cuh
     assert not re.search(r'^#include "', text, re.MULTILINE)
     assert text.count("struct Params {") == 1 and text.count("struct ForwardRows {") == 1
