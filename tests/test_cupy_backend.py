@@ -21,7 +21,10 @@ def _problem(**changes):
     fields = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, varlen=False, seqlens_q=None, seqlens_k=None,
                   mask=None, block_mask=None, dropout_p=0.0, deterministic=False, band=None, softcap=None,
                   alibi_slopes=None, sinks=None)
-    return SimpleNamespace(**(fields | changes))
+    fields |= changes
+    fp8 = fields["dtype"].startswith("float8")
+    return SimpleNamespace(**({"fp8": fp8, "fp8_dtype": fields["dtype"] if fp8 else None,
+                               "out_dtype": "bfloat16" if fp8 else fields["dtype"]} | fields))
 
 
 def _gpu() -> bool:
@@ -96,7 +99,7 @@ def test_tiles_fit(key, split):
     kernel, width, dim = key
     block_m, block_n, warps = variants.TILES[key]
     assert block_m % (16 * warps) == 0 and block_n % 16 == 0
-    dtype = "float32" if width == "32" else "bfloat16"
+    dtype = {"32": "float32", "8": "float8_e4m3fn"}.get(width, "bfloat16")
     fused, masked = kernel == "dkdv_dq", kernel == "forward_mask"
     variant = variants.choose({"dkdv_dq": "dkdv", "forward_mask": "forward"}.get(kernel, kernel),
                               _problem(dtype=dtype, head_dim=dim, head_dim_v=dim if not split else 64,
@@ -120,6 +123,8 @@ def test_tiles_fit(key, split):
     ({"dropout_p": 0.1}, "90", True, "forward"),
     ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "90", True, "forward_sm90"),  # the shared softmax
     ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "80", True, "forward"),
+    ({"dtype": "float8_e4m3fn"}, "90", True, "forward_fp8_sm90"),  # FP8: the one forward (fp8_forward_reasons)
+    ({"dtype": "float8_e4m3fn", "mask": object(), "head_dim": 64}, "90", True, "forward_fp8_sm90"),
 ])
 def test_forward_kernel_choice(changes, capability, is_aligned, kernel):
     assert variants.forward_kernel(_problem(**changes), is_aligned, capability) == kernel
@@ -469,21 +474,13 @@ def test_fp8_decode_keeps_bytes_in_flight(dim):
 
 
 def test_fp8_cache_declarations(monkeypatch):
-    """float8_e4m3fn is declared for decoding's cache; attention on FP8 q, k, v is declined with the
-    reason (e4m3 by this backend, e5m2 by the base's undeclared dtype); an FP8 cache is declined
-    below compute capability 8.9 (no e4m3 conversions), and taken where CuPy cannot tell (no GPU:
-    the backend is unavailable, and dispatch asks nothing of it)."""
+    """float8_e4m3fn is declared for decoding's cache (and attention: test_fp8_forward_declarations);
+    an FP8 cache is declined below compute capability 8.9 (no e4m3 conversions), and taken where
+    CuPy cannot tell (no GPU: the backend is unavailable, and dispatch asks nothing of it)."""
     import flashx_cupy
-    import torch
 
     backend = flashx.registry.get("cupy")
     assert "float8_e4m3fn" in backend.dtypes and "float8_e5m2" not in backend.dtypes
-    for dtype, reason in ((torch.float8_e4m3fn, "does not implement FP8 (float8_e4m3fn) attention yet, only "
-                                                "decoding from an FP8 KV cache"),
-                          (torch.float8_e5m2, "does not implement FP8 (float8_e5m2) yet")):
-        x = torch.zeros(1, 4, 2, 64, dtype=dtype)
-        problem = dataclasses_replace(flashx.explain(x, x, x).problem, device="cuda")
-        assert backend.supports(problem) == [reason]
     problem, *_ = _decode_problem(cache_dtype="float8_e4m3fn", page_size=16, seqlen_q=2, new=2, head_dim=64,
                                   mask=np.ones((2, 2), bool), window=(100, -1), softcap=30.0, num_splits=3,
                                   alibi_slopes=np.ones(8, np.float32), sinks=np.zeros(8, np.float32),
@@ -496,6 +493,156 @@ def test_fp8_cache_declarations(monkeypatch):
         assert backend.supports(problem) == reasons
     monkeypatch.setattr(flashx_cupy, "compute_capability", lambda index: pytest.fail("asked without an FP8 cache"))
     assert backend.supports(dataclasses_replace(_decode_problem()[0], device="cuda")) == []
+
+
+def _fp8_problem(dtype="float8_e4m3fn", shape=(1, 4, 2, 64), shape_v=None, **options):
+    """The Problem of an FP8 call on CPU torch tensors, moved to "cuda" (the host side reads no data)."""
+    import torch
+
+    q = torch.zeros(shape, dtype=getattr(torch, dtype))
+    v = torch.zeros(shape_v or shape, dtype=q.dtype)
+    return dataclasses_replace(flashx.explain(q, q, v, **options).problem, device="cuda")
+
+
+@pytest.mark.parametrize("capability, options, reasons", [
+    (90, {}, []),
+    (None, {}, []),  # CuPy cannot tell: the backend is unavailable, dispatch asks nothing of it
+    (90, {"causal": True, "softcap": 5.0, "out_dtype": "float16"}, []),
+    (90, {"mask": "pairs"}, []),
+    (89, {}, ["runs FP8 attention on compute capability 9.0 only (wgmma's e4m3 products), not 8.9"]),
+    (100, {}, ["runs FP8 attention on compute capability 9.0 only (wgmma's e4m3 products), not 10.0"]),
+    (90, {"shape": (1, 4, 2, 256)}, ["takes FP8 head dims up to 128, not 256"]),
+    (90, {"shape": (1, 4, 2, 40)}, ["takes FP8 head dims that are multiples of 16 (16-byte copies), not 40/40"]),
+    (90, {"shape_v": (1, 4, 2, 24)}, ["takes FP8 head dims that are multiples of 16 (16-byte copies), not 64/24"]),
+    (90, {"block_mask": "blocks"}, ["takes no block mask with FP8 inputs"]),
+])
+def test_fp8_forward_declarations(monkeypatch, capability, options, reasons):
+    """Attention on float8_e4m3fn q, k, v runs on the wgmma forward: compute capability 9.0, head
+    dims up to 128 in whole 16-byte chunks, no block mask; each limit is said. float8_e5m2 is
+    declined by the base's undeclared dtype; dropout by the base for every FP8 call."""
+    import flashx_cupy
+    import torch
+
+    monkeypatch.setattr(flashx_cupy, "compute_capability", lambda index: capability)
+    if options.get("mask") == "pairs":
+        options["mask"] = torch.ones((4, 4), dtype=torch.bool)
+    if options.get("block_mask") == "blocks":
+        options["block_mask"] = flashx.BlockMask(torch.ones((1, 1), dtype=torch.bool), 64)
+    backend = flashx.registry.get("cupy")
+    assert backend.supports(_fp8_problem(**options)) == reasons
+    assert backend.supports(_fp8_problem("float8_e5m2")) == ["does not implement FP8 (float8_e5m2) yet"]
+
+
+def test_fp8_forward_variant():
+    """FP8 inputs build forward_fp8_sm90 with o's dtype as DTYPE, for sm_90a, a producer warpgroup,
+    and shared memory of Q and two K tiles of 128-byte rows, three V^T tiles and a tile of zeros in
+    bytes, each on a 1024-byte boundary."""
+    for dim, out_dtype in ((32, "bfloat16"), (64, "float16"), (128, "bfloat16"), (96, "float16")):
+        problem = _fp8_problem(shape=(1, 4, 2, dim), out_dtype=out_dtype)
+        variant = variants.choose(variants.forward_kernel(problem, True, "90"), problem, aligned=True)
+        assert variant.kernel == "forward_fp8_sm90" and variant.entry_point == "flashx_forward_fp8_sm90"
+        assert variant.dtype == out_dtype and variant.macros["DTYPE"] == variants.DTYPE_CODES[out_dtype]
+        assert (variant.block_m, variant.block_n, variant.warps) == variants.TILES["forward_fp8_sm90", "8", variant.dim_qk]
+        assert variant.dim_qk == variant.dim_v == flashx.problem.head_dim_class(dim)
+        assert "--gpu-architecture=sm_90a" in variant.options
+        assert variant.threads == 32 * (variant.warps + variants.PRODUCER_WARPS)
+        q, k, v = variant.block_m * 128, variant.block_n * 128, variant.dim_v * variant.block_n
+        assert all(size % 1024 == 0 for size in (q, k, v))
+        assert variant.shared_memory == q + 2 * k + 4 * v + 128 <= 227 * 1024
+    text = variants.source("forward_fp8_sm90.cu")
+    assert f"#define PRODUCER_THREADS {32 * variants.PRODUCER_WARPS} " in text
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in text
+
+
+def _e4m3_key_column(key: int) -> int:
+    """The kernel's ``e4m3_key_column`` (kernels/wgmma_e4m3.cuh), evaluated from its source."""
+    text = (variants.KERNELS / "wgmma_e4m3.cuh").read_text()
+    body = re.search(r"int e4m3_key_column\(int k\) \{\s*return (.+?);", text).group(1)
+    return eval(body.replace("/", "//"), {"k": key})  # C's integer arithmetic, on non-negative ints
+
+
+def test_e4m3_key_column_is_the_relabelling_of_p():
+    """Column 4t + i of a 16-key group holds key 2t + (i & 1) + 8 (i >> 1): the key whose weight
+    lane t packs into byte i of its register (the A fragment of an e4m3 product); one key a column."""
+    for group in range(3):
+        columns = {_e4m3_key_column(16 * group + 2 * t + (i & 1) + 8 * (i >> 1)): (t, i) for t in range(4) for i in range(4)}
+        assert columns == {16 * group + 4 * t + i: (t, i) for t in range(4) for i in range(4)}
+
+
+def test_keys_in_fp8_order():
+    """V as the FP8 forward reads it: (B, Hk, Dv, Nk') bytes, Nk' rounded up to 16, key k at the
+    kernel's column for it, zero past each sequence; packed sequences each from column 0."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    v = torch.randint(0, 255, (2, 37, 3, 16), dtype=torch.uint8, generator=generator)
+    columns = [_e4m3_key_column(key) for key in range(48)]
+    for strided in (v, v.transpose(0, 1).contiguous().transpose(0, 1)):
+        vt = launch.keys_in_fp8_order(SimpleNamespace(seqlen_k=37, varlen=False, batch=2), strided.view(torch.float8_e4m3fn))
+        assert vt.dtype == torch.uint8 and vt.shape == (2, 3, 16, 48) and vt.is_contiguous()
+        assert torch.equal(vt[..., columns[:37]], v.permute(0, 2, 3, 1))
+        assert not vt[..., columns[37:]].any()
+    packed = torch.randint(0, 255, (28, 3, 16), dtype=torch.uint8, generator=generator)  # 3 rows past the sequences
+    problem = SimpleNamespace(seqlen_k=20, varlen=True, batch=3, cu_seqlens_k=torch.tensor([0, 5, 5, 25], dtype=torch.int32))
+    vt = launch.keys_in_fp8_order(problem, packed.view(torch.float8_e4m3fn))
+    assert vt.shape == (3, 3, 16, 32)
+    for b, (start, length) in enumerate(((0, 5), (5, 0), (5, 20))):
+        assert torch.equal(vt[b][..., columns[:length]], packed[start:start + length].permute(1, 2, 0))
+        assert not vt[b][..., columns[length:32]].any()
+
+
+def test_fp8_fields():
+    """The FP8 forward's V^T travels with its strides (v_n: a feature row's), the scores' factor
+    q_descale * k_descale as k_descale, v_descale as it is; a missing descale is 1 (null)."""
+    import torch
+
+    v = torch.zeros(2, 20, 3, 32, dtype=torch.float8_e4m3fn)
+    descales = {name: torch.full((2, 3), value) for name, value in (("q_descale", 2.0), ("k_descale", 0.25),
+                                                                    ("v_descale", 3.0))}
+    problem = SimpleNamespace(seqlen_k=20, varlen=False, batch=2, **descales)
+    fields, (vt, scores) = launch.fp8_fields(problem, v)
+    assert (fields["v"], fields["v_b"], fields["v_h"], fields["v_n"], fields["v_d"]) == (
+        vt.data_ptr(), 3 * 32 * 32, 32 * 32, 32, 1)
+    assert fields["k_descale"] == scores.data_ptr() and torch.equal(scores, torch.full((2, 3), 0.5))
+    assert fields["v_descale"] == descales["v_descale"].data_ptr()
+    fields, (_, scores) = launch.fp8_fields(SimpleNamespace(**(vars(problem) | {"q_descale": None})), v)
+    assert scores is descales["k_descale"]
+    fields, (_, scores) = launch.fp8_fields(SimpleNamespace(seqlen_k=20, varlen=False, batch=2, q_descale=None,
+                                                            k_descale=None, v_descale=None), v)
+    assert scores is None and "k_descale" not in fields and "v_descale" not in fields
+
+
+def _nvrtc_ptx(variant):
+    """The PTX of ``variant`` by NVRTC (flashx_cupy.resources), or a skip where NVRTC is missing."""
+    from flashx_cupy import resources
+
+    pytest.importorskip("cuda.bindings.nvrtc")
+    try:
+        return resources.ptx(variant, "90")
+    except RuntimeError as error:  # cuda.pathfinder's DynamicLibNotFoundError
+        pytest.skip(f"no NVRTC library here: {error}")
+
+
+@pytest.mark.parametrize("dim, out_dtype, features", [
+    (64, "bfloat16", {}), (128, "float16", {}), (128, "bfloat16", {"causal": True, "softcap": 5.0}),
+    (128, "bfloat16", {"mask": True, "varlen": True}), (64, "float16", {"alibi": True, "sinks": True, "seqlens": True}),
+])
+def test_fp8_forward_compiles(dim, out_dtype, features):
+    """NVRTC compiles the FP8 forward's variants to sm_90a PTX with e4m3 products of both kinds (K = 32,
+    shared and register A) and P's rounding to e4m3 (skipped where NVRTC's library is missing)."""
+    problem = _problem(dtype="float8_e4m3fn", head_dim=dim, head_dim_v=dim, band=(-1, 0) if features.get("causal") else None,
+                       softcap=features.get("softcap"), mask=object() if features.get("mask") else None,
+                       varlen=features.get("varlen", False), alibi_slopes=object() if features.get("alibi") else None,
+                       sinks=object() if features.get("sinks") else None,
+                       seqlens_k=object() if features.get("seqlens") else None)
+    problem.out_dtype = out_dtype
+    variant = variants.choose("forward_fp8_sm90", problem, aligned=True)
+    ptx = _nvrtc_ptx(variant)
+    assert ".target sm_90a" in ptx and ".entry flashx_forward_fp8_sm90" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert re.search(rf"wgmma.mma_async.sync.aligned.m64n{dim}k32.f32.e4m3.e4m3 \{{[^}}]*\}}, \{{", ptx)  # P from registers
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "setmaxnreg" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx  # the descaled Params stay in registers
 
 
 def test_fp8_decode_variant():

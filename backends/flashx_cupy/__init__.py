@@ -12,8 +12,9 @@ The score modifications (softcap, ALiBi, sinks: ``kernels/score_mods.cuh``) are 
 options of every kernel, so a call without them runs the code it ran before they existed.
 Decoding with a KV cache (``attention_with_kvcache``) is split-KV attention over contiguous or
 paged caches (``kernels/decode.cu``, host side in ``decode.py``), in the queries' dtype or in
-float8_e4m3fn (``kernels/fp8.cuh``; compute capability 8.9 and newer). Attention on FP8 q, k and v
-is not built: ``supports()`` declines it with that reason.
+float8_e4m3fn (``kernels/fp8.cuh``; compute capability 8.9 and newer). Attention on float8_e4m3fn
+q, k and v (forward only) runs on compute capability 9.0, on wgmma's e4m3 products
+(``kernels/forward_fp8_sm90.cu``); ``supports()`` says where it does not.
 
 The backend takes torch tensors (``array_kind = "torch"``): CuPy has no bfloat16 dtype, so a
 bfloat16 tensor cannot become a CuPy array, while a CuPy array becomes a torch tensor through
@@ -39,7 +40,8 @@ class CupyBackend(flashx.Backend):
     version = __version__
     array_kind = "torch"
     devices = frozenset({"cuda"})
-    dtypes = frozenset({"float16", "bfloat16", "float32", FP8_CACHE_DTYPE})  # FP8: decoding's cache only
+    # FP8: float8_e4m3fn, for attention (forward only, wgmma: compute capability 9.0) and decoding's cache
+    dtypes = frozenset({"float16", "bfloat16", "float32", FP8_CACHE_DTYPE})
     max_head_dim = 256
     features = frozenset({"causal", "window", "mask", "block_mask", "seqlens", "varlen", "dropout", "dropout_offsets",
                           "gqa", "dv_ne_d", "softcap", "alibi", "sinks"})
@@ -53,8 +55,10 @@ class CupyBackend(flashx.Backend):
         return 50  # below triton
 
     def extra_reasons(self, problem) -> list[str]:
-        if problem.fp8_dtype == FP8_CACHE_DTYPE:  # named in dtypes for decoding's cache (others: the base says why)
-            return [f"does not implement FP8 ({problem.fp8_dtype}) attention yet, only decoding from an FP8 KV cache"]
+        if problem.fp8_dtype == FP8_CACHE_DTYPE:  # the wgmma forward's terms (other FP8 dtypes: the base says why)
+            from flashx_cupy import variants
+
+            return variants.fp8_forward_reasons(problem, compute_capability(problem.device_index or 0))
         return []
 
     def decode_reasons(self, problem) -> list[str]:

@@ -209,21 +209,76 @@ def forward(problem, q, k, v):
 
     varlen = problem.varlen
     with caller_stream(problem, q) as device:
+        out_dtype = getattr(torch, problem.out_dtype)
         if varlen and problem.rows_past_sequences:  # rows of no sequence read as empty rows
-            o = torch.zeros(problem.o_shape, dtype=q.dtype, device=q.device)
+            o = torch.zeros(problem.o_shape, dtype=out_dtype, device=q.device)
             lse = empty_row_lse(problem, q.device)
         else:
-            o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
+            o = torch.empty(problem.o_shape, dtype=out_dtype, device=q.device)
             lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-        is_aligned = aligned(problem, q, k, v)
+        if problem.fp8:
+            q, k = (x if aligned(problem, x) else x.clone(memory_format=torch.contiguous_format) for x in (q, k))
+            v_fields, made = fp8_fields(problem, v)  # ``made`` lives until the launch is queued
+            is_aligned = True
+        else:
+            v_fields, made = tensor_fields("v", v, varlen), ()
+            is_aligned = aligned(problem, q, k, v)
         kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability)
         variant = variants.choose(kernel, problem, is_aligned)
         tiles_m = tiles(problem.seqlen_q, variant.block_m)
         params = pack(problem, tiles_m=tiles_m, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
-                      **tensor_fields("k", k, varlen), **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
+                      **tensor_fields("k", k, varlen), **v_fields, **tensor_fields("o", o, varlen),
                       **row_stat_fields("lse", lse, varlen))
         launch(variant, device, tiles_m * problem.heads_q * problem.batch, params)
+        del made
     return o, lse
+
+
+def fp8_fields(problem, v) -> tuple[dict, tuple]:
+    """The FP8 forward's V (``keys_in_fp8_order``: v_n its feature rows' stride) and descales:
+    the scores' factor q_descale * k_descale, multiplied here (one (B, Hk) product), as
+    ``k_descale``, and ``v_descale``; null for 1. Also the tensors made here, which the launch reads
+    (the caching allocator reuses their memory in the stream's order, after the launch)."""
+    vt = keys_in_fp8_order(problem, v)
+    fields = {"v": vt.data_ptr(), "v_b": vt.stride(0), "v_h": vt.stride(1), "v_n": vt.stride(2), "v_d": 1}
+    present = [x for x in (problem.q_descale, problem.k_descale) if x is not None]
+    scores = None
+    if present:
+        scores = present[0] * present[1] if len(present) == 2 else present[0]
+        fields["k_descale"] = scores.data_ptr()
+    if problem.v_descale is not None:
+        fields["v_descale"] = problem.v_descale.data_ptr()
+    return fields, (vt, scores)
+
+
+def keys_in_fp8_order(problem, v):
+    """V, e4m3 (B, Nk, Hk, Dv) or packed (Tk, Hk, Dv), as the FP8 forward reads it: uint8
+    (B, Hk, Dv, Nk') contiguous, Nk' = Nk rounded up to 16, each sequence's keys from column 0
+    (packed ones too), zeros past them, and within each 16 keys in the order of P's register
+    operand: key 8a + 2t + c (a, c in {0, 1}) at column 4t + 2a + c (``e4m3_key_column`` in
+    kernels/wgmma_e4m3.cuh says why).
+
+    wgmma's e4m3 product takes V K-major, keys contiguous; the copy is one pass over V (two with
+    padding or packed sequences), against the forward's 2 * D multiply-adds per element of V."""
+    import torch
+
+    data = v.view(torch.uint8)
+    keys = -(-problem.seqlen_k // 16) * 16
+    if problem.varlen:  # each sequence's keys from 0: 16-byte aligned copies whatever cu_seqlens_k holds
+        rows = torch.arange(data.shape[0], device=data.device)
+        starts = problem.cu_seqlens_k.long()
+        sequence = torch.searchsorted(starts[1:], rows, right=True)
+        inside = sequence < problem.batch  # rows past the last sequence belong to none
+        padded = data.new_zeros((problem.batch, keys, *data.shape[1:]))
+        padded[sequence[inside], (rows - starts[sequence.clamp(max=problem.batch - 1)])[inside]] = data[inside]
+    elif keys != data.shape[1]:
+        padded = data.new_zeros((data.shape[0], keys, *data.shape[2:]))
+        padded[:, :data.shape[1]] = data
+    else:
+        padded = data
+    groups = padded.unflatten(1, (keys // 16, 2, 4, 2))  # (B, Nk' / 16, a, t, c, Hk, Dv)
+    # (a, t, c) -> (t, a, c) behind (B, Hk, Dv, group): one strided copy
+    return groups.permute(0, 5, 6, 1, 3, 2, 4).reshape(padded.shape[0], padded.shape[2], padded.shape[3], keys)
 
 
 def backward(problem, q, k, v, o, lse, do):

@@ -66,6 +66,10 @@ TILES = {
     # The wgmma forward: two warpgroups of 64 query rows, 128 keys a tile (the products' N).
     ("forward_sm90", "16", 64): (128, 128, 8),
     ("forward_sm90", "16", 128): (128, 128, 8),
+    # The wgmma forward on float8_e4m3fn inputs ("8"): the same CTA; a V^T row of 128 keys is one
+    # 128-byte swizzled row.
+    ("forward_fp8_sm90", "8", 64): (128, 128, 8),
+    ("forward_fp8_sm90", "8", 128): (128, 128, 8),
 }
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
@@ -96,15 +100,16 @@ DECODE_ROW_ELEMENTS = 4096
 #: each reading the (byte-wide) cache.
 DECODE_FP8_ROWS = 32
 DECODE_KERNELS = ("decode", "decode_merge", "decode_append")
-FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "dq": "dq.cu", "dkdv": "dkdv.cu", "delta": "dq.cu", **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
-ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm90", "dq": "flashx_dq",
+FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "forward_fp8_sm90": "forward_fp8_sm90.cu", "dq": "dq.cu", "dkdv": "dkdv.cu", "delta": "dq.cu", **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
+ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm90",
+                "forward_fp8_sm90": "flashx_forward_fp8_sm90", "dq": "flashx_dq",
                 "dkdv": "flashx_dkdv", "delta": "flashx_delta", "decode": "flashx_decode",
                 "decode_merge": "flashx_decode_merge", "decode_append": "flashx_decode_append"}
 #: Kernels built for one architecture: wgmma exists only in sm_90a code. CuPy appends its own
 #: ``-arch=sm_XX`` after these options; NVRTC keeps the architecture-specific target.
-ARCHITECTURES = {"forward_sm90": "sm_90a"}
-#: The wgmma forward's warps beside its WARPS: one warpgroup that only copies Q, K and V
-#: (``PRODUCER_THREADS`` in forward_sm90.cu).
+ARCHITECTURES = {"forward_sm90": "sm_90a", "forward_fp8_sm90": "sm_90a"}
+#: The wgmma forwards' warps beside their WARPS: one warpgroup that only copies Q, K and V
+#: (``PRODUCER_THREADS`` in forward_sm90.cu and forward_fp8_sm90.cu).
 PRODUCER_WARPS = 4
 #: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
 DELTA_WARPS = 8
@@ -114,8 +119,8 @@ DELTA_WARPS = 8
 class Variant:
     """One kernel specialised for a problem's dtype, head dims, tiles and features."""
 
-    kernel: str  # "forward" | "forward_sm90" | "dq" | "dkdv" | "delta" | one of DECODE_KERNELS
-    dtype: str
+    kernel: str  # "forward" | "forward_sm90" | "forward_fp8_sm90" | "dq" | "dkdv" | "delta" | one of DECODE_KERNELS
+    dtype: str  # the data's; "forward_fp8_sm90": o's (out_dtype), its inputs being float8_e4m3fn
     dim_qk: int  # head-dim classes
     dim_v: int
     block_m: int
@@ -139,7 +144,7 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        producer = PRODUCER_WARPS if self.kernel == "forward_sm90" else 0
+        producer = PRODUCER_WARPS if self.kernel in ("forward_sm90", "forward_fp8_sm90") else 0
         return 32 * (DELTA_WARPS if self.kernel == "delta" else self.warps + producer)
 
     @property
@@ -193,6 +198,8 @@ class Variant:
             return self.block_m * (self.dim_qk + pad) * size + keys + fp8_stages + pages + stage
         if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles, three V tiles, zeros; barriers
             return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 4 * self.dim_v)) + 128
+        if self.kernel == "forward_fp8_sm90":  # bytes: Q and two K tiles of 128-byte rows, three V^T tiles, zeros; barriers
+            return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * self.block_n + 128
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
         m, n = self.block_m, self.block_n
@@ -208,14 +215,14 @@ class Variant:
 def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: bool = False) -> Variant:
     """The variant of ``kernel`` for ``problem``."""
     dim_qk, dim_v = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
-    width = "32" if problem.dtype == "float32" else "16"
+    width = "8" if problem.fp8 else "32" if problem.dtype == "float32" else "16"
     table = "dq" if kernel == "delta" else "dkdv_dq" if dq_atomic else kernel
     if kernel == "forward" and problem.mask is not None and ("forward_mask", width, max(dim_qk, dim_v)) in TILES:
         table = "forward_mask"
     block_m, block_n, warps = TILES[table, width, max(dim_qk, dim_v)]
     return Variant(
         kernel=kernel,
-        dtype=problem.dtype,
+        dtype=problem.out_dtype,  # the inputs' but for FP8 inputs
         dim_qk=dim_qk,
         dim_v=dim_v,
         block_m=block_m,
@@ -285,13 +292,36 @@ def forward_kernel(problem, aligned: bool, compute_capability: str) -> str:
     operands are all ``aligned``, with head dims up to 128, and without a bool mask, a block mask or
     dropout; it takes a band (causal, window), seqlens, varlen and the score modifications (its
     softmax and epilogue are forward.cuh's). "forward" (mma.sync) serves every other problem, and
-    every GPU.
+    every GPU. FP8 problems take "forward_fp8_sm90" (``fp8_forward_reasons`` says where it cannot).
     """
+    if problem.fp8:
+        return "forward_fp8_sm90"
     if (compute_capability == "90" and problem.dtype != "float32" and aligned
             and max(problem.head_dim, problem.head_dim_v) <= 128 and problem.mask is None
             and problem.block_mask is None and problem.dropout_p == 0):
         return "forward_sm90"
     return "forward"
+
+
+def fp8_forward_reasons(problem, compute_capability: int | None) -> list[str]:
+    """Why "forward_fp8_sm90" cannot take the float8_e4m3fn problem ``problem`` on a GPU of
+    ``compute_capability`` (90 for 9.0; None where CuPy cannot tell), or nothing. Its e4m3
+    products are sm_90a code; it copies Q and K in 16-byte chunks; it has no path for a block mask,
+    whose tile test is a barrier of the whole CTA (the producer warpgroup would have to take part).
+    There is no other FP8 forward here."""
+    reasons = []
+    if compute_capability is not None and compute_capability != 90:
+        reasons.append(f"runs FP8 attention on compute capability 9.0 only (wgmma's e4m3 products), "
+                       f"not {compute_capability // 10}.{compute_capability % 10}")
+    widest = max(problem.head_dim, problem.head_dim_v)
+    if widest > 128:
+        reasons.append(f"takes FP8 head dims up to 128, not {widest}")
+    if problem.head_dim % 16 or problem.head_dim_v % 16:
+        reasons.append(f"takes FP8 head dims that are multiples of 16 (16-byte copies), not "
+                       f"{problem.head_dim}/{problem.head_dim_v}")
+    if problem.block_mask is not None:
+        reasons.append("takes no block mask with FP8 inputs")
+    return reasons
 
 
 def fused_dq(problem) -> bool:
