@@ -923,3 +923,52 @@ def test_fp8_decode_in_a_cuda_graph():
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     for cache, eager in zip(caches, eager_caches):
         assert torch.equal(cache.view(torch.uint8), eager.view(torch.uint8))
+
+
+#: The FP8 forward beyond the conformance suite's cases (head dims up to 64, up to 96 keys): many
+#: key tiles at d128 with a GQA group and a band, Dv < D, a window with softcap and ALiBi, and
+#: packed sequences whose key offsets are not multiples of 16 (each sequence's V^T from column 0).
+FP8_FORWARD_CASES = {
+    "d128-causal-gqa-tall": dict(heads_q=4, heads_k=2, seqlen_q=700, seqlen_k=1000, head_dim=128, causal=True),
+    "d128-dv64": dict(batch=1, seqlen_q=260, seqlen_k=390, head_dim=128, head_dim_v=64),
+    "d64-window-softcap-alibi": dict(seqlen_q=300, seqlen_k=300, head_dim=64, window=(100, 20), softcap=10.0,
+                                     alibi_slopes=np.array([0.25, 0.0625], np.float32)),
+}
+
+
+@gpu
+@pytest.mark.parametrize("name", [*FP8_FORWARD_CASES, "varlen-odd-offsets"])
+def test_fp8_forward_against_the_oracle(name):
+    """The conformance suite's grading of FP8 (twice plain FP8's error on the dequantized inputs)
+    on random descales."""
+    import zlib
+
+    from flashx_conformance.harness import Target, make_case, make_varlen_case
+    from flashx_conformance.test_fp8 import quantized
+
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    if name == "varlen-odd-offsets":
+        case = make_varlen_case(rng, lengths_q=[130, 7, 260], lengths_k=[211, 33, 300], spare_rows=5, heads_q=4,
+                                heads_k=2, head_dim=128, dtype="float8_e4m3fn", causal=True)
+    else:
+        case = make_case(rng, dtype="float8_e4m3fn", **FP8_FORWARD_CASES[name])
+    Target("cupy", "cuda", "full").check(quantized(rng, case))
+
+
+@gpu
+def test_fp8_nan_in_v_reaches_exactly_the_rows_that_read_it():
+    """NaN in V, causal, 200 keys: at key 40 (head 0, feature 3) it lies in a masked tile of the first
+    query tile (poisoned and cleared: forward_fp8_sm90.cu) and an unmasked one of the second (the
+    product's own NaN); at key 150 (head 1, feature 9), in a masked tile. Exactly the rows that read
+    each get NaN, in its head and feature alone."""
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn((1, 200, 2, 128), generator=generator, device="cuda").to(torch.float8_e4m3fn)
+               for _ in range(3))
+    bits = v.view(torch.uint8)
+    bits[0, 40, 0, 3] = bits[0, 150, 1, 9] = 0x7F  # e4m3's NaN
+    o = flashx.attention(q, k, v, causal=True, backend="cupy")
+    want = torch.zeros(o.shape, dtype=torch.bool, device="cuda")
+    want[0, 40:, 0, 3] = want[0, 150:, 1, 9] = True
+    assert torch.equal(o.isnan(), want)
