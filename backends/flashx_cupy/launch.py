@@ -253,24 +253,25 @@ def fp8_fields(problem, v) -> tuple[dict, tuple]:
 
 def keys_in_fp8_order(problem, v):
     """V, e4m3 (B, Nk, Hk, Dv) or packed (Tk, Hk, Dv), as the FP8 forward reads it: uint8
-    (B, Hk, Dv, Nk') contiguous, Nk' = Nk rounded up to 16, each sequence's keys from column 0
-    (packed ones too), zeros past them, and within each 16 keys in the order of P's register
-    operand: key 8a + 2t + c (a, c in {0, 1}) at column 4t + 2a + c (``e4m3_key_column`` in
-    kernels/wgmma_e4m3.cuh says why).
+    (B, Hk, Dv, Nk') contiguous, Nk' = Nk rounded up to 16 (16 at least), each sequence's keys
+    from column 0 (packed ones too), zeros past them, and within each 16 keys in the order of P's
+    register operand: key 8a + 2t + c (a, c in {0, 1}) at column 4t + 2a + c (``e4m3_key_column``
+    in kernels/wgmma_e4m3.cuh says why).
 
     wgmma's e4m3 product takes V K-major, keys contiguous; the copy is one pass over V (two with
     padding or packed sequences), against the forward's 2 * D multiply-adds per element of V."""
     import torch
 
     data = v.view(torch.uint8)
-    keys = -(-problem.seqlen_k // 16) * 16
+    keys = max(-(-problem.seqlen_k // 16) * 16, 16)
     if problem.varlen:  # each sequence's keys from 0: 16-byte aligned copies whatever cu_seqlens_k holds
         rows = torch.arange(data.shape[0], device=data.device)
         starts = problem.cu_seqlens_k.long()
         sequence = torch.searchsorted(starts[1:], rows, right=True)
-        inside = sequence < problem.batch  # rows past the last sequence belong to none
-        padded = data.new_zeros((problem.batch, keys, *data.shape[1:]))
-        padded[sequence[inside], (rows - starts[sequence.clamp(max=problem.batch - 1)])[inside]] = data[inside]
+        # rows past the last sequence (sequence B) land in a spare one, dropped: no mask, no host sync
+        padded = data.new_zeros((problem.batch + 1, keys, *data.shape[1:]))
+        padded[sequence, (rows - starts[sequence]).clamp(max=keys - 1)] = data
+        padded = padded[:problem.batch]
     elif keys != data.shape[1]:
         padded = data.new_zeros((data.shape[0], keys, *data.shape[2:]))
         padded[:, :data.shape[1]] = data
