@@ -551,6 +551,8 @@ def test_fp8_forward_variant():
         assert variant.shared_memory == q + 2 * k + 4 * v + 128 <= 227 * 1024
     text = variants.source("forward_fp8_sm90.cu")
     assert f"#define PRODUCER_THREADS {32 * variants.PRODUCER_WARPS} " in text
+    for name in ("forward_fp8_sm90.cu", "forward_sm90.cu"):  # one CTA and kernel, forward_sm90.cuh's
+        assert variants.source(name).count("struct ForwardCtaSm90 : ForwardRows {") == 1
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in text
 
 
