@@ -286,3 +286,22 @@ def test_a_kernel_the_worker_cannot_compile_or_never_compiles_is_answered():
         worker.send("flashx_triton.forward", "_forward_kernel", "{}")
     assert all(compiling.done() for compiling in worker.waiting)
     assert background._worker(target) is not worker
+
+
+@pytest.mark.parametrize("options", [ATTENTION["causal"], ATTENTION["sinks, dropout"]], ids=["causal", "sinks, dropout"])
+def test_accumulating_kernels_lower(compiled, monkeypatch, options):
+    """forward_into's and backward_into's kernels (``ACCUMULATE``) compile for sm_90, under the
+    shipped choices their plain kernels take."""
+    from flashx_triton import TritonBackend, tuning
+
+    monkeypatch.setattr(tuning, "settled", lambda kernel, problem, settle: tuning.choose(kernel, problem, lambda _: None))
+    options = {name: torch.tensor(value) if isinstance(value, list) else value for name, value in options.items()}
+    q, k, v = _inputs()
+    problem = build_problem(q, k, v, **options)
+    o_sums = torch.zeros(problem.o_shape)
+    lse_sums = torch.full(problem.lse_shape, -float("inf"))
+    backend = TritonBackend()
+    backend.forward_into(problem, q, k, v, o_sums, lse_sums)
+    backend.backward_into(problem, q, k, v, o_sums.to(q.dtype), lse_sums, torch.randn_like(q),
+                          *(torch.zeros(x.shape) for x in (q, k, v)))
+    assert {kernel.name for kernel in compiled} >= {"_forward_kernel", "_gradients_kernel"}

@@ -122,9 +122,9 @@ class Ring:
             # the first calls run while the step's dK/dV still arrive
             firsts = [rank.backward_first(*args) for rank, args in zip(self.ranks, inputs)]
             sums = gradients.arrived(step)
-            for rank, args, first, sum_ in zip(self.ranks, inputs, firsts, sums):
-                rank.backward_rest(*args, first, sum_)
-            inputs = firsts = first = None  # the first calls' sums, freed before the next step's are made
+            for index, rank in enumerate(self.ranks):  # no loop variable keeps a shard past its step
+                rank.backward_rest(*inputs[index], firsts[index], sums[index])
+            inputs = firsts = None
             gradients.pass_on(sums)
         dkvs = gradients.finish()
         dsinks = None
