@@ -66,7 +66,7 @@ def test_variant_follows_the_problem():
     assert plain.options != featured.options
 
 
-@pytest.mark.parametrize("kernel", ["forward", "forward_sm90", "dq", "dkdv", "delta"])
+@pytest.mark.parametrize("kernel", ["forward", "forward_sm90", "dq", "dkdv", "dkdv_sm90", "delta"])
 def test_score_mods_are_compile_time_options(kernel):
     """Each modification is a macro of the variants that use it, 0 for a call without it (today's
     code); the dK/dV kernel, which sees the sink only through the LSE, is built without SINKS."""
@@ -74,13 +74,14 @@ def test_score_mods_are_compile_time_options(kernel):
     assert plain.macros["SOFTCAP"] == plain.macros["ALIBI"] == plain.macros["SINKS"] == 0
     modified = variants.choose(kernel, _problem(softcap=30.0, alibi_slopes=object(), sinks=object()), aligned=True)
     assert modified.macros["SOFTCAP"] == modified.macros["ALIBI"] == 1
-    assert modified.macros["SINKS"] == (kernel != "dkdv")
+    key_side = kernel in ("dkdv", "dkdv_sm90")
+    assert modified.macros["SINKS"] == (not key_side)
     assert modified.options != plain.options and modified.shared_memory == plain.shared_memory
     for one in ("softcap", "alibi", "sinks"):  # each alone, the others off
         alone = variants.choose(kernel, _problem(**{"softcap" if one == "softcap" else f"{one}_slopes" if one == "alibi"
                                                     else one: 1.0 if one == "softcap" else object()}), aligned=True)
         assert [alone.macros[m] for m in ("SOFTCAP", "ALIBI", "SINKS")] == [
-            int(one == "softcap"), int(one == "alibi"), int(one == "sinks" and kernel != "dkdv")]
+            int(one == "softcap"), int(one == "alibi"), int(one == "sinks" and not key_side)]
 
 
 def test_delta_shares_the_dq_build():
@@ -146,6 +147,105 @@ def test_sm90_forward_variant(dim):
             != variants.cache_key(variants.source(variants.FILES[plain.kernel]), plain.options, versions))
 
 
+@pytest.mark.parametrize("changes, capability, is_aligned, kernel", [
+    ({}, "90", True, "dkdv_sm90"),
+    ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64}, "90", True, "dkdv_sm90"),
+    ({"head_dim": 40, "head_dim_v": 96}, "90", True, "dkdv_sm90"),  # classes 64 and 128
+    ({"mask": object(), "block_mask": object(), "dropout_p": 0.1, "band": (-1, 0), "varlen": True}, "90", True,
+     "dkdv_sm90"),  # dkdv.cuh's pair rule, dropout and exact path
+    ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "90", True, "dkdv_sm90"),
+    ({"deterministic": True}, "90", True, "dkdv_sm90"),  # flashx_dq beside it adds no atomics
+    ({}, "80", True, "dkdv"),  # wgmma is sm_90a code
+    ({}, "100", True, "dkdv"),
+    ({}, "90", False, "dkdv"),  # cp.async copies 16-byte chunks
+    ({"dtype": "float32"}, "90", True, "dkdv"),
+    ({"head_dim_v": 256}, "90", True, "dkdv"),  # dK and dV in two launches
+    ({"head_dim": 256, "head_dim_v": 64}, "90", True, "dkdv"),
+])
+def test_dkdv_kernel_choice(monkeypatch, changes, capability, is_aligned, kernel):
+    monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
+    assert variants.dkdv_kernel(_problem(**changes), is_aligned, capability) == kernel
+    monkeypatch.setenv(variants.SM90_BACKWARD_ENV, "0")  # the switch back to mma.sync, for comparisons
+    assert variants.dkdv_kernel(_problem(**changes), is_aligned, capability) == "dkdv"
+
+
+@pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128)])
+def test_sm90_dkdv_variant(dim_qk, dim_v):
+    """Two warpgroups of 64 keys and 64-query steps; swizzled tiles start on 1024-byte boundaries;
+    the build targets sm_90a."""
+    variant = variants.choose("dkdv_sm90", _problem(head_dim=dim_qk, head_dim_v=dim_v), aligned=True)
+    assert (variant.block_m, variant.block_n, variant.warps, variant.threads) == (128, 64, 8, 256)
+    assert (variant.dkdv_parts, variant.dq_atomic) == (3, False)
+    size = variants.ELEMENT_SIZES[variant.dtype]
+    tiles = [rows * dim * size for rows in (variant.block_m, variant.block_n) for dim in (dim_qk, dim_v)]
+    assert all(bytes_ % 1024 == 0 for bytes_ in tiles)
+    # K and V, two Q and two dO tiles, two tiles' LSE and D
+    assert variant.shared_memory == tiles[0] + tiles[1] + 2 * (tiles[2] + tiles[3]) + 4 * variant.block_n * 4
+    assert variant.shared_memory <= 227 * 1024
+    assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == "flashx_dkdv_sm90"
+
+
+@pytest.mark.parametrize("capability, switch, changes, launched", [
+    ("90", None, {}, ["delta", "dq", "dkdv_sm90"]),
+    ("90", None, {"causal": True}, ["delta", "dq", "dkdv_sm90"]),
+    ("90", "0", {}, ["delta", "dkdv"]),  # the mma.sync kernel with its fused dQ
+    ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
+    ("80", None, {}, ["delta", "dkdv"]),
+    ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
+])
+def test_backward_launches(monkeypatch, capability, switch, changes, launched):
+    """On compute capability 9.0 a 16-bit backward takes flashx_dq and flashx_dkdv_sm90, whose
+    dK/dV kernel has no fused dQ; the switch brings back the mma.sync kernel."""
+    import contextlib
+
+    import torch
+
+    if switch is None:
+        monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(variants.SM90_BACKWARD_ENV, switch)
+    dim, dim_v = changes.pop("head_dim", 64), changes.pop("head_dim_v", 64)
+    problem = _torch_problem(dtype="bfloat16", head_dim=dim, head_dim_v=dim_v, **changes)
+    q, do = (torch.zeros(2, 5, 3, dim, dtype=torch.bfloat16) for _ in range(2))
+    o = torch.zeros(2, 5, 3, dim_v, dtype=torch.bfloat16)
+    k, v = torch.zeros(2, 7, 1, dim, dtype=torch.bfloat16), torch.zeros(2, 7, 1, dim_v, dtype=torch.bfloat16)
+    lse = torch.zeros(problem.lse_shape)
+    device = SimpleNamespace(id=0, compute_capability=capability)
+    kernels = []
+    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
+    monkeypatch.setattr(launch, "launch", lambda variant, *args: kernels.append(variant.kernel))
+    launch.backward(problem, q, k, v, o, lse, do)
+    assert kernels == launched
+
+
+def _nvrtc():
+    """cuda-bindings' NVRTC, or a skip where it or its library is missing."""
+    try:
+        from cuda.bindings import nvrtc
+
+        if nvrtc.nvrtcVersion()[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError("nvrtcVersion failed")
+    except Exception as error:  # the module, or the library it loads
+        pytest.skip(f"NVRTC is not usable here: {error}")
+
+
+@pytest.mark.parametrize("dtype, dim_qk, dim_v, features", [
+    ("bfloat16", 64, 64, {}),
+    ("bfloat16", 128, 128, {}),
+    ("float16", 64, 128, {}),
+    ("float16", 128, 128, dict(mask=True, dropout=True, block_mask=True, varlen=True)),
+    ("bfloat16", 128, 128, dict(seqlens_q=True, seqlens_k=True, softcap=True, alibi=True)),
+])
+def test_sm90_dkdv_compiles(dtype, dim_qk, dim_v, features):
+    """NVRTC builds the wgmma dK/dV variants for sm_90a (the forward's are built by the GPU tests)."""
+    _nvrtc()
+    from flashx_cupy import resources
+
+    tiles = variants.TILES["dkdv_sm90", "16", max(dim_qk, dim_v)]
+    text = resources.ptx(variants.Variant("dkdv_sm90", dtype, dim_qk, dim_v, *tiles, **features), "90")
+    assert ".entry flashx_dkdv_sm90(" in text and "wgmma.mma_async" in text and ".target sm_90a" in text
+
+
 def test_dkdv_split_only_for_the_widest():
     assert variants.dkdv_parts(128, 128) == (3,)
     assert variants.dkdv_parts(64, 256) == (1, 2)
@@ -194,6 +294,9 @@ def test_source_inlines_the_headers():
     assert text.count("struct Params {") == 1 and "flashx_dq" in text and "flashx_delta" in text
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" not in text  # a build compiles its file's kernels alone
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" in variants.source("dkdv.cu")
+    assert "flashx_dkdv_sm90" not in variants.source("dkdv.cu") and "flashx_dq(" not in variants.source("dkdv_sm90.cu")
+    for name in ("forward_sm90.cu", "dkdv_sm90.cu"):  # the wgmma helpers, from one header
+        assert variants.source(name).count("__device__ __forceinline__ u64 wgmma_desc(") == 1
     text = variants.source("forward_sm90.cu")  # through forward.cuh
     assert not re.search(r'^#include "', text, re.MULTILINE)
     assert text.count("struct Params {") == 1 and text.count("struct ForwardRows {") == 1

@@ -1,0 +1,103 @@
+// Hopper's warpgroup products (wgmma, sm_90a code) and the shared-memory barriers beside them,
+// for the kernels built on them (forward_sm90.cu, dkdv_sm90.cu); after common.cuh.
+//
+// A product runs asynchronously from its issue (wgmma_ss, wgmma_rs) to the wait_group that
+// covers its commit group: its accumulator registers belong to the tensor cores meanwhile, and
+// the register fences after each wait keep the compiler from reading them earlier. Its shared
+// operands are read through the async proxy: shared memory that threads write (cp.async, or a
+// store) is fenced (fence.proxy.async) by each writer before the barrier after which a product
+// reads it.
+
+#if DTYPE == 0
+#define WGMMA_TYPES ".f32.f16.f16"
+#else
+#define WGMMA_TYPES ".f32.bf16.bf16"
+#endif
+
+// The accumulator operands of a product of N = 64 (32 registers a thread) or 128 (64).
+#define WGMMA_D4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define WGMMA_D32(d, i)                                                                             \
+    WGMMA_D4(d, i), WGMMA_D4(d, i + 1), WGMMA_D4(d, i + 2), WGMMA_D4(d, i + 3), WGMMA_D4(d, i + 4), \
+        WGMMA_D4(d, i + 5), WGMMA_D4(d, i + 6), WGMMA_D4(d, i + 7)
+#define WGMMA_R32                                                                                 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_R64                                                                                   \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, " \
+    "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
+    "%58, %59, %60, %61, %62, %63}"
+
+// The descriptor of a wgmma operand in Swizzle128 layout at shared address ``addr`` (1024-byte
+// aligned, or a column offset within a swizzled row): 8-row groups 1024 bytes apart (the stride
+// byte offset); ``lbo`` the leading byte offset, the distance of 64-column panels for an MN-major
+// operand (a K-major one in this swizzle ignores it: 16 by convention). Bits 62-63: 1, 128-byte swizzle.
+__device__ __forceinline__ u64 wgmma_desc(u32 addr, u32 lbo) {
+    return (u64)((addr & 0x3ffff) >> 4) | (u64)(lbo >> 4) << 16 | (u64)(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// The descriptor's step to element (r, c) of a Swizzle128<ROWS> tile, from its (0, 0): r a multiple
+// of 8 and c of 8, so that the step is a plain address offset.
+template <int ROWS>
+__device__ __forceinline__ u64 desc_step(int r, int c) {
+    return (u64)(Swizzle128<ROWS>::offset(r, c) >> 4);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N / 8][4]) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory, both K-major.
+template <int N, bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b) {
+    if constexpr (N == 64)
+        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32 ", %32, %33, acc, 1, 1, 0, 0;\n}"
+                     : WGMMA_D32(d, 0)
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
+    else
+        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64 ", %64, %65, acc, 1, 1, 0, 0;\n}"
+                     : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
+}
+
+// D[64 x N] += A[64 x 16] B[16 x N], A in registers (each warp its 16 rows as an mma.sync A
+// fragment), B MN-major in shared memory (trans-b 1).
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {
+    if constexpr (N == 64)
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32
+                     ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+                     : WGMMA_D32(d, 0)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64
+                     ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
+                     : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// mbarriers in shared memory: a phase completes once ``count`` threads have arrived; arrive
+// releases and the wait acquires, at CTA scope.
+__device__ __forceinline__ void bar_init(u64* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(u64* bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
+}
+// Until the phase of the given parity has completed (the phase before the first completes at once).
+__device__ __forceinline__ void bar_wait(u64* bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}"
+                 ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
