@@ -66,7 +66,7 @@ def test_variant_follows_the_problem():
     assert plain.options != featured.options
 
 
-@pytest.mark.parametrize("kernel", ["forward", "forward_sm90", "dq", "dkdv", "dkdv_sm90", "delta"])
+@pytest.mark.parametrize("kernel", ["forward", "forward_sm90", "dq", "dkdv", "dq_sm90", "dkdv_sm90", "delta"])
 def test_score_mods_are_compile_time_options(kernel):
     """Each modification is a macro of the variants that use it, 0 for a call without it (today's
     code); the dK/dV kernel, which sees the sink only through the LSE, is built without SINKS."""
@@ -74,7 +74,7 @@ def test_score_mods_are_compile_time_options(kernel):
     assert plain.macros["SOFTCAP"] == plain.macros["ALIBI"] == plain.macros["SINKS"] == 0
     modified = variants.choose(kernel, _problem(softcap=30.0, alibi_slopes=object(), sinks=object()), aligned=True)
     assert modified.macros["SOFTCAP"] == modified.macros["ALIBI"] == 1
-    key_side = kernel in ("dkdv", "dkdv_sm90")
+    key_side = kernel in ("dkdv", "dq_sm90", "dkdv_sm90")  # no delta kernel in the build
     assert modified.macros["SINKS"] == (not key_side)
     assert modified.options != plain.options and modified.shared_memory == plain.shared_memory
     for one in ("softcap", "alibi", "sinks"):  # each alone, the others off
@@ -147,55 +147,56 @@ def test_sm90_forward_variant(dim):
             != variants.cache_key(variants.source(variants.FILES[plain.kernel]), plain.options, versions))
 
 
-@pytest.mark.parametrize("changes, capability, is_aligned, kernel", [
-    ({}, "90", True, "dkdv_sm90"),
-    ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64}, "90", True, "dkdv_sm90"),
-    ({"head_dim": 40, "head_dim_v": 96}, "90", True, "dkdv_sm90"),  # classes 64 and 128
+@pytest.mark.parametrize("changes, capability, is_aligned, sm90", [
+    ({}, "90", True, True),
+    ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64}, "90", True, True),
+    ({"head_dim": 40, "head_dim_v": 96}, "90", True, True),  # classes 64 and 128
     ({"mask": object(), "block_mask": object(), "dropout_p": 0.1, "band": (-1, 0), "varlen": True}, "90", True,
-     "dkdv_sm90"),  # dkdv.cuh's pair rule, dropout and exact path
-    ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "90", True, "dkdv_sm90"),
-    ({"deterministic": True}, "90", True, "dkdv_sm90"),  # flashx_dq beside it adds no atomics
-    ({}, "80", True, "dkdv"),  # wgmma is sm_90a code
-    ({}, "100", True, "dkdv"),
-    ({}, "90", False, "dkdv"),  # cp.async copies 16-byte chunks
-    ({"dtype": "float32"}, "90", True, "dkdv"),
-    ({"head_dim_v": 256}, "90", True, "dkdv"),  # dK and dV in two launches
-    ({"head_dim": 256, "head_dim_v": 64}, "90", True, "dkdv"),
+     True),  # dq.cuh's and dkdv.cuh's pair rule, dropout and exact path
+    ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "90", True, True),
+    ({"deterministic": True}, "90", True, True),  # no atomics
+    ({}, "80", True, False),  # wgmma is sm_90a code
+    ({}, "100", True, False),
+    ({}, "90", False, False),  # cp.async copies 16-byte chunks
+    ({"dtype": "float32"}, "90", True, False),
+    ({"head_dim_v": 256}, "90", True, False),  # dK and dV in two launches
+    ({"head_dim": 256, "head_dim_v": 64}, "90", True, False),
 ])
-def test_dkdv_kernel_choice(monkeypatch, changes, capability, is_aligned, kernel):
+def test_sm90_backward_choice(monkeypatch, changes, capability, is_aligned, sm90):
     monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
-    assert variants.dkdv_kernel(_problem(**changes), is_aligned, capability) == kernel
+    assert variants.sm90_backward(_problem(**changes), is_aligned, capability) is sm90
     monkeypatch.setenv(variants.SM90_BACKWARD_ENV, "0")  # the switch back to mma.sync, for comparisons
-    assert variants.dkdv_kernel(_problem(**changes), is_aligned, capability) == "dkdv"
+    assert variants.sm90_backward(_problem(**changes), is_aligned, capability) is False
 
 
+@pytest.mark.parametrize("kernel", ["dq_sm90", "dkdv_sm90"])
 @pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128)])
-def test_sm90_dkdv_variant(dim_qk, dim_v):
-    """Two warpgroups of 64 keys and 64-query steps; swizzled tiles start on 1024-byte boundaries;
-    the build targets sm_90a."""
-    variant = variants.choose("dkdv_sm90", _problem(head_dim=dim_qk, head_dim_v=dim_v), aligned=True)
+def test_sm90_backward_variants(kernel, dim_qk, dim_v):
+    """Two warpgroups of 64 resident rows and steps of 64 streamed ones; swizzled tiles start on
+    1024-byte boundaries; the builds target sm_90a."""
+    variant = variants.choose(kernel, _problem(head_dim=dim_qk, head_dim_v=dim_v), aligned=True)
     assert (variant.block_m, variant.block_n, variant.warps, variant.threads) == (128, 64, 8, 256)
     assert (variant.dkdv_parts, variant.dq_atomic) == (3, False)
     size = variants.ELEMENT_SIZES[variant.dtype]
     tiles = [rows * dim * size for rows in (variant.block_m, variant.block_n) for dim in (dim_qk, dim_v)]
     assert all(bytes_ % 1024 == 0 for bytes_ in tiles)
-    # K and V, two Q and two dO tiles, two tiles' LSE and D
-    assert variant.shared_memory == tiles[0] + tiles[1] + 2 * (tiles[2] + tiles[3]) + 4 * variant.block_n * 4
-    assert variant.shared_memory <= 227 * 1024
-    assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == "flashx_dkdv_sm90"
+    # the resident tiles, two of each streamed one, then two steps' LSE and D or a tile's allowed pairs
+    extra = 4 * variant.block_n * 4 if kernel == "dkdv_sm90" else variant.block_m * variant.block_n
+    assert variant.shared_memory == tiles[0] + tiles[1] + 2 * (tiles[2] + tiles[3]) + extra <= 227 * 1024
+    assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == f"flashx_{kernel}"
 
 
 @pytest.mark.parametrize("capability, switch, changes, launched", [
-    ("90", None, {}, ["delta", "dq", "dkdv_sm90"]),
-    ("90", None, {"causal": True}, ["delta", "dq", "dkdv_sm90"]),
+    ("90", None, {}, ["delta", "dq_sm90", "dkdv_sm90"]),
+    ("90", None, {"causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
     ("90", "0", {}, ["delta", "dkdv"]),  # the mma.sync kernel with its fused dQ
     ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
     ("80", None, {}, ["delta", "dkdv"]),
     ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
 ])
 def test_backward_launches(monkeypatch, capability, switch, changes, launched):
-    """On compute capability 9.0 a 16-bit backward takes flashx_dq and flashx_dkdv_sm90, whose
-    dK/dV kernel has no fused dQ; the switch brings back the mma.sync kernel."""
+    """On compute capability 9.0 a 16-bit backward takes the wgmma kernels, which add no atomics
+    (no fused dQ); the switch brings back the mma.sync kernels."""
     import contextlib
 
     import torch
@@ -229,6 +230,7 @@ def _nvrtc():
         pytest.skip(f"NVRTC is not usable here: {error}")
 
 
+@pytest.mark.parametrize("kernel", ["dq_sm90", "dkdv_sm90"])
 @pytest.mark.parametrize("dtype, dim_qk, dim_v, features", [
     ("bfloat16", 64, 64, {}),
     ("bfloat16", 128, 128, {}),
@@ -236,14 +238,14 @@ def _nvrtc():
     ("float16", 128, 128, dict(mask=True, dropout=True, block_mask=True, varlen=True)),
     ("bfloat16", 128, 128, dict(seqlens_q=True, seqlens_k=True, softcap=True, alibi=True)),
 ])
-def test_sm90_dkdv_compiles(dtype, dim_qk, dim_v, features):
-    """NVRTC builds the wgmma dK/dV variants for sm_90a (the forward's are built by the GPU tests)."""
+def test_sm90_backward_compiles(kernel, dtype, dim_qk, dim_v, features):
+    """NVRTC builds the wgmma backward's variants for sm_90a."""
     _nvrtc()
     from flashx_cupy import resources
 
-    tiles = variants.TILES["dkdv_sm90", "16", max(dim_qk, dim_v)]
-    text = resources.ptx(variants.Variant("dkdv_sm90", dtype, dim_qk, dim_v, *tiles, **features), "90")
-    assert ".entry flashx_dkdv_sm90(" in text and "wgmma.mma_async" in text and ".target sm_90a" in text
+    tiles = variants.TILES[kernel, "16", max(dim_qk, dim_v)]
+    text = resources.ptx(variants.Variant(kernel, dtype, dim_qk, dim_v, *tiles, **features), "90")
+    assert f".entry flashx_{kernel}(" in text and "wgmma.mma_async" in text and ".target sm_90a" in text
 
 
 def test_dkdv_split_only_for_the_widest():
@@ -295,7 +297,8 @@ def test_source_inlines_the_headers():
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" not in text  # a build compiles its file's kernels alone
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" in variants.source("dkdv.cu")
     assert "flashx_dkdv_sm90" not in variants.source("dkdv.cu") and "flashx_dq(" not in variants.source("dkdv_sm90.cu")
-    for name in ("forward_sm90.cu", "dkdv_sm90.cu"):  # the wgmma helpers, from one header
+    assert "flashx_delta(" not in variants.source("dq_sm90.cu") and "flashx_dq_sm90" not in variants.source("dq.cu")
+    for name in ("forward_sm90.cu", "dq_sm90.cu", "dkdv_sm90.cu"):  # the wgmma helpers, from one header
         assert variants.source(name).count("__device__ __forceinline__ u64 wgmma_desc(") == 1
     text = variants.source("forward_sm90.cu")  # through forward.cuh
     assert not re.search(r'^#include "', text, re.MULTILINE)

@@ -2,16 +2,6 @@
 
 #include "dkdv.cuh"
 
-// mma.sync reads its operands by ldmatrix from padded rows.
-struct PaddedTiles {
-    template <int ROWS>
-    using QK = Padded<LD_QK>;
-    template <int ROWS>
-    using V = Padded<LD_V>;
-    enum { QK_PITCH = LD_QK, V_PITCH = LD_V };
-    static __device__ __forceinline__ void written() {}
-};
-
 // KeyRows with the products on mma.sync, and with DQ_ATOMIC the dQ sums.
 struct KeyCta : KeyRows<PaddedTiles> {
     elem_t* sDS;

@@ -1,12 +1,9 @@
 // What the two dK/dV kernels share (dkdv.cu on mma.sync, dkdv_sm90.cu on wgmma): a CTA's keys
 // and the query rows that read them, the stream of query tiles of every head of the group, the
 // pair rule, P^T and dS^T from the recomputed scores, the exact path for non-finite operands,
-// and the stores of dK and dV. They differ in the products, and so in the tiles' layouts and in
-// how a step waits for them; ``Tiles`` says which layout (PaddedTiles in dkdv.cu, SwizzledTiles
-// in dkdv_sm90.cu):
-//   QK<ROWS>, V<ROWS>    the layouts of Q and K, and of dO and V, tiles of ROWS rows;
-//   QK_PITCH, V_PITCH    their elements a row as whole-tile loops (tile_nonfinite) see them;
-//   written()            what a thread does after writing a tile that the products then read.
+// and the stores of dK and dV. They differ in the products, and so in the tiles' layouts
+// (``Tiles``: PaddedTiles or SwizzledTiles, backward.cuh says what one holds) and in how a step
+// waits for them.
 
 #include "backward.cuh"
 

@@ -1,5 +1,5 @@
 // flashx_dkdv_sm90: dK and dV on Hopper's warpgroup products (wgmma, sm_90a), for 16-bit
-// problems of head-dim classes 64 and 128; dQ is flashx_dq's (backward.cuh says how the three
+// problems of head-dim classes 64 and 128, beside flashx_dq_sm90 (backward.cuh says how the
 // kernels divide the work). The semantics are dkdv.cuh's, shared with flashx_dkdv: only the
 // products and the layout of the tiles differ.
 //
@@ -33,28 +33,6 @@ static_assert(TENSOR_CORES && ATOMS == 1 && WARPS == 8, "two warpgroups, one 16-
 static_assert(BLOCK_M == 128 && BLOCK_N == 64, "64 keys a warpgroup; 64 queries a step (poison_allowed's bits)");
 static_assert((DIM_QK == 64 || DIM_QK == 128) && (DIM_V == 64 || DIM_V == 128), "the products' N: 64 or 128");
 static_assert(DKDV_PARTS == 3 && !DQ_ATOMIC, "both sums in one launch, dQ by flashx_dq");
-
-// Unpadded tiles in the 128-byte swizzle, read by the products through the async proxy.
-struct SwizzledTiles {
-    template <int ROWS>
-    using QK = Swizzle128<ROWS>;
-    template <int ROWS>
-    using V = Swizzle128<ROWS>;
-    enum { QK_PITCH = DIM_QK, V_PITCH = DIM_V };
-    static __device__ __forceinline__ void written() { fence_proxy_async(); }
-};
-
-// The 16 x 16 blocks of an m64n64 accumulator (this warp's 16 rows), rounded to the products'
-// type, as A fragments: block kk takes columns 16kk .. 16kk + 15.
-__device__ __forceinline__ void to_fragments(const float (&c)[BLOCK_N / 8][4], u32 (&a)[BLOCK_N / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
-        a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
-        a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-        a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-    }
-}
 
 // KeyRows with the products on wgmma; k_desc and v_desc: this warpgroup's 64 keys of K and V.
 struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
@@ -97,8 +75,8 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
         // of 16 * 128 bytes; the leading byte offset is the distance of the 64-column panels of
         // the head dim, BLOCK_N rows of 128 bytes.
         u32 pf[BLOCK_N / 16][4], dsf[BLOCK_N / 16][4];
-        to_fragments(pt[0], pf);
-        to_fragments(dst[0], dsf);
+        to_fragments<BLOCK_N>(pt[0], pf);
+        to_fragments<BLOCK_N>(dst[0], dsf);
         const u64 do_mn = wgmma_desc(do_addr, BLOCK_N * 128), q_mn = wgmma_desc(q_addr, BLOCK_N * 128);
         wgmma_fence();
 #pragma unroll

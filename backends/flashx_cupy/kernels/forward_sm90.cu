@@ -160,13 +160,7 @@ struct ForwardCtaSm90 : ForwardRows {
             }
         }
 
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            pf[kk][0] = pack2(sc[0][2 * kk][0], sc[0][2 * kk][1]);
-            pf[kk][1] = pack2(sc[0][2 * kk][2], sc[0][2 * kk][3]);
-            pf[kk][2] = pack2(sc[0][2 * kk + 1][0], sc[0][2 * kk + 1][1]);
-            pf[kk][3] = pack2(sc[0][2 * kk + 1][2], sc[0][2 * kk + 1][3]);
-        }
+        to_fragments<BLOCK_N>(sc[0], pf);
         v_owed = v_tile;
         owed_full = &bars->full_v[t % 3], owed_parity = (t / 3) & 1, owed_empty = &bars->empty_v[t % 3];
     }

@@ -88,6 +88,30 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4]
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// The backward kernels' tiles (backward.cuh): unpadded, in the 128-byte swizzle, read by the
+// products through the async proxy.
+struct SwizzledTiles {
+    template <int ROWS>
+    using QK = Swizzle128<ROWS>;
+    template <int ROWS>
+    using V = Swizzle128<ROWS>;
+    enum { QK_PITCH = DIM_QK, V_PITCH = DIM_V };
+    static __device__ __forceinline__ void written() { fence_proxy_async(); }
+};
+
+// The 16 x 16 blocks of an m64nN accumulator (this warp's 16 rows), rounded to the products'
+// type, as A fragments of a product whose K is that N: block kk takes columns 16kk .. 16kk + 15.
+template <int N>
+__device__ __forceinline__ void to_fragments(const float (&c)[N / 8][4], u32 (&a)[N / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+        a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
 // mbarriers in shared memory: a phase completes once ``count`` threads have arrived; arrive
 // releases and the wait acquires, at CTA scope.
 __device__ __forceinline__ void bar_init(u64* bar, int count) {
