@@ -149,7 +149,9 @@ def test_sm90_forward_variant(dim):
 
 @pytest.mark.parametrize("changes, capability, is_aligned, sm90", [
     ({}, "90", True, True),
-    ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64}, "90", True, True),
+    ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "band": (-1, 0)}, "90", True, True),
+    ({"head_dim": 64, "head_dim_v": 64, "deterministic": True}, "90", True, True),
+    ({"head_dim": 64, "head_dim_v": 64}, "90", True, False),  # the fused dQ was faster at d64
     ({"head_dim": 40, "head_dim_v": 96}, "90", True, True),  # classes 64 and 128
     ({"mask": object(), "block_mask": object(), "dropout_p": 0.1, "band": (-1, 0), "varlen": True}, "90", True,
      True),  # dq.cuh's and dkdv.cuh's pair rule, dropout and exact path
@@ -193,6 +195,8 @@ def test_sm90_backward_variants(kernel, dim_qk, dim_v):
     ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
     ("80", None, {}, ["delta", "dkdv"]),
     ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
+    ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv"]),  # the fused dQ, faster at d64
+    ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
 ])
 def test_backward_launches(monkeypatch, capability, switch, changes, launched):
     """On compute capability 9.0 a 16-bit backward takes the wgmma kernels, which add no atomics
@@ -205,7 +209,7 @@ def test_backward_launches(monkeypatch, capability, switch, changes, launched):
         monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
     else:
         monkeypatch.setenv(variants.SM90_BACKWARD_ENV, switch)
-    dim, dim_v = changes.pop("head_dim", 64), changes.pop("head_dim_v", 64)
+    dim, dim_v = changes.pop("head_dim", 128), changes.pop("head_dim_v", 128)
     problem = _torch_problem(dtype="bfloat16", head_dim=dim, head_dim_v=dim_v, **changes)
     q, do = (torch.zeros(2, 5, 3, dim, dtype=torch.bfloat16) for _ in range(2))
     o = torch.zeros(2, 5, 3, dim_v, dtype=torch.bfloat16)
@@ -296,8 +300,10 @@ def test_source_inlines_the_headers():
     assert text.count("struct Params {") == 1 and "flashx_dq" in text and "flashx_delta" in text
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" not in text  # a build compiles its file's kernels alone
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" in variants.source("dkdv.cu")
-    assert "flashx_dkdv_sm90" not in variants.source("dkdv.cu") and "flashx_dq(" not in variants.source("dkdv_sm90.cu")
-    assert "flashx_delta(" not in variants.source("dq_sm90.cu") and "flashx_dq_sm90" not in variants.source("dq.cu")
+    defined = {name: re.findall(r"__global__ void .*?(flashx_\w+)\(", variants.source(name))
+               for name in ("dq.cu", "dkdv.cu", "dq_sm90.cu", "dkdv_sm90.cu")}
+    assert defined == {"dq.cu": ["flashx_delta", "flashx_dq"], "dkdv.cu": ["flashx_dkdv"],
+                       "dq_sm90.cu": ["flashx_dq_sm90"], "dkdv_sm90.cu": ["flashx_dkdv_sm90"]}
     for name in ("forward_sm90.cu", "dq_sm90.cu", "dkdv_sm90.cu"):  # the wgmma helpers, from one header
         assert variants.source(name).count("__device__ __forceinline__ u64 wgmma_desc(") == 1
     text = variants.source("forward_sm90.cu")  # through forward.cuh

@@ -318,12 +318,15 @@ def sm90_backward(problem, aligned: bool, compute_capability: str) -> bool:
     They run on compute capability 9.0 for 16-bit problems whose operands are all ``aligned``, with
     head dims up to 128, and take every feature of the pair rule, dropout and the score
     modifications (dq.cuh's and dkdv.cuh's, shared with the mma.sync kernels); they add no atomics
-    (no fused dQ), so they serve deterministic calls too. flashx_dq and flashx_dkdv (mma.sync) serve
-    every other problem, every GPU, and all problems where the environment sets
+    (no fused dQ), so they serve deterministic calls too. Where both head dims are of class 64 and
+    ``fused_dq`` holds, the mma.sync kernel with the fused dQ (five products, not seven) was the
+    faster on the H200 (7.0 against 7.5 ms, bf16, N=8k, d64), and stays. flashx_dq and flashx_dkdv
+    (mma.sync) serve every other problem, every GPU, and all problems where the environment sets
     ``SM90_BACKWARD_ENV`` to "0".
     """
-    return (compute_capability == "90" and problem.dtype != "float32" and aligned
-            and max(problem.head_dim, problem.head_dim_v) <= 128 and os.environ.get(SM90_BACKWARD_ENV, "1") != "0")
+    widest = max(head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v))
+    return (compute_capability == "90" and problem.dtype != "float32" and aligned and widest <= 128
+            and not (widest == 64 and fused_dq(problem)) and os.environ.get(SM90_BACKWARD_ENV, "1") != "0")
 
 
 def fused_dq(problem) -> bool:
