@@ -680,30 +680,22 @@ def test_decode_kernels_share_one_build():
     assert (variant.dim_qk, variant.dim_v, variant.block_m, variant.block_n) == (256, 64, 16, 32)
 
 
-@pytest.mark.parametrize("ctas, key_tiles, resident, splits", [
-    (8, 1024, 264, 33),  # B=1, Hk=8, a long cache: one wave of splits
-    (512, 1024, 264, 1),  # B=64: the sequences alone fill the GPU
-    (8, 4, 264, 1),  # a short cache: a split keeps MIN_TILES_PER_SPLIT tiles
-    (8, 13, 264, 4),
-    (1, 10**6, 10**6, decode.MAX_SPLITS),
-    (0, 10, 264, 3),  # no rows: never a division by zero
-])
-def test_choose_splits(ctas, key_tiles, resident, splits):
-    assert decode.choose_splits(ctas, key_tiles, resident) == splits
-
-
 def test_count_splits():
-    """num_splits as asked, never more than the capacity's key tiles; 0 chooses from the capacity
-    (the lengths live on the device), the CTAs resident per SM and the rows' tiles."""
+    """num_splits as asked, never more than the capacity's key tiles; 0 takes the core's rule
+    (``flashx.splits``) from the capacity (the lengths live on the device), the CTAs resident per SM
+    (two of 109 KB on an H100) and the rows' tiles."""
     problem, *_ = _decode_problem(batch=1, heads_k=8, heads_q=32, slots=65536)
     variant = variants.choose_decode("decode", problem, aligned=True)
-    assert decode.count_splits(problem, variant, 132, 228 * 1024) == 132 * 2 // 8
+    assert decode.ctas_per_sm(variant, 228 * 1024) == 2
+    assert decode.count_splits(problem, variant, 132, 228 * 1024) == 32  # 8 CTAs: one wave of 256
     assert decode.count_splits(dataclasses_replace(problem, num_splits=5), variant, 132, 228 * 1024) == 5
     short, *_ = _decode_problem(batch=1, slots=100, num_splits=64)
     assert decode.count_splits(short, variants.choose_decode("decode", short, aligned=True), 132, 228 * 1024) == 2
     big_group, *_ = _decode_problem(batch=2, heads_k=2, heads_q=32, seqlen_q=4, slots=65536)  # 64 rows: 2 CTAs of 32
     variant = variants.choose_decode("decode", big_group, aligned=True)
-    assert variant.block_m == 32 and decode.count_splits(big_group, variant, 132, 228 * 1024) == 132 * 2 // 8
+    assert variant.block_m == 32 and decode.count_splits(big_group, variant, 132, 228 * 1024) == 32
+    full, *_ = _decode_problem(batch=32, heads_k=8, heads_q=32, slots=4096)  # 256 CTAs fill the GPU alone
+    assert decode.count_splits(full, variants.choose_decode("decode", full, aligned=True), 132, 228 * 1024) == 1
 
 
 def test_pack_decode():
