@@ -66,8 +66,12 @@ class Backend:
     @property
     def operations(self) -> frozenset[str]:
         """The operations (keys of ``OPERATIONS``) whose method this backend implements."""
-        return frozenset(name for name, (_, method, _) in OPERATIONS.items()
-                         if method is None or getattr(type(self), method) is not getattr(Backend, method))
+        return frozenset(name for name, (_, method, _) in OPERATIONS.items() if method is None or self.implements(method))
+
+    def implements(self, method: str) -> bool:
+        """Whether this backend overrides ``method``, one of Backend's optional methods (``decode``,
+        ``forward_into``, ``backward_into``)."""
+        return getattr(type(self), method) is not getattr(Backend, method)
 
     def supports(self, problem: BaseProblem) -> list[str]:
         what, _, own_reasons = OPERATIONS[problem.operation]
@@ -100,6 +104,24 @@ class Backend:
         raise NotImplementedError
 
     def backward(self, problem: Problem, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any) -> tuple[Any, Any, Any]:
+        raise NotImplementedError
+
+    def forward_into(self, problem: Problem, q: Any, k: Any, v: Any, o_sums: Any, lse_sums: Any) -> None:
+        """Optional: merge this call's (o, lse) into the running sums ``o_sums`` (o's shape) and
+        ``lse_sums`` (lse's shape), in place, as ``flashx.api.merge_states`` merges two parts; both
+        of ``problem.lse_dtype``, views with any strides (a ring passes slices of its running
+        buffers), holding a state (o = 0 where lse = -inf). Rows of no sequence are left as they
+        are. ``flashx.accumulate.run_forward_into`` calls it, and without it merges ``forward``'s
+        outputs itself; accumulating in the kernel spares the passes that merge a returned part,
+        and the part's rounding to the input dtype."""
+        raise NotImplementedError
+
+    def backward_into(self, problem: Problem, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, dq_sums: Any,
+                      dk_sums: Any, dv_sums: Any) -> Any:
+        """Optional: add ``backward``'s dq, dk and dv, unrounded, into the running sums ``dq_sums``,
+        ``dk_sums``, ``dv_sums`` (views of ``problem.lse_dtype`` with any strides), in place; returns
+        dsinks when ``problem.sinks`` is set, else None. ``flashx.accumulate.run_backward_into``
+        calls it, and without it adds ``backward``'s outputs itself."""
         raise NotImplementedError
 
     def decode_reasons(self, problem) -> list[str]:

@@ -18,7 +18,7 @@ from flashx.validation import check_like
 def run_forward(impl: Backend, problem: Problem, q, k, v):
     if problem.is_empty:
         return _empty_outputs(problem, q)
-    return _caller_outputs(impl, problem, q, *impl.forward(*_for_backend(impl, problem, q, k, v)))
+    return _caller_outputs(impl, problem, q, *impl.forward(*for_backend(impl, problem, q, k, v)))
 
 
 def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
@@ -32,7 +32,7 @@ def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
         expected["dsinks"] = ((problem.heads_q,), problem.lse_dtype)
     if problem.is_empty:  # nothing reads a key: every gradient is 0, dsinks included
         return tuple(arrays.full(q, tuple(shape), 0.0, dtype) for shape, dtype in expected.values())
-    grads = impl.backward(*_for_backend(impl, problem, q, k, v, o, lse, do))
+    grads = impl.backward(*for_backend(impl, problem, q, k, v, o, lse, do))
     if len(grads) != len(expected):
         raise FlashXError(f"backend {impl.name!r} returned {len(grads)} gradients, expected {len(expected)} "
                           f"({', '.join(expected)}): a backend bug")
@@ -46,7 +46,7 @@ def run_decode(impl: Backend, problem: DecodeProblem, q, k_cache, v_cache, k_new
     q, k_new, v_new = (None if x is None else arrays.resolved(x) for x in (q, k_new, v_new))
     if problem.is_empty:
         return _empty_outputs(problem, q)
-    return _caller_outputs(impl, problem, q, *impl.decode(*_for_backend(impl, problem, q, k_cache, v_cache, k_new, v_new)))
+    return _caller_outputs(impl, problem, q, *impl.decode(*for_backend(impl, problem, q, k_cache, v_cache, k_new, v_new)))
 
 
 def _empty_outputs(problem: BaseProblem, q):
@@ -68,7 +68,7 @@ def _caller_outputs(impl: Backend, problem: BaseProblem, q, o, lse):
     return arrays.to_caller(o, q, problem.out_dtype), arrays.to_caller(lse, q, problem.lse_dtype)
 
 
-def _for_backend(impl: Backend, problem: BaseProblem, *xs):
+def for_backend(impl: Backend, problem: BaseProblem, *xs):
     """The problem and arrays as the backend's kind of array, auxiliary arrays in the layout it declares."""
     kind = impl.array_kind
     problem = problem.with_arrays(arrays.for_backend(impl))

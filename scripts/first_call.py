@@ -14,7 +14,8 @@ Cases, in this order (each directory is fresh unless reused as named):
   flex cold             new TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: torch.compile from scratch
   flex warm             the same two directories again
 FIRST_CALL_BACKENDS (default "triton") names the flashx backends to run, comma-separated.
-The first call is timed from the inputs on the GPU (CUDA context made) to the gradients there;
+The first call is timed from the inputs on the GPU (CUDA context made, autograd's own first
+backward done) to the gradients there;
 "kernels" counts the kernels a triton case found compiled in its Triton cache afterwards.
 FIRST_CALL_SMOKE=1 runs the flashx cases on a tiny float32 shape under TRITON_INTERPRET=1 (CPU).
 FIRST_CALL_PROFILE=DIR profiles each case's first call (cProfile) into DIR/<case>.prof and prints
@@ -57,6 +58,13 @@ def child(case: str) -> None:
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
+
+    # Autograd's first backward given an explicit gradient, as backward(do) below, imports sympy
+    # (torch.fx.experimental.symbolic_shapes, 1.5-2 s from source where no bytecode is cached): a
+    # cost of this harness that a training loop's loss.backward() does not pay, and one that flex's
+    # torch.compile pays before its timed step. Every case pays it here, untimed.
+    warm = torch.ones(2, device=device, requires_grad=True)
+    (2 * warm).backward(torch.ones_like(warm))
 
     def timed_step() -> float:
         for x in (q, k, v):

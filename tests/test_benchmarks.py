@@ -357,9 +357,10 @@ def test_decode_options(monkeypatch):
     monkeypatch.setattr(decode, "cuda_backends", lambda: ["triton", "cupy", "numba"])
     args = decode.parse_args([])
     assert (args.command, args.out, args.backends, args.batches, args.caches, args.numba_max_tokens,
-            args.scan_splits, args.time_limit) == (
+            args.scan_splits, args.scan_grid, args.time_limit) == (
         "run", records.DEFAULT_OUT.resolve(), ["triton", "cupy", "numba"], list(decode.BATCHES), list(decode.CACHES),
-        2**17, False, None)
+        2**17, False, False, None)
+    assert decode.parse_args(["--scan-grid", "--batches", "2"]).scan_grid
     args = decode.parse_args(["--scan-splits", "--batches", "1", "4", "--caches", "1024", "--max-tokens", "4096",
                               "--time-limit", "60", "--out", "elsewhere", "--backends", "numba", "triton",
                               "--numba-max-tokens", "1024"])
@@ -495,7 +496,7 @@ def test_decode_markdown(decode_results):
     assert "| 16 | 8k | cupy-page16 | 4 | 9.77e-04 | 0.00e+00 |" in text
     assert "| 16 | 8k | numba |  | 9.77e-04 |  |" in text
     assert "- cupy-page16: error: OutOfMemoryError: CUDA out of memory" in text
-    assert "| triton | 1 | 16k | 16 | 2.70 | 0.20 | 2.70 |" in text  # the num_splits scan
+    assert "| triton | 1 | 16k | 16 | 2.70 | 0.20 | 2.70 | 1.00 |" in text  # the num_splits scan
     for line in text.splitlines():
         if line.startswith("|"):
             assert line.endswith("|")
@@ -566,6 +567,29 @@ def test_decode_sweep_times_fp8_caches_on_cpu(tmp_path, monkeypatch):
     assert rows["cupy-fp8"]["status"].startswith("declined: ") and "cupy" in rows["cupy-fp8"]["status"]
     text = decode.markdown(sweep.results)
     assert "| 2 | 256 | triton-fp8-page1 |" in text and "**WRONG** |" in text
+
+
+def test_decode_scans_splits_at_a_few_points_or_the_whole_grid(tmp_path, monkeypatch):
+    """--scan-splits scans SCAN_POINTS within --max-tokens; --scan-grid every point of the sweep."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(decode, "cuda_backends", lambda: ["triton"])
+    monkeypatch.setattr(decode, "COPY_BYTES", 1024)
+    monkeypatch.setattr(decode, "FLUSH_BYTES", 1024)
+    monkeypatch.setattr(decode.Sweep, "_time", lambda self, step, graph=True: (1.0, "eager"))
+    monkeypatch.setattr(decode.Sweep, "_point", lambda self, batch, cache: None)
+    scanned = []
+    monkeypatch.setattr(decode.Sweep, "_scan", lambda self, batch, cache: scanned.append((batch, cache)))
+    grid = ["--batches", "1", "4", "--caches", "1024", "16384", "--max-tokens", "16384", "--out", str(tmp_path)]
+    for flag, expected in (("--scan-splits", [(1, 1024), (1, 4096), (1, 16384), (4, 1024)]),
+                           ("--scan-grid", [(1, 1024), (1, 16384), (4, 1024)])):
+        scanned.clear()
+        sweep = decode.Sweep(decode.parse_args([flag, *grid]))
+        sweep.device = torch.device("cpu")
+        sweep.run()
+        assert scanned == expected, flag
 
 
 def test_decode_plot_draws_every_backend(decode_results, tmp_path):

@@ -69,7 +69,7 @@ def test_variant_follows_the_problem():
     assert plain.options != featured.options
 
 
-@pytest.mark.parametrize("kernel", ["forward", "forward_sm90", "dq", "dkdv", "delta"])
+@pytest.mark.parametrize("kernel", ["forward", "forward_sm90", "dq", "dkdv", "dq_sm90", "dkdv_sm90", "delta"])
 def test_score_mods_are_compile_time_options(kernel):
     """Each modification is a macro of the variants that use it, 0 for a call without it (today's
     code); the dK/dV kernel, which sees the sink only through the LSE, is built without SINKS."""
@@ -77,13 +77,14 @@ def test_score_mods_are_compile_time_options(kernel):
     assert plain.macros["SOFTCAP"] == plain.macros["ALIBI"] == plain.macros["SINKS"] == 0
     modified = variants.choose(kernel, _problem(softcap=30.0, alibi_slopes=object(), sinks=object()), aligned=True)
     assert modified.macros["SOFTCAP"] == modified.macros["ALIBI"] == 1
-    assert modified.macros["SINKS"] == (kernel != "dkdv")
+    key_side = kernel in ("dkdv", "dq_sm90", "dkdv_sm90")  # no delta kernel in the build
+    assert modified.macros["SINKS"] == (not key_side)
     assert modified.options != plain.options and modified.shared_memory == plain.shared_memory
     for one in ("softcap", "alibi", "sinks"):  # each alone, the others off
         alone = variants.choose(kernel, _problem(**{"softcap" if one == "softcap" else f"{one}_slopes" if one == "alibi"
                                                     else one: 1.0 if one == "softcap" else object()}), aligned=True)
         assert [alone.macros[m] for m in ("SOFTCAP", "ALIBI", "SINKS")] == [
-            int(one == "softcap"), int(one == "alibi"), int(one == "sinks" and kernel != "dkdv")]
+            int(one == "softcap"), int(one == "alibi"), int(one == "sinks" and not key_side)]
 
 
 def test_delta_shares_the_dq_build():
@@ -151,6 +152,111 @@ def test_sm90_forward_variant(dim):
             != variants.cache_key(variants.source(variants.FILES[plain.kernel]), plain.options, versions))
 
 
+@pytest.mark.parametrize("changes, capability, is_aligned, sm90", [
+    ({}, "90", True, True),
+    ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "band": (-1, 0)}, "90", True, True),
+    ({"head_dim": 64, "head_dim_v": 64, "deterministic": True}, "90", True, True),
+    ({"head_dim": 64, "head_dim_v": 64}, "90", True, False),  # the fused dQ was faster at d64
+    ({"head_dim": 40, "head_dim_v": 96}, "90", True, True),  # classes 64 and 128
+    ({"mask": object(), "block_mask": object(), "dropout_p": 0.1, "band": (-1, 0), "varlen": True}, "90", True,
+     True),  # dq.cuh's and dkdv.cuh's pair rule, dropout and exact path
+    ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "90", True, True),
+    ({"deterministic": True}, "90", True, True),  # no atomics
+    ({}, "80", True, False),  # wgmma is sm_90a code
+    ({}, "100", True, False),
+    ({}, "90", False, False),  # cp.async copies 16-byte chunks
+    ({"dtype": "float32"}, "90", True, False),
+    ({"head_dim_v": 256}, "90", True, False),  # dK and dV in two launches
+    ({"head_dim": 256, "head_dim_v": 64}, "90", True, False),
+])
+def test_sm90_backward_choice(monkeypatch, changes, capability, is_aligned, sm90):
+    monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
+    assert variants.sm90_backward(_problem(**changes), is_aligned, capability) is sm90
+    monkeypatch.setenv(variants.SM90_BACKWARD_ENV, "0")  # the switch back to mma.sync, for comparisons
+    assert variants.sm90_backward(_problem(**changes), is_aligned, capability) is False
+
+
+@pytest.mark.parametrize("kernel", ["dq_sm90", "dkdv_sm90"])
+@pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128)])
+def test_sm90_backward_variants(kernel, dim_qk, dim_v):
+    """Two warpgroups of 64 resident rows and steps of 64 streamed ones; swizzled tiles start on
+    1024-byte boundaries; the builds target sm_90a."""
+    variant = variants.choose(kernel, _problem(head_dim=dim_qk, head_dim_v=dim_v), aligned=True)
+    assert (variant.block_m, variant.block_n, variant.warps, variant.threads) == (128, 64, 8, 256)
+    assert (variant.dkdv_parts, variant.dq_atomic) == (3, False)
+    size = variants.ELEMENT_SIZES[variant.dtype]
+    tiles = [rows * dim * size for rows in (variant.block_m, variant.block_n) for dim in (dim_qk, dim_v)]
+    assert all(bytes_ % 1024 == 0 for bytes_ in tiles)
+    # the resident tiles, two of each streamed one, then two steps' LSE and D or a tile's allowed pairs
+    extra = 4 * variant.block_n * 4 if kernel == "dkdv_sm90" else variant.block_m * variant.block_n
+    assert variant.shared_memory == tiles[0] + tiles[1] + 2 * (tiles[2] + tiles[3]) + extra <= 227 * 1024
+    assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == f"flashx_{kernel}"
+
+
+@pytest.mark.parametrize("capability, switch, changes, launched", [
+    ("90", None, {}, ["delta", "dq_sm90", "dkdv_sm90"]),
+    ("90", None, {"causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
+    ("90", "0", {}, ["delta", "dkdv"]),  # the mma.sync kernel with its fused dQ
+    ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
+    ("80", None, {}, ["delta", "dkdv"]),
+    ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
+    ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv"]),  # the fused dQ, faster at d64
+    ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
+])
+def test_backward_launches(monkeypatch, capability, switch, changes, launched):
+    """On compute capability 9.0 a 16-bit backward takes the wgmma kernels, which add no atomics
+    (no fused dQ); the switch brings back the mma.sync kernels."""
+    import contextlib
+
+    import torch
+
+    if switch is None:
+        monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(variants.SM90_BACKWARD_ENV, switch)
+    dim, dim_v = changes.pop("head_dim", 128), changes.pop("head_dim_v", 128)
+    problem = _torch_problem(dtype="bfloat16", head_dim=dim, head_dim_v=dim_v, **changes)
+    q, do = (torch.zeros(2, 5, 3, dim, dtype=torch.bfloat16) for _ in range(2))
+    o = torch.zeros(2, 5, 3, dim_v, dtype=torch.bfloat16)
+    k, v = torch.zeros(2, 7, 1, dim, dtype=torch.bfloat16), torch.zeros(2, 7, 1, dim_v, dtype=torch.bfloat16)
+    lse = torch.zeros(problem.lse_shape)
+    device = SimpleNamespace(id=0, compute_capability=capability)
+    kernels = []
+    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
+    monkeypatch.setattr(launch, "launch", lambda variant, *args: kernels.append(variant.kernel))
+    launch.backward(problem, q, k, v, o, lse, do)
+    assert kernels == launched
+
+
+def _nvrtc():
+    """cuda-bindings' NVRTC, or a skip where it or its library is missing."""
+    try:
+        from cuda.bindings import nvrtc
+
+        if nvrtc.nvrtcVersion()[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError("nvrtcVersion failed")
+    except Exception as error:  # the module, or the library it loads
+        pytest.skip(f"NVRTC is not usable here: {error}")
+
+
+@pytest.mark.parametrize("kernel", ["dq_sm90", "dkdv_sm90"])
+@pytest.mark.parametrize("dtype, dim_qk, dim_v, features", [
+    ("bfloat16", 64, 64, {}),
+    ("bfloat16", 128, 128, {}),
+    ("float16", 64, 128, {}),
+    ("float16", 128, 128, dict(mask=True, dropout=True, block_mask=True, varlen=True)),
+    ("bfloat16", 128, 128, dict(seqlens_q=True, seqlens_k=True, softcap=True, alibi=True)),
+])
+def test_sm90_backward_compiles(kernel, dtype, dim_qk, dim_v, features):
+    """NVRTC builds the wgmma backward's variants for sm_90a."""
+    _nvrtc()
+    from flashx_cupy import resources
+
+    tiles = variants.TILES[kernel, "16", max(dim_qk, dim_v)]
+    text = resources.ptx(variants.Variant(kernel, dtype, dim_qk, dim_v, *tiles, **features), "90")
+    assert f".entry flashx_{kernel}(" in text and "wgmma.mma_async" in text and ".target sm_90a" in text
+
+
 def test_dkdv_split_only_for_the_widest():
     assert variants.dkdv_parts(128, 128) == (3,)
     assert variants.dkdv_parts(64, 256) == (1, 2)
@@ -199,6 +305,12 @@ def test_source_inlines_the_headers():
     assert text.count("struct Params {") == 1 and "flashx_dq" in text and "flashx_delta" in text
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" not in text  # a build compiles its file's kernels alone
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" in variants.source("dkdv.cu")
+    defined = {name: re.findall(r"__global__ void .*?(flashx_\w+)\(", variants.source(name))
+               for name in ("dq.cu", "dkdv.cu", "dq_sm90.cu", "dkdv_sm90.cu")}
+    assert defined == {"dq.cu": ["flashx_delta", "flashx_dq"], "dkdv.cu": ["flashx_dkdv"],
+                       "dq_sm90.cu": ["flashx_dq_sm90"], "dkdv_sm90.cu": ["flashx_dkdv_sm90"]}
+    for name in ("forward_sm90.cu", "dq_sm90.cu", "dkdv_sm90.cu"):  # the wgmma helpers, from one header
+        assert variants.source(name).count("__device__ __forceinline__ u64 wgmma_desc(") == 1
     text = variants.source("forward_sm90.cu")  # through forward.cuh
     assert not re.search(r'^#include "', text, re.MULTILINE)
     assert text.count("struct Params {") == 1 and text.count("struct ForwardRows {") == 1
@@ -717,30 +829,22 @@ def test_decode_kernels_share_one_build():
     assert (variant.dim_qk, variant.dim_v, variant.block_m, variant.block_n) == (256, 64, 16, 32)
 
 
-@pytest.mark.parametrize("ctas, key_tiles, resident, splits", [
-    (8, 1024, 264, 33),  # B=1, Hk=8, a long cache: one wave of splits
-    (512, 1024, 264, 1),  # B=64: the sequences alone fill the GPU
-    (8, 4, 264, 1),  # a short cache: a split keeps MIN_TILES_PER_SPLIT tiles
-    (8, 13, 264, 4),
-    (1, 10**6, 10**6, decode.MAX_SPLITS),
-    (0, 10, 264, 3),  # no rows: never a division by zero
-])
-def test_choose_splits(ctas, key_tiles, resident, splits):
-    assert decode.choose_splits(ctas, key_tiles, resident) == splits
-
-
 def test_count_splits():
-    """num_splits as asked, never more than the capacity's key tiles; 0 chooses from the capacity
-    (the lengths live on the device), the CTAs resident per SM and the rows' tiles."""
+    """num_splits as asked, never more than the capacity's key tiles; 0 takes the core's rule
+    (``flashx.splits``) from the capacity (the lengths live on the device), the CTAs resident per SM
+    (two of 109 KB on an H100) and the rows' tiles."""
     problem, *_ = _decode_problem(batch=1, heads_k=8, heads_q=32, slots=65536)
     variant = variants.choose_decode("decode", problem, aligned=True)
-    assert decode.count_splits(problem, variant, 132, 228 * 1024) == 132 * 2 // 8
+    assert decode.ctas_per_sm(variant, 228 * 1024) == 2
+    assert decode.count_splits(problem, variant, 132, 228 * 1024) == 32  # 8 CTAs: one wave of 256
     assert decode.count_splits(dataclasses_replace(problem, num_splits=5), variant, 132, 228 * 1024) == 5
     short, *_ = _decode_problem(batch=1, slots=100, num_splits=64)
     assert decode.count_splits(short, variants.choose_decode("decode", short, aligned=True), 132, 228 * 1024) == 2
     big_group, *_ = _decode_problem(batch=2, heads_k=2, heads_q=32, seqlen_q=4, slots=65536)  # 64 rows: 2 CTAs of 32
     variant = variants.choose_decode("decode", big_group, aligned=True)
-    assert variant.block_m == 32 and decode.count_splits(big_group, variant, 132, 228 * 1024) == 132 * 2 // 8
+    assert variant.block_m == 32 and decode.count_splits(big_group, variant, 132, 228 * 1024) == 32
+    full, *_ = _decode_problem(batch=32, heads_k=8, heads_q=32, slots=4096)  # 256 CTAs fill the GPU alone
+    assert decode.count_splits(full, variants.choose_decode("decode", full, aligned=True), 132, 228 * 1024) == 1
 
 
 def test_pack_decode():

@@ -555,7 +555,8 @@ class _LiveBytes(TorchDispatchMode):
 def ring_memory_failures(world_size: int, rank: int) -> list[str]:
     """The bytes per token the backward allocates beyond the caller's tensors, against the count of
     ``peak_bytes_per_token`` (its terms but the caller's tensors and the backend's parts, which are
-    the NumPy backend's arrays here): two dK/dV sets in flight, not three; packed documents in
+    the NumPy backend's arrays here; at most, and no less than without the first call's sums):
+    two dK/dV sets in flight, not three; packed documents in
     "document_zigzag"."""
     failures = []
     tokens, heads, heads_k, dim = 512, 4, 2, 16
@@ -578,9 +579,12 @@ def ring_memory_failures(world_size: int, rank: int) -> list[str]:
                                      exchange=exchange)
         expected = count["ring"] - count["terms"]["q, o, do, k, v (the caller's)"] \
             - count["terms"]["a call's dq, dk, dv parts"]
-        if allocated.peak / tokens != expected:
+        # the first call's sums may be made at a moment other than the peak's (with W = 2, when
+        # fewer dK/dV sets are live): the count holds them, so it bounds the peak from above
+        least = expected - count["terms"]["the first call's dK/dV, summed"]
+        if not least <= allocated.peak / tokens <= expected:
             failures.append(f"W={world_size} {exchange} {layout}: the backward allocated {allocated.peak / tokens} "
-                            f"bytes per token at its peak, counted {expected}")
+                            f"bytes per token at its peak, counted {expected} (at least {least})")
     return failures
 
 

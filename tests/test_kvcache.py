@@ -1,5 +1,5 @@
 """attention_with_kvcache in the core: validation, host reads, dispatch, empty calls; the NumPy
-reference against dense attention; the Triton backend's choice of splits.
+reference against dense attention; the Triton backend's split count (the core's rule with its tiles).
 
 The contract's cases (every layout, splits, tree masks, poison, malformed tables) are in the
 conformance suite (``flashx_conformance/test_decode.py``), run against every backend.
@@ -217,19 +217,29 @@ def test_numpy_declines_writing_a_torch_bfloat16_cache():
     assert o.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("batch, capacity, expected", [
-    (1, 16384, 16),  # 8 programs on 132 SMs: 16 splits make one wave of 128
-    (1, 131072, 16),
-    (4, 16384, 4),
-    (16, 8192, 1),  # 128 programs fill the SMs alone
-    (64, 4096, 1),
-    (1, 512, 2),  # 8 key tiles of 64: at least 4 per split
+@pytest.mark.parametrize("batch, paged, expected", [
+    (1, False, 32),  # 8 programs, two an SM on 132 SMs: 32 splits make one wave of 256
+    (16, False, 2),
+    (32, False, 1),  # 256 programs fill the SMs alone
+    (1, True, 16),  # paged: 128-key tiles in 3 stages, one program an SM
+    (16, True, 1),
 ])
-def test_triton_split_choice(batch, capacity, expected):
+def test_triton_split_choice(monkeypatch, batch, paged, expected):
+    """The core's rule (``flashx.splits``) with the Triton kernel's tiles and programs an SM, on an
+    H100's 132 SMs of 227 KB, bf16 at d128 over a cache of 64k keys."""
     pytest.importorskip("triton")
-    from flashx_triton.decode import choose_splits
+    import torch
 
-    assert choose_splits(batch, 8, 1, capacity, 64, 132) == expected
+    from flashx_triton import decode
+
+    monkeypatch.setattr(decode, "_interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_device_size", lambda device: (132, 227 * 1024))
+    q = torch.zeros(batch, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(batch * 65536 // 256 if paged else batch, 256 if paged else 65536, 8, 128, dtype=torch.bfloat16)
+    table = torch.arange(batch * 256, dtype=torch.int32).view(batch, 256) if paged else None
+    problem = validation.build_decode_problem(q, cache, cache, cache_seqlens=torch.zeros(batch, dtype=torch.int32),
+                                              block_table=table, validate=False)
+    assert decode.splits(problem, torch.device("cuda")) == expected
 
 
 def test_the_demo_decodes_and_checks_itself(monkeypatch, capsys):

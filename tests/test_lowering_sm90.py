@@ -286,3 +286,52 @@ def test_a_kernel_the_worker_cannot_compile_or_never_compiles_is_answered():
         worker.send("flashx_triton.forward", "_forward_kernel", "{}")
     assert all(compiling.done() for compiling in worker.waiting)
     assert background._worker(target) is not worker
+
+
+@pytest.mark.parametrize("options", [ATTENTION["causal"], ATTENTION["sinks, dropout"]], ids=["causal", "sinks, dropout"])
+def test_accumulating_kernels_lower(compiled, monkeypatch, options):
+    """forward_into's and backward_into's kernels (``ACCUMULATE``) compile for sm_90, under the
+    shipped choices their plain kernels take."""
+    from flashx_triton import TritonBackend, tuning
+
+    monkeypatch.setattr(tuning, "settled", lambda kernel, problem, settle: tuning.choose(kernel, problem, lambda _: None))
+    options = {name: torch.tensor(value) if isinstance(value, list) else value for name, value in options.items()}
+    q, k, v = _inputs()
+    problem = build_problem(q, k, v, **options)
+    o_sums = torch.zeros(problem.o_shape)
+    lse_sums = torch.full(problem.lse_shape, -float("inf"))
+    backend = TritonBackend()
+    backend.forward_into(problem, q, k, v, o_sums, lse_sums)
+    backend.backward_into(problem, q, k, v, o_sums.to(q.dtype), lse_sums, torch.randn_like(q),
+                          *(torch.zeros(x.shape) for x in (q, k, v)))
+    assert {kernel.name for kernel in compiled} >= {"_forward_kernel", "_gradients_kernel"}
+
+
+SPLIT_KERNELS = {  # (Hq, Hk, head dim, dtype, cache dtype, paged)
+    "contiguous": (32, 8, 128, torch.bfloat16, torch.bfloat16, False),
+    "paged": (32, 8, 128, torch.bfloat16, torch.bfloat16, True),
+    "fp8": (32, 8, 128, torch.bfloat16, torch.float8_e4m3fn, False),
+    "fp8, paged": (32, 8, 128, torch.bfloat16, torch.float8_e4m3fn, True),
+    "64 rows": (64, 1, 128, torch.bfloat16, torch.bfloat16, False),
+    "d256": (32, 8, 256, torch.bfloat16, torch.bfloat16, False),
+    "float32": (32, 8, 128, torch.float32, torch.float32, False),
+}
+
+
+@pytest.mark.parametrize("shape", SPLIT_KERNELS.values(), ids=SPLIT_KERNELS.keys())
+def test_split_programs_an_sm_holds_are_never_overcounted(compiled, shape):
+    """``programs_per_sm``, estimated before the split kernel compiles, is at most what the
+    compiled kernel's own shared memory lets an H100 SM (227 KB a program) hold."""
+    from flashx_triton import TritonBackend
+    from flashx_triton.decode import PROGRAMS_PER_SM, RESERVED_SHARED, config, programs_per_sm
+
+    heads_q, heads_k, dim, dtype, cache_dtype, paged = shape
+    q = torch.zeros(2, 1, heads_q, dim, dtype=dtype)
+    cache = torch.zeros(8 if paged else 2, 256 if paged else 1024, heads_k, dim, dtype=dtype).to(cache_dtype)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
+    problem = build_decode_problem(q, cache, cache, cache_seqlens=torch.tensor([300, 400], dtype=torch.int32),
+                                   block_table=table, num_splits=2)
+    TritonBackend().decode(problem, q, cache, cache, None, None)
+    shared = 227 * 1024
+    held = max(1, min(PROGRAMS_PER_SM, shared // (compiled[0].metadata.shared + RESERVED_SHARED)))
+    assert programs_per_sm(problem, config(problem), shared) <= held

@@ -741,3 +741,113 @@ def test_calls_of_one_static_problem_share_their_launches_and_bring_their_own_va
                              seqlens_k=torch.tensor([n, 48 - n], dtype=torch.int32))
         built.append(len(launch._built))
     assert built == [2, 2, 2]  # the forward's and the backward's launches
+
+
+# ---------------------------------------------------------------- accumulating into running sums
+
+
+def _accumulating_case(name):
+    """(q, k, v, do, options) of a small problem: padded with GQA, lengths or dropout, or packed
+    with an empty sequence and rows past the last."""
+    torch.manual_seed(zlib_seed(name))
+    if name == "packed":
+        cu = torch.tensor([0, 30, 30, 75], dtype=torch.int32)
+        q, do = randn(90, 4, 16), randn(90, 4, 16)
+        k, v = randn(80, 2, 16), randn(80, 2, 16)
+        return q, k, v, do, dict(cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 20, 50, 80], dtype=torch.int32),
+                                 causal=True)
+    q, do = randn(2, 70, 4, 16), randn(2, 70, 4, 16)
+    k, v = randn(2, 100, 2, 16), randn(2, 100, 2, 16)
+    options = {"causal": dict(causal=True),
+               "dropout": dict(window=(9, 20), dropout_p=0.3, seed=5, softcap=2.0),
+               "lengths": dict(seqlens_q=torch.tensor([70, 33], dtype=torch.int32),
+                               seqlens_k=torch.tensor([41, 100], dtype=torch.int32), causal=True),
+               "nan": dict(causal=True)}[name]
+    if name == "nan":  # a key that the plain launch's masked tiles meet in rows that may not read it
+        v[:, 90] = math.nan
+    return q, k, v, do, options
+
+
+def zlib_seed(name: str) -> int:
+    return sum(map(ord, name))
+
+
+def _running(shape, lse_shape):
+    """A running state (o, lse) in float32, some rows still empty (lse = -inf, o = 0), inside views
+    of larger buffers as a ring passes them (rows 3 on)."""
+    o = randn(*shape[:-3], shape[-3] + 3, *shape[-2:])[..., 3:, :, :]
+    lse = randn(*lse_shape[:-1], lse_shape[-1] + 3)[..., 3:]
+    lse[..., :5] = -math.inf
+    o.transpose(-3, -2)[..., :5, :] = 0.0
+    return o, lse
+
+
+@pytest.mark.parametrize("name", ["causal", "dropout", "lengths", "packed", "nan"])
+def test_forward_into_merges_as_the_cores_merge_of_a_returned_part(name):
+    """Kernels that merge as they write against the core's merge of the plain call's (o, lse), and
+    against the float64 oracle merged in float64. With a NaN in V the plain launch meets it in
+    masked tiles: a program it flags must merge once, in the exact launch."""
+    from flashx.accumulate import run_forward_into
+    from flashx.api import merge_weights
+    from flashx.options import complete
+    from flashx.plan import plan
+
+    q, k, v, _, options = _accumulating_case(name)
+    problem, triton_impl = plan(q, k, v, "triton", complete("attention_forward", dict(options)))
+    _, numpy_impl = plan(q, k, v, "numpy", complete("attention_forward", dict(options)))
+    assert triton_impl.implements("forward_into") and not numpy_impl.implements("forward_into")
+    o_sums, lse_sums = _running(problem.o_shape, problem.lse_shape)
+    start = o_sums.clone(), lse_sums.clone()
+    o_base, lse_base = o_sums._base.clone(), lse_sums._base.clone()
+    run_forward_into(triton_impl, problem, q, k, v, o_sums, lse_sums)
+    fallback = [x.clone() for x in start]
+    run_forward_into(numpy_impl, problem, q, k, v, *fallback)
+    for got, want in zip((o_sums, lse_sums), fallback):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.equal(o_sums._base[..., :3, :, :], o_base[..., :3, :, :])  # the rows before the view
+    assert torch.equal(lse_sums._base[..., :3], lse_base[..., :3])
+    numpy_options = {key: x.numpy() if isinstance(x, torch.Tensor) else x for key, x in options.items()}
+    o, lse = oracle.forward(*(x.double().numpy() for x in (q, k, v)), **numpy_options)
+    weight_start, weight, merged = merge_weights(np, start[1].double().numpy(), np.asarray(lse))
+    want = weight_start * start[0].double().numpy() + weight * np.nan_to_num(np.asarray(o), nan=np.nan)
+    if problem.varlen:  # rows of no sequence are left as they were
+        want[75:], merged[:, 75:] = start[0][75:].numpy(), start[1][:, 75:].numpy()
+    np.testing.assert_allclose(o_sums.double().numpy(), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse_sums.double().numpy(), merged, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["causal", "dropout", "lengths", "packed", "nan"])
+def test_backward_into_adds_what_backward_returns_unrounded(name):
+    """Gradient programs that add into running float32 sums against the core's sums of the plain
+    call's parts; a program the plain launch flags adds once, in the exact launch."""
+    from flashx.accumulate import run_backward_into
+    from flashx.options import complete
+    from flashx.plan import plan
+
+    q, k, v, do, options = _accumulating_case(name)
+    problem, triton_impl = plan(q, k, v, "triton", complete("attention_forward", dict(options)))
+    _, numpy_impl = plan(q, k, v, "numpy", complete("attention_forward", dict(options)))
+    assert triton_impl.implements("backward_into")
+    o, lse = flashx.attention(q, k, v, return_lse=True, backend="numpy", **options)
+    sums = [randn(*x.shape) for x in (q, k, v)]
+    fallback = [x.clone() for x in sums]
+    assert run_backward_into(triton_impl, problem, q, k, v, o, lse, do, *sums) is None
+    run_backward_into(numpy_impl, problem, q, k, v, o, lse, do, *fallback)
+    for got, want in zip(sums, fallback):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5, equal_nan=True)
+
+
+def test_backward_into_with_sinks_returns_dsinks():
+    from flashx.accumulate import run_backward_into
+    from flashx.options import complete
+    from flashx.plan import plan
+
+    q, k, v, do, options = _accumulating_case("causal")
+    options["sinks"] = torch.tensor([0.5, -1.0, 2.0, -math.inf])
+    problem, impl = plan(q, k, v, "triton", complete("attention_forward", dict(options)))
+    o, lse = flashx.attention(q, k, v, return_lse=True, backend="numpy", **options)
+    sums = [torch.zeros(x.shape) for x in (q, k, v)]
+    dsinks = run_backward_into(impl, problem, q, k, v, o, lse, do, *sums)
+    want = flashx.attention_backward(do, q, k, v, o, flashx.Residuals(lse, 0, 0), backend="numpy", **options)
+    for got, part in zip((*sums, dsinks), want):
+        torch.testing.assert_close(got, part.float(), rtol=1e-5, atol=2e-5)

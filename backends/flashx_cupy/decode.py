@@ -11,11 +11,11 @@ build (``Variant.fp8_cache``): the caches arrive as torch float8 tensors, read t
 addresses as bytes, and the (B, Hk) descales as float32 tensors or None, passed as addresses
 (null: 1) that no host code reads, so that such a call is as capturable as any.
 
-``num_splits=0`` takes ``choose_splits``: as many splits as fill one wave of the CTAs the GPU holds
-at once, none when the (sequence, kv head, row tile) CTAs alone fill it, each split keeping at
-least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. It is chosen from the capacity (S,
-or max_pages x page_size), not from the lengths, which only the device holds, so the choice is
-the same with and without ``validate``.
+``num_splits=0`` takes the core's rule (``flashx.splits``, FA3's heuristic in units of CTAs),
+with the variant's tiles and the CTAs an SM holds by their shared memory and threads
+(``ctas_per_sm``). It is chosen from the cache's capacity (S, or max_pages x page_size), never from
+the lengths, which only the device holds, so the choice is the same with and without ``validate``
+and in a CUDA graph replayed with other lengths.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from flashx.splits import decode_splits
 from flashx_cupy import variants
 from flashx_cupy.launch import aligned, caller_stream, launch, record, row_stat_fields, score_mod_fields, tiles
 
-MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this a split cost more in the merge than they gain
-MAX_SPLITS = 128
 #: Shared memory the driver keeps per CTA beside its dynamic shared memory.
 RESERVED_SHARED_PER_CTA = 1024
 MAX_THREADS_PER_SM = 2048
@@ -94,21 +93,10 @@ def decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse) -> dict:
 
 
 def count_splits(problem, variant, sm_count: int, shared_per_sm: int) -> int:
-    """How many splits a call runs: ``num_splits``, or ``choose_splits``'s count, never more than
-    the cache's key tiles (more would only add empty splits)."""
-    key_tiles = max(1, -(-problem.capacity // variant.block_n))
-    if problem.num_splits:
-        return min(problem.num_splits, key_tiles)
-    ctas = problem.batch * problem.heads_k * tiles(problem.seqlen_q * problem.group, variant.block_m)
-    return choose_splits(ctas, key_tiles, sm_count * ctas_per_sm(variant, shared_per_sm))
-
-
-def choose_splits(ctas: int, key_tiles: int, resident: int) -> int:
-    """The split count of ``num_splits=0`` for ``ctas`` (sequence, kv head, row tile) CTAs over a
-    cache of ``key_tiles`` tiles, on a GPU that holds ``resident`` CTAs at once (see the module
-    docstring)."""
-    most = max(1, -(-key_tiles // MIN_TILES_PER_SPLIT))
-    return max(1, min(resident // max(ctas, 1), most, MAX_SPLITS))
+    """How many splits a call runs: ``flashx.splits.decode_splits`` with ``variant``'s tiles on a
+    GPU of ``sm_count`` SMs of ``shared_per_sm`` bytes of shared memory."""
+    return decode_splits(problem, sm_count=sm_count, block_n=variant.block_n, block_m=variant.block_m,
+                         per_sm=ctas_per_sm(variant, shared_per_sm)).count
 
 
 def ctas_per_sm(variant, shared_per_sm: int) -> int:

@@ -307,15 +307,16 @@ def backward(problem, q, k, v, o, lse, do):
         rows = problem.total_q if varlen else problem.batch * problem.seqlen_q
         launch(variant, device, tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, **fields), np.int32(rows))
 
-        if variants.fused_dq(problem):
+        sm90 = variants.sm90_backward(problem, is_aligned, device.compute_capability)
+        if not sm90 and variants.fused_dq(problem):
             _dkdv_adding_dq(problem, device, variants.choose("dkdv", problem, is_aligned, dq_atomic=True), fields, dq)
         else:
-            variant = variants.choose("dq", problem, is_aligned)
+            variant = variants.choose("dq_sm90" if sm90 else "dq", problem, is_aligned)
             tiles_m = tiles(problem.seqlen_q, variant.block_m)
             launch(variant, device, tiles_m * problem.heads_q * problem.batch, pack(problem, tiles_m=tiles_m, **fields))
             for parts in variants.dkdv_parts(head_dim_class(problem.head_dim),
                                              head_dim_class(problem.head_dim_v)):
-                variant = variants.choose("dkdv", problem, is_aligned, parts)
+                variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, parts)
                 tiles_m = tiles(problem.seqlen_k, variant.block_m)
                 launch(variant, device, tiles_m * problem.heads_k * problem.batch,
                        pack(problem, tiles_m=tiles_m, **fields))

@@ -9,6 +9,7 @@ holding tensor-core products (the tile loops) are counted by opcode.
     python -m flashx_cupy.resources --kernel forward --features mask=1,dropout=1
     python -m flashx_cupy.resources --kernel forward_sm90 dq dkdv --features softcap=1,alibi=1,sinks=1
     python -m flashx_cupy.resources --kernel forward_fp8_sm90 --dtype bfloat16 float16   # FP8 inputs, o's dtype
+    python -m flashx_cupy.resources --kernel dq_sm90 dkdv_sm90 --dtype bfloat16 float16 --dim 64 128 --features mask=1,dropout=1
     python -m flashx_cupy.resources --kernel decode decode_merge decode_append --features paged=1,mask=1
     python -m flashx_cupy.resources --kernel decode decode_append --dtype bfloat16 float16 --features fp8_cache=1
 
@@ -113,7 +114,8 @@ def decode_variants(kernel: str, dtype: str, dim: int, rows: list[int], features
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m flashx_cupy.resources", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", nargs="+", default=["forward", "dq", "dkdv"],
-                        choices=["forward", "forward_sm90", "forward_fp8_sm90", "dq", "dkdv", *variants.DECODE_KERNELS])
+                        choices=["forward", "forward_sm90", "forward_fp8_sm90", "dq", "dkdv", "dq_sm90", "dkdv_sm90",
+                                 *variants.DECODE_KERNELS])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=list(variants.DTYPE_CODES))
     parser.add_argument("--dim", nargs="+", type=int, default=list(variants.HEAD_DIM_CLASSES))
     parser.add_argument("--tile", help="BLOCK_MxBLOCK_NxWARPS instead of the shipped tiles")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -70,6 +71,12 @@ TILES = {
     # 128-byte swizzled row.
     ("forward_fp8_sm90", "8", 64): (128, 128, 8),
     ("forward_fp8_sm90", "8", 128): (128, 128, 8),
+    # The wgmma backward: two warpgroups of 64 keys (dK/dV) or query rows (dQ), 64 of the other
+    # a step (the scores and dP beside the sums in registers).
+    ("dkdv_sm90", "16", 64): (128, 64, 8),
+    ("dkdv_sm90", "16", 128): (128, 64, 8),
+    ("dq_sm90", "16", 64): (128, 64, 8),
+    ("dq_sm90", "16", 128): (128, 64, 8),
 }
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
@@ -100,14 +107,20 @@ DECODE_ROW_ELEMENTS = 4096
 #: each reading the (byte-wide) cache.
 DECODE_FP8_ROWS = 32
 DECODE_KERNELS = ("decode", "decode_merge", "decode_append")
-FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "forward_fp8_sm90": "forward_fp8_sm90.cu", "dq": "dq.cu", "dkdv": "dkdv.cu", "delta": "dq.cu", **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
+FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "forward_fp8_sm90": "forward_fp8_sm90.cu",
+         "dq": "dq.cu", "dkdv": "dkdv.cu", "dkdv_sm90": "dkdv_sm90.cu", "dq_sm90": "dq_sm90.cu", "delta": "dq.cu",
+         **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
 ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm90",
-                "forward_fp8_sm90": "flashx_forward_fp8_sm90", "dq": "flashx_dq",
-                "dkdv": "flashx_dkdv", "delta": "flashx_delta", "decode": "flashx_decode",
-                "decode_merge": "flashx_decode_merge", "decode_append": "flashx_decode_append"}
+                "forward_fp8_sm90": "flashx_forward_fp8_sm90", "dq": "flashx_dq", "dkdv": "flashx_dkdv",
+                "dkdv_sm90": "flashx_dkdv_sm90", "dq_sm90": "flashx_dq_sm90", "delta": "flashx_delta",
+                "decode": "flashx_decode", "decode_merge": "flashx_decode_merge", "decode_append": "flashx_decode_append"}
 #: Kernels built for one architecture: wgmma exists only in sm_90a code. CuPy appends its own
 #: ``-arch=sm_XX`` after these options; NVRTC keeps the architecture-specific target.
-ARCHITECTURES = {"forward_sm90": "sm_90a", "forward_fp8_sm90": "sm_90a"}
+ARCHITECTURES = {"forward_sm90": "sm_90a", "forward_fp8_sm90": "sm_90a", "dq_sm90": "sm_90a", "dkdv_sm90": "sm_90a"}
+#: Set to "0", the backward keeps flashx_dq and flashx_dkdv (mma.sync, with the fused dQ where
+#: ``fused_dq`` says) where it would take the wgmma kernels: the switch that compares the two on
+#: one GPU.
+SM90_BACKWARD_ENV = "FLASHX_CUPY_SM90_BACKWARD"
 #: The wgmma forwards' warps beside their WARPS: one warpgroup that only copies Q, K and V
 #: (``PRODUCER_THREADS`` in forward_sm90.cu and forward_fp8_sm90.cu).
 PRODUCER_WARPS = 4
@@ -119,7 +132,7 @@ DELTA_WARPS = 8
 class Variant:
     """One kernel specialised for a problem's dtype, head dims, tiles and features."""
 
-    kernel: str  # "forward" | "forward_sm90" | "forward_fp8_sm90" | "dq" | "dkdv" | "delta" | one of DECODE_KERNELS
+    kernel: str  # "forward" | "forward_sm90" | "forward_fp8_sm90" | "dq" | "dkdv" | "dq_sm90" | "dkdv_sm90" | "delta" | one of DECODE_KERNELS
     dtype: str  # the data's; "forward_fp8_sm90": o's (out_dtype), its inputs being float8_e4m3fn
     dim_qk: int  # head-dim classes
     dim_v: int
@@ -200,6 +213,10 @@ class Variant:
             return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 4 * self.dim_v)) + 128
         if self.kernel == "forward_fp8_sm90":  # bytes: Q and two K tiles of 128-byte rows, three V^T tiles, zeros; barriers
             return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * self.block_n + 128
+        if self.kernel == "dkdv_sm90":  # swizzled, unpadded: K and V, two Q and dO tiles each; two tiles' LSE and D
+            return size * (self.block_m + 2 * self.block_n) * (self.dim_qk + self.dim_v) + 4 * self.block_n * 4
+        if self.kernel == "dq_sm90":  # swizzled, unpadded: Q and dO, two K and V tiles each; the allowed pairs
+            return size * (self.block_m + 2 * self.block_n) * (self.dim_qk + self.dim_v) + self.block_m * self.block_n
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
         m, n = self.block_m, self.block_n
@@ -236,7 +253,8 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         dropout=problem.dropout_p > 0,
         softcap=problem.softcap is not None,
         alibi=problem.alibi_slopes is not None,
-        sinks=problem.sinks is not None and kernel != "dkdv",  # dK and dV see the sink only through the LSE
+        # dK, dV and (where no delta kernel shares the build) dQ see the sink only through the LSE
+        sinks=problem.sinks is not None and kernel not in ("dkdv", "dkdv_sm90", "dq_sm90"),
         aligned=aligned,
         dkdv_parts=dkdv_parts,
         dq_atomic=dq_atomic,
@@ -322,6 +340,24 @@ def fp8_forward_reasons(problem, compute_capability: int | None) -> list[str]:
     if problem.block_mask is not None:
         reasons.append("takes no block mask with FP8 inputs")
     return reasons
+
+
+def sm90_backward(problem, aligned: bool, compute_capability: str) -> bool:
+    """Whether the backward takes the wgmma kernels (sm_90a code), flashx_dq_sm90 and
+    flashx_dkdv_sm90, for ``problem`` on a GPU of ``compute_capability`` (CuPy's "90" form).
+
+    They run on compute capability 9.0 for 16-bit problems whose operands are all ``aligned``, with
+    head dims up to 128, and take every feature of the pair rule, dropout and the score
+    modifications (dq.cuh's and dkdv.cuh's, shared with the mma.sync kernels); they add no atomics
+    (no fused dQ), so they serve deterministic calls too. Where both head dims are of class 64 and
+    ``fused_dq`` holds, the mma.sync kernel with the fused dQ (five products, not seven) was the
+    faster on the H200 (7.0 against 7.5 ms, bf16, N=8k, d64), and stays. flashx_dq and flashx_dkdv
+    (mma.sync) serve every other problem, every GPU, and all problems where the environment sets
+    ``SM90_BACKWARD_ENV`` to "0".
+    """
+    widest = max(head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v))
+    return (compute_capability == "90" and problem.dtype != "float32" and aligned and widest <= 128
+            and not (widest == 64 and fused_dq(problem)) and os.environ.get(SM90_BACKWARD_ENV, "1") != "0")
 
 
 def fused_dq(problem) -> bool:

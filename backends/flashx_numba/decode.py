@@ -40,12 +40,10 @@ holds the key; the slope is per row, the rows of a tile mixing heads.
 
 A split covers a fixed share of the key tiles its rows may see, computed on the device from the
 sequence's length, so a fixed ``num_splits`` gives the same bits on every call. ``num_splits=0``
-takes ``choose_splits``, the rule of the Triton backend (``flashx_triton.decode``) with this
-backend's own constants: enough splits to give every SM ``RESIDENT_BLOCKS`` blocks (the number
-its registers let one hold), none when the (sequence, kv head, row tile) blocks alone
-do, and each split at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity, chosen from
-the capacity (which the host knows) rather than the lengths (which only the device holds). Not yet
-tuned on a GPU.
+takes the core's rule (``flashx.splits``, FA3's heuristic in units of blocks), with this kernel's
+tiles and ``RESIDENT_BLOCKS`` blocks an SM (the number its registers let one hold), chosen from the
+cache's capacity (which the host knows) rather than the lengths (which only the device holds).
+Not yet tuned on a GPU.
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ import numpy as np
 import torch
 from numba import cuda, types
 
+from flashx.splits import decode_splits
 from flashx_numba.attention import _broadcast, _device_array, _launch, _launching, _placeholders
 from flashx_numba.disk_cache import cached_kernel
 from flashx_numba.kernels import LOG2E, _tensor
@@ -65,8 +64,6 @@ from flashx_numba.primitives import (NEG_INF, SIMULATOR, SKIP, bits_of_float, de
                                      lanes_sum, load, max_nan, skipped, store)
 from flashx_numba.score_mods import modify, with_sink
 
-MIN_TILES_PER_SPLIT = 4  # a split of fewer key tiles would cost more in the merge than it gains
-MAX_SPLITS = 128
 #: Split blocks an SM holds at once, by the caches' dtype: a 16-bit cache's kernel is compiled with
 #: launch bounds of three blocks of 128 threads (ptxas, sm_90: 168 registers and 56-72 bytes of
 #: spills, d64 to d256, with and without score mods; unbounded it takes 213-226). On an H200 three
@@ -598,22 +595,12 @@ def append_kernel(dtype: str):
     return kernel
 
 
-def choose_splits(blocks: int, key_tiles: int, resident: int) -> int:
-    """The split count of ``num_splits=0`` for ``blocks`` (sequence, kv head, row tile) blocks over
-    a capacity of ``key_tiles`` tiles, on a GPU that holds ``resident`` blocks at once (see the
-    module docstring)."""
-    return max(1, min(resident // blocks, -(-key_tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS))
-
-
 def splits(problem) -> int:
-    """How many splits a call runs: ``num_splits``, or ``choose_splits``'s count, never more than the
-    cache's key tiles (more would only add empty splits, and leave each split's share as it was)."""
+    """How many splits a call runs: ``flashx.splits.decode_splits`` with this kernel's tiles
+    (``split_shape``) on the problem's GPU, or the simulator's stand-in of ``SIMULATED_SMS`` SMs."""
     shape = split_shape(problem)
-    key_tiles = max(1, -(-problem.capacity // shape.cols))
-    resident = _sm_count(problem.device_index) * RESIDENT_BLOCKS[problem.dtype]
-    chosen = problem.num_splits or choose_splits(problem.batch * problem.heads_k * _row_tiles(problem, shape),
-                                                 key_tiles, resident)
-    return min(chosen, key_tiles)
+    return decode_splits(problem, sm_count=_sm_count(problem.device_index), block_n=shape.cols, block_m=shape.rows,
+                         per_sm=RESIDENT_BLOCKS[problem.dtype]).count
 
 
 def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new, v_new):

@@ -55,6 +55,16 @@ class TritonBackend(flashx.Backend):
 
         return backward(problem, q, k, v, o, lse, do)
 
+    def forward_into(self, problem, q, k, v, o_sums, lse_sums):
+        from flashx_triton.forward import forward_into
+
+        forward_into(problem, q, k, v, o_sums, lse_sums)
+
+    def backward_into(self, problem, q, k, v, o, lse, do, dq_sums, dk_sums, dv_sums):
+        from flashx_triton.backward import backward_into
+
+        return backward_into(problem, q, k, v, o, lse, do, dq_sums, dk_sums, dv_sums)
+
     def decode(self, problem, q, k_cache, v_cache, k_new, v_new):
         from flashx_triton.decode import decode
 

@@ -178,6 +178,7 @@ def _dkdv_program(
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """dK and dV of key tile [n0, n0 + BLOCK_N) of key head ``head_k``, the query rows streamed BLOCK_M at a time.
     The strides and lengths are _gradients_kernel's."""
@@ -244,18 +245,26 @@ def _dkdv_program(
                                              SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, HOST_DESCRIPTORS,
                                              EXACT, side - 1 if part == SPLIT_PART else 0)
         if not EXACT:
-            flag_nonfinite(REDO, tl.sum(dk) + tl.sum(dv))
+            finite = flag_nonfinite(REDO, tl.sum(dk) + tl.sum(dv))
 
         # Padded keys past k_len get zero gradients, whatever K and V hold there.
         dk = tl.where(live, dk * softmax_scale, 0.0)
         dv = tl.where(live, dv, 0.0)
         store_rows = cols[:, None] < rows_out
-        tl.store(DK + b64 * stride_dkb + key_row0 * stride_dkn + hk.to(tl.int64) * stride_dkh
-                 + cols_in_tile[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty),
-                 mask=store_rows & (dims[None, :] < HEAD_DIM))
-        tl.store(DV + b64 * stride_dvb + key_row0 * stride_dvn + hk.to(tl.int64) * stride_dvh
-                 + cols_in_tile[:, None] * stride_dvn + dims_v[None, :], dv.to(DV.dtype.element_ty),
-                 mask=store_rows & (dims_v[None, :] < HEAD_DIM_V))
+        dk_at = (DK + b64 * stride_dkb + key_row0 * stride_dkn + hk.to(tl.int64) * stride_dkh
+                 + cols_in_tile[:, None] * stride_dkn + dims[None, :])
+        dv_at = (DV + b64 * stride_dvb + key_row0 * stride_dvn + hk.to(tl.int64) * stride_dvh
+                 + cols_in_tile[:, None] * stride_dvn + dims_v[None, :])
+        dk_rows = store_rows & (dims[None, :] < HEAD_DIM)
+        dv_rows = store_rows & (dims_v[None, :] < HEAD_DIM_V)
+        if ACCUMULATE:  # DK and DV hold running sums: this program is their one writer in the launch
+            if not EXACT:  # a flagged program adds in the exact launch (flag_nonfinite)
+                dk_rows = tl.where(finite, dk_rows, False)
+                dv_rows = tl.where(finite, dv_rows, False)
+            dk += tl.load(dk_at, mask=dk_rows, other=0.0)
+            dv += tl.load(dv_at, mask=dv_rows, other=0.0)
+        tl.store(dk_at, dk.to(DK.dtype.element_ty), mask=dk_rows)
+        tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=dv_rows)
 
 
 @triton.jit
@@ -330,6 +339,7 @@ def _dq_program(
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, PARTS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr, EXACT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """dQ of query tile [m0, m0 + BLOCK_M) of query head ``head``, the keys streamed BLOCK_N at a time.
     The strides and lengths are _gradients_kernel's."""
@@ -388,12 +398,17 @@ def _dq_program(
                                    HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
                                    HOST_DESCRIPTORS, EXACT, 1 - side if part == SPLIT_PART else 0)
         if not EXACT:
-            flag_nonfinite(REDO, tl.sum(dq))
+            finite = flag_nonfinite(REDO, tl.sum(dq))
 
         dq = tl.where(live, dq * softmax_scale, 0.0)
-        tl.store(DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
-                 + dims[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=(rows[:, None] < rows_out) & (dims[None, :] < HEAD_DIM))
+        dq_at = (DQ + b64 * stride_dqb + row0 * stride_dqn + h64 * stride_dqh + rows_in_tile[:, None] * stride_dqn
+                 + dims[None, :])
+        dq_rows = (rows[:, None] < rows_out) & (dims[None, :] < HEAD_DIM)
+        if ACCUMULATE:  # as in _dkdv_program
+            if not EXACT:
+                dq_rows = tl.where(finite, dq_rows, False)
+            dq += tl.load(dq_at, mask=dq_rows, other=0.0)
+        tl.store(dq_at, dq.to(DQ.dtype.element_ty), mask=dq_rows)
 
 
 # Passes's program count, LENGTHS and DROPOUT_DRAW: one compile for any
@@ -413,7 +428,7 @@ def _gradients_kernel(
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, KEY_PARTS: tl.constexpr, QUERY_PARTS: tl.constexpr,
     HOST_DESCRIPTORS: tl.constexpr, KEY_PROGRAMS: tl.constexpr, QUERY_PROGRAMS: tl.constexpr,
-    EXACT: tl.constexpr,
+    EXACT: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """Per key head, the programs of its key tiles (dK, dV; if KEY_PROGRAMS) and then those of the
     query tiles of its query heads (dQ; if QUERY_PROGRAMS). Each program keeps TILE rows resident
@@ -438,7 +453,7 @@ def _gradients_kernel(
                           padded_k, heads_q, group, left, right, masks, dropout, scales, mods, HEAD_DIM, HEAD_DIM_V,
                           BLOCK_D, BLOCK_DV, STREAM, TILE, IS_VARLEN, HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK,
                           HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA, KEY_PARTS,
-                          HOST_DESCRIPTORS, EXACT)
+                          HOST_DESCRIPTORS, EXACT, ACCUMULATE)
         else:
             local -= key_tiles
             _dq_program(head_k * group + local // query_tiles, (query_tiles - 1 - local % query_tiles) * TILE, Q, K, V,
@@ -446,7 +461,7 @@ def _gradients_kernel(
                         SEQLENS_Q, SEQLENS_K, MASK, BLOCKS, SLOPES, padded_q, padded_k, heads_q, group, left, right,
                         masks, dropout, scales, mods, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, TILE, STREAM, IS_VARLEN,
                         HAS_SEQLENS_Q, HAS_SEQLENS_K, HAS_MASK, HAS_BLOCK_MASK, DROPOUT, SOFTCAP, FAST_TANH, ALIBI,
-                        DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT)
+                        DOT_PRECISION, USE_TMA, QUERY_PARTS, HOST_DESCRIPTORS, EXACT, ACCUMULATE)
 
 
 def backward(problem, q, k, v, o, lse, do):
@@ -458,17 +473,57 @@ def backward(problem, q, k, v, o, lse, do):
     # torch.empty with shape, dtype and device.
     alloc = torch.zeros_like if problem.varlen and problem.rows_past_sequences else torch.empty_like
     dq, dk, dv = (alloc(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    sinks = problem.sinks
-    # rows past cu_seqlens[-1] get no term: they read no key
-    sink_terms = None if sinks is None else alloc(lse)
     tensors, draws = call_args(problem)
     prepare, gradients, use_tma = per_problem(problem, ("backward", layout(q, k, v, o, do, lse, *tensors)),
                                               lambda: _launches(problem, q, k, v, o, do, lse))
+    return _run(problem, prepare, gradients, use_tma, q, k, v, o, lse, do, dq, dk, dv, (*tensors, *draws))
+
+
+def backward_into(problem, q, k, v, o, lse, do, dq_sums, dk_sums, dv_sums):
+    """``Backend.backward_into``: the gradient kernel under ACCUMULATE, whose programs add their
+    float32 dq, dk, dv into the running sums they would have written, under the plan and
+    configurations the plain backward chooses (``tuning.settled``). Returns dsinks, or None."""
+    given = q, k, v, o, lse, do
+    q, k, v, o, do = (last_dim_contiguous(x) for x in (q, k, v, o, do))
+    lse = lse.contiguous()
+    dq, dk, dv = (last_dim_contiguous(x) for x in (dq_sums, dk_sums, dv_sums))  # written through their strides
+    tensors, draws = call_args(problem)
+    call = (*tensors, *draws)
+
+    def build():
+        settle = functools.partial(backward, problem, *given)
+        plan = tuning.settled("gradients", problem, settle)
+        # lse2 and delta are laid out as lse (_run): the launches bind their strides alone
+        launches = [_gradients_launch(problem, tuning.settled(part, problem, settle), q, k, v, do, dq, dk, dv, lse,
+                                      lse, *call, part=part, accumulate=True) for part in _PLANS[plan]]
+
+        def gradients(problem, *tensors):
+            for launch in launches:
+                launch(*tensors)
+
+        return _prepare_launch(problem, o, do, lse), gradients, tma_ready(problem, q, k, v, do)
+
+    prepare, gradients, use_tma = per_problem(
+        problem, ("backward_into", layout(q, k, v, o, do, lse, dq, dk, dv, *tensors), tuning.autotuning()),
+        build)
+    dsinks = _run(problem, prepare, gradients, use_tma, q, k, v, o, lse, do, dq, dk, dv, call)[3:]
+    for sums, written in ((dq_sums, dq), (dk_sums, dk), (dv_sums, dv)):
+        if written is not sums:
+            sums.copy_(written)
+    return dsinks[0] if dsinks else None
+
+
+def _run(problem, prepare, gradients, use_tma, q, k, v, o, lse, do, dq, dk, dv, call: tuple):
+    """The prepare launch, then ``gradients`` into dq, dk, dv: (dq, dk, dv), and dsinks with sinks."""
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    sinks = problem.sinks
+    # rows past cu_seqlens[-1] get no term: they read no key
+    sink_terms = None if sinks is None else (torch.zeros_like if problem.varlen and problem.rows_past_sequences
+                                             else torch.empty_like)(lse)
     prepare(o, do, lse, delta, lse2, problem.cu_seqlens_q, problem.seqlens_q, sinks, sink_terms)
     if use_tma:  # some backward configurations build their descriptors in the kernel
         allow_kernel_descriptors(q)
-    dq, dk, dv = gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *tensors, *draws)
+    gradients(problem, q, k, v, do, dq, dk, dv, lse2, delta, *call)
     if sinks is None:
         return dq, dk, dv
     # dsinks[h] = -(sum of its rows' terms): lse's head axis is its second-to-last
@@ -478,15 +533,18 @@ def backward(problem, q, k, v, o, lse, do):
 def _launches(problem, q, k, v, o, do, lse):
     """The prepare launch, the gradient launches (tuned on first use), and whether the streamed
     operands load through TMA, for tensors laid out as these."""
+    return _prepare_launch(problem, o, do, lse), tuning.Tuned("gradients", _gradients_plan), tma_ready(problem, q, k, v, do)
+
+
+def _prepare_launch(problem, o, do, lse) -> Launch:
     varlen, args = problem.varlen, problem_args(problem)
     rows = 64 if not tuning.interpreting() else 16
-    prepare = Launch(_prepare_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, rows),), {},
-                     o_strides=row_strides(o, varlen), do_strides=row_strides(do, varlen),
-                     **lse_strides(lse, varlen), padded_q=problem.seqlen_q,
-                     heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
-                     BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"],
-                     HAS_SINKS=problem.sinks is not None)
-    return prepare, tuning.Tuned("gradients", _gradients_plan), tma_ready(problem, q, k, v, do)
+    return Launch(_prepare_kernel, (problem.batch * problem.heads_q * triton.cdiv(problem.seqlen_q, rows),), {},
+                  o_strides=row_strides(o, varlen), do_strides=row_strides(do, varlen),
+                  **lse_strides(lse, varlen), padded_q=problem.seqlen_q,
+                  heads_q=problem.heads_q, HEAD_DIM_V=problem.head_dim_v, BLOCK_DV=args["BLOCK_DV"],
+                  BLOCK_M=rows, IS_VARLEN=varlen, HAS_SEQLENS_Q=args["HAS_SEQLENS_Q"],
+                  HAS_SINKS=problem.sinks is not None)
 
 
 _PLANS = {"fused": ("fused",), "split": ("dkdv", "dq")}
@@ -505,9 +563,9 @@ def _gradients_plan(problem, plan, q, k, v, do, dq, dk, dv, lse2, delta, *call):
     return run
 
 
-def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, *call, part):
+def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, *call, part, accumulate=False):
     """The gradient kernel's ``part`` ("dkdv", "dq", or "fused": one launch for all three) under
-    ``config``, whose block_n keys (dK/dV; fused, as many query rows for dQ) or block_m query
+    ``config`` (with ``accumulate``, adding into dq, dk and dv), whose block_n keys (dK/dV; fused, as many query rows for dQ) or block_m query
     rows (dQ) stay resident while the other axis streams.
 
     The streamed operands load through TMA descriptors built on the host, unless ``config`` says
@@ -533,7 +591,7 @@ def _gradients_launch(problem, config, q, k, v, do, dq, dk, dv, lse2, delta, *ca
                     **score_mod_args(problem, problem.softmax_scale), TILE=tile, STREAM=stream,
                     USE_TMA=use_tma,
                     HOST_DESCRIPTORS=host, KEY_PARTS=key_parts, QUERY_PARTS=query_parts,
-                    KEY_PROGRAMS=keys, QUERY_PROGRAMS=queries)
+                    KEY_PROGRAMS=keys, QUERY_PROGRAMS=queries, ACCUMULATE=accumulate)
 
     def run(q, k, v, do, dq, dk, dv, lse2, delta, *call):
         kernel(q, k, v, do, *(descriptor(x) for descriptor, x in zip(descriptors, (q, do, k, v))), dq, dk, dv, lse2,

@@ -31,20 +31,22 @@ the merge's logsumexp (``with_sink``), or, with one split, after the split's las
 
 A split covers a fixed share of the key tiles its rows may see, computed on the device from the
 sequence's length, so a fixed ``num_splits`` gives bitwise the same result on every call.
-``num_splits=0`` takes ``choose_splits``: as many splits as fit the (sequence, kv head, row tile)
-programs into one wave of one program per SM, none when those alone fill the SMs, and each split
-keeping at least ``MIN_TILES_PER_SPLIT`` key tiles of the cache's capacity. It is chosen from the
-capacity (S, or max_pages x page_size), not from the lengths, which only the device holds, and so
-the choice is the same with and without ``validate``.
+``num_splits=0`` takes the core's rule (``flashx.splits``, FA3's heuristic in units of programs),
+with this kernel's tiles and the programs an SM holds (``programs_per_sm``): by shared memory,
+and at most ``PROGRAMS_PER_SM``. On an H200, 32 splits of 8 kv heads (256 programs, two an SM)
+read faster than 16 (one an SM) at B=1, L=16k and 128k, and 2 than 1 at B=16, L=8k
+(benchmarks/results/decode-h200.md); more an SM were not timed. The count is chosen from the
+cache's capacity, never from the lengths, which only the device holds, and so it is the same with
+and without ``validate`` and in a CUDA graph replayed with other lengths.
 
-Tiles (``config``), chosen together with that split count on the H100: a contiguous cache takes
-64 keys, 4 warps and 3 stages, whose 64 KB in flight keep one program per SM at the copy
-bandwidth (32-key tiles needed two programs per SM, so twice the splits, and ran slower). A paged
-cache takes 128 keys, 4 warps and 3 stages, its pages read a tile ahead (``_tile_pages``): with
-each tile's addresses waiting on a table read of its own, Triton's pipeline did not overlap the
-copies, and 2 stages of 128 keys ran best, at 0.71x (pages of 16) and 0.80x (pages of 256) the
-contiguous cache's rate on an H200 (B=16, L=8k); read a tile ahead, 3 stages of 128 keys ran at
-0.95x and 1.04x.
+Tiles (``config``), chosen on the H100 with the split count of one program an SM that preceded the
+core's rule: a contiguous cache takes 64 keys, 4 warps and 3 stages, whose 64 KB in flight kept one
+program per SM at the copy bandwidth (32-key tiles needed two programs per SM, so twice the splits,
+and ran slower). A paged cache takes 128 keys, 4 warps and 3 stages, its pages read a tile ahead
+(``_tile_pages``): with each tile's addresses waiting on a table read of its own, Triton's pipeline
+did not overlap the copies, and 2 stages of 128 keys ran best, at 0.71x (pages of 16) and 0.80x
+(pages of 256) the contiguous cache's rate on an H200 (B=16, L=8k); read a tile ahead, 3 stages of
+128 keys ran at 0.95x and 1.04x.
 
 An FP8 cache takes 128 keys (64 for more than 16 rows), 8 warps and 4 stages (3 paged), not yet
 timed on a GPU: a key takes half the bytes, so 64-key tiles keep half the bytes in flight that
@@ -67,14 +69,15 @@ import torch
 import triton
 import triton.language as tl
 
+from flashx.splits import decode_splits
 from flashx_triton.arguments import dot_precision, tile_widths
 from flashx_triton.fp8 import cache_values, descale_factors, fp8_mode, quantized_e4m3
 from flashx_triton.launch import Launch, layout
 from flashx_triton.products import dot, masked_dot
 from flashx_triton.score_mods import LOG2E, descaled_scores, modified_scores, score_mod_args, score_rule, with_sink
 
-MIN_TILES_PER_SPLIT = 4  # fewer key tiles than this per split cost more in the merge than they gain
-MAX_SPLITS = 128
+PROGRAMS_PER_SM = 2  # the most split programs an SM is counted to hold (the module docstring says why)
+RESERVED_SHARED = 1024  # shared memory the driver keeps per program beside the kernel's
 INTERPRETED_SMS = 4  # the stand-in SM count under TRITON_INTERPRET, so that tiny problems split too
 _LIMIT = 256  # launches remembered; past it the memory starts again empty
 LN2 = tl.constexpr(0.6931471805599453)  # base-2 logarithms to natural ones
@@ -368,12 +371,6 @@ def _append_kernel(
                 stride_vh, stride_vd, heads_k, v_descale, HEAD_DIM_V, BLOCK_H, BLOCK_DV, FP8)
 
 
-def choose_splits(batch: int, heads_k: int, row_tiles: int, capacity: int, block_n: int, sm_count: int) -> int:
-    """The split count of ``num_splits=0`` (see the module docstring)."""
-    most = max(1, triton.cdiv(triton.cdiv(capacity, block_n), MIN_TILES_PER_SPLIT))
-    return max(1, min(sm_count // (batch * heads_k * row_tiles), most, MAX_SPLITS))
-
-
 def config(problem) -> dict:
     """The split kernel's tiles, warps and pipeline depth for this problem (see the module docstring)."""
     rows = problem.seqlen_q * problem.group
@@ -391,12 +388,30 @@ def config(problem) -> dict:
 
 
 def splits(problem, device: torch.device) -> int:
-    """How many splits a call runs: ``num_splits``, or ``choose_splits``'s count, never more than
-    the cache's key tiles (more would only add empty splits)."""
+    """How many splits a call runs: ``flashx.splits.decode_splits`` with this kernel's tiles
+    (``config``) on ``device``."""
     tiles = config(problem)
-    chosen = problem.num_splits or choose_splits(problem.batch, problem.heads_k, _row_tiles(problem, tiles),
-                                                 problem.capacity, tiles["BLOCK_N"], _sm_count(device))
-    return min(chosen, max(1, triton.cdiv(problem.capacity, tiles["BLOCK_N"])))
+    sm_count, shared_memory = _device_size(device)
+    return decode_splits(problem, sm_count=sm_count, block_n=tiles["BLOCK_N"], block_m=tiles["BLOCK_M"],
+                         per_sm=programs_per_sm(problem, tiles, shared_memory)).count
+
+
+def programs_per_sm(problem, tiles: dict, shared_memory: int) -> int:
+    """The split programs an SM of ``shared_memory`` bytes is counted to hold: at least 1, at most
+    ``PROGRAMS_PER_SM``, by an estimate of a program's shared memory made before it compiles (the
+    count sizes its grid). The estimate errs high, so that an SM is never counted to hold more
+    programs than it does: the K and V tiles of the pipeline's stages but one (as Triton's
+    pipeliner allocates them), an FP8 cache's 16-bit V tile, the query tile, and the rows' scores
+    and features in float32. ``tests/test_lowering_sm90.py`` holds the count to at most what the
+    compiled kernels' own shared memory gives for sm_90 (at d128, bf16: 70 KB contiguous, two an
+    SM; 136 KB paged or FP8, one)."""
+    widths = tile_widths(problem.head_dim, problem.head_dim_v)
+    size = 1 if problem.fp8 else 4 if problem.dtype == "float32" else 2
+    staged = (tiles["num_stages"] - 1) * tiles["BLOCK_N"] * (widths["BLOCK_D"] + widths["BLOCK_DV"]) * size
+    widened = tiles["BLOCK_N"] * widths["BLOCK_DV"] * 2 if problem.fp8 else 0
+    query = tiles["BLOCK_M"] * widths["BLOCK_D"] * (4 if problem.dtype == "float32" else 2)
+    rows = tiles["BLOCK_M"] * (widths["BLOCK_D"] + tiles["BLOCK_N"]) * 4
+    return max(1, min(PROGRAMS_PER_SM, shared_memory // (staged + widened + query + rows + RESERVED_SHARED)))
 
 
 def decode(problem, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new, v_new):
@@ -526,7 +541,11 @@ def _interpreting() -> bool:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def _device_size(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared memory a program may take in bytes) of a GPU; under the interpreter a stand-in
+    of ``INTERPRETED_SMS`` SMs holding one program each."""
     if device.type != "cuda":
-        return INTERPRETED_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return INTERPRETED_SMS, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (torch.cuda.get_device_properties(index).multi_processor_count,
+            triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])

@@ -129,7 +129,7 @@ def _forward_kernel(
     HAS_SEQLENS_K: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PARTS: tl.constexpr, EXACT: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     stride_qb, stride_qn, stride_qh = q_strides
     stride_kb, stride_kn, stride_kh = k_strides
@@ -183,7 +183,7 @@ def _forward_kernel(
                                                       DROPOUT, SOFTCAP, FAST_TANH, ALIBI, DOT_PRECISION, USE_TMA,
                                                       EXACT, FP8, 1 - side if part == SPLIT_PART else 0)
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
-                flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
+                finite = flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
             # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
             empty = (l_i == 0.0) | (rows >= q_len)
@@ -203,19 +203,38 @@ def _forward_kernel(
             lse = tl.where(empty, no_key_lse, (m_i + tl.log2(l_i)) * 0.6931471805599453)  # ln 2: natural log
             dims_v = tl.arange(0, BLOCK_DV)
             o_base = O + b64 * stride_ob + (q_start + m0).to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh
-            tl.store(o_base + rows_in_tile[:, None] * stride_on + dims_v[None, :], o.to(O.dtype.element_ty),
-                     mask=(rows[:, None] < rows_out) & (dims_v[None, :] < HEAD_DIM_V))
-            lse_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m0
-            tl.store(lse_base + rows_in_tile, lse, mask=rows < rows_out)
+            o_at = o_base + rows_in_tile[:, None] * stride_on + dims_v[None, :]
+            o_rows = (rows[:, None] < rows_out) & (dims_v[None, :] < HEAD_DIM_V)
+            lse_at = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m0 + rows_in_tile
+            lse_rows = rows < rows_out
+            if ACCUMULATE:  # O and LSE hold running sums, into which this tile's state merges
+                if not EXACT:  # a flagged program merges in the exact launch (flag_nonfinite)
+                    o_rows = tl.where(finite, o_rows, False)
+                    lse_rows = tl.where(finite, lse_rows, False)
+                o, lse = _merged(tl.load(o_at, mask=o_rows, other=0.0), tl.load(lse_at, mask=lse_rows, other=0.0),
+                                 o, lse)
+            tl.store(o_at, o.to(O.dtype.element_ty), mask=o_rows)
+            tl.store(lse_at, lse, mask=lse_rows)
+
+
+@triton.jit
+def _merged(o_sums, lse_sums, o, lse):
+    """The running state (o_sums, lse_sums) with the state (o, lse) merged in, by the arithmetic of
+    ``flashx.api.merge_weights`` (the contract's "Merging partial results"): lse = logaddexp of
+    the two, each o weighted exp(its lse - lse), both 0 where lse = -inf."""
+    top = tl.where(lse_sums > lse, lse_sums, lse)
+    # logaddexp: NaN from either side; equal infinities are themselves (their difference is NaN)
+    merged = tl.where((lse_sums == lse) & (tl.abs(lse) == float("inf")), lse,
+                      top + tl.log(1.0 + tl.exp(-tl.abs(lse_sums - lse))))
+    empty = merged == float("-inf")
+    reference = tl.where(empty, 0.0, merged)
+    weight_sums = tl.where(empty, 0.0, tl.exp(lse_sums - reference))
+    weight = tl.where(empty, 0.0, tl.exp(lse - reference))
+    return o_sums * weight_sums[:, None] + o * weight[:, None], merged
 
 
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    q, k = (last_dim_contiguous(x) for x in (q, k))
-    v = keys_contiguous(v, problem.varlen) if problem.fp8 else last_dim_contiguous(v)
-    if problem.softmax_scale < 0:
-        # The unmasked tiles take a row's max as max(q k^T) * scale, which holds for scale >= 0:
-        # a negative scale runs as (-q) k^T * |scale|, bit for bit the same scores.
-        q = negated(q) if problem.fp8 else -q
+    q, k, v = _operands(problem, q, k, v)
     out_dtype = getattr(torch, problem.out_dtype)  # q's, or FP8's out_dtype
     if problem.varlen and problem.rows_past_sequences:  # rows of no sequence read as empty rows
         o = torch.zeros(problem.o_shape, dtype=out_dtype, device=q.device)
@@ -231,9 +250,43 @@ def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return tuned(problem, q, k, v, o, lse, *tensors, *draws)
 
 
-def _launch(problem, config, q, k, v, o, lse, *call):
+def forward_into(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_sums: torch.Tensor,
+                 lse_sums: torch.Tensor) -> None:
+    """``Backend.forward_into``: the forward kernel under ACCUMULATE, whose epilogue merges each
+    tile's state into the running (o_sums, lse_sums) rows it would have written. Under the
+    configuration the plain forward chooses (``tuning.settled``); rows of no sequence are not
+    written, as the plain kernel writes none."""
+    given = q, k, v
+    q, k, v = _operands(problem, q, k, v)
+    o, lse = (last_dim_contiguous(x) for x in (o_sums, lse_sums))  # the kernel writes rows through their strides
+    tensors, draws = call_args(problem)
+    tensors = (problem.q_descale, problem.k_descale, problem.v_descale, *tensors)
+
+    def build():
+        config = tuning.settled("forward", problem, lambda: forward(problem, *given))
+        return _launch(problem, config, q, k, v, o, lse, *tensors, *draws, accumulate=True)
+
+    run = per_problem(problem, ("forward_into", layout(q, k, v, o, lse, *tensors), tuning.autotuning()), build)
+    run(q, k, v, o, lse, *tensors, *draws)
+    for sums, written in ((o_sums, o), (lse_sums, lse)):
+        if written is not sums:
+            sums.copy_(written)
+
+
+def _operands(problem, q, k, v):
+    """q, k and v as the forward kernel reads them."""
+    q, k = (last_dim_contiguous(x) for x in (q, k))
+    v = keys_contiguous(v, problem.varlen) if problem.fp8 else last_dim_contiguous(v)
+    if problem.softmax_scale < 0:
+        # The unmasked tiles take a row's max as max(q k^T) * scale, which holds for scale >= 0:
+        # a negative scale runs as (-q) k^T * |scale|, bit for bit the same scores.
+        q = negated(q) if problem.fp8 else -q
+    return q, k, v
+
+
+def _launch(problem, config, q, k, v, o, lse, *call, accumulate=False):
     """The forward under ``config`` for tensors (and the descales, then ``call_args``) laid out as
-    these: ``run(q, k, v, o, lse, *call)``."""
+    these: ``run(q, k, v, o, lse, *call)``; with ``accumulate``, merging into o and lse."""
     varlen, args = problem.varlen, problem_args(problem)
     # FP8 reads V with its keys contiguous (fp8.keys_contiguous), through pointers: a TMA copy
     # keeps the memory's order, whose last axis must be contiguous
@@ -247,7 +300,7 @@ def _launch(problem, config, q, k, v, o, lse, *call):
                     v_strides=(*row_strides(v, varlen), v.stride(-1)), o_strides=row_strides(o, varlen),
                     **lse_strides(lse, varlen), **args, scale_log2=abs(problem.scale_log2),
                     **score_mod_args(problem, abs(problem.softmax_scale)), USE_TMA=use_tma,
-                    FP8=fp8_mode(problem.fp8), **config.tiles())
+                    FP8=fp8_mode(problem.fp8), ACCUMULATE=accumulate, **config.tiles())
 
     def run(q, k, v, o, lse, *call):
         kernel(q, k, v, k_descriptor(k), v_descriptor(v), o, lse, *call)

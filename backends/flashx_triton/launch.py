@@ -245,9 +245,16 @@ def flags(device: torch.device, programs: int) -> torch.Tensor:
 @triton.jit
 def flag_nonfinite(REDO, total):
     """Flag this program for the exact launch (``Passes``) unless ``total``, a sum of its outputs,
-    is finite. A sum is non-finite where a term is (or, harmlessly, where it overflows), and costs
-    fewer registers than testing every element (forward, d128: 151 against 167)."""
-    tl.store(REDO + tl.program_id(0), (tl.abs(total) < float("inf")).to(tl.int8) ^ 1)
+    is finite; returns whether it is. A sum is non-finite where a term is (or, harmlessly, where it
+    overflows), and costs fewer registers than testing every element (forward, d128: 151 against
+    167).
+
+    A kernel that accumulates into running sums writes a flagged program's outputs in the exact
+    launch only: that launch recomputes them from the same inputs and must find the sums as the
+    plain launch found them, or they would be merged or added twice."""
+    finite = tl.abs(total) < float("inf")
+    tl.store(REDO + tl.program_id(0), finite.to(tl.int8) ^ 1)
+    return finite
 
 
 @triton.jit

@@ -150,10 +150,8 @@ def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config | 
     options = candidates(kernel, problem)
     if len(options) == 1:
         return options[0]
-    timed = autotuning()
-    key = kernel_key(kernel, problem)
-    where = tuning_cache.environment(problem.device_index)
-    slot = (key, where, timed)
+    slot = _slot(kernel, problem)
+    key, where, timed = slot
     if slot not in _chosen:
         choice, source = _stored(where, key, options), "disk"
         if choice is None and timed:
@@ -164,6 +162,27 @@ def choose(kernel: str, problem, run: Callable[[Config], Sequence]) -> Config | 
             choice, source = _first_that_runs(order, run), "shipped"
         _chosen[slot], _sources[slot] = choice, source
     return _chosen[slot]
+
+
+def settled(kernel: str, problem, settle: Callable[[], object]) -> Config | str:
+    """The configuration ``choose`` picks for ``kernel`` on ``problem``, for a launch that must run
+    once a call: where none is chosen yet, ``settle()`` chooses it, by a call of the kernel's
+    plain form on outputs of its own. ``choose`` runs its candidates again and again (timed, each
+    on outputs poisoned with NaN; untimed, the winner once more for the call), which outputs that
+    accumulate running sums (``forward_into``, ``backward_into``) cannot take."""
+    options = candidates(kernel, problem)
+    if len(options) == 1:
+        return options[0]
+    slot = _slot(kernel, problem)
+    if slot not in _chosen:
+        settle()
+    return _chosen[slot]
+
+
+def _slot(kernel: str, problem) -> tuple:
+    """Where this process keeps the choice for ``kernel`` on ``problem``: its kernel key, its
+    environment, and whether it is timed."""
+    return kernel_key(kernel, problem), tuning_cache.environment(problem.device_index), autotuning()
 
 
 def kernel_key(kernel: str, problem) -> str:

@@ -2,7 +2,7 @@
 
     flashx bench decode [--out DIR | --record] [--backends triton cupy numba] [--batches 1 4 16 64]
                         [--caches 1024 ... 131072] [--max-tokens N] [--numba-max-tokens N]
-                        [--scan-splits] [--time-limit S]
+                        [--scan-splits | --scan-grid] [--time-limit S]
     flashx bench decode report FILE.json     # FILE.md and FILE.png again, from the JSON
 
 One decoding step per point: B sequences with L cached tokens each, one query row per sequence,
@@ -49,9 +49,12 @@ are left out (their caches would not fit beside the peers' copies).
   Triton and CuPy on an FP8 contiguous cache at least 1.8x the tokens/s (B / step time) of the
   same backend on the bf16 cache at B = 16, L = 8k. A target whose rows are missing is reported as
   not measured; one whose row is WRONG is not met.
-- ``--scan-splits``: at a few points, each backend that reports its split count on the contiguous
-  cache at every power-of-two ``num_splits`` beside its own choice (``num_splits=0``), the table
-  behind that choice.
+- ``--scan-splits``: at a few points (SCAN_POINTS), each backend that reports its split count on
+  the contiguous cache at every power-of-two ``num_splits`` beside its own choice
+  (``num_splits=0``, the core's rule: ``flashx.splits``), the table behind that choice, with the
+  choice's rate over the best one's. ``--scan-grid``: the same at every point of the sweep's grid
+  (``--batches`` x ``--caches``). The rule of one commit against another's is their two runs'
+  tables, each choice's rate read beside the faster peer's and the powers of two of its own run.
 
 The run is the device's decode record (``flashx_bench.records``): ``decode-<device>.partial.json``
 saved after every row, then ``decode-<device>.json``, ``.md`` and ``.png`` replaced and its numbers
@@ -146,7 +149,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--numba-max-tokens", type=int, default=NUMBA_MAX_TOKENS,
                         help=f"numba runs at points of B * L up to this (default {NUMBA_MAX_TOKENS})")
-    parser.add_argument("--scan-splits", action="store_true", help="also time every power-of-two num_splits")
+    parser.add_argument("--scan-splits", action="store_true",
+                        help="also time every power-of-two num_splits at a few points")
+    parser.add_argument("--scan-grid", action="store_true",
+                        help="also time every power-of-two num_splits at every point of the sweep")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds; what is left is marked skipped")
     args = parser.parse_args(argv)
     partial = []
@@ -241,8 +247,8 @@ class Sweep:
         points = [(b, n) for b in self.args.batches for n in self.args.caches if b * n <= self.args.max_tokens]
         for batch, cache in points:
             self._point(batch, cache)
-        if self.args.scan_splits:
-            for batch, cache in SCAN_POINTS:
+        if self.args.scan_splits or self.args.scan_grid:
+            for batch, cache in points if self.args.scan_grid else SCAN_POINTS:
                 if batch * cache <= self.args.max_tokens:
                     self._scan(batch, cache)
         self._save()
@@ -644,11 +650,13 @@ def markdown(results: dict) -> str:
     if results.get("splits_scan"):
         counts = list(results["splits_scan"][0]["tbps"])
         lines += ["", "## TB/s by num_splits (contiguous cache; 0 = the backend's own choice)", "",
-                  "| backend | B | L | chosen | " + " | ".join(counts) + " |",
-                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in counts) + " |"]
+                  "| backend | B | L | chosen | " + " | ".join(counts) + " | chosen / best |",
+                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in counts) + " | --- |"]
         for row in results["splits_scan"]:
+            rates = row["tbps"]
+            ratio = f"{rates['0'] / max(rates.values()):.2f}" if "0" in rates else ""
             lines.append(f"| {row['backend']} | {row['batch']} | {_cache(row['cache'])} | {row['chosen']} | "
-                         + " | ".join(f"{row['tbps'][c]:.2f}" if c in row["tbps"] else "" for c in counts) + " |")
+                         + " | ".join(f"{rates[c]:.2f}" if c in rates else "" for c in counts) + f" | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

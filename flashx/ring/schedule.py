@@ -117,13 +117,14 @@ class Ring:
         dqs = [torch.zeros(q.shape, dtype=accumulate, device=q.device) for q in qs]
         gradients = _RingGradients(self, ks, vs) if self.exchange == "ring" else _GatheredGradients(self, ks, vs)
         for step, shards in _step(self.key_values([(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)])):
-            calls = [rank.backward_parts(q, *kv, o, lse, do, (rank.index - step) % self.world_size, dq)
-                     for rank, q, kv, o, lse, do, dq in zip(self.ranks, qs, shards, os, lses, dos, dqs)]
-            firsts = [next(parts, None) for parts in calls]  # computed while the step's dK/dV still arrive
+            inputs = [(q, *kv, o, lse, do, (rank.index - step) % self.world_size, dq)
+                      for rank, q, kv, o, lse, do, dq in zip(self.ranks, qs, shards, os, lses, dos, dqs)]
+            # the first calls run while the step's dK/dV still arrive
+            firsts = [rank.backward_first(*args) for rank, args in zip(self.ranks, inputs)]
             sums = gradients.arrived(step)
-            for first, parts, sum_ in zip(firsts, calls, sums):
-                _add_parts(sum_, itertools.chain([first] if first else [], parts))
-            firsts = calls = None
+            for index, rank in enumerate(self.ranks):  # no loop variable keeps a shard past its step
+                rank.backward_rest(*inputs[index], firsts[index], sums[index])
+            inputs = firsts = None
             gradients.pass_on(sums)
         dkvs = gradients.finish()
         dsinks = None
@@ -184,14 +185,6 @@ class _GatheredGradients:
 
     def finish(self) -> list:
         return self.ring.messages.reduce_scatter(self.sums)
-
-
-def _add_parts(sums: tuple, parts) -> None:
-    """Add each (keys, dk part, dv part) into the shard's (dk, dv) sums; no part outlives its call."""
-    dk, dv = sums
-    for keys, dk_part, dv_part in parts:
-        dk[keys] += dk_part
-        dv[keys] += dv_part
 
 
 def accumulation_dtype(q) -> torch.dtype:

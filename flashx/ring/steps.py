@@ -3,20 +3,19 @@ and backward.
 
 At a step a rank attends its queries to the K/V shard of one source rank. For each pair of a
 query chunk of its shard and a key chunk of the source's, the sequences that join them give the
-step's calls (``flashx.ring.sequences``), each a plain flashx backend call on slices of the
-shards, validated and dispatched once when the ring call starts.
+step's calls (``flashx.ring.sequences``), each a flashx backend call on slices of the shards,
+validated and dispatched once when the ring call starts, that merges into the running (o, lse)
+and adds into the running gradients where they lie (``flashx.accumulate``).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from flashx.api import merge_weights
-from flashx.execute import run_backward, run_forward
+from flashx.accumulate import run_backward_into, run_forward_into
 from flashx.options import complete
 from flashx.plan import plan
 from flashx.problem import Problem
@@ -65,20 +64,35 @@ class Rank:
     def forward_step(self, q, k, v, source: int, o, lse) -> None:
         """Fold the attention of this rank's queries to ``source``'s K/V shard into (o, lse)."""
         for call in self.calls[source]:
-            rows, lse_rows = (call.batch, call.rows), (call.batch, slice(None), call.rows)
-            o_part, lse_part = run_forward(call.impl, call.problem, q[rows], k[call.batch, call.keys],
-                                           v[call.batch, call.keys])
-            # merge_states's arithmetic, written into the running sums where they lie: no merged
-            # copy of o to allocate and copy back, a pass over the rows' float32 o fewer
-            weight, weight_part, lse[lse_rows] = merge_weights(torch, lse[lse_rows], lse_part)
-            o[rows].mul_(weight).add_(o_part * weight_part)
+            run_forward_into(call.impl, call.problem, q[call.batch, call.rows], k[call.batch, call.keys],
+                             v[call.batch, call.keys], o[call.batch, call.rows], lse[call.batch, :, call.rows])
 
-    def backward_parts(self, q, k, v, o, lse, do, source: int, dq) -> Iterator[tuple]:
-        """Add each call's part of dq to ``dq``, and yield (keys index, its dk part, its dv part)
-        for ``source``'s shard, one call at a time."""
-        for call in self.calls[source]:
-            rows, keys = (call.batch, call.rows), (call.batch, call.keys)
-            dq_part, dk_part, dv_part = run_backward(call.impl, call.problem, q[rows], k[keys], v[keys], o[rows],
-                                                     lse[call.batch, :, call.rows], do[rows])
-            dq[rows] += dq_part
-            yield keys, dk_part, dv_part
+    def backward_first(self, q, k, v, o, lse, do, source: int, dq):
+        """The step's first call, which runs while the dK/dV sums of ``source``'s shard may still be
+        arriving: its dq added into ``dq``, its dk and dv into zeroed sums of its own keys.
+        Returns (keys index, dk, dv) for ``backward_rest``, or None for a step without calls."""
+        if not self.calls[source]:
+            return None
+        call = self.calls[source][0]
+        keys = (call.batch, call.keys)
+        dk, dv = (torch.zeros(x[keys].shape, dtype=dq.dtype, device=dq.device) for x in (k, v))
+        self._backward(call, q, k, v, o, lse, do, dq, dk, dv)
+        return keys, dk, dv
+
+    def backward_rest(self, q, k, v, o, lse, do, source: int, dq, first, sums: tuple) -> None:
+        """Add ``first`` (``backward_first``'s) into the shard's dK/dV ``sums``, then the step's
+        other calls: dq into ``dq``, dk and dv into ``sums`` where their keys lie."""
+        if first is None:
+            return
+        keys, dk_first, dv_first = first
+        dk, dv = sums
+        dk[keys] += dk_first
+        dv[keys] += dv_first
+        for call in self.calls[source][1:]:
+            self._backward(call, q, k, v, o, lse, do, dq, dk[call.batch, call.keys], dv[call.batch, call.keys])
+
+    @staticmethod
+    def _backward(call: _Call, q, k, v, o, lse, do, dq, dk, dv) -> None:
+        rows, keys = (call.batch, call.rows), (call.batch, call.keys)
+        run_backward_into(call.impl, call.problem, q[rows], k[keys], v[keys], o[rows], lse[call.batch, :, call.rows],
+                          do[rows], dq[rows], dk, dv)

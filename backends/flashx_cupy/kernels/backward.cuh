@@ -1,4 +1,4 @@
-// The backward, in three kernels (dkdv.cu, and dq.cu with the delta kernel):
+// The backward, in three kernels (dkdv.cu, and dq.cu with the delta kernel; each on wgmma too):
 //   flashx_delta  D = rowsum(dO * O) per query row, float32;
 //   flashx_dkdv   one CTA per (key tile, kv head, sequence), K and V resident, streaming the
 //                 query tiles of every query head of its group: dV = P^T dO, dK = dS^T Q, summed
@@ -29,6 +29,12 @@
 // Masked tiles work out which pairs read what only in the rare tile with non-finite operands,
 // rather than record every pair. flashx_dq keeps one body, which fits without spills, and its
 // record of allowed pairs (a byte a pair of shared memory); it too waits and syncs once a tile.
+//
+// On compute capability 9.0, 16-bit problems of head-dim classes 64 and 128 take flashx_dq_sm90
+// and flashx_dkdv_sm90 instead (dq_sm90.cu, dkdv_sm90.cu): the same CTAs and semantics (dq.cuh,
+// dkdv.cuh) on Hopper's warpgroup products, two warpgroups of 64 resident rows, without the fused
+// dQ. Each kernel's semantics live once, in its .cuh, so that the two products' kernels cannot
+// drift apart; a kernel file holds only its products and its tiles' layout.
 
 
 #include "common.cuh"
@@ -52,3 +58,17 @@ __device__ __forceinline__ void row_stats(const Params& p, const Sequence& s, in
         lse2 = delta = 0.f;  // a row past the sequence: every pair of it is disallowed
     }
 }
+
+// How a backward kernel lays out its tiles in shared memory (``Tiles`` of dkdv.cuh and dq.cuh):
+//   QK<ROWS>, V<ROWS>    the layouts of Q and K, and of dO and V, tiles of ROWS rows;
+//   QK_PITCH, V_PITCH    their elements a row as whole-tile loops (tile_nonfinite) see them;
+//   written()            what a thread does after writing a tile that the products then read.
+// mma.sync reads its operands by ldmatrix from padded rows; wgmma's are SwizzledTiles (wgmma.cuh).
+struct PaddedTiles {
+    template <int ROWS>
+    using QK = Padded<LD_QK>;
+    template <int ROWS>
+    using V = Padded<LD_V>;
+    enum { QK_PITCH = LD_QK, V_PITCH = LD_V };
+    static __device__ __forceinline__ void written() {}
+};

@@ -11,43 +11,6 @@
 static_assert(BLOCK_N % 64 == 0 && (BLOCK_N == 64 || BLOCK_N == 128) && (DIM_V == 64 || DIM_V == 128),
               "the products' N: 64 or 128");
 
-#if DTYPE == 0
-#define WGMMA_TYPES ".f32.f16.f16"
-#else
-#define WGMMA_TYPES ".f32.bf16.bf16"
-#endif
-
-// D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory, both K-major.
-template <int N, bool ACCUMULATE>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b) {
-    if constexpr (N == 64)
-        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32 ", %32, %33, acc, 1, 1, 0, 0;\n}"
-                     : WGMMA_D32(d, 0)
-                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
-    else
-        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64 ", %64, %65, acc, 1, 1, 0, 0;\n}"
-                     : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
-                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
-}
-
-// D[64 x N] += A[64 x 16] B[16 x N], A in registers (each warp its 16 rows as an mma.sync A
-// fragment), B MN-major in shared memory (trans-b 1).
-template <int N>
-__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {
-    if constexpr (N == 64)
-        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32
-                     ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
-                     : WGMMA_D32(d, 0)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-    else
-        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64
-                     ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
-                     : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
 // What forward_sm90.cuh's CTA takes from the element type (its members are listed there).
 struct Operands {
     typedef elem_t In;
@@ -64,10 +27,7 @@ struct Operands {
     static __device__ __forceinline__ u64 v_step(int kk) { return desc_step<BLOCK_N>(16 * kk, 0); }
 
     static __device__ __forceinline__ void pack(u32 (&a)[4], const float (&s)[BLOCK_N / 8][4], int kk) {
-        a[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        to_fragment<BLOCK_N>(a, s, kk);
     }
 
     template <int ROWS>

@@ -38,6 +38,14 @@
 
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS % 4 == 0, "one 16-row atom per warp, whole warpgroups");
 
+// The CTA's barriers: tile t's K lies in K buffer t % 2 and its V in V buffer t % 3; "full" ones
+// complete when the producer's copies of a tile (or Q) have landed, "empty" ones when every
+// computing thread is done with a buffer. ``sink`` takes the arrivals of the first tile's
+// product against the zero tile, which frees no buffer.
+struct Barriers {
+    u64 full_k[2], empty_k[2], full_v[3], empty_v[3], full_q, sink;
+};
+
 // The producer warpgroup (threads THREADS .. THREADS + PRODUCER_THREADS - 1): the computing
 // threads' schedule of key tiles (attend_key_tiles), each tile's K and V copied by cp.async into
 // the buffers once they are free, and announced once landed. A tile is announced after the next

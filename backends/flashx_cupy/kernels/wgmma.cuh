@@ -1,6 +1,20 @@
-// What the wgmma forwards share (forward_sm90.cu, 16-bit; forward_fp8_sm90.cu, e4m3), all of it
-// sm_90a: the accumulator operands of a product, the shared-memory descriptors of Swizzle128
-// tiles, the fences and waits of the async proxy, and the mbarriers of the producer's ring.
+// Hopper's warpgroup products (wgmma, sm_90a code) and the shared-memory barriers beside them,
+// for the kernels built on them (forward_sm90.cu, forward_fp8_sm90.cu through forward_sm90.cuh;
+// dkdv_sm90.cu, dq_sm90.cu); after common.cuh. The 16-bit products are here, the e4m3 ones in
+// wgmma_e4m3.cuh.
+//
+// A product runs asynchronously from its issue (wgmma_ss, wgmma_rs) to the wait_group that
+// covers its commit group: its accumulator registers belong to the tensor cores meanwhile, and
+// the register fences after each wait keep the compiler from reading them earlier. Its shared
+// operands are read through the async proxy: shared memory that threads write (cp.async, or a
+// store) is fenced (fence.proxy.async) by each writer before the barrier after which a product
+// reads it.
+
+#if DTYPE == 0
+#define WGMMA_TYPES ".f32.f16.f16"
+#else
+#define WGMMA_TYPES ".f32.bf16.bf16"
+#endif
 
 // The accumulator operands of a product of N = 64 (32 registers a thread) or 128 (64).
 #define WGMMA_D4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
@@ -45,6 +59,63 @@ __device__ __forceinline__ void fence_registers(float (&d)[N / 8][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
+// D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory, both K-major.
+template <int N, bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b) {
+    if constexpr (N == 64)
+        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32 ", %32, %33, acc, 1, 1, 0, 0;\n}"
+                     : WGMMA_D32(d, 0)
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
+    else
+        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64 ", %64, %65, acc, 1, 1, 0, 0;\n}"
+                     : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
+}
+
+// D[64 x N] += A[64 x 16] B[16 x N], A in registers (each warp its 16 rows as an mma.sync A
+// fragment), B MN-major in shared memory (trans-b 1).
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {
+    if constexpr (N == 64)
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32
+                     ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+                     : WGMMA_D32(d, 0)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64
+                     ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
+                     : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// The backward kernels' tiles (backward.cuh): unpadded, in the 128-byte swizzle, read by the
+// products through the async proxy.
+struct SwizzledTiles {
+    template <int ROWS>
+    using QK = Swizzle128<ROWS>;
+    template <int ROWS>
+    using V = Swizzle128<ROWS>;
+    enum { QK_PITCH = DIM_QK, V_PITCH = DIM_V };
+    static __device__ __forceinline__ void written() { fence_proxy_async(); }
+};
+
+// The 16 x 16 blocks of an m64nN accumulator (this warp's 16 rows), rounded to the products'
+// type, as A fragments of a product whose K is that N: block kk takes columns 16kk .. 16kk + 15.
+template <int N>
+__device__ __forceinline__ void to_fragment(u32 (&a)[4], const float (&c)[N / 8][4], int kk) {
+    a[0] = pack2(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = pack2(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+template <int N>
+__device__ __forceinline__ void to_fragments(const float (&c)[N / 8][4], u32 (&a)[N / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) to_fragment<N>(a[kk], c, kk);
+}
+
 // mbarriers in shared memory: a phase completes once ``count`` threads have arrived; arrive
 // releases and the wait acquires, at CTA scope.
 __device__ __forceinline__ void bar_init(u64* bar, int count) {
@@ -58,11 +129,3 @@ __device__ __forceinline__ void bar_wait(u64* bar, u32 parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}"
                  ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
-
-// The CTA's barriers: tile t's K lies in K buffer t % 2 and its V in V buffer t % 3; "full" ones
-// complete when the producer's copies of a tile (or Q) have landed, "empty" ones when every
-// computing thread is done with a buffer. ``sink`` takes the arrivals of the first tile's
-// product against the zero tile, which frees no buffer.
-struct Barriers {
-    u64 full_k[2], empty_k[2], full_v[3], empty_v[3], full_q, sink;
-};

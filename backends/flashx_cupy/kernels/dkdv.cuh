@@ -1,0 +1,228 @@
+// What the two dK/dV kernels share (dkdv.cu on mma.sync, dkdv_sm90.cu on wgmma): a CTA's keys
+// and the query rows that read them, the stream of query tiles of every head of the group, the
+// pair rule, P^T and dS^T from the recomputed scores, the exact path for non-finite operands,
+// and the stores of dK and dV. They differ in the products, and so in the tiles' layouts
+// (``Tiles``: PaddedTiles or SwizzledTiles, backward.cuh says what one holds) and in how a step
+// waits for them.
+
+#include "backward.cuh"
+
+// One CTA's keys (K and V resident), its stream of query tiles and its dK and dV sums. Step
+// ``step`` is query tile step % tiles of query head hk * group + step / tiles.
+template <typename Tiles>
+struct KeyRows {
+    const Params& p;
+    Sequence s;
+    int b, hk, n0, wrow;  // the CTA's first key; this warp's first key, from n0
+    elem_t *sK, *sV, *sQ, *sDO;
+    float *sLse, *sDelta;
+    int keys_end;        // the CTA's keys that the sequence has end here
+    int end;             // query rows [.., end) use some key of the CTA
+    int tile_lo, tiles;  // the query tiles from row tile_lo on that some key of the CTA reads
+    int buf;             // the Q/dO buffers of the step being computed; the other pair is loading
+#if DKDV_PARTS & 1
+    float dk[ATOMS][DIM_QK / 8][4];
+#endif
+#if DKDV_PARTS & 2
+    float dv[ATOMS][DIM_V / 8][4];
+#endif
+
+    // Whether the CTA has keys to write (padded keys past len_k still get dk = dv = 0); the query
+    // tiles, zeroed sums, and K and V requested, with the first step's rows in the same group.
+    // Returns that first step through ``step``.
+    __device__ __forceinline__ bool start(int& step) {
+        if (n0 >= keys_out()) return false;
+        const int diag = s.len_k - s.len_q;
+        keys_end = min(n0 + BLOCK_M, s.len_k);
+        int first = max(n0 - diag - p.right, 0);
+        end = min(keys_end - 1 - diag + p.left + 1, s.len_q);
+        if (keys_end <= n0 || end <= first) first = end = 0;
+        tile_lo = first / BLOCK_N * BLOCK_N;
+        tiles = (end - tile_lo + BLOCK_N - 1) / BLOCK_N;
+#if DKDV_PARTS & 1
+        zero<ATOMS, DIM_QK>(dk);
+#endif
+#if DKDV_PARTS & 2
+        zero<ATOMS, DIM_V>(dv);
+#endif
+        const elem_t* k = (const elem_t*)p.k + row_offset(b, s.start_k, 0, hk, p.k_b, p.k_n, p.k_h);
+        const elem_t* v = (const elem_t*)p.v + row_offset(b, s.start_k, 0, hk, p.v_b, p.v_n, p.v_h);
+        load_tile<BLOCK_M, DIM_QK, typename Tiles::template QK<BLOCK_M>>(sK, k, p.k_n, p.k_d, n0, s.len_k, p.head_dim);
+        load_tile<BLOCK_M, DIM_V, typename Tiles::template V<BLOCK_M>>(sV, v, p.v_n, p.v_d, n0, s.len_k, p.head_dim_v);
+        step = allowed_step(0);
+        buf = 1;
+        load_rows(step);  // into buffers 0
+        buf = 0;
+        return true;
+    }
+
+    __device__ __forceinline__ int keys_out() const { return VARLEN ? s.len_k : p.seqlen_k; }
+    __device__ __forceinline__ int steps() const { return tiles * p.group; }
+    __device__ __forceinline__ int head_of(int step) const { return hk * p.group + step / tiles; }
+    __device__ __forceinline__ int row_of(int step) const { return tile_lo + step % tiles * BLOCK_N; }
+
+    // The first step from ``step`` on that the block mask allows (every thread's answer).
+    __device__ __forceinline__ int allowed_step(int step) const {
+        while (step < steps() && !blocks_allow(p, s, head_of(step), row_of(step), min(row_of(step) + BLOCK_N, end), n0, keys_end))
+            ++step;
+        return step;
+    }
+
+    __device__ __forceinline__ elem_t* q_tile() const { return sQ + buf * BLOCK_N * Tiles::QK_PITCH; }
+    __device__ __forceinline__ elem_t* do_tile() const { return sDO + buf * BLOCK_N * Tiles::V_PITCH; }
+
+    // Requests the rows of ``step`` (none past the last step) into the other buffers: Q, dO and
+    // the rows' LSE and D, one group.
+    __device__ __forceinline__ void load_rows(int step) {
+        if (step < steps()) {
+            const int h = head_of(step), m = row_of(step), other = buf ^ 1;
+            const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
+            load_tile<BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>>(sQ + other * BLOCK_N * Tiles::QK_PITCH, q,
+                                                                              p.q_n, p.q_d, m, s.len_q, p.head_dim);
+            // The LSE (natural log) and D of each row, 0 past the sequence, copied like the tiles
+            // so that no thread waits on them before its products.
+            const float* lse = (const float*)p.lse + (i64)b * p.lse_b + (i64)h * p.lse_h + s.start_q + m;
+            const float* delta = (const float*)p.delta + (i64)b * p.delta_b + (i64)h * p.delta_h + s.start_q + m;
+            for (int r = threadIdx.x; r < BLOCK_N; r += THREADS) {
+                const bool valid = m + r < s.len_q;
+                cp_async4(smem_addr(sLse + other * BLOCK_N + r), valid ? lse + r : lse, valid);
+                cp_async4(smem_addr(sDelta + other * BLOCK_N + r), valid ? delta + r : delta, valid);
+            }
+            const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
+            load_tile<BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>>(sDO + other * BLOCK_N * Tiles::V_PITCH, dout,
+                                                                            p.do_n, p.do_d, m, s.len_q, p.head_dim_v);
+        }
+        cp_async_commit();
+    }
+
+    // Whether query j of the tile at row m, head h, and key r of this warp make an allowed pair
+    // (masked tiles test it), and whether that pair also reads dO (kept by dropout).
+    template <bool MASKED>
+    __device__ __forceinline__ bool allowed(int h, int m, int r, int j) const {
+        return !MASKED || allowed_pair(p, s, h, m + j, n0 + wrow + r);
+    }
+    template <bool MASKED>
+    __device__ __forceinline__ bool reads_do(int h, int m, int r, int j) const {
+#if DROPOUT
+        return allowed<MASKED>(h, m, r, j) && dropout_keep(p, b, h, m + j, n0 + wrow + r);
+#else
+        return allowed<MASKED>(h, m, r, j);
+#endif
+    }
+
+    // The scores S^T of this warp's keys and the step's queries (at row m, head h) into P^T, then
+    // P^T Z / (1 - p), in place; dP^T into dS^T, in place (DKDV_PARTS & 1).
+    template <bool MASKED>
+    __device__ __forceinline__ void probs_and_grads(int h, int m, float (&pt)[ATOMS][BLOCK_N / 8][4],
+                                                    float (&dst)[ATOMS][BLOCK_N / 8][4]) const {
+        ScoreMods mods;
+        mods.load(p, s, h);
+        const float* lse = sLse + buf * BLOCK_N;
+        const float* delta = sDelta + buf * BLOCK_N;
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#if DROPOUT
+                const u32 kept = dropout_keep_atom_t(p, b, h, m + 8 * nt, n0 + wrow + 16 * mt);
+#endif
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = frag_row(mt, e), c = frag_col(nt, e);
+                    const bool ok = allowed<MASKED>(h, m, r, c);
+                    float capped;
+                    const float pr = ok ? exp2f(mods.log2_prob(p, pt[mt][nt][e], m + c, n0 + wrow + r, lse[c] * LOG2E, capped)) : 0.f;
+#if DROPOUT
+                    const bool keep = kept >> e & 1;
+                    pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
+#if DKDV_PARTS & 1
+                    const float dpr = keep ? dst[mt][nt][e] * p.drop_scale : 0.f;
+#endif
+#else
+                    pt[mt][nt][e] = pr;
+#if DKDV_PARTS & 1
+                    const float dpr = dst[mt][nt][e];
+#endif
+#endif
+#if DKDV_PARTS & 1
+                    dst[mt][nt][e] = ok ? through_softcap(pr * (dpr - delta[c]), capped) : 0.f;
+#endif
+                }
+            }
+    }
+
+    // A tile of which some pair reads no dO (and, if masked, no Q): the outputs whose allowed
+    // pairs read a non-finite dO or Q element made NaN, and those elements cleared before the
+    // products (exact.cuh).
+    template <bool MASKED>
+    __device__ __forceinline__ void exact_operands(int h, int m) {
+        elem_t* q = q_tile();
+        elem_t* dout = do_tile();
+#if DKDV_PARTS & 2
+        const bool bad_do = tile_nonfinite<BLOCK_N, DIM_V, Tiles::V_PITCH>(dout);
+        if (bad_do)
+            poison_allowed<ATOMS, BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>>(
+                [this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, dout, nan_at<ATOMS, DIM_V>(dv));
+#else
+        const bool bad_do = false;
+#endif
+#if DKDV_PARTS & 1
+        // Dropped pairs still read Q (dS = -P D): only masked tiles need the exact dK.
+        const bool bad_q = MASKED && tile_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(q);
+        if (bad_q)
+            poison_allowed<ATOMS, BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>>(
+                [this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q, nan_at<ATOMS, DIM_QK>(dk));
+#else
+        const bool bad_q = false;
+#endif
+        if (bad_do || bad_q) {
+            __syncthreads();
+            if (bad_do) clear_nonfinite<BLOCK_N, DIM_V, Tiles::V_PITCH>(dout);
+            if (bad_q) clear_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(q);
+            Tiles::written();
+            __syncthreads();
+        }
+    }
+
+    // dK (scaled) and dV of this warp's keys into the outputs, in the m16n8 accumulator layout.
+    __device__ __forceinline__ void store() const {
+        elem_t* dk_out = (elem_t*)p.dk + row_offset(b, s.start_k, 0, hk, p.dk_b, p.dk_n, p.dk_h);
+        elem_t* dv_out = (elem_t*)p.dv + row_offset(b, s.start_k, 0, hk, p.dv_b, p.dv_n, p.dv_h);
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = n0 + wrow + frag_row(mt, e);
+                if (j >= keys_out()) continue;
+#if DKDV_PARTS & 1
+#pragma unroll
+                for (int nt = 0; nt < DIM_QK / 8; ++nt) {
+                    const int c = frag_col(nt, e);
+                    if (c < p.head_dim) dk_out[(i64)j * p.dk_n + c] = from_float(dk[mt][nt][e] * p.scale);
+                }
+#endif
+#if DKDV_PARTS & 2
+#pragma unroll
+                for (int nt = 0; nt < DIM_V / 8; ++nt) {
+                    const int c = frag_col(nt, e);
+                    if (c < p.head_dim_v) dv_out[(i64)j * p.dv_n + c] = from_float(dv[mt][nt][e]);
+                }
+#endif
+            }
+    }
+};
+
+// The steps from ``step`` on, each with the next one's rows requested: one uniform branch a step
+// picks the masked body or the other (Cta::accumulate<MASKED>(step, next)).
+template <typename Cta>
+__device__ __forceinline__ void accumulate_steps(Cta& cta, int step) {
+    while (step < cta.steps()) {
+        const int next = cta.allowed_step(step + 1);
+        const int m = cta.row_of(step);
+        if (tile_unmasked(cta.p, cta.s, m, m + BLOCK_N, cta.n0, cta.n0 + BLOCK_M))
+            cta.template accumulate<false>(step, next);
+        else
+            cta.template accumulate<true>(step, next);
+        step = next;
+    }
+}
