@@ -329,7 +329,8 @@ def part_packed(tokens: int, repeats: int) -> None:
         measured = _measure(torch, dist, step, repeats)
         counted = fxd.peak_bytes_per_token(HEADS, heads_k, HEAD_DIM, getattr(torch, DTYPE), world_size=world,
                                            layout="zigzag" if world == 1 else layout,
-                                           exchange="ring" if world == 1 else exchange)
+                                           exchange="ring" if world == 1 else exchange,
+                                           backward_into=not SMOKE)  # Triton's kernels add as they write; numpy's return parts
         shares = causal_work(lengths, world, layout) if world > 1 else [1]
         _emit(rank, part="packed", world=world, layout=layout, exchange=exchange, heads_k=heads_k, tokens=tokens,
               documents=len(lengths), shortest=min(lengths), longest=max(lengths),

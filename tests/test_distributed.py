@@ -671,3 +671,15 @@ def test_simulated_ring_on_cuda(world_size, layout, packed, options, heads_k, dt
     print(f"\nW={world_size} {layout:15} {'packed ' if packed else ''}{dtype} {options}: "
           f"max |ring - single| = {difference:.3g}")
     assert not conformance_failures(case, results["ring"])
+
+
+@pytest.mark.parametrize("heads_k, with_parts, without_parts", [(16, 90, 84), (4, 39, 36)])
+def test_the_count_leaves_out_the_parts_of_a_backend_that_adds_as_it_writes(heads_k, with_parts, without_parts):
+    """The contract's figures (bfloat16, H = 16, D = 128, the zigzag ring, KiB per token): a backend
+    without ``backward_into`` returns each call's dq, dk and dv parts, one with it (Triton's) adds
+    them into the sums, as measured on the H200 (84.4 and 36.3 KiB at W = 4)."""
+    counts = [peak_bytes_per_token(16, heads_k, 128, torch.bfloat16, world_size=4, backward_into=flag)
+              for flag in (False, True)]
+    assert [count["ring"] / 1024 for count in counts] == [with_parts, without_parts]
+    assert counts[0]["terms"]["a call's dq, dk, dv parts"] == counts[0]["ring"] - counts[1]["ring"]
+    assert "a call's dq, dk, dv parts" not in counts[1]["terms"]

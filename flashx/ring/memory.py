@@ -14,7 +14,8 @@ from flashx.ring.schedule import accumulation_dtype, check_exchange
 
 
 def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, world_size: int,
-                         layout: str = "zigzag", exchange: str = "ring", head_dim_v: int | None = None) -> dict:
+                         layout: str = "zigzag", exchange: str = "ring", head_dim_v: int | None = None,
+                         backward_into: bool = False) -> dict:
     """The bytes a rank holds per token of its shard at the peak of a forward and backward, as the
     contract's "Ring attention" section counts them, beside one device's ``flashx.attention``.
 
@@ -22,8 +23,10 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
     their gradients, and the ring's buffers at its peak, the backward's first call of a middle step
     (``exchange`` "ring" or "all_gather"). Rows are in the input dtype ``dtype``, sums in the LSE's
     precision. One call reads a chunk of the shard's rows and keys (half of it in the zigzag
-    layouts); its parts are counted as a backend without ``backward_into`` returns them, so the count
-is an upper bound for one with it, which adds into the sums as it writes. Kernels' own workspace is left out (a backend's, alike on one device and in the ring).
+    layouts); its dq, dk and dv parts are counted where the backend returns them, without
+    ``backward_into`` (``backward_into=False``, the core's fallback), and not where it adds into
+    the sums as it writes (``backward_into=True``, as the Triton backend does). Kernels' own
+    workspace is left out (a backend's, alike on one device and in the ring).
     """
     size = torch.empty((), dtype=dtype).element_size()
     wide = accumulation_dtype(torch.empty((), dtype=dtype)).itemsize / size
@@ -32,8 +35,9 @@ is an upper bound for one with it, which adds into the sums as it writes. Kernel
     kv = heads_k * (head_dim + head_dim_v) * size  # a row of k and of v (and of dk and dv)
     check_exchange(exchange)
     terms = {"q, o, do, k, v (the caller's)": q + 2 * o + kv, "dq summed": wide * q,
-             "a call's dq, dk, dv parts": (q + kv) / chunks_per_rank(layout),
              "the first call's dK/dV, summed": wide * kv / chunks_per_rank(layout)}
+    if not backward_into:
+        terms["a call's dq, dk, dv parts"] = (q + kv) / chunks_per_rank(layout)
     if exchange == "ring":  # two ranks: the second shard arrives while the rank's own is read, then is read alone
         terms["K/V held and arriving"] = min(world_size - 1, 2) * kv
         terms["dK/dV arriving and sent on (two sets)"] = 2 * wide * kv
