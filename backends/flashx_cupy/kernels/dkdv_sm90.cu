@@ -55,14 +55,8 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
         float dst[1][BLOCK_N / 8][4];  // dP^T, then dS^T
         const u64 q_k = wgmma_desc(q_addr, 16), do_k = wgmma_desc(do_addr, 16);
         wgmma_fence();
-        wgmma_ss<BLOCK_N, false>(pt[0], k_desc, q_k);
-#pragma unroll
-        for (int kk = 1; kk < DIM_QK / 16; ++kk)
-            wgmma_ss<BLOCK_N, true>(pt[0], k_desc + desc_step<BLOCK_M>(0, 16 * kk), q_k + desc_step<BLOCK_N>(0, 16 * kk));
-        wgmma_ss<BLOCK_N, false>(dst[0], v_desc, do_k);
-#pragma unroll
-        for (int kk = 1; kk < DIM_V / 16; ++kk)
-            wgmma_ss<BLOCK_N, true>(dst[0], v_desc + desc_step<BLOCK_M>(0, 16 * kk), do_k + desc_step<BLOCK_N>(0, 16 * kk));
+        wgmma_ss_whole_k<BLOCK_N, DIM_QK, BLOCK_M, BLOCK_N>(pt[0], k_desc, q_k);
+        wgmma_ss_whole_k<BLOCK_N, DIM_V, BLOCK_M, BLOCK_N>(dst[0], v_desc, do_k);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers<BLOCK_N>(pt[0]);

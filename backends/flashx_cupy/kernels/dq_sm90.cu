@@ -38,14 +38,8 @@ struct QueryCtaSm90 : QueryRows<SwizzledTiles> {
         float dp[1][BLOCK_N / 8][4];
         const u64 k_k = wgmma_desc(k_addr, 16), v_k = wgmma_desc(smem_addr(v_tile(buf)), 16);
         wgmma_fence();
-        wgmma_ss<BLOCK_N, false>(sc[0], q_desc, k_k);
-#pragma unroll
-        for (int kk = 1; kk < DIM_QK / 16; ++kk)
-            wgmma_ss<BLOCK_N, true>(sc[0], q_desc + desc_step<BLOCK_M>(0, 16 * kk), k_k + desc_step<BLOCK_N>(0, 16 * kk));
-        wgmma_ss<BLOCK_N, false>(dp[0], do_desc, v_k);
-#pragma unroll
-        for (int kk = 1; kk < DIM_V / 16; ++kk)
-            wgmma_ss<BLOCK_N, true>(dp[0], do_desc + desc_step<BLOCK_M>(0, 16 * kk), v_k + desc_step<BLOCK_N>(0, 16 * kk));
+        wgmma_ss_whole_k<BLOCK_N, DIM_QK, BLOCK_M, BLOCK_N>(sc[0], q_desc, k_k);
+        wgmma_ss_whole_k<BLOCK_N, DIM_V, BLOCK_M, BLOCK_N>(dp[0], do_desc, v_k);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers<BLOCK_N>(sc[0]);

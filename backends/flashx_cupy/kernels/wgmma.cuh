@@ -74,6 +74,16 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b) {
                      : "l"(a), "l"(b), "n"((int)ACCUMULATE));
 }
 
+// D[64 x N] = A[64 x K] B[N x K]^T over the whole of K, A a Swizzle128<ROWS_A> tile and B a
+// Swizzle128<ROWS_B> one from the descriptors of their (0, 0), both K-major: a product a 16-column
+// step, issued into the open commit group.
+template <int N, int K, int ROWS_A, int ROWS_B>
+__device__ __forceinline__ void wgmma_ss_whole_k(float (&d)[N / 8][4], u64 a, u64 b) {
+    wgmma_ss<N, false>(d, a, b);
+#pragma unroll
+    for (int kk = 1; kk < K / 16; ++kk) wgmma_ss<N, true>(d, a + desc_step<ROWS_A>(0, 16 * kk), b + desc_step<ROWS_B>(0, 16 * kk));
+}
+
 // D[64 x N] += A[64 x 16] B[16 x N], A in registers (each warp its 16 rows as an mma.sync A
 // fragment), B MN-major in shared memory (trans-b 1).
 template <int N>
