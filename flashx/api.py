@@ -8,7 +8,7 @@ from flashx import arrays, dispatch, registry
 from flashx.errors import DTypeError, ShapeError, UnsupportedError
 from flashx.execute import run_backward, run_forward
 from flashx.options import complete, python_scalar, signature
-from flashx.plan import plan
+from flashx.plan import call_key, plan, prepare, prepared
 from flashx.validation import build_problem, check_like
 
 
@@ -30,6 +30,11 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     defined in docs/contract.md, sections "Shapes", "Scores and masking", "Score modifications"
     and "Dropout".
     """
+    key = call_key(q, k, v, backend, options) if type(return_lse) is bool and _as_given(q, k, v) else None
+    run = None if key is None else prepared(key)
+    if run is not None:  # a call of these keywords and metadata has met every check below
+        o, lse = run(q, k, v)
+        return (o, lse) if return_lse else o
     options = complete("attention", options)
     return_lse = _checked_bool("return_lse", return_lse)
     q, k, v = arrays.under_autocast(q, k, v)
@@ -48,6 +53,8 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
         from flashx.autograd import differentiable_forward
 
         o, lse = differentiable_forward(impl, problem, q, k, v, None if sinks is None else arrays.resolved(sinks))
+    elif key is not None:
+        o, lse = prepare(key, impl, problem, q, k, v)
     else:
         o, lse = run_forward(impl, problem, q, k, v)
     return (o, lse) if return_lse else o
@@ -140,6 +147,24 @@ def _checked_bool(name, value) -> bool:
     if not isinstance(value, bool):
         raise DTypeError(f"{name}: expected a bool, got {value!r}")
     return value
+
+
+def _as_given(q, k, v) -> bool:
+    """Whether ``attention`` takes q, k and v as they are, with none of its steps that change
+    them or the call: torch tensors outside torch.compile's tracing, outside autocast on their
+    device, without torch's lazy negation or conjugation, and outside autograd (grad mode off, or
+    none requires grad); arrays of another kind have none of these. The outcome of such a call is
+    fixed by its keywords and its arrays' metadata (``plan.call_key``). Conjugation is left
+    untested: only a complex tensor has it, and no call of a complex dtype is ever remembered."""
+    if arrays.kind_of(q) != "torch":
+        return True
+    if type(k) is not type(q) or type(v) is not type(q):  # of one type (rarely not, and then planned)
+        return False
+    import torch  # a plain import: Dynamo traces it, and is_compiling() comes first
+
+    return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(q.device.type)
+                or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+                or q.is_neg() or k.is_neg() or v.is_neg())
 
 
 def _is_fp8(q) -> bool:

@@ -61,6 +61,20 @@ def signature(x: Any) -> tuple | None:
     return type(x), x.shape, x.dtype, x.device if kind == "torch" else device_of(x)
 
 
+def metadata(x: Any) -> tuple | None:
+    """``signature`` with the strides: all that a call reads of an array but its contents and its
+    address, hashable (None: not an array, or a torch tensor without strides, such as a sparse one)."""
+    kind = kind_of(x)
+    if kind == "torch":
+        try:
+            return type(x), x.shape, x.stride(), x.dtype, x.device
+        except RuntimeError:  # no strides: the call's checks say what is wrong with it
+            return None
+    if kind is None:
+        return None
+    return type(x), x.shape, x.strides, x.dtype, device_of(x)
+
+
 def resolved(x: Any) -> Any:
     """``x`` with torch's lazy negation and conjugation applied (DLPack and raw pointers drop both bits)."""
     if kind_of(x) == "torch" and (x.is_neg() or x.is_conj()):
@@ -126,8 +140,9 @@ def for_backend(backend) -> Callable[[str, Any], Any]:
 
 def to_caller(y: Any, like: Any, dtype: str) -> Any:
     """A backend's output as the caller's kind of array, in the contract's dtype."""
-    y = astype(convert(y, kind_of(like)), dtype)
-    if kind_of(y) == "numpy" and not y.dtype.isnative:
+    kind = kind_of(like)
+    y = astype(convert(y, kind), dtype)
+    if kind == "numpy" and not y.dtype.isnative:
         return y.astype(y.dtype.newbyteorder("="))
     return y
 

@@ -7,6 +7,8 @@ Nothing here imports a GPU library.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from flashx.problem import FEATURES, BaseProblem, Problem
@@ -105,6 +107,15 @@ class Backend:
 
     def backward(self, problem: Problem, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any) -> tuple[Any, Any, Any]:
         raise NotImplementedError
+
+    def prepare_forward(self, problem: Problem, q: Any, k: Any, v: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+        """``forward`` of ``problem`` as a function of (q, k, v), for every call of this problem whose
+        q, k and v have the metadata of these (type, shape, strides, dtype, device): the core
+        remembers it per call metadata and calls it on each such call's own arrays (the contract's
+        Backend plugins section). What that metadata fixes may be worked out here, once; what
+        depends on the arrays' addresses (alignment) or contents must be worked out on each call,
+        and the function must keep no array. By default, ``forward`` itself."""
+        return functools.partial(self.forward, problem)
 
     def forward_into(self, problem: Problem, q: Any, k: Any, v: Any, o_sums: Any, lse_sums: Any) -> None:
         """Optional: merge this call's (o, lse) into the running sums ``o_sums`` (o's shape) and

@@ -107,15 +107,16 @@ def sdpa_as_flashx(query, key, value, *, attn_mask=None, dropout_p=0.0, is_causa
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim < 3:
             raise ShapeError(f"{name}: expected (..., H, L, E) with at least 3 dims, got shape {tuple(x.shape)}")
-    lead = query.shape[:-3]
-    for name, x in (("key", key), ("value", value)):
-        if x.shape[:-3] != lead:
+    shape_q, shape_k, shape_v = query.shape, key.shape, value.shape  # each read once: a tenth of a microsecond
+    lead = shape_q[:-3]
+    for name, shape in (("key", shape_k), ("value", shape_v)):
+        if shape[:-3] != lead:
             raise UnsupportedError(f"{name}: flashx needs the leading (batch) dims of query {tuple(lead)}, "
-                                   f"got shape {tuple(x.shape)}; SDPA would broadcast them")
-    if key.shape[-3] != query.shape[-3] and not enable_gqa:
-        raise ShapeError(f"key: expected {query.shape[-3]} heads like query (enable_gqa=False), "
-                         f"got shape {tuple(key.shape)}")
-    length_q, length_k = query.shape[-2], key.shape[-2]
+                                   f"got shape {tuple(shape)}; SDPA would broadcast them")
+    if shape_k[-3] != shape_q[-3] and not enable_gqa:
+        raise ShapeError(f"key: expected {shape_q[-3]} heads like query (enable_gqa=False), "
+                         f"got shape {tuple(shape_k)}")
+    length_q, length_k = shape_q[-2], shape_k[-2]
     causal, window = False, None
     if attn_mask is not None:
         if is_causal:

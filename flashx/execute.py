@@ -8,6 +8,9 @@ Shared by the public functions (``flashx.api``, ``flashx.kvcache``), torch autog
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from flashx import arrays
 from flashx.backend import Backend
 from flashx.errors import FlashXError
@@ -19,6 +22,21 @@ def run_forward(impl: Backend, problem: Problem, q, k, v):
     if problem.is_empty:
         return _empty_outputs(problem, q)
     return _caller_outputs(impl, problem, q, *impl.forward(*for_backend(impl, problem, q, k, v)))
+
+
+def prepare_forward(impl: Backend, problem: Problem, q, k, v) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """``run_forward`` of ``problem`` as a function of (q, k, v), for the calls of this very problem
+    whose q, k and v have these arrays' metadata (``flashx.plan.prepare``): what that metadata
+    fixes is worked out once, here (the empty answer, the problem as the backend receives it, the
+    backend's own preparation, ``Backend.prepare_forward``); each call still converts its arrays
+    where the backend takes another kind, and has its outputs checked and returned as the caller's."""
+    if problem.is_empty:
+        return lambda q, k, v: _empty_outputs(problem, q)
+    received, *operands = for_backend(impl, problem, q, k, v)
+    forward = impl.prepare_forward(received, *operands)
+    if impl.array_kind == problem.array_kind:
+        return lambda q, k, v: _caller_outputs(impl, problem, q, *forward(q, k, v))
+    return lambda q, k, v: _caller_outputs(impl, problem, q, *forward(*_of_kind(impl, problem, (q, k, v))))
 
 
 def run_backward(impl: Backend, problem: Problem, q, k, v, o, lse, do):
@@ -70,11 +88,15 @@ def _caller_outputs(impl: Backend, problem: BaseProblem, q, o, lse):
 
 def for_backend(impl: Backend, problem: BaseProblem, *xs):
     """The problem and arrays as the backend's kind of array, auxiliary arrays in the layout it declares."""
+    return (problem.with_arrays(arrays.for_backend(impl)), *_of_kind(impl, problem, xs))
+
+
+def _of_kind(impl: Backend, problem: BaseProblem, xs: tuple) -> tuple:
+    """``xs`` (None: absent) as arrays of the backend's kind."""
     kind = impl.array_kind
-    problem = problem.with_arrays(arrays.for_backend(impl))
     if kind == problem.array_kind:
-        return (problem, *xs)
-    return (problem, *(None if x is None else arrays.convert(x, kind) for x in xs))
+        return xs
+    return tuple(None if x is None else arrays.convert(x, kind) for x in xs)
 
 
 def _check_output(impl, name, x, shape):

@@ -1,6 +1,6 @@
 """Planning a call of either operation: its validated problem and its chosen backend, remembered.
 
-Three memories, each keyed on what its outcome depends on, never on an object's identity:
+Four memories, each keyed on what its outcome depends on, never on an object's identity:
 
 - the choice of a backend, for every operation: keyed on the requested backend, the registry's
   version and the problem's ``static_key`` (what runs, not what it runs on: no array contents,
@@ -13,7 +13,17 @@ Three memories, each keyed on what its outcome depends on, never on an object's 
   offsets on the host as every call does, and draws a seed not given afresh;
 - the plan of a decoding call with ``validate=False`` but for its auxiliary arrays (lengths,
   tables, masks, slopes, sinks, descales): a decoding loop's steps differ in those alone, so a
-  step checks and converts just them (``validation.decode_arrays``).
+  step checks and converts just them (``validation.decode_arrays``);
+- an attention call whole, when its problem holds no fields of its own (no array options, no
+  dropout) and it takes its tensors as they are (no autograd, autocast, tracing or lazy
+  negation): keyed on its keywords as given (names, values, types), the requested backend, the
+  registry's version and the metadata of q, k and v, strides included (``call_key``), it keeps
+  the function that ``execute.prepare_forward`` made for it (``prepare``), which has the
+  backend's launch arguments worked out (``Backend.prepare_forward``). A later call of the key
+  runs that function alone on its own arrays: none of the checks, planning or preparation,
+  each of which read nothing but what the key holds; what depends on the arrays' addresses
+  (alignment) is worked out by the function on every call. A decoding step of transformers'
+  ``generate()`` calls attention once per layer with one query row: this is its path.
 
 Benchmarks and training loops call ``attention`` again and again with arrays of the same
 shapes and the same options; at short sequences, validating and dispatching each time
@@ -33,19 +43,22 @@ The exception is packed sequences (cu_seqlens) whose longest lengths, read from 
 differ from the plan's: those lengths are part of what runs, so such a call's problem is the
 plan's with its own lengths, remembered under the key and those lengths, its backend chosen once.
 
-Only successes are stored, so a wrong call always meets every check and raises as before, and a
-repeated call's own fields meet the checks a first call's do, but for those whose outcome the key
-fixes (a mask's type, shape, dtype and device; without dropout, the seed and RNG offset). Decoding calls with
-``validate=True`` are validated every time, since they read lengths and tables on the host.
+Only successes are stored (a whole call once it has returned), so a wrong call always meets
+every check and raises as before, and a repeated call's own fields meet the checks a first call's
+do, but for those whose outcome the key fixes (a mask's type, shape, dtype and device; without
+dropout, the seed and RNG offset). Decoding calls with ``validate=True`` are validated every
+time, since they read lengths and tables on the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
 
 from flashx import arrays, dispatch, registry
 from flashx.backend import Backend
+from flashx.execute import prepare_forward
 from flashx.options import OPTIONS
 from flashx.problem import BaseProblem, BlockMask, DecodeProblem, Problem
 from flashx.validation import ARRAY_OPTIONS, attention_fields, build_decode_problem, build_problem, decode_arrays
@@ -56,6 +69,47 @@ _LIMIT = 256  # distinct calls remembered; past it the cache starts again empty
 _plans: dict[tuple, tuple[Problem, Backend, bool]] = {}  # _template's
 _decode_plans: dict[tuple, tuple[DecodeProblem, Backend]] = {}
 _choices: dict[tuple, Backend] = {}
+_calls: dict[tuple, Callable] = {}  # prepare's
+
+
+def call_key(q, k, v, backend, given: dict) -> tuple | None:
+    """Everything a call of ``flashx.attention`` that takes its arrays as they are (no autograd,
+    autocast, tracing or lazy negation) depends on but its arrays' contents and addresses: the
+    requested backend, the registry's version, the keywords given (names, values and types) and
+    the metadata of q, k and v (``arrays.metadata``: type, shape, strides, dtype, device). None
+    for a call whose problem holds fields of its own (array options; dropout, whose seed is each
+    call's) or that gives a keyword as other than a plain value (a NumPy scalar, a list): those
+    are planned on every call."""
+    if type(backend) is not str:
+        return None
+    values = tuple(given.values())
+    types = tuple(map(type, values))
+    if not _SCALARS.issuperset(types) and not all(
+            kind in _SCALARS or (kind is tuple and all(type(side) is int for side in value))
+            for kind, value in zip(types, values)):
+        return None
+    if given.get("dropout_p"):
+        return None
+    operands = (arrays.metadata(q), arrays.metadata(k), arrays.metadata(v))
+    if None in operands:
+        return None
+    return dispatch.requested(backend), registry.version(), tuple(given), values, types, operands
+
+
+def prepared(key: tuple) -> Callable | None:
+    """The function that ``prepare`` remembered under ``key``, or None."""
+    return _calls.get(key)
+
+
+def prepare(key, impl: Backend, problem: Problem, q, k, v) -> tuple:
+    """(o, lse) of a call of ``key`` (``call_key``) and its plan, through the function of
+    ``execute.prepare_forward``, remembered under the key once it has returned: a later call of
+    the key runs that function alone, since every check, choice and launch preparation this call
+    made read nothing but what the key holds."""
+    run = prepare_forward(impl, problem, q, k, v)
+    outputs = run(q, k, v)
+    _remember(_calls, key, run)
+    return outputs
 
 
 def plan(q, k, v, backend, options: dict) -> tuple[Problem, Backend]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -894,6 +895,144 @@ def test_the_remembered_calls_are_bounded():
     for scale in range(1, plan._LIMIT + 20):
         flashx.attention(q, k, v, softmax_scale=float(scale))
     assert 0 < len(plan._plans) <= plan._LIMIT
+    assert 0 < len(plan._calls) <= plan._LIMIT
+
+
+# -- calls remembered whole: a repeated call runs the backend's prepared forward ---------------
+
+
+def remembered_key(q, k, v, **options):
+    """The key ``flashx.attention`` remembers a call of these arguments under (None: none)."""
+    from flashx import plan
+
+    return plan.call_key(q, k, v, options.pop("backend", "auto"), options)
+
+
+@pytest.mark.parametrize(
+    "field, change, error, words",
+    [
+        ("shape", lambda q, k, v, o: (q, k[..., :4], v, o), flashx.ShapeError, "k: expected head dim 8"),
+        ("shape", lambda q, k, v, o: (q[:, :, :3], k, v, o), flashx.ShapeError, "k: expected a head count dividing"),
+        ("dtype", lambda q, k, v, o: (q.int(), k, v, o), flashx.DTypeError, "q: expected one of"),
+        ("dtype", lambda q, k, v, o: (q, k.double(), v, o), flashx.DTypeError, "k: expected the dtype of q"),
+        ("device", lambda q, k, v, o: (q, k.to("meta"), v, o), flashx.DeviceError, "k: expected an array on q's device cpu"),
+        ("kind", lambda q, k, v, o: (q, k.numpy(), v, o), flashx.DTypeError, "k: expected a torch array like q"),
+        ("causal", lambda q, k, v, o: (q, k, v, dict(o, causal=1)), flashx.DTypeError, "causal: expected a bool"),
+        ("window", lambda q, k, v, o: (q, k, v, dict(o, window=(2, True))), flashx.DTypeError, "window: expected"),
+        ("window", lambda q, k, v, o: (q, k, v, dict(o, window=(-2, 0))), flashx.OptionError, "window: expected"),
+        ("softmax_scale", lambda q, k, v, o: (q, k, v, dict(o, softmax_scale=True)), flashx.DTypeError, "softmax_scale"),
+        ("softmax_scale", lambda q, k, v, o: (q, k, v, dict(o, softmax_scale=math.inf)), flashx.OptionError,
+         "softmax_scale: expected a finite real"),
+        ("softcap", lambda q, k, v, o: (q, k, v, dict(o, softcap=-1.0)), flashx.OptionError, "softcap"),
+        ("dropout_p", lambda q, k, v, o: (q, k, v, dict(o, dropout_p=False)), flashx.DTypeError, "dropout_p: expected a number"),
+        ("dropout_p", lambda q, k, v, o: (q, k, v, dict(o, dropout_p=1.5)), flashx.OptionError, "dropout_p: expected a number in"),
+        ("seed", lambda q, k, v, o: (q, k, v, dict(o, seed=-1)), flashx.OptionError, "seed: expected an int"),
+        ("rng_offset", lambda q, k, v, o: (q, k, v, dict(o, rng_offset=0.0)), flashx.DTypeError, "rng_offset: expected an int"),
+        ("dropout_offsets", lambda q, k, v, o: (q, k, v, dict(o, dropout_offsets=(0, -1))), flashx.OptionError,
+         "dropout_offsets: expected"),
+        ("deterministic", lambda q, k, v, o: (q, k, v, dict(o, deterministic=0)), flashx.DTypeError,
+         "deterministic: expected a bool"),
+        ("validate", lambda q, k, v, o: (q, k, v, dict(o, validate=1)), flashx.DTypeError, "validate: expected a bool"),
+        ("out_dtype", lambda q, k, v, o: (q, k, v, dict(o, out_dtype="bfloat16")), flashx.DTypeError,
+         "out_dtype: only for FP8 inputs"),
+        ("max_seqlen_q", lambda q, k, v, o: (q, k, v, dict(o, max_seqlen_q=5)), flashx.ShapeError,
+         "max_seqlen_q: only meaningful with cu_seqlens"),
+        ("return_lse", lambda q, k, v, o: (q, k, v, dict(o, return_lse=1)), flashx.DTypeError, "return_lse: expected a bool"),
+        ("backend", lambda q, k, v, o: (q, k, v, dict(o, backend="nmupy")), flashx.UnknownBackendError, "did you mean"),
+        ("keyword", lambda q, k, v, o: (q, k, v, dict(o, is_causal=False)), TypeError, "did you mean 'causal'"),
+    ],
+)
+def test_a_remembered_call_meets_every_check_again_when_one_field_changes(field, change, error, words):
+    """A right call is remembered whole (problem, plan, the backend's prepared forward) under its
+    keywords and its arrays' metadata; a call that differs in one field that validation reads (a
+    shape, a dtype, a device, the arrays' kind, any keyword) is another key, so it meets every
+    check as a first call does, and raises. The right call is served again after it."""
+    from flashx import plan
+
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    right = dict(causal=False, window=(3, 3), softmax_scale=0.5, softcap=20.0, dropout_p=0.0, seed=1, rng_offset=0,
+                 dropout_offsets=(0, 0), deterministic=False, validate=True, backend="numpy")
+    for _ in range(2):
+        flashx.attention(q, k, v, **right)
+    run = plan.prepared(remembered_key(q, k, v, **right))
+    assert run is not None
+    with pytest.raises(error) as caught:
+        flashx.attention(*change(q, k, v, right)[:3], **change(q, k, v, right)[3])
+    assert words in str(caught.value), field
+    assert plan.prepared(remembered_key(q, k, v, **right)) is run
+    torch.testing.assert_close(flashx.attention(q, k, v, **right), oracle_o(q, k, v, **right), rtol=0, atol=2e-6)
+
+
+def oracle_o(q, k, v, *, backend, causal, window, softmax_scale, softcap, **_):
+    o, _ = oracle.forward(*(x.numpy() for x in (q, k, v)), causal=causal, window=window, softmax_scale=softmax_scale,
+                          softcap=softcap)
+    return torch.from_numpy(np.asarray(o, dtype=np.float32))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_remembered_call_computes_what_a_validated_call_computes(kind, monkeypatch):
+    """Calls of one key after the first run its remembered function alone (nothing is validated or
+    planned again), on their own arrays: each returns what a call validated and planned in full
+    returns on them, bit for bit. Arrays of other strides or another shape are other keys."""
+    from flashx import plan, validation
+    from flashx.execute import run_forward
+
+    as_kind = (lambda x: x) if kind == "numpy" else torch.from_numpy
+    options = dict(causal=True, window=(4, 0), softcap=5.0, softmax_scale=-0.3)
+    built = []
+    monkeypatch.setattr(plan, "build_problem", lambda *args, **kw: built.append(1) or validation.build_problem(*args, **kw))
+    monkeypatch.setattr(plan, "_plans", {})
+    monkeypatch.setattr(plan, "_calls", {})
+    for seqlen_q in (5, 5, 5, 3):
+        q, k, v = (as_kind(x) for x in qkv(seqlen_q=seqlen_q))
+        q_strided = as_kind(np.ascontiguousarray(np.asarray(q).swapaxes(1, 2))).swapaxes(1, 2)
+        for query in (q, q_strided):
+            o, lse = flashx.attention(query, k, v, return_lse=True, backend="numpy", **options)
+            problem = validation.build_problem(query, k, v, **options)
+            o_validated, lse_validated = run_forward(flashx.registry.get("numpy"), problem, query, k, v)
+            for got, want in ((o, o_validated), (lse, lse_validated)):
+                assert type(got) is type(want)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            assert plan.prepared(remembered_key(query, k, v, backend="numpy", **options)) is not None
+    assert len(built) == 2  # one plan a shape, which no stride is part of
+    assert len(plan._calls) == 4  # one remembered function a shape and strides
+
+
+def test_a_remembered_call_leaves_autograd_autocast_and_lazy_negation_to_the_planned_path():
+    """The remembered function serves calls that take their tensors as they are: one under grad
+    mode with a tensor that requires grad, under autocast, or with torch's lazy negation, of the
+    same metadata as a remembered call, goes the planned way (autograd, recast, resolved)."""
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    with torch.no_grad():
+        for _ in range(2):
+            o = flashx.attention(q, k, v, backend="numpy")
+    q_grad = q.clone().requires_grad_()
+    o_grad = flashx.attention(q_grad, k, v, backend="numpy")
+    assert o_grad.grad_fn is not None
+    o_grad.sum().backward()
+    assert q_grad.grad is not None and q_grad.grad.abs().sum() > 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert flashx.attention(q, k, v, backend="numpy").dtype == torch.bfloat16
+    negated = torch._neg_view(q)  # -q, lazily: the metadata of q, and so its key
+    assert negated.is_neg() and remembered_key(negated, k, v, backend="numpy") == remembered_key(q, k, v, backend="numpy")
+    torch.testing.assert_close(flashx.attention(negated, k, v, backend="numpy"),
+                               flashx.attention(-q, k, v, backend="numpy"), rtol=0, atol=0)
+    torch.testing.assert_close(flashx.attention(q, k, v, backend="numpy"), o, rtol=0, atol=0)
+
+
+def test_the_remembered_calls_hold_no_callers_arrays():
+    import weakref
+
+    from flashx import plan
+
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    for _ in range(2):
+        flashx.attention(q, k, v, backend="numpy")
+    assert plan.prepared(remembered_key(q, k, v, backend="numpy")) is not None
+    held = [weakref.ref(x) for x in (q, k, v)]
+    del q, k, v
+    assert all(ref() is None for ref in held)
+
 
 
 # -- arrays in and out -----------------------------------------------------------------------

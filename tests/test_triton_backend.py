@@ -743,6 +743,54 @@ def test_calls_of_one_static_problem_share_their_launches_and_bring_their_own_va
     assert built == [2, 2, 2]  # the forward's and the backward's launches
 
 
+def test_remembered_calls_compute_what_planned_calls_do(monkeypatch):
+    """``flashx.attention`` remembers a call whole (``flashx.plan.call_key``), and the backend's
+    prepared forward (``prepare_forward``) serves its later calls of the same metadata: a decoding
+    step's one-row query in transformers' BHSD layout through ``sdpa_as_flashx``, and a causal
+    prefill. Each call, with contents of its own, returns what ``forward`` returns on a problem
+    validated afresh, bit for bit; so does one whose tensors lie at another alignment (forward's
+    own way), and one whose operands are copied or negated on each call (a strided head dim, a
+    negative scale)."""
+    from flashx import plan
+    from flashx.compat import sdpa_as_flashx
+    from flashx_triton import forward as module
+    from flashx_triton.forward import forward
+
+    forwards = []  # calls that take forward's own way
+    monkeypatch.setattr(module, "forward", lambda *args: forwards.append(1) or forward(*args))
+
+    def planned(q, k, v, **options):
+        return forward(build_problem(q, k, v, **options), q, k, v)[0]
+
+    def step(length):
+        query = randn(2, 1, 4 * 16).view(2, 1, 4, 16).transpose(1, 2)  # a transposed projection
+        return query, randn(2, 2, length, 16), randn(2, 2, length, 16)
+
+    monkeypatch.setattr(plan, "_calls", {})
+    for query, key, value in (step(40), step(40), step(40), step(41)):
+        o = sdpa_as_flashx(query, key, value, scale=0.25, enable_gqa=True, backend="triton")
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        assert torch.equal(o, planned(q, k, v, softmax_scale=0.25, causal=False, window=None, mask=None,
+                                      dropout_p=0.0))
+    assert len(plan._calls) == 2  # one a length
+
+    def misaligned(*shape):  # a view 4 bytes into its storage: the strides of a contiguous tensor
+        return randn(1 + math.prod(shape))[1:].view(*shape)
+
+    q, k, v = randn(2, 40, 2, 16), randn(2, 40, 2, 16), randn(2, 40, 2, 16)
+    strided = randn(2, 40, 2, 32)[..., ::2]
+    causal, negative = dict(causal=True), dict(causal=True, softmax_scale=-0.5)
+    for inputs, options, forward_calls in (((q, k, v), causal, 0), ((q, misaligned(2, 40, 2, 16), v), causal, 1),
+                                           ((q, k, v), causal, 0), ((strided, k, v), causal, 1),
+                                           ((strided, k, v), causal, 1), ((q, k, v), negative, 1),
+                                           ((q, k, v), negative, 1)):
+        forwards.clear()
+        o = flashx.attention(*inputs, backend="triton", **options)
+        assert len(forwards) == forward_calls
+        assert torch.equal(o, planned(*inputs, **options))
+        assert plan.prepared(plan.call_key(*inputs, "triton", options)) is not None
+
+
 # ---------------------------------------------------------------- accumulating into running sums
 
 

@@ -50,6 +50,11 @@ class TritonBackend(flashx.Backend):
 
         return forward(problem, q, k, v)
 
+    def prepare_forward(self, problem, q, k, v):
+        from flashx_triton.forward import prepare_forward
+
+        return prepare_forward(problem, q, k, v)
+
     def backward(self, problem, q, k, v, o, lse, do):
         from flashx_triton.backward import backward
 

@@ -14,6 +14,8 @@ with V (read with its keys contiguous), v_descale folded into o's factor, o in o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +24,7 @@ from flashx_triton import tuning
 from flashx_triton.arguments import LENGTHS, problem_args
 from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep, dropout_state, kept_scale
 from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negated, readable_keys, widened
-from flashx_triton.launch import (Passes, call_args, flag_nonfinite, layout, next_program, per_problem,
+from flashx_triton.launch import (Passes, aligned, call_args, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
 from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row_descriptors, row_strides, tma_ready
 from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, diagonal_part,
@@ -235,19 +237,54 @@ def _merged(o_sums, lse_sums, o, lse):
 
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     q, k, v = _operands(problem, q, k, v)
-    out_dtype = getattr(torch, problem.out_dtype)  # q's, or FP8's out_dtype
-    if problem.varlen and problem.rows_past_sequences:  # rows of no sequence read as empty rows
-        o = torch.zeros(problem.o_shape, dtype=out_dtype, device=q.device)
-        lse = torch.full(problem.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-        if problem.sinks is not None:
-            lse.copy_(problem.sinks[:, None].expand_as(lse))
-    else:
-        o = torch.empty(problem.o_shape, dtype=out_dtype, device=q.device)
-        lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
     tensors, draws = call_args(problem)
     tensors = (problem.q_descale, problem.k_descale, problem.v_descale, *tensors)
     tuned = per_problem(problem, ("forward", layout(q, k, v, *tensors)), lambda: tuning.Tuned("forward", _launch))
-    return tuned(problem, q, k, v, o, lse, *tensors, *draws)
+    return tuned(problem, q, k, v, *_outputs(problem, q.device)(), *tensors, *draws)
+
+
+def prepare_forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``Backend.prepare_forward``: ``forward`` with what the problem and the layout of q, k and v
+    fix worked out once (the operands as the kernel reads them, ``call_args``, the tuned launch,
+    the outputs' allocation). A call's tensors must have the alignment that the launch was built
+    for, which depends on their addresses: one with another goes through ``forward``. So do the
+    calls of a problem whose operands are copied or negated on each call (a strided head dim, a
+    negative scale)."""
+    if any(x is not y for x, y in zip(_operands(problem, q, k, v), (q, k, v))):
+        return functools.partial(forward, problem)
+    tensors, draws = call_args(problem)
+    tensors = (problem.q_descale, problem.k_descale, problem.v_descale, *tensors)
+    tuned = per_problem(problem, ("forward", layout(q, k, v, *tensors)), lambda: tuning.Tuned("forward", _launch))
+    alignment, outputs, call = (aligned(q), aligned(k), aligned(v)), _outputs(problem, q.device), (*tensors, *draws)
+
+    def run(q, k, v):
+        if (aligned(q), aligned(k), aligned(v)) != alignment:
+            return forward(problem, q, k, v)
+        return tuned(problem, q, k, v, *outputs(), *call)
+
+    return run
+
+
+def _outputs(problem, device: torch.device):
+    """A function that allocates o and lse for ``problem`` on ``device``: o in q's dtype (or
+    FP8's out_dtype), and where rows lie past packed sequences, which no program writes, o and lse
+    holding the contract's empty rows (lse = the sink with sinks)."""
+    out_dtype = getattr(torch, problem.out_dtype)
+    o_shape, lse_shape = problem.o_shape, problem.lse_shape
+    if not (problem.varlen and problem.rows_past_sequences):
+        # sizes as separate ints: torch parses a tuple of them a few tenths of a microsecond slower
+        return lambda: (torch.empty(*o_shape, dtype=out_dtype, device=device),
+                        torch.empty(*lse_shape, dtype=torch.float32, device=device))
+    sinks = problem.sinks
+
+    def empty_rows():
+        o = torch.zeros(o_shape, dtype=out_dtype, device=device)
+        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device)
+        if sinks is not None:
+            lse.copy_(sinks[:, None].expand_as(lse))
+        return o, lse
+
+    return empty_rows
 
 
 def forward_into(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_sums: torch.Tensor,

@@ -21,9 +21,14 @@ from flashx_triton.dropout import dropout_args
 
 def layout(*tensors: torch.Tensor | None) -> tuple:
     """What a launch depends on in tensors of a given problem (whose shapes and dtype are fixed):
-    their strides, and whether each is 16-byte aligned (TMA needs it; Triton specialises on it);
-    None for an absent one."""
-    return tuple(None if x is None else (x.stride(), x.data_ptr() % 16 == 0) for x in tensors)
+    their strides, and whether each is ``aligned``; None for an absent one."""
+    return tuple(None if x is None else (x.stride(), aligned(x)) for x in tensors)
+
+
+def aligned(x: torch.Tensor) -> bool:
+    """Whether ``x``'s address is a multiple of 16 bytes: TMA needs it, and Triton specialises a
+    pointer on it."""
+    return x.data_ptr() % 16 == 0
 
 
 #: What was built for a static problem (``Problem.static_key``: what runs, not what it runs on)

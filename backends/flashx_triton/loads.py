@@ -84,7 +84,8 @@ def row_descriptors(x: torch.Tensor, varlen: bool, rows: int, cols: int, use_tma
     def descriptor(y: torch.Tensor):
         make_context_current(y)
         copy = TensorDescriptor.__new__(TensorDescriptor)
-        vars(copy).update(fields, base=y)
+        copy.__dict__.update(fields)  # then the base alone: no keyword dict made per call
+        copy.base = y
         return copy
 
     return descriptor
