@@ -30,7 +30,7 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     defined in docs/contract.md, sections "Shapes", "Scores and masking", "Score modifications"
     and "Dropout".
     """
-    key = call_key(q, k, v, backend, options) if type(return_lse) is bool and _as_given(q, k, v) else None
+    key = call_key(q, k, v, backend, options) if type(return_lse) is bool and as_given(q, k, v) else None
     run = None if key is None else prepared(key)
     if run is not None:  # a call of these keywords and metadata has met every check below
         o, lse = run(q, k, v)
@@ -149,7 +149,7 @@ def _checked_bool(name, value) -> bool:
     return value
 
 
-def _as_given(q, k, v) -> bool:
+def as_given(q, k, v) -> bool:
     """Whether ``attention`` takes q, k and v as they are, with none of its steps that change
     them or the call: torch tensors outside torch.compile's tracing, outside autocast on their
     device, without torch's lazy negation or conjugation, and outside autograd (grad mode off, or

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 
 from flashx import arrays
-from flashx.api import attention
+from flashx.api import as_given, attention
+from flashx.plan import call_key, prepared, remember
 from flashx.errors import DTypeError, ShapeError, UnsupportedError
 
 
@@ -101,7 +102,20 @@ def sdpa_as_flashx(query, key, value, *, attn_mask=None, dropout_p=0.0, is_causa
 
     The leading dims of SDPA's (..., H, L, E) become flashx's batch. ``keywords`` go to
     ``flashx.attention`` as they are (transformers passes ``softcap`` this way).
+
+    A call without a mask is remembered whole as ``flashx.attention`` remembers its own
+    (``flashx.plan``), under its keywords and its tensors' metadata: a later call of the same
+    runs the views this one made of its tensors and the function ``flashx.attention``
+    remembered for them, none of the checks (a decoding step's layers repeat one call each).
     """
+    backend = keywords.pop("backend", "auto")  # flashx.attention's own parameter, as its key holds it
+    given = dict(keywords, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                 enable_gqa=enable_gqa)
+    remembered = (call_key(query, key, value, backend, given, "sdpa_as_flashx")
+                  if attn_mask is None and "return_lse" not in keywords and as_given(query, key, value) else None)
+    run = None if remembered is None else prepared(remembered)
+    if run is not None:
+        return run(query, key, value)
     if arrays.kind_of(query) != "torch":
         raise DTypeError(f"query: expected a torch tensor (SDPA's interface), got {type(query).__name__}")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -117,7 +131,7 @@ def sdpa_as_flashx(query, key, value, *, attn_mask=None, dropout_p=0.0, is_causa
         raise ShapeError(f"key: expected {shape_q[-3]} heads like query (enable_gqa=False), "
                          f"got shape {tuple(shape_k)}")
     length_q, length_k = shape_q[-2], shape_k[-2]
-    causal, window = False, None
+    causal, window, keys = False, None, None
     if attn_mask is not None:
         if is_causal:
             raise ShapeError("attn_mask: expected None with is_causal=True (SDPA's rule), got a mask")
@@ -125,21 +139,39 @@ def sdpa_as_flashx(query, key, value, *, attn_mask=None, dropout_p=0.0, is_causa
     elif is_causal:
         # SDPA aligns the causal diagonal top-left (j <= i); flashx bottom-right (j <= i + S - L).
         if length_k > length_q:  # keys past L are allowed to no query: drop them, the square is aligned alike
-            key, value = key[..., :length_q, :], value[..., :length_q, :]
+            keys = length_q
         if length_k >= length_q:
             causal = True
         else:  # the band j <= i, written in flashx's bottom-right terms
             window = (-1, length_q - length_k)
-    q, k, v = _batch_leading(query, lead), _batch_leading(key, lead), _batch_leading(value, lead)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return attention(q, k, v, causal=causal, window=window, mask=attn_mask, softmax_scale=scale,
-                     dropout_p=dropout_p, **keywords)
+    views = _flashx_views(lead, keys, (query.ndim, key.ndim, value.ndim) == (4, 4, 4))
+    q, k, v = views(query, key, value)
+    options = dict(causal=causal, window=window, mask=attn_mask, softmax_scale=scale, dropout_p=dropout_p, **keywords)
+    o = attention(q, k, v, backend=backend, **options)
+    forward = None if remembered is None else prepared(call_key(q, k, v, backend, options))
+    if forward is not None:  # flashx.attention remembered the call: so is this one, once it has returned
+        remember(remembered, lambda query, key, value: forward(*views(query, key, value))[0])
+    return o
+
+
+def _flashx_views(lead, keys, four_dims: bool):
+    """The function that makes flashx's (B, L, H, E) views of SDPA's query, key and value: the
+    leading dims ``lead`` merged into B, keys past ``keys`` dropped (None: none). The tensors of
+    four dims are transposed alone (a view costs a call a microsecond of host time)."""
+    if four_dims and keys is None:
+        return lambda query, key, value: (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+
+    def views(query, key, value):
+        if keys is not None:
+            key, value = key[..., :keys, :], value[..., :keys, :]
+        return tuple(_batch_leading(x, lead).transpose(1, 2) for x in (query, key, value))
+
+    return views
 
 
 def _batch_leading(x, lead):
     """(..., H, L, E) as (B, H, L, E), the leading dims ``lead`` merged into B: ``x`` itself when
-    it has four dims (a view costs a call microseconds of host time), and B given, not -1, so that
-    an empty tensor has one."""
+    it has four dims, and B given, not -1, so that an empty tensor has one."""
     return x if x.ndim == 4 else x.reshape(math.prod(lead), *x.shape[-3:])
 
 

@@ -72,8 +72,9 @@ _choices: dict[tuple, Backend] = {}
 _calls: dict[tuple, Callable] = {}  # prepare's
 
 
-def call_key(q, k, v, backend, given: dict) -> tuple | None:
-    """Everything a call of ``flashx.attention`` that takes its arrays as they are (no autograd,
+def call_key(q, k, v, backend, given: dict, function: str = "attention") -> tuple | None:
+    """Everything a call of ``flashx.attention`` (or of another ``function`` on its way there,
+    ``compat.sdpa_as_flashx``) that takes its arrays as they are (``api.as_given``: no autograd,
     autocast, tracing or lazy negation) depends on but its arrays' contents and addresses: the
     requested backend, the registry's version, the keywords given (names, values and types) and
     the metadata of q, k and v (``arrays.metadata``: type, shape, strides, dtype, device). None
@@ -93,12 +94,18 @@ def call_key(q, k, v, backend, given: dict) -> tuple | None:
     operands = (arrays.metadata(q), arrays.metadata(k), arrays.metadata(v))
     if None in operands:
         return None
-    return dispatch.requested(backend), registry.version(), tuple(given), values, types, operands
+    return function, dispatch.requested(backend), registry.version(), tuple(given), values, types, operands
 
 
 def prepared(key: tuple) -> Callable | None:
-    """The function that ``prepare`` remembered under ``key``, or None."""
+    """The function remembered under ``key`` (``prepare``, ``remember``), or None."""
     return _calls.get(key)
+
+
+def remember(key: tuple, run: Callable) -> None:
+    """Remember ``run`` as the whole of the later calls of ``key`` (``call_key``): for a call that
+    has returned, whose every check, choice and preparation read nothing but what the key holds."""
+    _remember(_calls, key, run)
 
 
 def prepare(key, impl: Backend, problem: Problem, q, k, v) -> tuple:
@@ -108,7 +115,7 @@ def prepare(key, impl: Backend, problem: Problem, q, k, v) -> tuple:
     made read nothing but what the key holds."""
     run = prepare_forward(impl, problem, q, k, v)
     outputs = run(q, k, v)
-    _remember(_calls, key, run)
+    remember(key, run)
     return outputs
 
 

@@ -114,6 +114,41 @@ def test_sdpa_refuses_what_sdpa_refuses():
         compat.scaled_dot_product_attention(q, _randn(2, 4, 4, 8), _randn(2, 4, 4, 8))
 
 
+@pytest.mark.parametrize("change, error, words", [
+    (lambda q, k, v, o: (q, _randn(2, 3, 7, 8), _randn(2, 3, 7, 8), o), flashx.ShapeError,
+     "k: expected a head count dividing"),
+    (lambda q, k, v, o: (q, _randn(1, 2, 7, 8), v, o), flashx.UnsupportedError, "leading (batch) dims"),
+    (lambda q, k, v, o: (q, k, v, dict(o, enable_gqa=False)), flashx.ShapeError, "enable_gqa=False"),
+    (lambda q, k, v, o: (q, k.float(), v, o), flashx.DTypeError, "k: expected the dtype of q"),
+    (lambda q, k, v, o: (q, k, v.to("meta"), o), flashx.DeviceError, "v: expected an array on q's device cpu"),
+    (lambda q, k, v, o: (q, k, v, dict(o, scale=math.nan)), flashx.OptionError, "softmax_scale: expected a finite"),
+    (lambda q, k, v, o: (q, k, v, dict(o, dropout_p=1.5)), flashx.OptionError, "dropout_p: expected a number in"),
+    (lambda q, k, v, o: (q, k, v, dict(o, softcap=-1.0)), flashx.OptionError, "softcap"),
+    (lambda q, k, v, o: (q[..., :4], k, v, o), flashx.ShapeError, "k: expected head dim 4"),
+])
+def test_a_remembered_sdpa_call_meets_every_check_again_when_one_field_changes(change, error, words):
+    """``sdpa_as_flashx`` remembers a call without a mask whole, under its keywords and its
+    tensors' metadata: a call that differs in one field (a shape, a dtype, a device, a keyword)
+    meets every check again and raises; the remembered call still computes what SDPA does."""
+    from flashx import plan
+
+    q, k, v = _randn(2, 4, 5, 8), _randn(2, 2, 7, 8, seed=1), _randn(2, 2, 7, 8, seed=2)
+    right = dict(is_causal=True, scale=0.3, enable_gqa=True, softcap=None, backend="numpy")
+    for _ in range(2):
+        compat.sdpa_as_flashx(q, k, v, **right)
+    given = dict(softcap=None, attn_mask=None, dropout_p=0.0, is_causal=True, scale=0.3,
+                 enable_gqa=True)  # as sdpa_as_flashx orders them: its other keywords first
+    assert plan.prepared(plan.call_key(q, k, v, "numpy", given, "sdpa_as_flashx")) is not None
+    q2, k2, v2, options = change(q, k, v, right)
+    with pytest.raises(error) as caught:
+        compat.sdpa_as_flashx(q2, k2, v2, **options)
+    assert words in str(caught.value)
+    for seed in (3, 4):
+        inputs = _randn(2, 4, 5, 8, seed=seed), k, _randn(2, 2, 7, 8, seed=seed + 10)
+        got = compat.sdpa_as_flashx(*inputs, **right).transpose(1, 2)
+        _close(got, F.scaled_dot_product_attention(*inputs, is_causal=True, scale=0.3, enable_gqa=True))
+
+
 # --- flash-attn 2 -----------------------------------------------------------------------------------
 
 def _numpy(*xs):
