@@ -65,6 +65,9 @@ from flashx.validation import ARRAY_OPTIONS, attention_fields, build_decode_prob
 
 _SCALARS = frozenset({type(None), bool, int, float, str})  # str: out_dtype by name
 _LIMIT = 256  # distinct calls remembered; past it the cache starts again empty
+#: Whole calls remembered (``remember``): two for each call through ``compat.sdpa_as_flashx``
+#: (its own and ``flashx.attention``'s), so as many calls as the other memories hold.
+_CALLS_LIMIT = 2 * _LIMIT
 
 _plans: dict[tuple, tuple[Problem, Backend, bool]] = {}  # _template's
 _decode_plans: dict[tuple, tuple[DecodeProblem, Backend]] = {}
@@ -105,7 +108,7 @@ def prepared(key: tuple) -> Callable | None:
 def remember(key: tuple, run: Callable) -> None:
     """Remember ``run`` as the whole of the later calls of ``key`` (``call_key``): for a call that
     has returned, whose every check, choice and preparation read nothing but what the key holds."""
-    _remember(_calls, key, run)
+    _remember(_calls, key, run, _CALLS_LIMIT)
 
 
 def prepare(key, impl: Backend, problem: Problem, q, k, v) -> tuple:
@@ -210,8 +213,8 @@ _DECODE_ARRAYS = ("k_new", "v_new", *DecodeProblem.ARRAYS)
 _DECODE_SCALARS = ("causal", "softmax_scale", "softcap", "num_splits")
 
 
-def _remember(memory: dict, key, value):
-    if len(memory) >= _LIMIT:
+def _remember(memory: dict, key, value, limit: int = _LIMIT):
+    if len(memory) >= limit:
         memory.clear()
     memory[key] = value
     return value

@@ -895,7 +895,7 @@ def test_the_remembered_calls_are_bounded():
     for scale in range(1, plan._LIMIT + 20):
         flashx.attention(q, k, v, softmax_scale=float(scale))
     assert 0 < len(plan._plans) <= plan._LIMIT
-    assert 0 < len(plan._calls) <= plan._LIMIT
+    assert 0 < len(plan._calls) <= plan._CALLS_LIMIT
 
 
 # -- calls remembered whole: a repeated call runs the backend's prepared forward ---------------
