@@ -17,9 +17,9 @@ the same tensors is printed beside, a rough bar (on CPU its kernel is real work)
 empty Python function of the integration's signature.
 
 Measured on a CPU host, kernels stubbed (2026-11-28, python 3.11, torch 2.13; median us per call,
-steady / generate): 28.3-29.1 / 28.4-29.4 with every call planned, 14.6-14.8 / 16.0-16.3 with
+steady / generate): 28.3-30.8 / 28.4-30.4 with every call planned, 14.6-15.3 / 15.9-17.4 with
 calls remembered whole (``flashx.plan.call_key``; docs/triton-design.md, "Host work per call",
-has the time of each part), SDPA on (1, 1, 1, 8) tensors 3.6-3.7.
+has the time of each part), SDPA on (1, 1, 1, 8) tensors 3.6-4.0.
 
     python scripts/host_decode.py [--stub] [--rounds 7] [--profile]
 """
