@@ -617,6 +617,24 @@ def test_simulated_ring_of_eight_on_packed_documents(exchange):
     assert not grade(ring, got)
 
 
+def test_a_packed_ring_reads_its_offsets_on_the_host_once(monkeypatch):
+    """The ring reads cu_seqlens once; the lengths of its own calls, which it made from them, are
+    vouched for (a read of each, on a GPU, would stall it while the host plans)."""
+    from flashx import validation
+
+    reads = []
+    read_values = validation._int_vector
+    monkeypatch.setattr(validation, "_int_vector",
+                        lambda name, *args, read=True, **kw: (reads.append(name) if read else None,
+                                                              read_values(name, *args, read=read, **kw))[1])
+    x = torch.randn(128, 2, 16, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 24, 40, 64, 128], dtype=torch.int32)
+    o = simulate_ring_attention(x, x, x, 4, layout="document_zigzag", causal=True, cu_seqlens=cu)
+    o.sum().backward()
+    assert reads == ["cu_seqlens_q"]
+    assert torch.allclose(o, flashx.attention(x, x, x, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu))
+
+
 @pytest.mark.parametrize("world_size, documents", [(1, (2, 0, 6, 4)), (8, (16, 48, 0, 32, 16, 80, 0)),
                                                   (8, (0, 192, 0))], ids=str)
 def test_simulated_document_zigzag(world_size, documents):

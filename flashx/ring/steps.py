@@ -35,6 +35,19 @@ class _Call:
     impl: object
 
 
+def _vouched(lengths: dict, device) -> dict:
+    """A call's lengths (``Sequences.calls``: host lists) as the keywords of a call that reads
+    none of them back: the device arrays, their longest sequences as the max_seqlen hints, and
+    ``validate=False``. The ring made them from offsets it checked; each check would read a device
+    array on the host, a synchronisation that leaves the GPU idle while the host plans."""
+    vouched = {name: torch.tensor(x, dtype=torch.int32, device=device) for name, x in lengths.items()}
+    for side in "qk":
+        if f"cu_seqlens_{side}" in lengths:
+            offsets = lengths[f"cu_seqlens_{side}"]
+            vouched[f"max_seqlen_{side}"] = max(b - a for a, b in itertools.pairwise(offsets))
+    return dict(vouched, validate=False)
+
+
 class Rank:
     """One rank's part of a ring call: for the K/V shard of each source rank, the calls of its step.
     Calls are planned (validated, a backend chosen) once, from this rank's shards, whose shapes
@@ -55,8 +68,8 @@ class Rank:
             for query_chunk, key_chunk in itertools.product(mine, theirs):
                 fragments = sequences.fragments(problem.band, query_chunk, key_chunk, problem.dropout_p > 0)
                 for rows, keys, window, offsets, lengths in sequences.calls(fragments):
-                    lengths = {name: torch.tensor(x, dtype=torch.int32, device=q.device) for name, x in lengths.items()}
-                    options = complete("ring_attention", dict(common, window=window, dropout_offsets=offsets, **lengths))
+                    options = complete("ring_attention", dict(common, window=window, dropout_offsets=offsets,
+                                                              **_vouched(lengths, q.device)))
                     calls.append(_Call(rows, keys, batch, *plan(q[batch, rows], k[batch, keys], v[batch, keys],
                                                                  backend, options)))
             self.calls.append(calls)
