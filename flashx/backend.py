@@ -117,6 +117,11 @@ class Backend:
         and the function must keep no array. By default, ``forward`` itself."""
         return functools.partial(self.forward, problem)
 
+    def settle(self) -> None:
+        """Return once the work earlier calls left running past their return (kernels compiling in
+        another process) has ended: until then calls are exact but may be slower (the contract's
+        Backend plugins section). By default nothing is left running."""
+
     def forward_into(self, problem: Problem, q: Any, k: Any, v: Any, o_sums: Any, lse_sums: Any) -> None:
         """Optional: merge this call's (o, lse) into the running sums ``o_sums`` (o's shape) and
         ``lse_sums`` (lse's shape), in place, as ``flashx.api.merge_states`` merges two parts; both

@@ -290,6 +290,16 @@ def _timer(torch, inputs: tuple, do, forward):
     return step
 
 
+def _settle() -> None:
+    """Wait for what flashx's backends left running after the first step (``Backend.settle``: the
+    Triton backend's exact kernels compiling in another process, until which each masked call
+    reads its flags on the host), so that the steps timed after it are the steady state's."""
+    import flashx
+
+    for backend in flashx.registry.backends().values():
+        backend.settle()
+
+
 def _measure(torch, dist, step, repeats: int) -> dict:
     """One warm-up step, then the median of ``repeats`` (or the warm-up's time alone, where 0), and the
     peak memory from before the warm-up: the slowest rank's, the fullest GPU's."""
@@ -298,6 +308,7 @@ def _measure(torch, dist, step, repeats: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     first = step()
+    _settle()
     seconds = statistics.median(step() for _ in range(repeats)) if repeats else first
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     slowest = torch.tensor([seconds, first, peak / 2**20], dtype=torch.float64, device=DEVICE)
@@ -398,6 +409,7 @@ def _profiled(torch, rank: int, step, trace: str) -> tuple[float, list[dict] | N
     the Chrome trace gzipped to ``trace``. The host's operators are recorded beside the kernels: they
     show whether the host kept the GPU waiting."""
     step()  # compiled and warm
+    _settle()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if DEVICE == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

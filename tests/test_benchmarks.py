@@ -1203,3 +1203,21 @@ def test_feature_sweep_plumbing_on_cpu(tmp_path, monkeypatch):
     records.publish(results, tmp_path, features.markdown)
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
         [f"{records.stem(results)}.json", f"{records.stem(results)}.md", "history.csv"])
+
+
+def test_timings_wait_for_what_a_first_call_left_running(monkeypatch):
+    """A timing starts after every flashx backend has settled (``Backend.settle``): a backend
+    still compiling elsewhere after the first call would be timed out of its steady state."""
+    settled = []
+
+    class Compiling(OneDtype):
+        def settle(self):
+            settled.append(self.name)
+
+    monkeypatch.setattr(gpu, "median_ms", lambda fn, grad_to_none: settled.append("timed") or 1.0)
+    flashx.registry.register(Compiling("compiling", "float16"))
+    try:
+        gpu._rested_median_ms(lambda: settled.append("first call"), (), torch.device("cpu"))
+    finally:
+        flashx.registry.unregister("compiling")
+    assert settled == ["first call", "compiling", "timed"]

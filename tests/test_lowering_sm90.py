@@ -236,7 +236,7 @@ def test_an_exact_kernel_left_out_on_clean_data_compiles_in_another_process_and_
     disk; the call after that loads it from there: Triton builds no IR for it in this process."""
     from collections import defaultdict
 
-    from flashx_triton import TritonBackend, background, forward, launch
+    from flashx_triton import TritonBackend, forward, launch
     from triton.compiler import compiler
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
@@ -261,7 +261,7 @@ def test_an_exact_kernel_left_out_on_clean_data_compiles_in_another_process_and_
     problem = build_problem(q, k, v, causal=True)
     TritonBackend().forward(problem, q, k, v)
     assert True not in lowered and len(built_here) == 1  # the plain kernel (run by the choice, then the call)
-    background.wait_for_all()
+    TritonBackend().settle()  # Backend.settle: the worker's compile ended
     assert list(tmp_path.glob("*/_forward_kernel.cubin"))
     del lowered[:]
     TritonBackend().forward(problem, q, k, v)

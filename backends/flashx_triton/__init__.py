@@ -70,6 +70,12 @@ class TritonBackend(flashx.Backend):
 
         return backward_into(problem, q, k, v, o, lse, do, dq_sums, dk_sums, dv_sums)
 
+    def settle(self) -> None:
+        """Wait for the exact kernels sent to the worker process (``flashx_triton.background``)."""
+        from flashx_triton.background import wait_for_all
+
+        wait_for_all()
+
     def decode(self, problem, q, k_cache, v_cache, k_new, v_new):
         from flashx_triton.decode import decode
 

@@ -35,7 +35,7 @@ import flashx
 from flashx_bench import records
 from flashx_bench.report import MODES, NOT_APPLICABLE, SECTIONS
 from flashx_bench.implementations import (CHECK_TOLERANCE, FP8_CHECK_TOLERANCE, Implementation, Shape, absent,
-                                          failure_status, fa4_version, to_bhsd, to_layout)
+                                          failure_status, fa4_version, settle_flashx, to_bhsd, to_layout)
 from flashx_bench.progress import Progress
 
 BACKWARD_FLOPS = 2.5  # the backward costs 2.5 forwards, as flash-attn counts (5 matmuls against 2)
@@ -449,13 +449,16 @@ class Sweep(Runner):
 
 
 def _rested_median_ms(fn, grad_to_none, device: torch.device) -> float:
-    """``median_ms`` after a first call and REST_S of idle GPU: every implementation starts its
-    timing from the same power state, whatever ran before it."""
+    """``median_ms`` after a first call, what it left running (``settle_flashx``) and REST_S of
+    idle GPU: every implementation starts its timing from the same power state, whatever ran
+    before it."""
     fn()
+    settle_flashx()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         time.sleep(REST_S)
     return median_ms(fn, grad_to_none)
+
 
 
 def _synchronize(device: torch.device) -> None:

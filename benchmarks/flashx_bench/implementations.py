@@ -95,6 +95,15 @@ class Implementation:
                 "backend": self.backend, **fp8}
 
 
+def settle_flashx() -> None:
+    """Wait for what flashx's backends left running after a shape's first call (``Backend.settle``:
+    the Triton backend's exact kernels compiling in another process, until which a masked call
+    synchronises on its flags), so that a timing sees the steady state; the first call's own cost
+    is timed apart (``scripts/first_call.py``)."""
+    for backend in flashx.registry.backends().values():
+        backend.settle()
+
+
 def to_layout(bshd: torch.Tensor, layout: str) -> torch.Tensor:
     """A contiguous copy of a BSHD tensor in ``layout``: a fresh leaf of its own."""
     tensor = bshd if layout == "BSHD" else bshd.transpose(1, 2)

@@ -289,7 +289,10 @@ def median_step_ms(trainer: TrainingRun, warmup: int, timed: int) -> tuple[float
     the wall clock on a CPU."""
     import torch
 
+    from flashx_bench.implementations import settle_flashx
+
     loss = trainer.step().item()
+    settle_flashx()  # the steps timed are the steady state's
     for _ in range(warmup - 1):
         trainer.step()
     times = []
