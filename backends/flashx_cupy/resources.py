@@ -88,8 +88,8 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
               f"(stores/loads), shared {variant.shared_memory} B"
               + (f", {variant.stages} stages" + ", paged" * variant.paged + ", fp8 cache" * variant.fp8_cache
                  if variant.stages else ""))
-        for line in built.splitlines():  # e.g. wgmma serialized by ptxas, which costs the overlap
-            if "warning" in line.lower():
+        for line in built.splitlines():  # e.g. wgmma serialized by ptxas (info C7510, C7512), which costs the overlap
+            if "warning" in line.lower() or "Performance Loss" in line:
                 print(f"    {line}")
         if blocks:
             sass = subprocess.run([tool("nvdisasm"), "-c", str(binary)], capture_output=True, text=True,

@@ -121,9 +121,13 @@ ARCHITECTURES = {"forward_sm90": "sm_90a", "forward_fp8_sm90": "sm_90a", "dq_sm9
 #: ``fused_dq`` says) where it would take the wgmma kernels: the switch that compares the two on
 #: one GPU.
 SM90_BACKWARD_ENV = "FLASHX_CUPY_SM90_BACKWARD"
-#: The wgmma forwards' warps beside their WARPS: one warpgroup that only copies Q, K and V
-#: (``PRODUCER_THREADS`` in forward_sm90.cu and forward_fp8_sm90.cu).
+#: The warps of the wgmma forwards and dK/dV kernel beside their WARPS: one warpgroup that only
+#: copies (``PRODUCER_THREADS`` in forward_sm90.cu, forward_fp8_sm90.cu and dkdv_sm90.cu).
 PRODUCER_WARPS = 4
+PRODUCER_KERNELS = ("forward_sm90", "forward_fp8_sm90", "dkdv_sm90")
+#: The query steps in flight in the wgmma dK/dV kernel, a ring of buffers (``ROW_STAGES`` in
+#: dkdv_sm90.cu).
+DKDV_SM90_STAGES = 3
 #: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
 DELTA_WARPS = 8
 
@@ -157,7 +161,7 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        producer = PRODUCER_WARPS if self.kernel in ("forward_sm90", "forward_fp8_sm90") else 0
+        producer = PRODUCER_WARPS if self.kernel in PRODUCER_KERNELS else 0
         return 32 * (DELTA_WARPS if self.kernel == "delta" else self.warps + producer)
 
     @property
@@ -213,8 +217,10 @@ class Variant:
             return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 4 * self.dim_v)) + 128
         if self.kernel == "forward_fp8_sm90":  # bytes: Q and two K tiles of 128-byte rows, three V^T tiles, zeros; barriers
             return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * self.block_n + 128
-        if self.kernel == "dkdv_sm90":  # swizzled, unpadded: K and V, two Q and dO tiles each; two tiles' LSE and D
-            return size * (self.block_m + 2 * self.block_n) * (self.dim_qk + self.dim_v) + 4 * self.block_n * 4
+        if self.kernel == "dkdv_sm90":  # swizzled, unpadded: K and V, a ring of Q, dO, LSE and D; two barriers and a step a stage
+            stages = DKDV_SM90_STAGES
+            return (size * (self.block_m + stages * self.block_n) * (self.dim_qk + self.dim_v)
+                    + stages * (2 * self.block_n * 4 + 2 * 8 + 4))
         if self.kernel == "dq_sm90":  # swizzled, unpadded: Q and dO, two K and V tiles each; the allowed pairs
             return size * (self.block_m + 2 * self.block_n) * (self.dim_qk + self.dim_v) + self.block_m * self.block_n
         pad = 16 // size

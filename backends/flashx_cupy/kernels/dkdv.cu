@@ -19,7 +19,7 @@ struct KeyCta : KeyRows<PaddedTiles> {
         constexpr bool EXACT = MASKED || DROPOUT;  // some pair of the tile reads no dO (and, if masked, no Q)
         cp_async_wait<0>();  // Q and dO of this step
         __syncthreads();     // ... for every thread; and every warp is done with the other buffers
-        load_rows(next);
+        load_rows(next, buf ^ 1);
 #if DQ_ATOMIC
         add_dq();  // the previous step's
 #endif

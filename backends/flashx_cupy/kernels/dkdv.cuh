@@ -19,7 +19,7 @@ struct KeyRows {
     int keys_end;        // the CTA's keys that the sequence has end here
     int end;             // query rows [.., end) use some key of the CTA
     int tile_lo, tiles;  // the query tiles from row tile_lo on that some key of the CTA reads
-    int buf;             // the Q/dO buffers of the step being computed; the other pair is loading
+    int buf;             // the Q/dO buffers of the step being computed
 #if DKDV_PARTS & 1
     float dk[ATOMS][DIM_QK / 8][4];
 #endif
@@ -27,10 +27,9 @@ struct KeyRows {
     float dv[ATOMS][DIM_V / 8][4];
 #endif
 
-    // Whether the CTA has keys to write (padded keys past len_k still get dk = dv = 0); the query
-    // tiles, zeroed sums, and K and V requested, with the first step's rows in the same group.
-    // Returns that first step through ``step``.
-    __device__ __forceinline__ bool start(int& step) {
+    // Whether the CTA has keys to write (padded keys past len_k still get dk = dv = 0), and its
+    // query tiles.
+    __device__ __forceinline__ bool schedule() {
         if (n0 >= keys_out()) return false;
         const int diag = s.len_k - s.len_q;
         keys_end = min(n0 + BLOCK_M, s.len_k);
@@ -39,19 +38,35 @@ struct KeyRows {
         if (keys_end <= n0 || end <= first) first = end = 0;
         tile_lo = first / BLOCK_N * BLOCK_N;
         tiles = (end - tile_lo + BLOCK_N - 1) / BLOCK_N;
+        return true;
+    }
+
+    __device__ __forceinline__ void zero_sums() {
 #if DKDV_PARTS & 1
         zero<ATOMS, DIM_QK>(dk);
 #endif
 #if DKDV_PARTS & 2
         zero<ATOMS, DIM_V>(dv);
 #endif
+    }
+
+    // K and V requested (no commit), by the GROUP threads numbered tid.
+    template <int GROUP = THREADS>
+    __device__ __forceinline__ void load_keys(int tid = threadIdx.x) {
         const elem_t* k = (const elem_t*)p.k + row_offset(b, s.start_k, 0, hk, p.k_b, p.k_n, p.k_h);
         const elem_t* v = (const elem_t*)p.v + row_offset(b, s.start_k, 0, hk, p.v_b, p.v_n, p.v_h);
-        load_tile<BLOCK_M, DIM_QK, typename Tiles::template QK<BLOCK_M>>(sK, k, p.k_n, p.k_d, n0, s.len_k, p.head_dim);
-        load_tile<BLOCK_M, DIM_V, typename Tiles::template V<BLOCK_M>>(sV, v, p.v_n, p.v_d, n0, s.len_k, p.head_dim_v);
+        load_tile<BLOCK_M, DIM_QK, typename Tiles::template QK<BLOCK_M>, GROUP>(sK, k, p.k_n, p.k_d, n0, s.len_k, p.head_dim, tid);
+        load_tile<BLOCK_M, DIM_V, typename Tiles::template V<BLOCK_M>, GROUP>(sV, v, p.v_n, p.v_d, n0, s.len_k, p.head_dim_v, tid);
+    }
+
+    // schedule(), zeroed sums, and K and V requested, with the first step's rows in the same
+    // group. Returns that first step through ``step``.
+    __device__ __forceinline__ bool start(int& step) {
+        if (!schedule()) return false;
+        zero_sums();
+        load_keys();
         step = allowed_step(0);
-        buf = 1;
-        load_rows(step);  // into buffers 0
+        load_rows(step, 0);
         buf = 0;
         return true;
     }
@@ -61,9 +76,12 @@ struct KeyRows {
     __device__ __forceinline__ int head_of(int step) const { return hk * p.group + step / tiles; }
     __device__ __forceinline__ int row_of(int step) const { return tile_lo + step % tiles * BLOCK_N; }
 
-    // The first step from ``step`` on that the block mask allows (every thread's answer).
-    __device__ __forceinline__ int allowed_step(int step) const {
-        while (step < steps() && !blocks_allow(p, s, head_of(step), row_of(step), min(row_of(step) + BLOCK_N, end), n0, keys_end))
+    // The first step from ``step`` on that the block mask allows (the answer of the GROUP threads
+    // numbered tid).
+    template <int GROUP = THREADS>
+    __device__ __forceinline__ int allowed_step(int step, int tid = threadIdx.x) const {
+        while (step < steps() && !blocks_allow<GROUP>(p, s, head_of(step), row_of(step), min(row_of(step) + BLOCK_N, end),
+                                                      n0, keys_end, tid))
             ++step;
         return step;
     }
@@ -71,26 +89,28 @@ struct KeyRows {
     __device__ __forceinline__ elem_t* q_tile() const { return sQ + buf * BLOCK_N * Tiles::QK_PITCH; }
     __device__ __forceinline__ elem_t* do_tile() const { return sDO + buf * BLOCK_N * Tiles::V_PITCH; }
 
-    // Requests the rows of ``step`` (none past the last step) into the other buffers: Q, dO and
-    // the rows' LSE and D, one group.
-    __device__ __forceinline__ void load_rows(int step) {
+    // Requests the rows of ``step`` (none past the last step) into buffers ``into``: Q, dO and the
+    // rows' LSE and D, one group; by the GROUP threads numbered tid.
+    template <int GROUP = THREADS>
+    __device__ __forceinline__ void load_rows(int step, int into, int tid = threadIdx.x) {
         if (step < steps()) {
-            const int h = head_of(step), m = row_of(step), other = buf ^ 1;
+            const int h = head_of(step), m = row_of(step);
             const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
-            load_tile<BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>>(sQ + other * BLOCK_N * Tiles::QK_PITCH, q,
-                                                                              p.q_n, p.q_d, m, s.len_q, p.head_dim);
+            load_tile<BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>, GROUP>(
+                sQ + into * BLOCK_N * Tiles::QK_PITCH, q, p.q_n, p.q_d, m, s.len_q, p.head_dim, tid);
             // The LSE (natural log) and D of each row, 0 past the sequence, copied like the tiles
             // so that no thread waits on them before its products.
             const float* lse = (const float*)p.lse + (i64)b * p.lse_b + (i64)h * p.lse_h + s.start_q + m;
             const float* delta = (const float*)p.delta + (i64)b * p.delta_b + (i64)h * p.delta_h + s.start_q + m;
-            for (int r = threadIdx.x; r < BLOCK_N; r += THREADS) {
-                const bool valid = m + r < s.len_q;
-                cp_async4(smem_addr(sLse + other * BLOCK_N + r), valid ? lse + r : lse, valid);
-                cp_async4(smem_addr(sDelta + other * BLOCK_N + r), valid ? delta + r : delta, valid);
+            static_assert(GROUP >= BLOCK_N, "a row a thread");
+            if (tid < BLOCK_N) {
+                const bool valid = m + tid < s.len_q;
+                cp_async4(smem_addr(sLse + into * BLOCK_N + tid), valid ? lse + tid : lse, valid);
+                cp_async4(smem_addr(sDelta + into * BLOCK_N + tid), valid ? delta + tid : delta, valid);
             }
             const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
-            load_tile<BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>>(sDO + other * BLOCK_N * Tiles::V_PITCH, dout,
-                                                                            p.do_n, p.do_d, m, s.len_q, p.head_dim_v);
+            load_tile<BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>, GROUP>(
+                sDO + into * BLOCK_N * Tiles::V_PITCH, dout, p.do_n, p.do_d, m, s.len_q, p.head_dim_v, tid);
         }
         cp_async_commit();
     }
@@ -111,10 +131,13 @@ struct KeyRows {
     }
 
     // The scores S^T of this warp's keys and the step's queries (at row m, head h) into P^T, then
-    // P^T Z / (1 - p), in place; dP^T into dS^T, in place (DKDV_PARTS & 1).
-    template <bool MASKED>
+    // P^T Z / (1 - p), in place; dP^T into dS^T, in place (DKDV_PARTS & 1). PROBS or GRADS alone
+    // does one half, so that a product may read P^T before dP^T is known: GRADS alone reads P^T
+    // from pt, which is P^T itself only where nothing scales it or caps the scores.
+    template <bool MASKED, bool PROBS = true, bool GRADS = true>
     __device__ __forceinline__ void probs_and_grads(int h, int m, float (&pt)[ATOMS][BLOCK_N / 8][4],
                                                     float (&dst)[ATOMS][BLOCK_N / 8][4]) const {
+        static_assert(PROBS || (!DROPOUT && !SOFTCAP), "dS^T from P^T needs the unscaled P^T, and no cap");
         ScoreMods mods;
         mods.load(p, s, h);
         const float* lse = sLse + buf * BLOCK_N;
@@ -130,22 +153,24 @@ struct KeyRows {
                 for (int e = 0; e < 4; ++e) {
                     const int r = frag_row(mt, e), c = frag_col(nt, e);
                     const bool ok = allowed<MASKED>(h, m, r, c);
-                    float capped;
-                    const float pr = ok ? exp2f(mods.log2_prob(p, pt[mt][nt][e], m + c, n0 + wrow + r, lse[c] * LOG2E, capped)) : 0.f;
+                    float capped = 0.f;
+                    const float pr = !PROBS ? pt[mt][nt][e]
+                                   : ok ? exp2f(mods.log2_prob(p, pt[mt][nt][e], m + c, n0 + wrow + r, lse[c] * LOG2E, capped))
+                                        : 0.f;
 #if DROPOUT
                     const bool keep = kept >> e & 1;
-                    pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
+                    if (PROBS) pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
 #if DKDV_PARTS & 1
                     const float dpr = keep ? dst[mt][nt][e] * p.drop_scale : 0.f;
 #endif
 #else
-                    pt[mt][nt][e] = pr;
+                    if (PROBS) pt[mt][nt][e] = pr;
 #if DKDV_PARTS & 1
                     const float dpr = dst[mt][nt][e];
 #endif
 #endif
 #if DKDV_PARTS & 1
-                    dst[mt][nt][e] = ok ? through_softcap(pr * (dpr - delta[c]), capped) : 0.f;
+                    if (GRADS) dst[mt][nt][e] = ok ? through_softcap(pr * (dpr - delta[c]), capped) : 0.f;
 #endif
                 }
             }
@@ -175,12 +200,12 @@ struct KeyRows {
 #else
         const bool bad_q = false;
 #endif
-        if (bad_do || bad_q) {
-            __syncthreads();
+        if (bad_do || bad_q) {  // every computing thread is done with the products that read them
+            compute_sync();
             if (bad_do) clear_nonfinite<BLOCK_N, DIM_V, Tiles::V_PITCH>(dout);
             if (bad_q) clear_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(q);
             Tiles::written();
-            __syncthreads();
+            compute_sync();
         }
     }
 

@@ -1,13 +1,17 @@
 // flashx_dkdv_sm90: dK and dV on Hopper's warpgroup products (wgmma, sm_90a), for 16-bit
 // problems of head-dim classes 64 and 128, beside flashx_dq_sm90 (backward.cuh says how the
 // kernels divide the work). The semantics are dkdv.cuh's, shared with flashx_dkdv: only the
-// products and the layout of the tiles differ.
+// products, the layout of the tiles and who copies them differ.
 //
-// A CTA holds 128 keys, two warpgroups of 64, and streams query tiles of 64 rows, two in flight
-// as in flashx_dkdv (one cp.async group a step, requested when the previous step starts, one
-// barrier a step). Its accumulators stay in registers: dK and dV (64 x DIM per warpgroup, DIM / 2
-// floats a thread each) beside the step's S^T and dP^T (64 x 64, 32 floats each), which is why
-// a query tile is 64 rows and a thread may take 255 registers (one CTA an SM).
+// A CTA holds 128 keys, two computing warpgroups of 64, and streams query tiles of 64 rows. A
+// producer warpgroup (PRODUCER_THREADS, as in forward_sm90.cu) copies K and V, then each step's Q,
+// dO, LSE and D by cp.async into a ring of ROW_STAGES buffers, announced on mbarriers ("full")
+// once landed; the computing warpgroups free a buffer ("empty") once the products reading it are
+// done. No barrier of the whole CTA stands in the loop, so the two warpgroups drift apart and one's
+// pointwise work overlaps the other's products. The accumulators stay in registers: dK and dV
+// (64 x DIM per warpgroup, DIM / 2 floats a thread each) beside the step's S^T and dP^T (64 x 64,
+// 32 floats each), which is why a query tile is 64 rows, and why the producer gives up its
+// registers (setmaxnreg) to the computing threads.
 //
 // Every tile lies in wgmma's 128-byte swizzle (Swizzle128), so that one copy of a Q tile serves
 // both products that read it, and likewise dO:
@@ -21,11 +25,13 @@
 // 16-key atom a warp, ATOMS = 1), and its register A operand takes mma.sync A fragments: P^T and
 // dS^T turn into them in registers, as the forward turns P.
 //
-// A step waits for each product group before it reads the results; the products of two steps
-// never overlap, since the next step's copies land in the buffers that this step's last products
-// read. A producer warpgroup (as in forward_sm90.cu) and products issued ahead of the pointwise
-// work are the next steps.
+// Within a step the products run ahead of the pointwise work: dP^T is issued with S^T and waited
+// for only once P^T is computed, and where dS^T needs nothing but P^T and dP^T (no mask, dropout
+// or softcap) dV's product is issued before dP^T is waited for and runs beside dS^T. A step ends
+// waiting for its last products, since their register operands die with it.
 
+#define PRODUCER_THREADS 128  // one warpgroup that only copies (variants.PRODUCER_WARPS)
+#define ROW_STAGES 3          // query steps in flight (variants.DKDV_SM90_STAGES)
 #include "dkdv.cuh"
 #include "wgmma.cuh"
 
@@ -34,18 +40,82 @@ static_assert(BLOCK_M == 128 && BLOCK_N == 64, "64 keys a warpgroup; 64 queries 
 static_assert((DIM_QK == 64 || DIM_QK == 128) && (DIM_V == 64 || DIM_V == 128), "the products' N: 64 or 128");
 static_assert(DKDV_PARTS == 3 && !DQ_ATOMIC, "both sums in one launch, dQ by flashx_dq");
 
+// Step t's rows lie in buffers t % ROW_STAGES, and which step it is in step[t % ROW_STAGES] (the
+// schedule's steps(): none left): "full" completes when the producer's copies of them (and, with
+// the first, of K and V) have landed, "empty" when every computing thread is done with them.
+struct RowBarriers {
+    u64 full[ROW_STAGES], empty[ROW_STAGES];
+    int step[ROW_STAGES];
+};
+
+// The producer warpgroup (threads THREADS .. THREADS + PRODUCER_THREADS - 1): the schedule of
+// steps, the block mask's included, so that the computing threads read it rather than vote on it;
+// each step's rows copied once their buffers are free, and announced once landed. A step is
+// announced after the next one is requested, so that a step's copies are always in flight.
+struct KeyProducerSm90 : KeyRows<SwizzledTiles> {
+    RowBarriers* bars;
+    int tid;  // 0 .. PRODUCER_THREADS - 1
+
+    __device__ __forceinline__ void run() {
+        int step = allowed_step<PRODUCER_THREADS>(0, tid), t = 0;
+        load_keys<PRODUCER_THREADS>(tid);  // in the first step's group
+        for (;; ++t) {
+            const int slot = t % ROW_STAGES;
+            if (t >= ROW_STAGES) bar_wait(&bars->empty[slot], (t / ROW_STAGES - 1) & 1);
+            load_rows<PRODUCER_THREADS>(step, slot, tid);
+            if (tid == 0) bars->step[slot] = step;
+            if (t > 0) announce<1>(t - 1);
+            if (step >= steps()) break;
+            step = allowed_step<PRODUCER_THREADS>(step + 1, tid);
+        }
+        announce<0>(t);  // the end
+    }
+
+    // Step t announced once its copies have landed (all but the newest PENDING groups).
+    template <int PENDING>
+    __device__ __forceinline__ void announce(int t) {
+        cp_async_wait<PENDING>();
+        fence_proxy_async();
+        bar_arrive(&bars->full[t % ROW_STAGES]);
+    }
+};
+
 // KeyRows with the products on wgmma; k_desc and v_desc: this warpgroup's 64 keys of K and V.
 struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     u64 k_desc, v_desc;
+    RowBarriers* bars;
 
-    // Step ``step``, and the requests for step ``next``.
+    // Issues D += A B for A (64 x N, this warp's 16 rows) in fragments and B MN-major at ``b``: the
+    // rows of Q and dO (queries) are the product's K, 16 rows a step of 16 * 128 bytes; the
+    // leading byte offset is the distance of the 64-column panels of the head dim, BLOCK_N rows
+    // of 128 bytes.
+    template <int N>
+    __device__ __forceinline__ void issue_rs(float (&d)[N / 8][4], const u32 (&a)[BLOCK_N / 16][4], u32 b) {
+        const u64 b_mn = wgmma_desc(b, BLOCK_N * 128);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_rs<N>(d, a[kk], b_mn + desc_step<BLOCK_N>(16 * kk, 0));
+    }
+
+    // The producer's steps, each with its body (accumulate_steps' choice), until it announces none.
+    __device__ __forceinline__ void run() {
+        for (int t = 0;; ++t) {
+            buf = t % ROW_STAGES;
+            bar_wait(&bars->full[buf], (t / ROW_STAGES) & 1);
+            const int step = bars->step[buf];
+            if (step >= steps()) break;
+            const int m = row_of(step);
+            if (tile_unmasked(p, s, m, m + BLOCK_N, n0, n0 + BLOCK_M))
+                accumulate<false>(step);
+            else
+                accumulate<true>(step);
+        }
+    }
+
+    // Step ``step``, whose rows lie in buffers ``buf``.
     template <bool MASKED>
-    __device__ __forceinline__ void accumulate(int step, int next) {
+    __device__ __forceinline__ void accumulate(int step) {
         constexpr bool EXACT = MASKED || DROPOUT;  // some pair of the tile reads no dO (and, if masked, no Q)
-        cp_async_wait<0>();   // Q and dO of this step
-        fence_proxy_async();  // ... visible to the products
-        __syncthreads();      // ... for every thread; and both warpgroups are done with the other buffers
-        load_rows(next);
+        constexpr bool EARLY_DV = !EXACT && !SOFTCAP;  // dS^T needs P^T and dP^T alone
         const int h = head_of(step), m = row_of(step);
         const u32 q_addr = smem_addr(q_tile()), do_addr = smem_addr(do_tile());
 
@@ -56,54 +126,80 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
         const u64 q_k = wgmma_desc(q_addr, 16), do_k = wgmma_desc(do_addr, 16);
         wgmma_fence();
         wgmma_ss_whole_k<BLOCK_N, DIM_QK, BLOCK_M, BLOCK_N>(pt[0], k_desc, q_k);
+        wgmma_commit();
         wgmma_ss_whole_k<BLOCK_N, DIM_V, BLOCK_M, BLOCK_N>(dst[0], v_desc, do_k);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();  // S^T; dP^T runs on
         fence_registers<BLOCK_N>(pt[0]);
-        fence_registers<BLOCK_N>(dst[0]);
 
-        probs_and_grads<MASKED>(h, m, pt, dst);
-        if constexpr (EXACT) exact_operands<MASKED>(h, m);
-
-        // The MN-major B operands: rows of Q and dO (queries) are the product's K, 16 rows a step
-        // of 16 * 128 bytes; the leading byte offset is the distance of the 64-column panels of
-        // the head dim, BLOCK_N rows of 128 bytes.
         u32 pf[BLOCK_N / 16][4], dsf[BLOCK_N / 16][4];
-        to_fragments<BLOCK_N>(pt[0], pf);
+        if constexpr (EARLY_DV) {
+            probs_and_grads<MASKED, true, false>(h, m, pt, dst);
+            to_fragments<BLOCK_N>(pt[0], pf);
+            wgmma_fence();
+            issue_rs<DIM_V>(dv[0], pf, do_addr);
+            wgmma_commit();
+            wgmma_wait<1>();  // dP^T; dV's product runs on
+            fence_registers<BLOCK_N>(dst[0]);
+            probs_and_grads<MASKED, false, true>(h, m, pt, dst);
+        } else {
+            wgmma_wait<0>();
+            fence_registers<BLOCK_N>(dst[0]);
+            probs_and_grads<MASKED>(h, m, pt, dst);
+            if constexpr (EXACT) exact_operands<MASKED>(h, m);
+            to_fragments<BLOCK_N>(pt[0], pf);
+            wgmma_fence();
+            issue_rs<DIM_V>(dv[0], pf, do_addr);
+        }
         to_fragments<BLOCK_N>(dst[0], dsf);
-        const u64 do_mn = wgmma_desc(do_addr, BLOCK_N * 128), q_mn = wgmma_desc(q_addr, BLOCK_N * 128);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_rs<DIM_V>(dv[0], pf[kk], do_mn + desc_step<BLOCK_N>(16 * kk, 0));
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_rs<DIM_QK>(dk[0], dsf[kk], q_mn + desc_step<BLOCK_N>(16 * kk, 0));
+        issue_rs<DIM_QK>(dk[0], dsf, q_addr);
         wgmma_commit();
-        wgmma_wait<0>();  // before the next step's copies overwrite Q and dO
+        wgmma_wait<0>();  // the fragments die with the step, and the buffers are free
         fence_registers<DIM_V>(dv[0]);
         fence_registers<DIM_QK>(dk[0]);
-        buf ^= 1;
+        bar_arrive(&bars->empty[buf]);
     }
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv_sm90(const Params p) {
+// The computing threads' registers, and the producer's: 128 * (2 * COMPUTE + PRODUCER) registers
+// of the SM's 65536.
+#define COMPUTE_REGISTERS 240
+#define PRODUCER_REGISTERS 24
+
+extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flashx_dkdv_sm90(const Params p) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    elem_t* sK = (elem_t*)smem;                         // Swizzle128<BLOCK_M>: BLOCK_M x DIM_QK
-    elem_t* sV = sK + BLOCK_M * DIM_QK;                 // Swizzle128<BLOCK_M>: BLOCK_M x DIM_V
-    elem_t* sQ = sV + BLOCK_M * DIM_V;                  // 2 x Swizzle128<BLOCK_N>: BLOCK_N x DIM_QK
-    elem_t* sDO = sQ + 2 * BLOCK_N * DIM_QK;            // 2 x Swizzle128<BLOCK_N>: BLOCK_N x DIM_V
-    float* sLse = (float*)(sDO + 2 * BLOCK_N * DIM_V);  // 2 x BLOCK_N
-    float* sDelta = sLse + 2 * BLOCK_N;                 // 2 x BLOCK_N
+    elem_t* sK = (elem_t*)smem;                                  // Swizzle128<BLOCK_M>: BLOCK_M x DIM_QK
+    elem_t* sV = sK + BLOCK_M * DIM_QK;                          // Swizzle128<BLOCK_M>: BLOCK_M x DIM_V
+    elem_t* sQ = sV + BLOCK_M * DIM_V;                           // ROW_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_QK
+    elem_t* sDO = sQ + ROW_STAGES * BLOCK_N * DIM_QK;            // ROW_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_V
+    float* sLse = (float*)(sDO + ROW_STAGES * BLOCK_N * DIM_V);  // ROW_STAGES x BLOCK_N
+    float* sDelta = sLse + ROW_STAGES * BLOCK_N;                 // ROW_STAGES x BLOCK_N
+    RowBarriers* bars = (RowBarriers*)(sDelta + ROW_STAGES * BLOCK_N);
 
     int tile, hk, b;
     grid_tile(p.tiles_m, p.kv_heads, tile, hk, b);
     hk += p.kv_head0;
     const int warp = threadIdx.x / 32;
+    const KeyRows<SwizzledTiles> rows{p, sequence(p, b), b, hk, tile * BLOCK_M, warp % WARPS * 16, sK, sV, sQ, sDO, sLse, sDelta};
+    if (rows.n0 >= rows.keys_out()) return;
+
+    if (threadIdx.x == 0)
+        for (int i = 0; i < ROW_STAGES; ++i) bar_init(&bars->full[i], PRODUCER_THREADS), bar_init(&bars->empty[i], THREADS);
+    __syncthreads();
+
+    if (threadIdx.x >= THREADS) {  // the producer, with few registers, so that the others may take more
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGISTERS));
+        KeyProducerSm90 producer{rows, bars, (int)threadIdx.x - THREADS};
+        producer.schedule();
+        producer.run();
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(COMPUTE_REGISTERS));
     const u64 keys = desc_step<BLOCK_M>(warp / 4 * 64, 0);  // the warpgroup's first key
-    KeyCtaSm90 cta{{p, sequence(p, b), b, hk, tile * BLOCK_M, warp * 16, sK, sV, sQ, sDO, sLse, sDelta},
-                   wgmma_desc(smem_addr(sK), 16) + keys, wgmma_desc(smem_addr(sV), 16) + keys};
-    int step;
-    if (!cta.start(step)) return;
-    accumulate_steps(cta, step);
-    cp_async_wait<0>();
+    KeyCtaSm90 cta{rows, wgmma_desc(smem_addr(sK), 16) + keys, wgmma_desc(smem_addr(sV), 16) + keys, bars};
+    cta.schedule();
+    cta.zero_sums();
+    cta.run();
     cta.store();
 }

@@ -19,6 +19,20 @@ __device__ __forceinline__ bool compute_sync_or(bool x) {
                  : "=r"(any) : "r"((u32)x), "n"(THREADS) : "memory");
     return any;
 }
+// The OR of a predicate over the GROUP threads of one role: the computing threads (compute_sync_or),
+// or the producer's (barrier 2), which may not wait for each other.
+template <int GROUP>
+__device__ __forceinline__ bool group_sync_or(bool x) {
+    if constexpr (GROUP == THREADS) {
+        return compute_sync_or(x);
+    } else {
+        static_assert(GROUP == PRODUCER_THREADS, "a role's threads");
+        u32 any;
+        asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 2, %2, p;\nselp.u32 %0, 1, 0, q;\n}"
+                     : "=r"(any) : "r"((u32)x), "n"(GROUP) : "memory");
+        return __any_sync(0xffffffffu, any);  // voted again, so that ptxas keeps what follows from it uniform
+    }
+}
 
 // Whether rows [0, ROWS) of a shared tile hold a NaN or an infinity (an answer of the computing
 // threads). The warp votes on it once more so that ptxas sees it uniform: a branch on it that it

@@ -67,20 +67,23 @@ __device__ __forceinline__ bool tile_unmasked(const Params& p, const Sequence& s
 #endif
 }
 
-// Whether the block mask allows some pair of rows [i0, i1) and keys [j0, j1) (block-wide);
-// a tile it disallows is skipped unread.
-__device__ __forceinline__ bool blocks_allow(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1) {
+// Whether the block mask allows some pair of rows [i0, i1) and keys [j0, j1) (the answer of the
+// GROUP threads numbered tid: the computing threads', or a producer's, group_sync_or); a tile it
+// disallows is skipped unread.
+template <int GROUP = THREADS>
+__device__ __forceinline__ bool blocks_allow(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1,
+                                             int tid = threadIdx.x) {
 #if BLOCK_MASK
     const int bi0 = i0 / p.block_q, bi1 = (i1 - 1) / p.block_q + 1;
     const int bj0 = j0 / p.block_k, bj1 = (j1 - 1) / p.block_k + 1;
     const int n = (bi1 - bi0) * (bj1 - bj0);
     int any = 0;
-    for (int idx = threadIdx.x; idx < n && !any; idx += THREADS) {
+    for (int idx = tid; idx < n && !any; idx += GROUP) {
         const int bi = bi0 + idx / (bj1 - bj0), bj = bj0 + idx % (bj1 - bj0);
         any = ((const unsigned char*)p.blocks)[(i64)s.b * p.blocks_b + (i64)h * p.blocks_h + (i64)bi * p.blocks_i +
                                                (i64)bj * p.blocks_j] != 0;
     }
-    return __syncthreads_or(any);
+    return group_sync_or<GROUP>(any);
 #else
     return true;
 #endif

@@ -1,0 +1,136 @@
+"""flashx_dkdv_sm90 against a git ref's (main by default) in one process, on a GPU of compute
+capability 9.0: each case's backward runs alternately with this tree's dK/dV kernel and the
+ref's, CUDA events around that kernel's launches alone, and the two must give the same dK and dV
+bit for bit (same products in the same order; only who copies and when differ).
+
+    python3 scripts/dkdv_sm90_ab.py                            # bf16, B=2, N=8192, H=16: d128, d64, each causal or not
+    python3 scripts/dkdv_sm90_ab.py --ref main --dim 128 --causal 1 --repeats 30
+    python3 scripts/dkdv_sm90_ab.py --heads 32 --kv-heads 4 --seqlen 4096 --causal 0   # GQA
+
+The ref's kernel is built from its kernels/ folder (git show) with this tree's variant options and
+launched with main's shape of that kernel: 32 * WARPS threads (no producer warpgroup) and two
+Q/dO buffers; a ref of another launch shape needs ``ref_launch`` changed with it. Prints a line a
+case: the median ms of each, its TFLOP/s (dK/dV's four products), and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
+KERNELS = "backends/flashx_cupy/kernels"
+
+
+def ref_kernels(ref: str) -> Path:
+    """The ref's kernels/ folder, written out to a temporary one."""
+    folder = Path(tempfile.mkdtemp(prefix="flashx-ref-kernels-"))
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:{KERNELS}"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    for name in names:
+        (folder / name).write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{KERNELS}/{name}"],
+                                                   capture_output=True, check=True).stdout)
+    return folder
+
+
+def ref_launch(variant) -> tuple[int, int]:
+    """(threads, dynamic shared memory) of main's flashx_dkdv_sm90: K and V, two Q and dO tiles,
+    two tiles' LSE and D."""
+    from flashx_cupy import variants
+
+    size = variants.ELEMENT_SIZES[variant.dtype]
+    shared = size * (variant.block_m + 2 * variant.block_n) * (variant.dim_qk + variant.dim_v) + 4 * variant.block_n * 4
+    return 32 * variant.warps, shared
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ref", default="main")
+    parser.add_argument("--dim", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+
+    import cupy
+    from flashx_cupy import launch, variants
+
+    folder = ref_kernels(args.ref)
+    built: dict = {}
+    state = {"ref": False, "events": []}
+    plain = launch.launch
+
+    def timed(variant, device, grid, params, *extra):
+        if variant.kernel != "dkdv_sm90":
+            return plain(variant, device, grid, params, *extra)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        if state["ref"]:
+            threads, shared = ref_launch(variant)
+            function = built.get(variant)
+            if function is None:
+                text = variants.source(variants.FILES[variant.kernel], folder)
+                function = built[variant] = cupy.RawModule(code=text, options=variant.options).get_function(variant.entry_point)
+                function.max_dynamic_shared_size_bytes = shared
+            function((grid,), (threads,), (params.view(launch.OPAQUE), *extra), shared_mem=shared)
+        else:
+            plain(variant, device, grid, params, *extra)
+        end.record()
+        state["events"].append((start, end))
+
+    launch.launch = timed
+    for dim in args.dim:
+        for causal in args.causal:
+            compare(args, dim, bool(causal), state)
+
+
+def compare(args, dim: int, causal: bool, state: dict) -> None:
+    """One case: both kernels' dK and dV, then their times, alternating."""
+    import cupy
+    import torch
+
+    import flashx
+
+    dtype = getattr(torch, args.dtype)
+    kv_heads = args.kv_heads or args.heads
+    generator = torch.Generator("cuda").manual_seed(0)
+    shape_q, shape_k = (args.batch, args.seqlen, args.heads, dim), (args.batch, args.seqlen, kv_heads, dim)
+    q, do = (torch.randn(shape_q, generator=generator, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(shape_k, generator=generator, device="cuda", dtype=dtype) for _ in range(2))
+    o, res = flashx.attention_forward(q, k, v, causal=causal, backend="cupy")
+
+    def backward(ref: bool):
+        state["ref"], state["events"] = ref, []
+        grads = flashx.attention_backward(do, q, k, v, o, res, causal=causal, backend="cupy")
+        torch.cuda.synchronize()
+        return grads, sum(cupy.cuda.get_elapsed_time(start, end) for start, end in state["events"])
+
+    label = f"{args.dtype} B={args.batch} N={args.seqlen} H={args.heads}/{kv_heads} d{dim}{' causal' if causal else ''}"
+    (_, dk, dv), _ = backward(False)
+    if not state["events"]:  # d64 without a band takes the fused mma.sync kernel (variants.sm90_backward)
+        print(f"{label}: no flashx_dkdv_sm90 in this backward", flush=True)
+        return
+    (_, dk_ref, dv_ref), _ = backward(True)
+    same = torch.equal(dk, dk_ref) and torch.equal(dv, dv_ref)
+    times = {False: [], True: []}
+    for _ in range(args.repeats):
+        for ref in (False, True):
+            times[ref].append(backward(ref)[1])
+    ms, ms_ref = statistics.median(times[False]), statistics.median(times[True])
+    # S^T, dP^T, dV and dK: 4 products of 2 N^2 d flops per head, about half of them with causal
+    flops = 4 * 2 * args.batch * args.heads * args.seqlen ** 2 * dim / (2 if causal else 1)
+    print(f"{label}: this tree {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), {args.ref} {ms_ref:.3f} ms "
+          f"({flops / ms_ref / 1e9:.0f} TFLOP/s), ratio {ms_ref / ms:.3f}; "
+          f"dK and dV {'bitwise equal' if same else 'DIFFER'}", flush=True)
+
+if __name__ == "__main__":
+    main()
