@@ -25,10 +25,11 @@
 // 16-key atom a warp, ATOMS = 1), and its register A operand takes mma.sync A fragments: P^T and
 // dS^T turn into them in registers, as the forward turns P.
 //
-// Within a step the products run ahead of the pointwise work: dP^T is issued with S^T and waited
-// for only once P^T is computed, and where dS^T needs nothing but P^T and dP^T (no mask, dropout
-// or softcap) dV's product is issued before dP^T is waited for and runs beside dS^T. A step ends
-// waiting for its last products, since their register operands die with it.
+// Within a step the products run ahead of the pointwise work: where dS^T needs nothing but P^T and
+// dP^T (no dropout or softcap), dP^T is issued with S^T and waited for only once P^T is computed,
+// and in unmasked tiles, where no operand is cleared first, dV's product is issued before dP^T is
+// waited for and runs beside dS^T. A step ends waiting for its last products, since their register
+// operands die with it.
 
 #define PRODUCER_THREADS 128  // one warpgroup that only copies (variants.PRODUCER_WARPS)
 #define ROW_STAGES 3          // query steps in flight (variants.DKDV_SM90_STAGES)
@@ -115,7 +116,8 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     template <bool MASKED>
     __device__ __forceinline__ void accumulate(int step) {
         constexpr bool EXACT = MASKED || DROPOUT;  // some pair of the tile reads no dO (and, if masked, no Q)
-        constexpr bool EARLY_DV = !EXACT && !SOFTCAP;  // dS^T needs P^T and dP^T alone
+        constexpr bool SPLIT = !DROPOUT && !SOFTCAP;  // dS^T from P^T and dP^T alone, after P^T
+        constexpr bool EARLY_DV = SPLIT && !EXACT;    // ... and no operand to clear before dV's product
         const int h = head_of(step), m = row_of(step);
         const u32 q_addr = smem_addr(q_tile()), do_addr = smem_addr(do_tile());
 
@@ -129,24 +131,25 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
         wgmma_commit();
         wgmma_ss_whole_k<BLOCK_N, DIM_V, BLOCK_M, BLOCK_N>(dst[0], v_desc, do_k);
         wgmma_commit();
-        wgmma_wait<1>();  // S^T; dP^T runs on
-        fence_registers<BLOCK_N>(pt[0]);
 
         u32 pf[BLOCK_N / 16][4], dsf[BLOCK_N / 16][4];
-        if constexpr (EARLY_DV) {
+        if constexpr (SPLIT) {
+            wgmma_wait<1>();  // S^T; dP^T runs on
+            fence_registers<BLOCK_N>(pt[0]);
             probs_and_grads<MASKED, true, false>(h, m, pt, dst);
-            to_fragments<BLOCK_N>(pt[0], pf);
-            wgmma_fence();
-            issue_rs<DIM_V>(dv[0], pf, do_addr);
-            wgmma_commit();
-            wgmma_wait<1>();  // dP^T; dV's product runs on
-            fence_registers<BLOCK_N>(dst[0]);
-            probs_and_grads<MASKED, false, true>(h, m, pt, dst);
-        } else {
-            wgmma_wait<0>();
-            fence_registers<BLOCK_N>(dst[0]);
-            probs_and_grads<MASKED>(h, m, pt, dst);
-            if constexpr (EXACT) exact_operands<MASKED>(h, m);
+            if constexpr (EARLY_DV) {
+                to_fragments<BLOCK_N>(pt[0], pf);
+                wgmma_fence();
+                issue_rs<DIM_V>(dv[0], pf, do_addr);
+                wgmma_commit();
+            }
+        }
+        wgmma_wait<EARLY_DV ? 1 : 0>();  // dP^T (and S^T); dV's product runs on
+        if constexpr (!SPLIT) fence_registers<BLOCK_N>(pt[0]);
+        fence_registers<BLOCK_N>(dst[0]);
+        probs_and_grads<MASKED, !SPLIT, true>(h, m, pt, dst);
+        if constexpr (EXACT) exact_operands<MASKED>(h, m);
+        if constexpr (!EARLY_DV) {
             to_fragments<BLOCK_N>(pt[0], pf);
             wgmma_fence();
             issue_rs<DIM_V>(dv[0], pf, do_addr);
