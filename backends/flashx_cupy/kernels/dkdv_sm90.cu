@@ -4,11 +4,10 @@
 // products, the layout of the tiles and who copies them differ.
 //
 // A CTA holds 128 keys, two computing warpgroups of 64, and streams query tiles of 64 rows. A
-// producer warpgroup (PRODUCER_THREADS, as in forward_sm90.cu) copies K and V, then each step's Q,
-// dO, LSE and D by cp.async into a ring of ROW_STAGES buffers, announced on mbarriers ("full")
-// once landed; the computing warpgroups free a buffer ("empty") once the products reading it are
-// done. No barrier of the whole CTA stands in the loop, so the two warpgroups drift apart and one's
-// pointwise work overlaps the other's products. The accumulators stay in registers: dK and dV
+// producer warpgroup (PRODUCER_THREADS, as in forward_sm90.cu) runs the schedule and copies K and
+// V, then each step's Q, dO, LSE and D by cp.async into a ring of ROW_STAGES buffers on mbarriers
+// (ring.cuh). No barrier of the whole CTA stands in the loop, so the two computing warpgroups drift
+// apart and one's pointwise work overlaps the other's products. The accumulators stay in registers: dK and dV
 // (64 x DIM per warpgroup, DIM / 2 floats a thread each) beside the step's S^T and dP^T (64 x 64,
 // 32 floats each), which is why a query tile is 64 rows, and why the producer gives up its
 // registers (setmaxnreg) to the computing threads.
@@ -35,56 +34,31 @@
 #define ROW_STAGES 3          // query steps in flight (variants.DKDV_SM90_STAGES)
 #include "dkdv.cuh"
 #include "wgmma.cuh"
+#include "ring.cuh"
 
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS == 8, "two warpgroups, one 16-key atom a warp");
 static_assert(BLOCK_M == 128 && BLOCK_N == 64, "64 keys a warpgroup; 64 queries a step (poison_allowed's bits)");
 static_assert((DIM_QK == 64 || DIM_QK == 128) && (DIM_V == 64 || DIM_V == 128), "the products' N: 64 or 128");
 static_assert(DKDV_PARTS == 3 && !DQ_ATOMIC, "both sums in one launch, dQ by flashx_dq");
 
-// Step t's rows lie in buffers t % ROW_STAGES, and which step it is in step[t % ROW_STAGES] (the
-// schedule's steps(): none left): "full" completes when the producer's copies of them (and, with
-// the first, of K and V) have landed, "empty" when every computing thread is done with them.
-struct RowBarriers {
-    u64 full[ROW_STAGES], empty[ROW_STAGES];
-    int step[ROW_STAGES];
-};
-
 // The producer warpgroup (threads THREADS .. THREADS + PRODUCER_THREADS - 1): the schedule of
-// steps, the block mask's included, so that the computing threads read it rather than vote on it;
-// each step's rows copied once their buffers are free, and announced once landed. A step is
-// announced after the next one is requested, so that a step's copies are always in flight.
+// steps, K and V with the first, each step's rows into the ring (ring.cuh).
 struct KeyProducerSm90 : KeyRows<SwizzledTiles> {
-    RowBarriers* bars;
+    Ring<ROW_STAGES>* ring;
     int tid;  // 0 .. PRODUCER_THREADS - 1
 
     __device__ __forceinline__ void run() {
-        int step = allowed_step<PRODUCER_THREADS>(0, tid), t = 0;
         load_keys<PRODUCER_THREADS>(tid);  // in the first step's group
-        for (;; ++t) {
-            const int slot = t % ROW_STAGES;
-            if (t >= ROW_STAGES) bar_wait(&bars->empty[slot], (t / ROW_STAGES - 1) & 1);
-            load_rows<PRODUCER_THREADS>(step, slot, tid);
-            if (tid == 0) bars->step[slot] = step;
-            if (t > 0) announce<1>(t - 1);
-            if (step >= steps()) break;
-            step = allowed_step<PRODUCER_THREADS>(step + 1, tid);
-        }
-        announce<0>(t);  // the end
-    }
-
-    // Step t announced once its copies have landed (all but the newest PENDING groups).
-    template <int PENDING>
-    __device__ __forceinline__ void announce(int t) {
-        cp_async_wait<PENDING>();
-        fence_proxy_async();
-        bar_arrive(&bars->full[t % ROW_STAGES]);
+        ring->produce(allowed_step<PRODUCER_THREADS>(0, tid), steps(), tid,
+                      [this](int step, int slot) { load_rows<PRODUCER_THREADS>(step, slot, tid); },
+                      [this](int step) { return allowed_step<PRODUCER_THREADS>(step + 1, tid); });
     }
 };
 
 // KeyRows with the products on wgmma; k_desc and v_desc: this warpgroup's 64 keys of K and V.
 struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     u64 k_desc, v_desc;
-    RowBarriers* bars;
+    Ring<ROW_STAGES>* ring;
 
     // Issues D += A B for A (64 x N, this warp's 16 rows) in fragments and B MN-major at ``b``: the
     // rows of Q and dO (queries) are the product's K, 16 rows a step of 16 * 128 bytes; the
@@ -97,19 +71,16 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_rs<N>(d, a[kk], b_mn + desc_step<BLOCK_N>(16 * kk, 0));
     }
 
-    // The producer's steps, each with its body (accumulate_steps' choice), until it announces none.
+    // The producer's steps, each with its body (accumulate_steps' choice).
     __device__ __forceinline__ void run() {
-        for (int t = 0;; ++t) {
-            buf = t % ROW_STAGES;
-            bar_wait(&bars->full[buf], (t / ROW_STAGES) & 1);
-            const int step = bars->step[buf];
-            if (step >= steps()) break;
+        ring->consume(steps(), [this](int step, int slot) {
+            buf = slot;
             const int m = row_of(step);
             if (tile_unmasked(p, s, m, m + BLOCK_N, n0, n0 + BLOCK_M))
                 accumulate<false>(step);
             else
                 accumulate<true>(step);
-        }
+        });
     }
 
     // Step ``step``, whose rows lie in buffers ``buf``.
@@ -161,7 +132,6 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
         wgmma_wait<0>();  // the fragments die with the step, and the buffers are free
         fence_registers<DIM_V>(dv[0]);
         fence_registers<DIM_QK>(dk[0]);
-        bar_arrive(&bars->empty[buf]);
     }
 };
 
@@ -178,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flas
     elem_t* sDO = sQ + ROW_STAGES * BLOCK_N * DIM_QK;            // ROW_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_V
     float* sLse = (float*)(sDO + ROW_STAGES * BLOCK_N * DIM_V);  // ROW_STAGES x BLOCK_N
     float* sDelta = sLse + ROW_STAGES * BLOCK_N;                 // ROW_STAGES x BLOCK_N
-    RowBarriers* bars = (RowBarriers*)(sDelta + ROW_STAGES * BLOCK_N);
+    Ring<ROW_STAGES>* ring = (Ring<ROW_STAGES>*)(sDelta + ROW_STAGES * BLOCK_N);
 
     int tile, hk, b;
     grid_tile(p.tiles_m, p.kv_heads, tile, hk, b);
@@ -187,20 +157,19 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flas
     const KeyRows<SwizzledTiles> rows{p, sequence(p, b), b, hk, tile * BLOCK_M, warp % WARPS * 16, sK, sV, sQ, sDO, sLse, sDelta};
     if (rows.n0 >= rows.keys_out()) return;
 
-    if (threadIdx.x == 0)
-        for (int i = 0; i < ROW_STAGES; ++i) bar_init(&bars->full[i], PRODUCER_THREADS), bar_init(&bars->empty[i], THREADS);
+    if (threadIdx.x == 0) ring->init();
     __syncthreads();
 
     if (threadIdx.x >= THREADS) {  // the producer, with few registers, so that the others may take more
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGISTERS));
-        KeyProducerSm90 producer{rows, bars, (int)threadIdx.x - THREADS};
+        KeyProducerSm90 producer{rows, ring, (int)threadIdx.x - THREADS};
         producer.schedule();
         producer.run();
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(COMPUTE_REGISTERS));
     const u64 keys = desc_step<BLOCK_M>(warp / 4 * 64, 0);  // the warpgroup's first key
-    KeyCtaSm90 cta{rows, wgmma_desc(smem_addr(sK), 16) + keys, wgmma_desc(smem_addr(sV), 16) + keys, bars};
+    KeyCtaSm90 cta{rows, wgmma_desc(smem_addr(sK), 16) + keys, wgmma_desc(smem_addr(sV), 16) + keys, ring};
     cta.schedule();
     cta.zero_sums();
     cta.run();

@@ -1,0 +1,59 @@
+// The ring of buffers between the producer warpgroup and the computing warpgroups of the wgmma
+// backward kernels (dkdv_sm90.cu, dq_sm90.cu); after wgmma.cuh.
+//
+// The producer walks the CTA's schedule, an increasing sequence of items (query steps, or key
+// tiles) below ``end``: it copies item t's operands by cp.async into buffers t % STAGES, writes
+// the item beside them, and announces them on "full" once landed; after the last item it
+// announces ``end`` itself. The computing threads read the schedule rather than compute it (a
+// block mask's votes included), and free the buffers on "empty" once the products reading them
+// are done. No barrier of the whole CTA stands in either loop. An item is announced after the next
+// one is requested, so that an item's copies are always in flight.
+template <int STAGES>
+struct Ring {
+    u64 full[STAGES], empty[STAGES];
+    int item[STAGES];
+
+    // By one thread, before a barrier of the whole CTA.
+    __device__ __forceinline__ void init() {
+        for (int i = 0; i < STAGES; ++i) bar_init(&full[i], PRODUCER_THREADS), bar_init(&empty[i], THREADS);
+    }
+
+    // The producer's thread tid, from ``item``: load(item, buffer) requests an item's copies as
+    // one group (an empty one for ``end``), next(item) is the schedule's next.
+    template <typename Load, typename Next>
+    __device__ __forceinline__ void produce(int item, int end, int tid, Load load, Next next) {
+        int t = 0;
+        for (;; ++t) {
+            const int slot = t % STAGES;
+            if (t >= STAGES) bar_wait(&empty[slot], (t / STAGES - 1) & 1);
+            load(item, slot);
+            if (tid == 0) this->item[slot] = item;
+            if (t > 0) announce<1>(t - 1);
+            if (item >= end) break;
+            item = next(item);
+        }
+        announce<0>(t);  // the end
+    }
+
+    // Item t announced once its copies have landed (all but the newest PENDING groups).
+    template <int PENDING>
+    __device__ __forceinline__ void announce(int t) {
+        cp_async_wait<PENDING>();
+        fence_proxy_async();
+        bar_arrive(&full[t % STAGES]);
+    }
+
+    // The computing threads: body(item, buffer) for each item announced before ``end``; the body
+    // waits for the products that read its buffers.
+    template <typename Body>
+    __device__ __forceinline__ void consume(int end, Body body) {
+        for (int t = 0;; ++t) {
+            const int slot = t % STAGES;
+            bar_wait(&full[slot], (t / STAGES) & 1);
+            const int item = this->item[slot];
+            if (item >= end) break;
+            body(item, slot);
+            bar_arrive(&empty[slot]);
+        }
+    }
+};
