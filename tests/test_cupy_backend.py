@@ -179,26 +179,25 @@ def test_sm90_backward_choice(monkeypatch, changes, capability, is_aligned, sm90
 @pytest.mark.parametrize("kernel", ["dq_sm90", "dkdv_sm90"])
 @pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128)])
 def test_sm90_backward_variants(kernel, dim_qk, dim_v):
-    """Two warpgroups of 64 resident rows and steps of 64 streamed ones; swizzled tiles start on
-    1024-byte boundaries; the builds target sm_90a. The dK/dV kernel adds a producer warpgroup and
-    streams its query steps through a ring of buffers, each with two barriers and its step."""
+    """Two computing warpgroups of 64 resident rows, a producer warpgroup, and steps of 64 streamed
+    rows through a ring of buffers, each stage with two barriers and its item; swizzled tiles start
+    on 1024-byte boundaries; the builds target sm_90a."""
     variant = variants.choose(kernel, _problem(head_dim=dim_qk, head_dim_v=dim_v), aligned=True)
-    producer = kernel == "dkdv_sm90"
     assert (variant.block_m, variant.block_n, variant.warps) == (128, 64, 8)
-    assert variant.threads == 32 * (variant.warps + (variants.PRODUCER_WARPS if producer else 0))
+    assert variant.threads == 32 * (variant.warps + variants.PRODUCER_WARPS)
     assert (variant.dkdv_parts, variant.dq_atomic) == (3, False)
     size = variants.ELEMENT_SIZES[variant.dtype]
     tiles = [rows * dim * size for rows in (variant.block_m, variant.block_n) for dim in (dim_qk, dim_v)]
     assert all(bytes_ % 1024 == 0 for bytes_ in tiles)
-    # the resident tiles, the streamed ones in flight, then their LSE, D, barriers and steps, or a tile's allowed pairs
-    stages = variants.DKDV_SM90_STAGES if producer else 2
-    extra = stages * (2 * variant.block_n * 4 + 2 * 8 + 4) if producer else variant.block_m * variant.block_n
-    assert variant.shared_memory == tiles[0] + tiles[1] + stages * (tiles[2] + tiles[3]) + extra <= 227 * 1024
+    # the resident tiles, the ring's streamed ones, then dK/dV's LSE and D a stage or dQ's allowed pairs of a tile
+    stages = variants.RING_STAGES
+    extra = stages * 2 * variant.block_n * 4 if kernel == "dkdv_sm90" else variant.block_m * variant.block_n
+    assert (variant.shared_memory == tiles[0] + tiles[1] + stages * (tiles[2] + tiles[3]) + extra + stages * (2 * 8 + 4)
+            <= 227 * 1024)
     assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == f"flashx_{kernel}"
-    if producer:
-        text = (variants.KERNELS / variants.FILES[kernel]).read_text()
-        assert f"#define PRODUCER_THREADS {32 * variants.PRODUCER_WARPS} " in text
-        assert f"#define ROW_STAGES {variants.DKDV_SM90_STAGES} " in text
+    assert f"#define PRODUCER_THREADS {32 * variants.PRODUCER_WARPS} " in (variants.KERNELS / variants.FILES[kernel]).read_text()
+    assert f"#define RING_STAGES {variants.RING_STAGES} " in (variants.KERNELS / "ring.cuh").read_text()
+    assert '#include "ring.cuh"' in (variants.KERNELS / variants.FILES[kernel]).read_text()
 
 
 @pytest.mark.parametrize("capability, switch, changes, launched", [

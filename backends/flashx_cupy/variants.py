@@ -121,13 +121,13 @@ ARCHITECTURES = {"forward_sm90": "sm_90a", "forward_fp8_sm90": "sm_90a", "dq_sm9
 #: ``fused_dq`` says) where it would take the wgmma kernels: the switch that compares the two on
 #: one GPU.
 SM90_BACKWARD_ENV = "FLASHX_CUPY_SM90_BACKWARD"
-#: The warps of the wgmma forwards and dK/dV kernel beside their WARPS: one warpgroup that only
-#: copies (``PRODUCER_THREADS`` in forward_sm90.cu, forward_fp8_sm90.cu and dkdv_sm90.cu).
+#: The warps of the wgmma forwards and backward kernels beside their WARPS: one warpgroup that only
+#: copies (``PRODUCER_THREADS`` in forward_sm90.cu, forward_fp8_sm90.cu, dkdv_sm90.cu and dq_sm90.cu).
 PRODUCER_WARPS = 4
-PRODUCER_KERNELS = ("forward_sm90", "forward_fp8_sm90", "dkdv_sm90")
-#: The query steps in flight in the wgmma dK/dV kernel, a ring of buffers (``ROW_STAGES`` in
-#: dkdv_sm90.cu).
-DKDV_SM90_STAGES = 3
+PRODUCER_KERNELS = ("forward_sm90", "forward_fp8_sm90", "dkdv_sm90", "dq_sm90")
+#: The buffers of the wgmma backward's rings, the streamed tiles in flight (``RING_STAGES`` in
+#: kernels/ring.cuh).
+RING_STAGES = 3
 #: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
 DELTA_WARPS = 8
 
@@ -217,12 +217,13 @@ class Variant:
             return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 4 * self.dim_v)) + 128
         if self.kernel == "forward_fp8_sm90":  # bytes: Q and two K tiles of 128-byte rows, three V^T tiles, zeros; barriers
             return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * self.block_n + 128
-        if self.kernel == "dkdv_sm90":  # swizzled, unpadded: K and V, a ring of Q, dO, LSE and D; two barriers and a step a stage
-            stages = DKDV_SM90_STAGES
-            return (size * (self.block_m + stages * self.block_n) * (self.dim_qk + self.dim_v)
-                    + stages * (2 * self.block_n * 4 + 2 * 8 + 4))
-        if self.kernel == "dq_sm90":  # swizzled, unpadded: Q and dO, two K and V tiles each; the allowed pairs
-            return size * (self.block_m + 2 * self.block_n) * (self.dim_qk + self.dim_v) + self.block_m * self.block_n
+        if self.kernel in ("dkdv_sm90", "dq_sm90"):
+            # swizzled, unpadded: the resident tiles (K and V, or Q and dO), a ring of the streamed ones,
+            # then dK/dV's LSE and D a stage or dQ's allowed pairs of a tile; each stage's two barriers and item
+            stages = RING_STAGES
+            extra = stages * 2 * self.block_n * 4 if self.kernel == "dkdv_sm90" else self.block_m * self.block_n
+            return (size * (self.block_m + stages * self.block_n) * (self.dim_qk + self.dim_v) + extra
+                    + stages * (2 * 8 + 4))
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
         m, n = self.block_m, self.block_n

@@ -5,12 +5,12 @@
 //
 // A CTA holds 128 keys, two computing warpgroups of 64, and streams query tiles of 64 rows. A
 // producer warpgroup (PRODUCER_THREADS, as in forward_sm90.cu) runs the schedule and copies K and
-// V, then each step's Q, dO, LSE and D by cp.async into a ring of ROW_STAGES buffers on mbarriers
-// (ring.cuh). No barrier of the whole CTA stands in the loop, so the two computing warpgroups drift
-// apart and one's pointwise work overlaps the other's products. The accumulators stay in registers: dK and dV
-// (64 x DIM per warpgroup, DIM / 2 floats a thread each) beside the step's S^T and dP^T (64 x 64,
-// 32 floats each), which is why a query tile is 64 rows, and why the producer gives up its
-// registers (setmaxnreg) to the computing threads.
+// V, then each step's Q, dO, LSE and D by cp.async into a ring of RING_STAGES buffers on mbarriers
+// (ring.cuh). No barrier of the whole CTA stands in the loop, so the two computing warpgroups
+// drift apart and one's pointwise work overlaps the other's products. The accumulators stay in
+// registers: dK and dV (64 x DIM per warpgroup, DIM / 2 floats a thread each) beside the step's
+// S^T and dP^T (64 x 64, 32 floats each), which is why a query tile is 64 rows, and why the
+// producer gives up its registers to the computing threads (ring.cuh).
 //
 // Every tile lies in wgmma's 128-byte swizzle (Swizzle128), so that one copy of a Q tile serves
 // both products that read it, and likewise dO:
@@ -31,7 +31,6 @@
 // operands die with it.
 
 #define PRODUCER_THREADS 128  // one warpgroup that only copies (variants.PRODUCER_WARPS)
-#define ROW_STAGES 3          // query steps in flight (variants.DKDV_SM90_STAGES)
 #include "dkdv.cuh"
 #include "wgmma.cuh"
 #include "ring.cuh"
@@ -44,7 +43,7 @@ static_assert(DKDV_PARTS == 3 && !DQ_ATOMIC, "both sums in one launch, dQ by fla
 // The producer warpgroup (threads THREADS .. THREADS + PRODUCER_THREADS - 1): the schedule of
 // steps, K and V with the first, each step's rows into the ring (ring.cuh).
 struct KeyProducerSm90 : KeyRows<SwizzledTiles> {
-    Ring<ROW_STAGES>* ring;
+    Ring<>* ring;
     int tid;  // 0 .. PRODUCER_THREADS - 1
 
     __device__ __forceinline__ void run() {
@@ -58,7 +57,7 @@ struct KeyProducerSm90 : KeyRows<SwizzledTiles> {
 // KeyRows with the products on wgmma; k_desc and v_desc: this warpgroup's 64 keys of K and V.
 struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     u64 k_desc, v_desc;
-    Ring<ROW_STAGES>* ring;
+    Ring<>* ring;
 
     // Issues D += A B for A (64 x N, this warp's 16 rows) in fragments and B MN-major at ``b``: the
     // rows of Q and dO (queries) are the product's K, 16 rows a step of 16 * 128 bytes; the
@@ -135,42 +134,35 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     }
 };
 
-// The computing threads' registers, and the producer's: 128 * (2 * COMPUTE + PRODUCER) registers
-// of the SM's 65536.
-#define COMPUTE_REGISTERS 240
-#define PRODUCER_REGISTERS 24
-
 extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flashx_dkdv_sm90(const Params p) {
     extern __shared__ __align__(1024) unsigned char smem[];
     elem_t* sK = (elem_t*)smem;                                  // Swizzle128<BLOCK_M>: BLOCK_M x DIM_QK
     elem_t* sV = sK + BLOCK_M * DIM_QK;                          // Swizzle128<BLOCK_M>: BLOCK_M x DIM_V
-    elem_t* sQ = sV + BLOCK_M * DIM_V;                           // ROW_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_QK
-    elem_t* sDO = sQ + ROW_STAGES * BLOCK_N * DIM_QK;            // ROW_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_V
-    float* sLse = (float*)(sDO + ROW_STAGES * BLOCK_N * DIM_V);  // ROW_STAGES x BLOCK_N
-    float* sDelta = sLse + ROW_STAGES * BLOCK_N;                 // ROW_STAGES x BLOCK_N
-    Ring<ROW_STAGES>* ring = (Ring<ROW_STAGES>*)(sDelta + ROW_STAGES * BLOCK_N);
+    elem_t* sQ = sV + BLOCK_M * DIM_V;                           // RING_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_QK
+    elem_t* sDO = sQ + RING_STAGES * BLOCK_N * DIM_QK;            // RING_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_V
+    float* sLse = (float*)(sDO + RING_STAGES * BLOCK_N * DIM_V);  // RING_STAGES x BLOCK_N
+    float* sDelta = sLse + RING_STAGES * BLOCK_N;                 // RING_STAGES x BLOCK_N
+    Ring<>* ring = (Ring<>*)(sDelta + RING_STAGES * BLOCK_N);
 
     int tile, hk, b;
     grid_tile(p.tiles_m, p.kv_heads, tile, hk, b);
     hk += p.kv_head0;
     const int warp = threadIdx.x / 32;
-    const KeyRows<SwizzledTiles> rows{p, sequence(p, b), b, hk, tile * BLOCK_M, warp % WARPS * 16, sK, sV, sQ, sDO, sLse, sDelta};
-    if (rows.n0 >= rows.keys_out()) return;
+    KeyRows<SwizzledTiles> rows{p, sequence(p, b), b, hk, tile * BLOCK_M, warp % WARPS * 16, sK, sV, sQ, sDO, sLse, sDelta};
+    if (!rows.schedule()) return;
 
     if (threadIdx.x == 0) ring->init();
     __syncthreads();
 
     if (threadIdx.x >= THREADS) {  // the producer, with few registers, so that the others may take more
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGISTERS));
+        producer_registers();
         KeyProducerSm90 producer{rows, ring, (int)threadIdx.x - THREADS};
-        producer.schedule();
         producer.run();
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(COMPUTE_REGISTERS));
+    compute_registers();
     const u64 keys = desc_step<BLOCK_M>(warp / 4 * 64, 0);  // the warpgroup's first key
     KeyCtaSm90 cta{rows, wgmma_desc(smem_addr(sK), 16) + keys, wgmma_desc(smem_addr(sV), 16) + keys, ring};
-    cta.schedule();
     cta.zero_sums();
     cta.run();
     cta.store();

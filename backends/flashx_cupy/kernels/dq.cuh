@@ -17,7 +17,7 @@ struct QueryRows {
     elem_t *sQ, *sDO, *sK, *sV;
     unsigned char* sAllowed;  // BLOCK_M x BLOCK_N: the allowed pairs of a masked tile
     int rows_end;             // the CTA's rows that the sequence has end here
-    int end;                  // keys [.., end) are read by some row of the CTA
+    int lo, end;              // keys [lo, end) hold those that some row of the CTA reads
     float lse2[ATOMS][2], delta[ATOMS][2];  // of this lane's rows (frag_row's two halves)
     float dq[ATOMS][DIM_QK / 8][4];
     ScoreMods mods;
@@ -30,23 +30,30 @@ struct QueryRows {
         return (const elem_t*)p.v + row_offset(b, s.start_k, 0, h / p.group, p.v_b, p.v_n, p.v_h);
     }
 
-    // Whether the CTA has rows to write; the key range, zeroed sums, the row statistics, and Q,
-    // dO and the first key tile (into buffers 0) requested as one group. Returns that tile's
-    // first key through ``n`` (end or past: none).
-    __device__ __forceinline__ bool start(int& n) {
+    // Whether the CTA has rows to write, and the keys they read: from tile lo (a multiple of
+    // BLOCK_N) to end.
+    __device__ __forceinline__ bool schedule() {
         if (m0 >= rows_out()) return false;
         const int diag = s.len_k - s.len_q;
         rows_end = min(m0 + BLOCK_M, s.len_q);
         int first = max(m0 + diag - p.left, 0);
         end = min(rows_end - 1 + diag + p.right + 1, s.len_k);
         if (rows_end <= m0 || end <= first) first = end = 0;
+        lo = first / BLOCK_N * BLOCK_N;
+        return true;
+    }
+
+    // Q and dO requested (no commit), by the GROUP threads numbered tid.
+    template <int GROUP = THREADS>
+    __device__ __forceinline__ void load_rows(int tid = threadIdx.x) {
         const elem_t* q = (const elem_t*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
         const elem_t* dout = (const elem_t*)p.dout + row_offset(b, s.start_q, 0, h, p.do_b, p.do_n, p.do_h);
-        load_tile<BLOCK_M, DIM_QK, typename Tiles::template QK<BLOCK_M>>(sQ, q, p.q_n, p.q_d, m0, s.len_q, p.head_dim);
-        load_tile<BLOCK_M, DIM_V, typename Tiles::template V<BLOCK_M>>(sDO, dout, p.do_n, p.do_d, m0, s.len_q, p.head_dim_v);
-        n = allowed_tile(first / BLOCK_N * BLOCK_N);
-        if (n < end) load_kv(n, 0);
-        cp_async_commit();
+        load_tile<BLOCK_M, DIM_QK, typename Tiles::template QK<BLOCK_M>, GROUP>(sQ, q, p.q_n, p.q_d, m0, s.len_q, p.head_dim, tid);
+        load_tile<BLOCK_M, DIM_V, typename Tiles::template V<BLOCK_M>, GROUP>(sDO, dout, p.do_n, p.do_d, m0, s.len_q, p.head_dim_v, tid);
+    }
+
+    // Zeroed sums, this lane's row statistics and the score modifications' values.
+    __device__ __forceinline__ void start_sums() {
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
@@ -54,27 +61,47 @@ struct QueryRows {
                 row_stats(p, s, h, m0 + wrow + frag_row(mt, 2 * half), lse2[mt][half], delta[mt][half]);
         zero<ATOMS, DIM_QK>(dq);
         mods.load(p, s, h);
+    }
+
+    // schedule(), then Q, dO and the first key tile (into buffers 0) requested as one group, and
+    // start_sums(). Returns that tile's first key through ``n`` (end or past: none).
+    __device__ __forceinline__ bool start(int& n) {
+        if (!schedule()) return false;
+        load_rows();
+        n = allowed_tile(lo);
+        if (n < end) load_kv(n, 0);
+        cp_async_commit();
+        start_sums();
         return true;
     }
 
-    // The first key tile from key n on that the block mask allows (every thread's answer).
-    __device__ __forceinline__ int allowed_tile(int n) const {
-        while (n < end && !blocks_allow(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end))) n += BLOCK_N;
+    // The first key tile from key n on that the block mask allows (the answer of the GROUP
+    // threads numbered tid).
+    template <int GROUP = THREADS>
+    __device__ __forceinline__ int allowed_tile(int n, int tid = threadIdx.x) const {
+        while (n < end && !blocks_allow<GROUP>(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end), tid)) n += BLOCK_N;
         return n;
     }
 
     __device__ __forceinline__ elem_t* k_tile(int buf) const { return sK + buf * BLOCK_N * Tiles::QK_PITCH; }
     __device__ __forceinline__ elem_t* v_tile(int buf) const { return sV + buf * BLOCK_N * Tiles::V_PITCH; }
 
-    __device__ __forceinline__ void load_kv(int n, int buf) {
-        load_tile<BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>>(k_tile(buf), k_rows(), p.k_n, p.k_d, n, s.len_k, p.head_dim);
-        load_tile<BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>>(v_tile(buf), v_rows(), p.v_n, p.v_d, n, s.len_k, p.head_dim_v);
+    // The key tile at n requested into buffers buf (no commit), by the GROUP threads numbered tid.
+    template <int GROUP = THREADS>
+    __device__ __forceinline__ void load_kv(int n, int buf, int tid = threadIdx.x) {
+        load_tile<BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>, GROUP>(k_tile(buf), k_rows(), p.k_n, p.k_d, n, s.len_k,
+                                                                                 p.head_dim, tid);
+        load_tile<BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>, GROUP>(v_tile(buf), v_rows(), p.v_n, p.v_d, n, s.len_k,
+                                                                               p.head_dim_v, tid);
     }
 
     // The scores S of this warp's rows and the keys from n into dS, in place, from dP; a masked
-    // tile records its allowed pairs.
+    // tile records its allowed pairs. PROBS or GRADS alone does one half, as in dkdv.cuh's
+    // probs_and_grads: P into sc, or dS from the P in sc (nothing scales P or caps the scores).
+    template <bool PROBS = true, bool GRADS = true>
     __device__ __forceinline__ void grads(bool masked, int n, float (&sc)[ATOMS][BLOCK_N / 8][4],
                                           const float (&dp)[ATOMS][BLOCK_N / 8][4]) const {
+        static_assert(PROBS || (!DROPOUT && !SOFTCAP), "dS from P needs the unscaled P, and no cap");
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
@@ -86,9 +113,15 @@ struct QueryRows {
                 for (int e = 0; e < 4; ++e) {
                     const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
                     const bool ok = !masked || allowed_pair(p, s, h, m0 + r, n + c);
-                    if (masked) sAllowed[r * BLOCK_N + c] = ok;
-                    float capped;
-                    const float pr = ok ? exp2f(mods.log2_prob(p, sc[mt][nt][e], m0 + r, n + c, lse2[mt][e / 2], capped)) : 0.f;
+                    if (PROBS && masked) sAllowed[r * BLOCK_N + c] = ok;
+                    float capped = 0.f;
+                    const float pr = !PROBS ? sc[mt][nt][e]
+                                   : ok ? exp2f(mods.log2_prob(p, sc[mt][nt][e], m0 + r, n + c, lse2[mt][e / 2], capped))
+                                        : 0.f;
+                    if constexpr (!GRADS) {
+                        sc[mt][nt][e] = pr;
+                        continue;
+                    }
 #if DROPOUT
                     const float dpr = kept >> e & 1 ? dp[mt][nt][e] * p.drop_scale : 0.f;
 #else
@@ -106,10 +139,10 @@ struct QueryRows {
         if (tile_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(k)) {
             poison_allowed<ATOMS, BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>>(
                 [&](int r, int j) { return sAllowed[(wrow + r) * BLOCK_N + j] != 0; }, k, nan_at<ATOMS, DIM_QK>(dq));
-            __syncthreads();
+            compute_sync();  // every computing thread is done with the products that read K
             clear_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(k);
             Tiles::written();
-            __syncthreads();
+            compute_sync();
         }
     }
 

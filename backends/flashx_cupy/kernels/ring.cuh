@@ -8,7 +8,18 @@
 // block mask's votes included), and free the buffers on "empty" once the products reading them
 // are done. No barrier of the whole CTA stands in either loop. An item is announced after the next
 // one is requested, so that an item's copies are always in flight.
-template <int STAGES>
+//
+// The CTA's three warpgroups share its 168 registers a thread (384 threads, one CTA an SM):
+// setmaxnreg leaves the producer 24 and gives the two computing warpgroups 240 each
+// (128 * (24 + 2 * 240) = 384 * 168), as FA3 does; at 232, the forward's split, ptxas serializes
+// the dK/dV kernel's d128 products (info C7512).
+
+#define RING_STAGES 3  // the buffers of a ring (variants.RING_STAGES)
+
+__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;"); }
+__device__ __forceinline__ void compute_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;"); }
+
+template <int STAGES = RING_STAGES>
 struct Ring {
     u64 full[STAGES], empty[STAGES];
     int item[STAGES];

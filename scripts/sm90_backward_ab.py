@@ -1,16 +1,18 @@
-"""flashx_dkdv_sm90 against a git ref's (main by default) in one process, on a GPU of compute
-capability 9.0: each case's backward runs alternately with this tree's dK/dV kernel and the
-ref's, CUDA events around that kernel's launches alone, and the two must give the same dK and dV
-bit for bit (same products in the same order; only who copies and when differ).
+"""The wgmma backward's kernels, flashx_dq_sm90 and flashx_dkdv_sm90, against a git ref's (main by
+default) in one process, on a GPU of compute capability 9.0: each case's backward runs alternately
+with this tree's kernels and the ref's, CUDA events around each kernel's launches alone, and the
+two must give the same gradients bit for bit (same products in the same order; only who copies
+and when differ).
 
-    python3 scripts/dkdv_sm90_ab.py                            # bf16, B=2, N=8192, H=16: d128, d64, each causal or not
-    python3 scripts/dkdv_sm90_ab.py --ref main --dim 128 --causal 1 --repeats 30
-    python3 scripts/dkdv_sm90_ab.py --heads 32 --kv-heads 4 --seqlen 4096 --causal 0   # GQA
+    python3 scripts/sm90_backward_ab.py                            # bf16, B=2, N=8192, H=16: d128, d64, each causal or not
+    python3 scripts/sm90_backward_ab.py --ref main --dim 128 --causal 1 --repeats 30
+    python3 scripts/sm90_backward_ab.py --heads 32 --kv-heads 4 --seqlen 4096 --causal 0   # GQA
 
-The ref's kernel is built from its kernels/ folder (git show) with this tree's variant options and
-launched with main's shape of that kernel: 32 * WARPS threads (no producer warpgroup) and two
-Q/dO buffers; a ref of another launch shape needs ``ref_launch`` changed with it. Prints a line a
-case: the median ms of each, its TFLOP/s (dK/dV's four products), and the ratio.
+The ref's kernels are built from its kernels/ folder (git show) with this tree's variant options
+and launched with main's shape of them: 32 * WARPS threads (no producer warpgroup) and two
+buffers of each streamed tile; a ref of another launch shape needs ``ref_launch`` changed with
+it. Prints a line a kernel and case: the median ms of each, TFLOP/s (dK/dV's four products, dQ's
+three), and the ratio.
 """
 
 from __future__ import annotations
@@ -38,14 +40,18 @@ def ref_kernels(ref: str) -> Path:
     return folder
 
 
+#: The kernels compared, and the products each runs.
+PRODUCTS = {"dq_sm90": 3, "dkdv_sm90": 4}
+
+
 def ref_launch(variant) -> tuple[int, int]:
-    """(threads, dynamic shared memory) of main's flashx_dkdv_sm90: K and V, two Q and dO tiles,
-    two tiles' LSE and D."""
+    """(threads, dynamic shared memory) of main's kernel: the resident tiles, two of each streamed
+    one, then dK/dV's two tiles' LSE and D or dQ's allowed pairs of a tile."""
     from flashx_cupy import variants
 
     size = variants.ELEMENT_SIZES[variant.dtype]
-    shared = size * (variant.block_m + 2 * variant.block_n) * (variant.dim_qk + variant.dim_v) + 4 * variant.block_n * 4
-    return 32 * variant.warps, shared
+    extra = 4 * variant.block_n * 4 if variant.kernel == "dkdv_sm90" else variant.block_m * variant.block_n
+    return 32 * variant.warps, size * (variant.block_m + 2 * variant.block_n) * (variant.dim_qk + variant.dim_v) + extra
 
 
 def main() -> None:
@@ -66,11 +72,11 @@ def main() -> None:
 
     folder = ref_kernels(args.ref)
     built: dict = {}
-    state = {"ref": False, "events": []}
+    state = {"ref": False, "events": {}}
     plain = launch.launch
 
     def timed(variant, device, grid, params, *extra):
-        if variant.kernel != "dkdv_sm90":
+        if variant.kernel not in PRODUCTS:
             return plain(variant, device, grid, params, *extra)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
@@ -85,7 +91,7 @@ def main() -> None:
         else:
             plain(variant, device, grid, params, *extra)
         end.record()
-        state["events"].append((start, end))
+        state["events"].setdefault(variant.kernel, []).append((start, end))
 
     launch.launch = timed
     for dim in args.dim:
@@ -109,28 +115,32 @@ def compare(args, dim: int, causal: bool, state: dict) -> None:
     o, res = flashx.attention_forward(q, k, v, causal=causal, backend="cupy")
 
     def backward(ref: bool):
-        state["ref"], state["events"] = ref, []
+        state["ref"], state["events"] = ref, {}
         grads = flashx.attention_backward(do, q, k, v, o, res, causal=causal, backend="cupy")
         torch.cuda.synchronize()
-        return grads, sum(cupy.cuda.get_elapsed_time(start, end) for start, end in state["events"])
+        return grads, {kernel: sum(cupy.cuda.get_elapsed_time(start, end) for start, end in events)
+                       for kernel, events in state["events"].items()}
 
     label = f"{args.dtype} B={args.batch} N={args.seqlen} H={args.heads}/{kv_heads} d{dim}{' causal' if causal else ''}"
-    (_, dk, dv), _ = backward(False)
+    grads, _ = backward(False)
     if not state["events"]:  # d64 without a band takes the fused mma.sync kernel (variants.sm90_backward)
-        print(f"{label}: no flashx_dkdv_sm90 in this backward", flush=True)
+        print(f"{label}: no wgmma backward kernel in this backward", flush=True)
         return
-    (_, dk_ref, dv_ref), _ = backward(True)
-    same = torch.equal(dk, dk_ref) and torch.equal(dv, dv_ref)
+    grads_ref, _ = backward(True)
+    same = all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
     times = {False: [], True: []}
     for _ in range(args.repeats):
         for ref in (False, True):
             times[ref].append(backward(ref)[1])
-    ms, ms_ref = statistics.median(times[False]), statistics.median(times[True])
-    # S^T, dP^T, dV and dK: 4 products of 2 N^2 d flops per head, about half of them with causal
-    flops = 4 * 2 * args.batch * args.heads * args.seqlen ** 2 * dim / (2 if causal else 1)
-    print(f"{label}: this tree {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), {args.ref} {ms_ref:.3f} ms "
-          f"({flops / ms_ref / 1e9:.0f} TFLOP/s), ratio {ms_ref / ms:.3f}; "
-          f"dK and dV {'bitwise equal' if same else 'DIFFER'}", flush=True)
+    for kernel, products in PRODUCTS.items():
+        ms = statistics.median(sample[kernel] for sample in times[False])
+        ms_ref = statistics.median(sample[kernel] for sample in times[True])
+        # products of 2 N^2 d flops per query head, about half of them with causal
+        flops = products * 2 * args.batch * args.heads * args.seqlen ** 2 * dim / (2 if causal else 1)
+        print(f"{label} {kernel}: this tree {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), {args.ref} {ms_ref:.3f} ms "
+              f"({flops / ms_ref / 1e9:.0f} TFLOP/s), ratio {ms_ref / ms:.3f}", flush=True)
+    print(f"{label}: dQ, dK and dV {'bitwise equal' if same else 'DIFFER'}", flush=True)
+
 
 if __name__ == "__main__":
     main()
