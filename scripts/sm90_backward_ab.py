@@ -7,6 +7,7 @@ and when differ).
     python3 scripts/sm90_backward_ab.py                            # bf16, B=2, N=8192, H=16: d128, d64, each causal or not
     python3 scripts/sm90_backward_ab.py --ref main --dim 128 --causal 1 --repeats 30
     python3 scripts/sm90_backward_ab.py --heads 32 --kv-heads 4 --seqlen 4096 --causal 0   # GQA
+    python3 scripts/sm90_backward_ab.py --dim 64 --causal 0 --no-fused-dq   # where the fused mma.sync kernel serves
 
 The ref's kernels are built from its kernels/ folder (git show) with this tree's variant options
 and launched with main's shape of them: 32 * WARPS threads (no producer warpgroup) and two
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-fused-dq", action="store_true",
+                        help="the wgmma kernels where the fused mma.sync dK/dV kernel would serve (d64 without a band)")
     args = parser.parse_args()
 
     import cupy
@@ -94,6 +97,8 @@ def main() -> None:
         state["events"].setdefault(variant.kernel, []).append((start, end))
 
     launch.launch = timed
+    if args.no_fused_dq:  # variants.sm90_backward then takes the wgmma kernels at d64 too
+        variants.fused_dq = lambda problem: False
     for dim in args.dim:
         for causal in args.causal:
             compare(args, dim, bool(causal), state)
@@ -124,7 +129,7 @@ def compare(args, dim: int, causal: bool, state: dict) -> None:
     label = f"{args.dtype} B={args.batch} N={args.seqlen} H={args.heads}/{kv_heads} d{dim}{' causal' if causal else ''}"
     grads, _ = backward(False)
     if not state["events"]:  # d64 without a band takes the fused mma.sync kernel (variants.sm90_backward)
-        print(f"{label}: no wgmma backward kernel in this backward", flush=True)
+        print(f"{label}: no wgmma backward kernel in this backward (--no-fused-dq takes them)", flush=True)
         return
     grads_ref, _ = backward(True)
     same = all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
