@@ -9,11 +9,12 @@ and when differ).
     python3 scripts/sm90_backward_ab.py --heads 32 --kv-heads 4 --seqlen 4096 --causal 0   # GQA
     python3 scripts/sm90_backward_ab.py --dim 64 --causal 0 --no-fused-dq   # where the fused mma.sync kernel serves
 
-The ref's kernels are built from its kernels/ folder (git show) with this tree's variant options
-and launched with main's shape of them: 32 * WARPS threads (no producer warpgroup) and two
-buffers of each streamed tile; a ref of another launch shape needs ``ref_launch`` changed with
-it. Prints a line a kernel and case: the median ms of each, TFLOP/s (dK/dV's four products, dQ's
-three), and the ratio.
+The ref's kernels are built from its kernels/ folder (git show; or ``--ref`` names a folder of
+kernels, another tree's backends/flashx_cupy/kernels where no git history travels) with this
+tree's variant options and launched with main's shape of them: 32 * WARPS threads (no producer
+warpgroup) and two buffers of each streamed tile; a ref of another launch shape needs
+``ref_launch`` changed with it. Prints a line a kernel and case: the median ms of each, TFLOP/s
+(dK/dV's four products, dQ's three), and the ratio.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ KERNELS = "backends/flashx_cupy/kernels"
 
 
 def ref_kernels(ref: str) -> Path:
-    """The ref's kernels/ folder, written out to a temporary one."""
+    """The ref's kernels/ folder, written out to a temporary one (a folder given as the ref: itself)."""
+    if Path(ref).is_dir():
+        return Path(ref)
     folder = Path(tempfile.mkdtemp(prefix="flashx-ref-kernels-"))
     names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:{KERNELS}"],
                            capture_output=True, text=True, check=True).stdout.split()
