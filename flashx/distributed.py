@@ -76,7 +76,7 @@ def ring_attention(q, k, v, *, group=None, layout="zigzag", exchange="ring", cau
     if seed is None and problem.dropout_p > 0:
         problem = dataclasses.replace(problem, seed=broadcast_seed(problem.seed, group, q.device))
     q4, k4, v4 = (sequences.batched(x) for x in (q, k, v))
-    ranks = [Rank(rank, world_size, layout, problem, sequences, backend, q4, k4, v4)]
+    ranks = [Rank.planned(rank, world_size, layout, problem, sequences, backend, q4, k4, v4)]
     o, lse = RingAttention.apply(Ring(ranks, group_messages(group, world_size, rank), exchange, problem.sinks),
                                  caller_sinks(sinks), q4, k4, v4)
     o, lse = sequences.unbatched(o), sequences.unbatched(lse)
@@ -105,7 +105,7 @@ def simulate_ring_attention(q, k, v, world_size, *, layout="zigzag", exchange="r
     problem, sequences = shard_problem(shards[0][0], shards[1][0], shards[2][0], layout, exchange, world_size,
                                        options, seqlens, cu_seqlens)
     shards = [[sequences.batched(x) for x in xs] for xs in shards]
-    ranks = [Rank(rank, world_size, layout, problem, sequences, backend, *(xs[rank] for xs in shards))
+    ranks = [Rank.planned(rank, world_size, layout, problem, sequences, backend, *(xs[rank] for xs in shards))
              for rank in range(world_size)]
     outputs = RingAttention.apply(Ring(ranks, SimulatedMessages(), exchange, problem.sinks), caller_sinks(sinks),
                                   *shards[0], *shards[1], *shards[2])

@@ -635,6 +635,30 @@ def test_a_packed_ring_reads_its_offsets_on_the_host_once(monkeypatch):
     assert torch.allclose(o, flashx.attention(x, x, x, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu))
 
 
+def test_a_ring_call_of_a_planned_description_plans_nothing(monkeypatch):
+    """Every layer of a training step calls the ring with the same documents: the first call plans
+    its steps' calls, the later ones reuse them (``Rank.planned``) and compute the same; other
+    documents, or another dropout seed, are planned afresh."""
+    from flashx.ring import steps
+
+    planned = []
+    plan = steps.plan
+    monkeypatch.setattr(steps, "plan", lambda *args: (planned.append(1), plan(*args))[1])
+    monkeypatch.setattr(steps.Rank, "_kept", type(steps.Rank._kept)())
+    x = torch.randn(128, 2, 16, dtype=torch.float64)
+    counts = []
+    for offsets, seed in (([0, 24, 40, 64, 128], 1), ([0, 24, 40, 64, 128], 1), ([0, 40, 64, 128], 1),
+                          ([0, 24, 40, 64, 128], 2)):
+        cu = torch.tensor(offsets, dtype=torch.int32)
+        options = dict(causal=True, cu_seqlens=cu, dropout_p=0.25, seed=seed)
+        o = simulate_ring_attention(x, x, x, 4, layout="document_zigzag", **options)
+        expected = flashx.attention(x, x, x, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.25, seed=seed)
+        assert torch.allclose(o, expected)
+        counts.append(len(planned))
+        planned.clear()
+    assert counts[0] > 0 and counts[1] == 0 and counts[2] > 0 and counts[3] > 0
+
+
 @pytest.mark.parametrize("world_size, documents", [(1, (2, 0, 6, 4)), (8, (16, 48, 0, 32, 16, 80, 0)),
                                                   (8, (0, 192, 0))], ids=str)
 def test_simulated_document_zigzag(world_size, documents):

@@ -4,17 +4,20 @@ and backward.
 At a step a rank attends its queries to the K/V shard of one source rank. For each pair of a
 query chunk of its shard and a key chunk of the source's, the sequences that join them give the
 step's calls (``flashx.ring.sequences``), each a flashx backend call on slices of the shards,
-validated and dispatched once when the ring call starts, that merges into the running (o, lse)
-and adds into the running gradients where they lie (``flashx.accumulate``).
+validated and dispatched once when the ring call starts (or kept from an earlier ring call of
+the same description: ``Rank.planned``), that merges into the running (o, lse) and adds into the
+running gradients where they lie (``flashx.accumulate``).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass
 
 import torch
 
+from flashx import arrays, registry
 from flashx.accumulate import run_backward_into, run_forward_into
 from flashx.options import complete
 from flashx.plan import plan
@@ -51,7 +54,27 @@ def _vouched(lengths: dict, device) -> dict:
 class Rank:
     """One rank's part of a ring call: for the K/V shard of each source rank, the calls of its step.
     Calls are planned (validated, a backend chosen) once, from this rank's shards, whose shapes
-    every source's shard shares."""
+    every source's shard shares; ``Rank.planned`` keeps them for later ring calls of the same
+    description, such as every layer's of one training step."""
+
+    KEPT = 16  # ring calls of distinct descriptions whose ranks ``planned`` keeps, the latest ones
+    _kept: collections.OrderedDict = collections.OrderedDict()
+
+    @classmethod
+    def planned(cls, index: int, world_size: int, layout: str, problem: Problem, sequences: Sequences, backend,
+                q, k, v) -> Rank:
+        """``Rank(...)``, or the one an earlier call of the same description made: the same rank,
+        layout, problem (every field but the arrays' values, which the ring reads into
+        ``sequences``, and the dropout seed and offset with them), sequences, backend, registered
+        backends, and shards' metadata. Planning a call of many documents takes the host
+        milliseconds, while the GPU waits at its start."""
+        key = (index, world_size, layout, problem.static_key, problem.seed, problem.rng_offset, sequences, backend,
+               registry.version(), *map(arrays.metadata, (q, k, v)))
+        rank = cls._kept.pop(key, None) or cls(index, world_size, layout, problem, sequences, backend, q, k, v)
+        cls._kept[key] = rank
+        while len(cls._kept) > cls.KEPT:
+            cls._kept.popitem(last=False)
+        return rank
 
     def __init__(self, index: int, world_size: int, layout: str, problem: Problem, sequences: Sequences, backend,
                  q, k, v):
