@@ -659,6 +659,27 @@ def test_a_ring_call_of_a_planned_description_plans_nothing(monkeypatch):
     assert counts[0] > 0 and counts[1] == 0 and counts[2] > 0 and counts[3] > 0
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_the_ring_backward_sends_no_sums_after_its_last_step(monkeypatch, world_size):
+    """The backward reads each rank's own K/V shard last, so a shard's dK/dV sums end their turn at
+    its owner: W - 1 hops of K/V (the first before the first step) and W - 1 of sums, none after
+    the last step, where a backward that started from the rank's own shard sent the sums W times."""
+    from flashx.ring import messages
+
+    sent = []
+    shift = messages.SimulatedMessages.shift
+    monkeypatch.setattr(messages.SimulatedMessages, "shift",
+                        lambda self, items: (sent.append(items[0][0].dtype), shift(self, items))[1])
+    x = torch.randn(2, 8 * world_size, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    o = simulate_ring_attention(x, x, x, world_size, causal=True)
+    sent.clear()
+    o.float().sum().backward()
+    assert sent.count(torch.bfloat16) == sent.count(torch.float32) == world_size - 1
+    reference = x.detach().requires_grad_()
+    flashx.attention(reference, reference, reference, causal=True).float().sum().backward()
+    assert (x.grad.float() - reference.grad.float()).norm() <= 1e-2 * reference.grad.float().norm()
+
+
 @pytest.mark.parametrize("world_size, documents", [(1, (2, 0, 6, 4)), (8, (16, 48, 0, 32, 16, 80, 0)),
                                                   (8, (0, 192, 0))], ids=str)
 def test_simulated_document_zigzag(world_size, documents):

@@ -5,8 +5,11 @@ At step s rank r attends its queries to the K/V shard of rank r - s (``flashx.ri
 folds the partial result into its running one, as the contract's "Merging partial results"
 says. With ``exchange="ring"`` the K/V shards travel once around the ring of ranks, the next
 shard already on its way while a step computes. The backward recomputes each step from the
-global LSE; the dK/dV of a shard travel around the ring with it, each rank adding its part, and
-reach the shard's owner after a full turn. ``exchange="all_gather"`` gathers every K/V shard at
+global LSE; the dK/dV of a shard travel around the ring with it, each rank adding its part. The
+backward starts each rank one shard back (the previous rank's, one hop it waits for) so that its
+own shard comes last: the sums of a shard then end their turn at its owner, which adds its part
+last, and nothing travels after the last step but the hop before the first, of K/V in the input
+dtype where the hop after the last would carry float32 sums, twice the bytes. ``exchange="all_gather"`` gathers every K/V shard at
 once instead (the step on the rank's own shard runs while the gather is under way) and sums the
 dK/dV of every shard over the group at the end (a reduce-scatter): the same steps, fewer and
 larger messages, memory for the whole sequence's K/V. The sink joins each rank's rows once,
@@ -81,22 +84,34 @@ class Ring:
         self.ranks, self.messages, self.exchange, self.sinks = ranks, messages, exchange, sinks
         self.world_size = len(ranks[0].calls)
 
-    def key_values(self, shards: list) -> Iterator[list]:
-        """Each step's K/V shard of every rank, the next one's already on its way. Two shards per
-        rank are held, the one read and the one arriving, if the caller drops each step's shards
-        before asking for the next (``_step``)."""
+    def source(self, rank: Rank, step: int, backward: bool) -> int:
+        """The rank whose K/V shard ``rank`` reads at ``step`` (``key_values``)."""
+        back = backward and self.exchange == "ring"
+        return (rank.index - step - back) % self.world_size
+
+    def key_values(self, shards: list, backward: bool = False) -> Iterator[list]:
+        """Each step's K/V shard of every rank (``source``), the next one's already on its way. Two
+        shards per rank are held, the one read and the one arriving, if the caller drops each
+        step's shards before asking for the next (``_step``). The ring's backward starts from the
+        previous rank's shard and ends with the rank's own, read where it is rather than received."""
         if self.exchange == "all_gather":
             gathered = self.messages.all_gather(shards)
             yield shards  # every rank's own shard while the others are gathered
             everything = gathered()
             for step in range(1, self.world_size):
-                yield [theirs[(rank.index - step) % self.world_size] for rank, theirs in zip(self.ranks, everything)]
+                yield [theirs[self.source(rank, step, backward)] for rank, theirs in zip(self.ranks, everything)]
             return
+        own, sent = shards, self.world_size - 1  # shifts: each rank's shard reaches the next W - 1 ranks
+        if backward and self.world_size > 1:
+            shards = self.messages.shift(list(own))()  # the hop before the first step, waited for
+            sent -= 1
         for step in range(self.world_size):
-            arriving = self.messages.shift(shards) if step + 1 < self.world_size else None
+            arriving = self.messages.shift(shards) if step < sent else None
             yield shards
             if arriving is not None:
                 shards, arriving = arriving(), None  # the wait done, nothing holds the shards sent
+            elif backward and step + 2 == self.world_size:
+                shards = list(own)
 
     def forward(self, qs, ks, vs):
         accumulate = accumulation_dtype(qs[0])
@@ -105,7 +120,7 @@ class Ring:
                 for q in qs]
         for step, shards in _step(self.key_values([(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)])):
             for rank, q, kv, o, lse in zip(self.ranks, qs, shards, os, lses):
-                rank.forward_step(q, *kv, (rank.index - step) % self.world_size, o, lse)
+                rank.forward_step(q, *kv, self.source(rank, step, False), o, lse)
             kv = None
         keyless = [lse == -math.inf for lse in lses]
         if self.sinks is not None:
@@ -116,8 +131,9 @@ class Ring:
         accumulate = accumulation_dtype(qs[0])
         dqs = [torch.zeros(q.shape, dtype=accumulate, device=q.device) for q in qs]
         gradients = _RingGradients(self, ks, vs) if self.exchange == "ring" else _GatheredGradients(self, ks, vs)
-        for step, shards in _step(self.key_values([(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)])):
-            inputs = [(q, *kv, o, lse, do, (rank.index - step) % self.world_size, dq)
+        own = [(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)]
+        for step, shards in _step(self.key_values(own, backward=True)):
+            inputs = [(q, *kv, o, lse, do, self.source(rank, step, True), dq)
                       for rank, q, kv, o, lse, do, dq in zip(self.ranks, qs, shards, os, lses, dos, dqs)]
             # the first calls run while the step's dK/dV still arrive
             firsts = [rank.backward_first(*args) for rank, args in zip(self.ranks, inputs)]
@@ -125,7 +141,7 @@ class Ring:
             for index, rank in enumerate(self.ranks):  # no loop variable keeps a shard past its step
                 rank.backward_rest(*inputs[index], firsts[index], sums[index])
             inputs = firsts = None
-            gradients.pass_on(sums)
+            gradients.pass_on(sums, last=step + 1 == self.world_size)
         dkvs = gradients.finish()
         dsinks = None
         if self.sinks is not None:
@@ -144,8 +160,9 @@ def _step(key_values: Iterator[list]) -> Iterator[tuple[int, list]]:
 
 class _RingGradients:
     """dK/dV of the ring exchange: the buffers of a step's shards arrive from the previous rank,
-    take this rank's parts and are sent on; after a full turn they reach the shard's owner. Two
-    sets per rank: the one sent on and the one arriving (the sent set is freed once received)."""
+    take this rank's parts and are sent on; the last step's are the rank's own shard's, whole
+    (``Ring.key_values``), and stay. Two sets per rank: the one sent on and the one arriving (the
+    sent set is freed once received)."""
 
     def __init__(self, ring: Ring, ks, vs):
         self.ring, self.ks, self.vs, self.travelling = ring, ks, vs, None
@@ -158,8 +175,8 @@ class _RingGradients:
         sums, self.travelling = self.travelling(), None  # the wait done: the sent set is freed
         return sums
 
-    def pass_on(self, sums: list) -> None:
-        self.travelling = self.ring.messages.shift(sums)
+    def pass_on(self, sums: list, last: bool) -> None:
+        self.travelling = (lambda: sums) if last else self.ring.messages.shift(sums)
 
     def finish(self) -> list:
         return self.travelling()
@@ -176,11 +193,10 @@ class _GatheredGradients:
                      for k, v in zip(ks, vs)]  # per rank: dK and dV of every shard, by source
 
     def arrived(self, step: int) -> list:
-        size = self.ring.world_size
-        return [(dk[(rank.index - step) % size], dv[(rank.index - step) % size])
-                for rank, (dk, dv) in zip(self.ring.ranks, self.sums)]
+        return [(dk[source], dv[source]) for rank, (dk, dv) in zip(self.ring.ranks, self.sums)
+                for source in [self.ring.source(rank, step, True)]]
 
-    def pass_on(self, sums: list) -> None:
+    def pass_on(self, sums: list, last: bool) -> None:
         """Nothing moves until every shard's parts are summed."""
 
     def finish(self) -> list:
