@@ -7,13 +7,13 @@ says. With ``exchange="ring"`` the K/V shards travel once around the ring of ran
 shard already on its way while a step computes. The backward recomputes each step from the
 global LSE; the dK/dV of a shard travel around the ring with it, each rank adding its part. The
 backward starts each rank one shard back (the previous rank's, one hop it waits for) so that its
-own shard comes last: the sums of a shard then end their turn at its owner, which adds its part
-last, and nothing travels after the last step but the hop before the first, of K/V in the input
-dtype where the hop after the last would carry float32 sums, twice the bytes. ``exchange="all_gather"`` gathers every K/V shard at
-once instead (the step on the rank's own shard runs while the gather is under way) and sums the
-dK/dV of every shard over the group at the end (a reduce-scatter): the same steps, fewer and
-larger messages, memory for the whole sequence's K/V. The sink joins each rank's rows once,
-after the last step (``flashx.ring.sinks``).
+own shard comes last: a shard's sums then end their turn at its owner, which adds its part last.
+So the one hop no step overlaps comes before the first step and carries K/V in the input dtype,
+where a hop after the last would carry float32 sums, twice the bytes. ``exchange="all_gather"``
+gathers every K/V shard at once instead (the step on the rank's own shard runs while the gather
+is under way) and sums the dK/dV of every shard over the group at the end (a reduce-scatter):
+the same steps, fewer and larger messages, memory for the whole sequence's K/V. The sink joins
+each rank's rows once, after the last step (``flashx.ring.sinks``).
 
 Memory. Partial results, dq and the travelling dK/dV are summed in the LSE's precision
 (float32 for 16-bit inputs): each is a sum of W parts, and rounding the running sum to 16 bits
