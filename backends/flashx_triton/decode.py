@@ -48,17 +48,19 @@ did not overlap the copies, and 2 stages of 128 keys ran best, at 0.71x (pages o
 (pages of 256) the contiguous cache's rate on an H200 (B=16, L=8k); read a tile ahead, 3 stages of
 128 keys ran at 0.95x and 1.04x.
 
-An FP8 cache takes 128 keys (64 for more than 16 rows), 8 warps and 4 stages (3 paged), not yet
-timed on a GPU: a key takes half the bytes, so 64-key tiles keep half the bytes in flight that
-held the copy bandwidth in 16 bits (the first FP8 decoder, with them, read 0.41x the bytes a
-second of the bfloat16 cache's). 128 keys hold as many bytes per tile as 16 bits' 64, one more
-stage keeps more in flight, and 8 warps share the widening of each tile to 16 bits
-(``flashx_triton.fp8.cache_values``); each compiles for sm_90 without spilling, where 128 keys
-under 32 or 64 rows spilled. Widening, not memory, bounds an FP8 cache's tiles: V is widened in
-the layout it is loaded in (features contiguous) and reaches its product with P through shared
-memory as 16-bit values, read by ldmatrix.trans, since the tensor-core operand wants V's keys in
-pairs where the cache holds features together, and widened in that operand's layout its bytes are
-read from shared memory one at a time.
+A contiguous FP8 cache of up to 32 rows takes 64 keys, 4 warps and 5 stages: two programs an SM (88
+KB of shared memory and 223 registers at d128 for sm_90, no spills), each with five 8 KB tiles in
+flight. On an H200 (Hq 32, Hk 8, d128, CUDA-graph replays) it read 1.84 (B=1, L=32k), 2.16 (B=4,
+L=16k), 2.38 (B=16, L=8k) and 2.47 TB/s (B=64, L=4k) of FP8 cache, 1.12-1.14x the bfloat16 cache's
+tokens a second, where the earlier 128 keys, 8 warps and 4 stages (one program an SM: 139 KB and 215
+registers) read 1.60-1.97 TB/s; 32-key tiles of 6 stages read 1.48-1.90, and 128 keys under 4 warps
+spilled. More rows, and a paged FP8 cache, keep 8 warps sharing each tile's widening: 128 keys (64
+for more than 16 rows) and 4 stages (3 paged), compiled without spilling, where 4 warps of 64 rows
+spill; not timed on a GPU. Widening, not memory, bounds an FP8 cache's tiles: V is widened in the
+layout it is loaded in (features contiguous) and reaches its product with P through shared memory as
+16-bit values, read by ldmatrix.trans, since the tensor-core operand wants V's keys in pairs where
+the cache holds features together, and widened in that operand's layout its bytes are read from
+shared memory one at a time.
 """
 
 from __future__ import annotations
@@ -379,6 +381,8 @@ def config(problem) -> dict:
         return dict(BLOCK_M=block_m, BLOCK_N=16, num_warps=1, num_stages=1)
     if max(problem.head_dim, problem.head_dim_v) > 128 or problem.dtype == "float32":
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2)
+    if problem.fp8 and block_m <= 32 and not problem.paged:
+        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=5)
     if problem.fp8:
         return dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 16 else 64, num_warps=8,
                     num_stages=3 if problem.paged else 4)
