@@ -14,7 +14,7 @@ import pytest
 import flashx
 from flashx.problem import Problem
 from flashx_conformance import oracle
-from flashx_cupy import CupyBackend, decode, launch, unavailable_reason, variants
+from flashx_cupy import CupyBackend, decode, launch, tma, unavailable_reason, variants
 
 
 def _problem(**changes):
@@ -1085,3 +1085,141 @@ def test_fp8_nan_in_v_reaches_exactly_the_rows_that_read_it():
     want = torch.zeros(o.shape, dtype=torch.bool, device="cuda")
     want[0, 40:, 0, 3] = want[0, 150:, 1, 9] = True
     assert torch.equal(o.isnan(), want)
+
+
+# -- the wgmma forward's TMA copies (host side) ---------------------------------------------
+
+def _kv(batch=2, seqlen=300, heads=4, dim=128, dtype="bfloat16"):
+    import torch
+
+    return torch.zeros(batch, seqlen, heads, dim, dtype=getattr(torch, dtype))
+
+
+def test_tma_takes_strided_16_bit_tensors_and_not_varlen():
+    """TMA describes K and V, (B, Nk, Hk, D), whatever their layout, where each stride is a positive
+    multiple of 16 bytes (dims of one element aside) and the base is 16-byte aligned; packed
+    sequences keep cp.async."""
+    import torch
+
+    plain, varlen = _problem(), _problem(varlen=True)
+    k = _kv()
+    assert tma.usable(plain, k, k) and not tma.usable(varlen, k, k)
+    assert tma.usable(plain, _kv(heads=4).transpose(1, 2).contiguous().transpose(1, 2), k)  # (B, Hk, Nk, D) storage
+    assert tma.usable(plain, _kv(dim=256)[..., :96], k)  # rows of 512 bytes, 96 features read
+    assert not tma.usable(plain, _kv(dim=68)[..., :64], k)  # rows 136 bytes apart
+    assert not tma.usable(plain, torch.zeros(2 * 300 * 4 * 128 + 4, dtype=torch.bfloat16)[4:].view(2, 300, 4, 128), k)  # base 8 bytes off
+    assert not tma.usable(plain, _kv(heads=1).expand(2, 300, 4, 128), k)  # a stride of 0 over 4 heads
+    # a dim of one element: its stride is never stepped along
+    one = torch.zeros(1, 300, 1, 128, dtype=torch.bfloat16).as_strided((1, 300, 1, 128), (7, 128, 3, 1))
+    assert tma.usable(plain, one, one)
+
+
+def test_tma_map_arguments(monkeypatch):
+    """K's and V's maps: (head_dim, heads, rows, sequences) with their strides in bytes, boxes of 64
+    columns (one 128-byte swizzled panel) and BLOCK_N rows of one head, the 128-byte swizzle and
+    zeros past the map; the driver is called once per distinct tensor."""
+    from cuda.bindings import driver
+
+    calls = []
+
+    def encode(*args):
+        calls.append(args)
+        return driver.CUresult.CUDA_SUCCESS, SimpleNamespace(opaque=list(range(len(calls) * 16, len(calls) * 16 + 16)))
+
+    monkeypatch.setattr(driver, "cuTensorMapEncodeTiled", encode)
+    tma.encode.cache_clear()
+    k = _kv(batch=2, seqlen=300, heads=4, dim=128)
+    v = _kv(batch=2, seqlen=300, heads=4, dim=256, dtype="float16")[..., :64]
+    maps = tma.kv_maps(k, v, rows=128)
+    assert maps.dtype == tma.MAPS and len(calls) == 2
+    assert list(maps[0]["k"]) == list(range(16, 32)) and list(maps[0]["v"]) == list(range(32, 48))
+    for (element, rank, address, dims, strides, box, steps, interleave, swizzle, l2, fill), x, width, stored in (
+            (calls[0], k, 128, 128), (calls[1], v, 64, 256)):
+        assert element == getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{'BFLOAT16' if x is k else 'FLOAT16'}")
+        assert rank == 4 and address == x.data_ptr()
+        assert [int(n) for n in dims] == [width, 4, 300, 2]
+        assert [int(s) for s in strides] == [stored * 2, 4 * stored * 2, 300 * 4 * stored * 2]
+        assert [int(n) for n in box] == [64, 1, 128, 1] and [int(n) for n in steps] == [1, 1, 1, 1]
+        assert interleave == driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+        assert swizzle == driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+        assert fill == driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE  # zeros
+    tma.kv_maps(k, v, rows=128)
+    assert len(calls) == 2  # cached
+    monkeypatch.setattr(driver, "cuTensorMapEncodeTiled", lambda *args: (driver.CUresult.CUDA_ERROR_INVALID_VALUE, None))
+    with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled"):
+        tma.kv_maps(k, v, rows=64)
+
+
+def test_tma_strides_of_single_element_dims():
+    """A dim of one element takes a dense stride, a multiple of 16 bytes, whatever the tensor's."""
+    import torch
+
+    x = torch.zeros(300 * 72, dtype=torch.bfloat16).as_strided((1, 300, 1, 64), (5, 72, 3, 1))
+    assert tma.byte_strides(x) == (128, 144, 144 * 300)
+
+
+def test_kv_maps_layout_matches_the_struct():
+    """MAPS is ``struct KvMaps``: two 128-byte TensorMaps, 64-byte aligned."""
+    text = variants.source("forward_sm90.cu")
+    assert re.search(r"struct alignas\(64\) TensorMap \{\s*u64 opaque\[16\];\s*\};", text)
+    assert re.search(r"struct KvMaps \{\s*TensorMap k, v;\s*\};", text)
+    assert tma.MAPS.names == ("k", "v") and [tma.MAPS.fields[name][1] for name in ("k", "v")] == [0, 128]
+    assert tma.MAPS.itemsize == tma.OPAQUE.itemsize == 256 and tma.OPAQUE.names is None
+    assert "FORWARD_SM90(const Params p, const __grid_constant__ KvMaps maps)" in text
+
+
+def test_tma_variant():
+    """TMA is a build of its own (the TMA macro) of forward_sm90 alone."""
+    problem = _problem()
+    plain, by_tma = (variants.choose("forward_sm90", problem, aligned=True, tma=tma_) for tma_ in (False, True))
+    assert plain.macros["TMA"] == 0 and by_tma.macros["TMA"] == 1 and plain.shared_memory == by_tma.shared_memory
+    assert "TMA" not in variants.choose("forward_fp8_sm90", _problem(dtype="float8_e4m3fn"), aligned=True).macros
+    assert "TMA" not in variants.choose("forward", problem, aligned=True).macros
+
+
+@pytest.mark.parametrize("changes, capability, takes", [
+    ({}, "90", True),
+    ({"seqlens_k": np.array([200, 300], np.int32)}, "90", True),  # the short sequences' last tiles by cp.async
+    ({}, "80", False),  # the mma.sync forward
+])
+def test_forward_passes_the_maps(monkeypatch, changes, capability, takes):
+    """The forward picks the TMA build where ``tma.usable`` holds and hands the wgmma forward its maps."""
+    import contextlib
+
+    import torch
+
+    from cuda.bindings import driver
+
+    monkeypatch.setattr(driver, "cuTensorMapEncodeTiled",
+                        lambda *args: (driver.CUresult.CUDA_SUCCESS, SimpleNamespace(opaque=[7] * 16)))
+    tma.encode.cache_clear()
+    problem = _torch_problem(dtype="bfloat16", seqlen_q=300, seqlen_k=300, heads_q=4, heads_k=4, head_dim=128,
+                             head_dim_v=128, **changes)
+    q = k = v = _kv()
+    device = SimpleNamespace(id=0, compute_capability=capability)
+    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
+    launched = []
+    monkeypatch.setattr(launch, "launch", lambda variant, device, grid, params, *extra: launched.append((variant, extra)))
+    launch.forward(problem, q, k, v)
+    (variant, extra), = launched
+    assert variant.tma is takes
+    if capability == "90":
+        (maps,) = extra
+        assert maps.dtype == tma.OPAQUE and (maps.view(tma.MAPS)[0]["k"] == 7).all()
+    else:
+        assert extra == ()
+
+
+def test_tma_forward_compiles():
+    """NVRTC builds the TMA forward: one thread's bulk tensor copies, and with seqlens the producer's
+    cp.async for a short sequence's last tile, between barriers of the producer's threads."""
+    _nvrtc()
+    from flashx_cupy import resources
+
+    tiles = variants.TILES["forward_sm90", "16", 128]
+    plain = resources.ptx(variants.Variant("forward_sm90", "bfloat16", 128, 128, *tiles, tma=True), "90")
+    short = resources.ptx(variants.Variant("forward_sm90", "bfloat16", 128, 128, *tiles, tma=True, seqlens_k=True), "90")
+    for text in (plain, short):
+        assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes" in text
+        assert "mbarrier.arrive.expect_tx.shared::cta.b64" in text
+    assert "bar.sync 2, 128;" in short and "cp.async.cg.shared.global" in short

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from flashx.problem import head_dim_class
-from flashx_cupy import variants
+from flashx_cupy import tma, variants
 
 _POINTERS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "cu_q", "cu_k", "seqlens_q", "seqlens_k",
              "mask", "blocks", "alibi_slopes", "sinks", "dsinks_rows", "cache_seqlens", "block_table", "k_new", "v_new",
@@ -224,12 +224,13 @@ def forward(problem, q, k, v):
             v_fields, made = tensor_fields("v", v, varlen), ()
             is_aligned = aligned(problem, q, k, v)
         kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability)
-        variant = variants.choose(kernel, problem, is_aligned)
+        variant = variants.choose(kernel, problem, is_aligned, tma=kernel == "forward_sm90" and tma.usable(problem, k, v))
         tiles_m = tiles(problem.seqlen_q, variant.block_m)
         params = pack(problem, tiles_m=tiles_m, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
                       **tensor_fields("k", k, varlen), **v_fields, **tensor_fields("o", o, varlen),
                       **row_stat_fields("lse", lse, varlen))
-        launch(variant, device, tiles_m * problem.heads_q * problem.batch, params)
+        maps = (tma.kernel_argument(variant, k, v),) if kernel in ("forward_sm90", "forward_fp8_sm90") else ()
+        launch(variant, device, tiles_m * problem.heads_q * problem.batch, params, *maps)
         del made
     return o, lse
 

@@ -158,6 +158,7 @@ class Variant:
     stages: int = 0  # decoding: key tiles in flight
     paged: bool = False  # decoding: the cache is paged (block_table)
     fp8_cache: bool = False  # decoding: the cache is float8_e4m3fn (kernels/fp8.cuh), ``dtype`` the queries'
+    tma: bool = False  # forward_sm90: K and V tiles by TMA, from Params' tensor maps (flashx_cupy.tma)
 
     @property
     def threads(self) -> int:
@@ -191,6 +192,7 @@ class Variant:
             "DQ_ATOMIC": int(self.dq_atomic),
             **({"STAGES": self.stages, "PAGED": int(self.paged), "FP8_CACHE": int(self.fp8_cache)}
                if self.kernel in DECODE_KERNELS else {}),
+            **({"TMA": int(self.tma)} if self.kernel == "forward_sm90" else {}),
         }
 
     @property
@@ -236,8 +238,10 @@ class Variant:
         return resident + streamed + row_stats + pairs + stage + scores
 
 
-def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: bool = False) -> Variant:
-    """The variant of ``kernel`` for ``problem``."""
+def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: bool = False,
+           tma: bool = False) -> Variant:
+    """The variant of ``kernel`` for ``problem``; ``tma``: forward_sm90 loads K and V by TMA
+    (``flashx_cupy.tma.usable``)."""
     dim_qk, dim_v = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
     width = "8" if problem.fp8 else "32" if problem.dtype == "float32" else "16"
     table = "dq" if kernel == "delta" else "dkdv_dq" if dq_atomic else kernel
@@ -265,6 +269,7 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         aligned=aligned,
         dkdv_parts=dkdv_parts,
         dq_atomic=dq_atomic,
+        tma=tma,
     )
 
 

@@ -15,6 +15,9 @@ static_assert(BLOCK_N % 64 == 0 && (BLOCK_N == 64 || BLOCK_N == 128) && (DIM_V =
 struct Operands {
     typedef elem_t In;
     enum { Q_TILE = BLOCK_M * DIM_QK, K_TILE = BLOCK_N * DIM_QK, V_TILE = BLOCK_N * DIM_V, PRODUCT_K = 16 };
+    // K's and V's tiles by TMA: their (head_dim, heads_k, seqlen_k, batch) maps' boxes of 64
+    // columns and BLOCK_N rows are Swizzle128's panels (tma.cuh).
+    enum { TMA_KV = TMA };
 
     template <int N, bool ACCUMULATE>
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) { wgmma_ss<N, ACCUMULATE>(d, a, b); }

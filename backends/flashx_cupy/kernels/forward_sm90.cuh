@@ -6,8 +6,9 @@
 // epilogue, wgmma.cuh the products' operands, fences and mbarriers.
 //
 // A CTA is WARPS / 4 computing warpgroups of 64 query rows and one producer warpgroup
-// (PRODUCER_THREADS) that only copies: Q once, then each key tile's K and V by cp.async into rings
-// of two K and three V buffers, announced on mbarriers ("full") once landed; the computing
+// (PRODUCER_THREADS) that only copies: Q once, then each key tile's K and V, by cp.async or by TMA
+// (Operands::TMA_KV), into rings of two K and three V buffers, announced on mbarriers ("full")
+// once landed; the computing
 // warpgroups free a buffer ("empty") once the product reading it is done. No barrier of the whole
 // CTA stands in the loop, so the two computing warpgroups need not wait for each other, and the
 // producer takes 40 registers (setmaxnreg) so that they may take 232. All tiles lie in wgmma's
@@ -30,36 +31,54 @@
 //   v_desc(v), v_step(kk)        a V tile's descriptor in P V, and its step to the keys of k-step kk
 //   pack(a, s, kk)               P's keys of k-step kk as the register operand
 //   load_rows<ROWS>              Q's and K's copies into a tile; v_at, load_v V's
+//   TMA_KV                       whether K's and V's tiles come by TMA (the kernel's KvMaps), not load_rows and load_v
 //   scaled(p, copy, b, hk)       the Params that the rows read (FP8: the descales folded in)
 //   nonfinite, poison, clear     a masked tile's V values that would make 0 * V NaN (exact.cuh)
 // Operands is the includer's struct rather than a template parameter of a body that two entries
 // call: that call, inlined, renumbers the PTX's registers, and the PTX compared across a refactor
 // should differ only where the code does.
 
+#include "tma.cuh"
+
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS % 4 == 0, "one 16-row atom per warp, whole warpgroups");
 
 // The CTA's barriers: tile t's K lies in K buffer t % 2 and its V in V buffer t % 3; "full" ones
 // complete when the producer's copies of a tile (or Q) have landed, "empty" ones when every
 // computing thread is done with a buffer. ``sink`` takes the arrivals of the first tile's
-// product against the zero tile, which frees no buffer.
+// product against the zero tile, which frees no buffer. By TMA, one producer thread arrives on a
+// tile's "full" barriers (FULL_KV_ARRIVALS), with the bytes to land; by cp.async, every one.
+enum { FULL_KV_ARRIVALS = Operands::TMA_KV ? 1 : PRODUCER_THREADS };
+
+// The kernel's tensor maps of K and V, (head_dim, heads_k, seqlen_k, batch) with boxes of 64
+// columns and BLOCK_N rows (flashx_cupy.tma.MAPS); zeros where Operands::TMA_KV is not set.
+struct KvMaps {
+    TensorMap k, v;
+};
 struct Barriers {
     u64 full_k[2], empty_k[2], full_v[3], empty_v[3], full_q, sink;
 };
 
 // The producer warpgroup (threads THREADS .. THREADS + PRODUCER_THREADS - 1): the computing
-// threads' schedule of key tiles (attend_key_tiles), each tile's K and V copied by cp.async into
-// the buffers once they are free, and announced once landed. A tile is announced after the next
-// one is requested, so that a tile's copies are always in flight.
+// threads' schedule of key tiles (attend_key_tiles), each tile's K and V copied into the buffers
+// once they are free. By cp.async, a tile is announced after the next one is requested, so that a
+// tile's copies are always in flight. By TMA (load_kv_tma), thread 0 alone waits for the buffers
+// and requests the boxes, whose landing completes the "full" phases: the other threads only run
+// the schedule, and copy with it the rare tile that TMA cannot.
 struct ProducerSm90 : ForwardRows {
     const Operands::In *k, *v;  // head hk's K and V at the sequence's key 0
     elem_t *sK, *sV;
     Barriers* bars;
     int tid;            // 0 .. PRODUCER_THREADS - 1
+    const KvMaps& maps;
     int buf;            // the schedule's; the buffers follow the tile count
     int requested = 0, announced = 0;
 
     __device__ __forceinline__ void load_kv(int n) {
         const int t = requested++;
+        if constexpr (Operands::TMA_KV) {
+            if (n < end) load_kv_tma(n, t);
+            return;
+        }
         if (n < end) {
             if (t >= 2) bar_wait(&bars->empty_k[t % 2], (t / 2 - 1) & 1);
             Operands::load_rows<BLOCK_N>(sK + t % 2 * Operands::K_TILE, k, p.k_n, p.k_d, n, s.len_k, p.head_dim, tid);
@@ -69,9 +88,59 @@ struct ProducerSm90 : ForwardRows {
         cp_async_commit();
     }
 
+    // The barrier of the producer's threads (barrier 2), which the computing ones skip.
+    static __device__ __forceinline__ void producer_sync() {
+        asm volatile("bar.sync 2, %0;" ::"n"(PRODUCER_THREADS) : "memory");
+    }
+
+    // Tile t at key n by TMA, where the map's zeros are the sequence's: rows from len_k on lie past
+    // the map (its rows are seqlen_k) but where seqlens ends a sequence before seqlen_k, whose last
+    // tile would read the padding (NaN in the suite's tests, and 0 * NaN is NaN). That tile every
+    // thread copies by cp.async, which writes zeros past len_k; as the other threads wait for no
+    // buffer, a parity wait of theirs could take an earlier phase for the one awaited, so they
+    // wait for thread 0 instead, and it announces the tile once all have copied.
+    __device__ __forceinline__ void load_kv_tma(int n, int t) {
+        const bool by_tma = n + BLOCK_N <= s.len_k || s.len_k == p.seqlen_k;
+        elem_t *k_tile = sK + t % 2 * Operands::K_TILE, *v_tile = sV + t % 3 * Operands::V_TILE;
+        u64 *full_k = &bars->full_k[t % 2], *full_v = &bars->full_v[t % 3];
+        const int hk = h / p.group;
+        if (tid == 0) {
+            if (t >= 2) bar_wait(&bars->empty_k[t % 2], (t / 2 - 1) & 1);
+            if (by_tma) {
+                bar_arrive_expect_bytes(full_k, Operands::K_TILE * sizeof(elem_t));
+                tma_load_tile<BLOCK_N, DIM_QK>(k_tile, &maps.k, hk, n, b, full_k);
+            }
+            if (t >= 3) bar_wait(&bars->empty_v[t % 3], (t / 3 - 1) & 1);
+            if (by_tma) {
+                bar_arrive_expect_bytes(full_v, Operands::V_TILE * sizeof(elem_t));
+                tma_load_tile<BLOCK_N, DIM_V>(v_tile, &maps.v, hk, n, b, full_v);
+            }
+        }
+        if (by_tma) return;
+        producer_sync();  // both buffers free
+        Operands::load_rows<BLOCK_N>(k_tile, k, p.k_n, p.k_d, n, s.len_k, p.head_dim, tid);
+        Operands::load_v(v_tile, v, p.v_n, p.v_d, n, s.len_k, p.head_dim_v, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        producer_sync();  // every thread's copies landed
+        if (tid == 0) bar_arrive(full_k), bar_arrive(full_v);
+    }
+
+    // Q's copies landed: the computing threads may start.
+    __device__ __forceinline__ void announce_q() {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        bar_arrive(&bars->full_q);
+    }
+
     template <bool MASKED>
     __device__ __forceinline__ void attend(int, int next) {
         load_kv(next);
+        if constexpr (Operands::TMA_KV) {  // K and V announce themselves; Q with the first tile
+            if (announced++ == 0) announce_q();
+            return;
+        }
         cp_async_wait<1>();  // this tile's copies (and Q's, with the first)
         fence_proxy_async();
         const int t = announced++;
@@ -81,11 +150,7 @@ struct ProducerSm90 : ForwardRows {
     }
 
     __device__ __forceinline__ void finish() {
-        if (announced == 0) {  // no key tile: Q alone
-            cp_async_wait<0>();
-            fence_proxy_async();
-            bar_arrive(&bars->full_q);
-        }
+        if (announced == 0) announce_q();  // no key tile: Q alone
     }
 };
 
@@ -190,7 +255,10 @@ struct ForwardCtaSm90 : ForwardRows {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) FORWARD_SM90(const Params p) {
+// The tensor maps are a parameter of their own, so that taking their address (for the copies, which
+// read them in place) leaves the compiler free to keep p's fields in registers.
+extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1)
+    FORWARD_SM90(const Params p, const __grid_constant__ KvMaps maps) {
     typedef Operands::In In;
     extern __shared__ __align__(1024) unsigned char smem[];
     elem_t* sQ = (elem_t*)smem;                         // Swizzle128<BLOCK_M>
@@ -213,8 +281,8 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) FORW
     if (!rows.start()) return;
 
     if (threadIdx.x == 0) {
-        for (int i = 0; i < 2; ++i) bar_init(&bars->full_k[i], PRODUCER_THREADS), bar_init(&bars->empty_k[i], THREADS);
-        for (int i = 0; i < 3; ++i) bar_init(&bars->full_v[i], PRODUCER_THREADS), bar_init(&bars->empty_v[i], THREADS);
+        for (int i = 0; i < 2; ++i) bar_init(&bars->full_k[i], FULL_KV_ARRIVALS), bar_init(&bars->empty_k[i], THREADS);
+        for (int i = 0; i < 3; ++i) bar_init(&bars->full_v[i], FULL_KV_ARRIVALS), bar_init(&bars->empty_v[i], THREADS);
         bar_init(&bars->full_q, PRODUCER_THREADS);
         bar_init(&bars->sink, THREADS);
     }
@@ -224,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) FORW
 
     if (threadIdx.x >= THREADS) {  // the producer, with few registers, so that the others may take more
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        ProducerSm90 producer{{scaled, s, h, b, tile * BLOCK_M, 0}, k, v, sK, sV, bars, (int)threadIdx.x - THREADS};
+        ProducerSm90 producer{{scaled, s, h, b, tile * BLOCK_M, 0}, k, v, sK, sV, bars, (int)threadIdx.x - THREADS, maps};
         producer.start();
         const In* q = (const In*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
         Operands::load_rows<BLOCK_M>(sQ, q, p.q_n, p.q_d, producer.m0, s.len_q, p.head_dim, producer.tid);
