@@ -8,8 +8,8 @@
 // A CTA is WARPS / 4 computing warpgroups of 64 query rows and one producer warpgroup
 // (PRODUCER_THREADS) that only copies: Q once, then each key tile's K and V, by cp.async or by TMA
 // (Operands::TMA_KV), into rings of two K and three V buffers, announced on mbarriers ("full")
-// once landed; the computing
-// warpgroups free a buffer ("empty") once the product reading it is done. No barrier of the whole
+// once landed; the computing warpgroups free a buffer ("empty") once the product reading it is
+// done. No barrier of the whole
 // CTA stands in the loop, so the two computing warpgroups need not wait for each other, and the
 // producer takes 40 registers (setmaxnreg) so that they may take 232. All tiles lie in wgmma's
 // 128-byte swizzle (Swizzle128); S = Q K^T takes both operands K-major from shared memory, and
@@ -20,7 +20,7 @@
 //
 // Shared memory written by threads (cp.async, or the non-finite clearing) is read by wgmma
 // through the async proxy: each writer fences (fence.proxy.async) before the barrier (mbarrier or
-// named) after which the products read. A product's registers are in flight from its issue to
+// named) after which the products read. TMA writes through the async proxy itself. A product's registers are in flight from its issue to
 // its wait_group; the register fences after each wait keep the compiler from reading them earlier.
 //
 // Operands' static members:
@@ -48,14 +48,14 @@ static_assert(TENSOR_CORES && ATOMS == 1 && WARPS % 4 == 0, "one 16-row atom per
 // product against the zero tile, which frees no buffer. By TMA, one producer thread arrives on a
 // tile's "full" barriers (FULL_KV_ARRIVALS), with the bytes to land; by cp.async, every one.
 enum { FULL_KV_ARRIVALS = Operands::TMA_KV ? 1 : PRODUCER_THREADS };
+struct Barriers {
+    u64 full_k[2], empty_k[2], full_v[3], empty_v[3], full_q, sink;
+};
 
 // The kernel's tensor maps of K and V, (head_dim, heads_k, seqlen_k, batch) with boxes of 64
 // columns and BLOCK_N rows (flashx_cupy.tma.MAPS); zeros where Operands::TMA_KV is not set.
 struct KvMaps {
     TensorMap k, v;
-};
-struct Barriers {
-    u64 full_k[2], empty_k[2], full_v[3], empty_v[3], full_q, sink;
 };
 
 // The producer warpgroup (threads THREADS .. THREADS + PRODUCER_THREADS - 1): the computing
@@ -93,12 +93,13 @@ struct ProducerSm90 : ForwardRows {
         asm volatile("bar.sync 2, %0;" ::"n"(PRODUCER_THREADS) : "memory");
     }
 
-    // Tile t at key n by TMA, where the map's zeros are the sequence's: rows from len_k on lie past
-    // the map (its rows are seqlen_k) but where seqlens ends a sequence before seqlen_k, whose last
-    // tile would read the padding (NaN in the suite's tests, and 0 * NaN is NaN). That tile every
-    // thread copies by cp.async, which writes zeros past len_k; as the other threads wait for no
-    // buffer, a parity wait of theirs could take an earlier phase for the one awaited, so they
-    // wait for thread 0 instead, and it announces the tile once all have copied.
+    // Tile t at key n, by TMA wherever the map's zeros are the sequence's: every tile but one that
+    // reaches past len_k inside the map, where seqlens ends a sequence before seqlen_k (its rows
+    // there are padding, NaN in the suite's tests, and 0 * NaN is NaN). That one the producer's
+    // threads copy by cp.async, which writes zeros past len_k. Thread 0 alone has waited on every
+    // phase of the "empty" barriers (a parity wait that skipped phases could pass on an earlier
+    // one), so the others wait for it to find the buffers free, and it announces the tile once all
+    // have copied.
     __device__ __forceinline__ void load_kv_tma(int n, int t) {
         const bool by_tma = n + BLOCK_N <= s.len_k || s.len_k == p.seqlen_k;
         elem_t *k_tile = sK + t % 2 * Operands::K_TILE, *v_tile = sV + t % 3 * Operands::V_TILE;
