@@ -1109,6 +1109,7 @@ def test_tma_takes_strided_16_bit_tensors_and_not_varlen():
     assert not tma.usable(plain, _kv(dim=68)[..., :64], k)  # rows 136 bytes apart
     assert not tma.usable(plain, torch.zeros(2 * 300 * 4 * 128 + 4, dtype=torch.bfloat16)[4:].view(2, 300, 4, 128), k)  # base 8 bytes off
     assert not tma.usable(plain, _kv(heads=1).expand(2, 300, 4, 128), k)  # a stride of 0 over 4 heads
+    assert not tma.usable(plain, k, _kv(seqlen=0))  # no keys: no map
     # a dim of one element: its stride is never stepped along
     one = torch.zeros(1, 300, 1, 128, dtype=torch.bfloat16).as_strided((1, 300, 1, 128), (7, 128, 3, 1))
     assert tma.usable(plain, one, one)

@@ -34,12 +34,13 @@ def usable(problem, *tensors) -> bool:
     varlen (a packed tensor's sequences end inside the map, so each one's last tile would take
     cp.async, and nothing would be gained where sequences are short); base 16-byte aligned, unit
     feature stride, and each other dim of more than one element a positive multiple of 16 bytes
-    apart, below 2**40 (a dim of one element is given a stride of its own, ``byte_strides``)."""
+    apart, below 2**40 (a dim of one element is given a stride of its own, ``byte_strides``); no
+    dim empty, which a map cannot describe."""
     if problem.varlen or problem.fp8 or problem.dtype == "float32":
         return False
     for x in tensors:
         size = x.element_size()
-        if x.data_ptr() % STRIDE_ALIGNMENT or (x.shape[-1] > 1 and x.stride(-1) != 1):
+        if x.numel() == 0 or x.data_ptr() % STRIDE_ALIGNMENT or (x.shape[-1] > 1 and x.stride(-1) != 1):
             return False
         for n, stride in zip(x.shape[:-1], x.stride()[:-1]):
             if n > 1 and not (stride > 0 and stride * size % STRIDE_ALIGNMENT == 0 and stride * size < STRIDE_LIMIT):
