@@ -152,6 +152,62 @@ def test_sm90_forward_variant(dim):
             != variants.cache_key(variants.source(variants.FILES[plain.kernel]), plain.options, versions))
 
 
+@pytest.mark.parametrize("changes, tma_, tile", [
+    ({}, True, (128, 176, 8, 2)),  # FA3's 176 keys at d128 without a band, by TMA
+    ({}, False, (128, 128, 8, 3)),  # two V buffers need TMA's producer
+    ({"band": (-1, 0)}, True, (128, 128, 8, 3)),  # causal
+    ({"band": (64, 64)}, True, (128, 128, 8, 3)),  # a window
+    ({"head_dim": 64, "head_dim_v": 128}, True, (128, 176, 8, 2)),  # the wider class picks
+    ({"head_dim": 128, "head_dim_v": 64, "seqlens_k": object()}, True, (128, 176, 8, 2)),
+    ({"head_dim": 64, "head_dim_v": 64}, True, (192, 128, 12, 3)),  # three warpgroups at d64
+    ({"head_dim": 40, "head_dim_v": 64, "band": (-1, 0)}, False, (192, 128, 12, 3)),
+    ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "varlen": True}, False, (192, 128, 12, 3)),
+])
+def test_sm90_forward_tiles(changes, tma_, tile):
+    """FORWARD_SM90_TILES by the widest head-dim class, the band and the loads; the V ring's size
+    travels as V_BUFFERS, and shared memory counts the zeros apart only beside three V buffers."""
+    variant = variants.choose("forward_sm90", _problem(**changes), aligned=True, tma=tma_)
+    assert (variant.block_m, variant.block_n, variant.warps, variant.v_buffers) == tile
+    assert variant.macros["V_BUFFERS"] == variant.v_buffers and variant.macros["BLOCK_N"] == variant.block_n
+    assert variant.threads == 32 * (variant.warps + variants.PRODUCER_WARPS)
+    size = variants.ELEMENT_SIZES[variant.dtype]
+    q = variant.block_m * variant.dim_qk * size
+    k, v = (variant.block_n * dim * size for dim in (variant.dim_qk, variant.dim_v))
+    zeros = v if variant.v_buffers == 3 else 0  # else in the ring
+    assert variant.shared_memory == q + 2 * k + variant.v_buffers * v + zeros + 128 <= 227 * 1024
+
+
+@pytest.mark.parametrize("key", sorted(variants.FORWARD_SM90_TILES))
+def test_sm90_forward_tiles_fit(key):
+    """Every tile of the table: whole warpgroups of 64 rows, one 16-row atom a warp, S's N a product
+    that wgmma.cuh writes, 1024-byte swizzled tiles, two V buffers only by TMA, and shared memory
+    (Q, two K and the V tiles with the zeros) within the H100's 227 KiB at both head dims of the class."""
+    widest, banded, tma_ = key
+    block_m, block_n, warps, v_buffers = variants.FORWARD_SM90_TILES[key]
+    assert block_m == 16 * warps and warps % 4 == 0 and block_n in (64, 128, 176)
+    assert v_buffers == 3 or (v_buffers == 2 and tma_)
+    for dim_qk, dim_v in ((widest, widest), (widest, 64), (64, widest)):
+        problem = _problem(head_dim=dim_qk, head_dim_v=dim_v, band=(-1, 0) if banded else None)
+        variant = variants.choose("forward_sm90", problem, aligned=True, tma=tma_)
+        assert (variant.block_m, variant.block_n, variant.warps, variant.v_buffers) == (block_m, block_n, warps, v_buffers)
+        assert all(rows * dim * 2 % 1024 == 0 for rows in (block_m, block_n) for dim in (dim_qk, dim_v))
+        assert variant.shared_memory <= 227 * 1024
+
+
+def test_sm90_forward_tiles_restore():
+    """A benchmark's A/B: one shape for every key restores the single 128 x 128 CTA of two warpgroups."""
+    table = dict.fromkeys(variants.FORWARD_SM90_TILES, (128, 128, 8, 3))
+    original = variants.FORWARD_SM90_TILES
+    try:
+        variants.FORWARD_SM90_TILES = table
+        for dim in (64, 128):
+            for tma_ in (False, True):
+                variant = variants.choose("forward_sm90", _problem(head_dim=dim, head_dim_v=dim), aligned=True, tma=tma_)
+                assert (variant.block_m, variant.block_n, variant.warps, variant.v_buffers) == (128, 128, 8, 3)
+    finally:
+        variants.FORWARD_SM90_TILES = original
+
+
 @pytest.mark.parametrize("changes, capability, is_aligned, sm90", [
     ({}, "90", True, True),
     ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "band": (-1, 0)}, "90", True, True),
@@ -1171,7 +1227,7 @@ def test_kv_maps_layout_matches_the_struct():
 
 def test_tma_variant():
     """TMA is a build of its own (the TMA macro) of forward_sm90 alone."""
-    problem = _problem()
+    problem = _problem(band=(-1, 0))  # a tile that both loads take
     plain, by_tma = (variants.choose("forward_sm90", problem, aligned=True, tma=tma_) for tma_ in (False, True))
     assert plain.macros["TMA"] == 0 and by_tma.macros["TMA"] == 1 and plain.shared_memory == by_tma.shared_memory
     assert "TMA" not in variants.choose("forward_fp8_sm90", _problem(dtype="float8_e4m3fn"), aligned=True).macros
@@ -1217,10 +1273,34 @@ def test_tma_forward_compiles():
     _nvrtc()
     from flashx_cupy import resources
 
-    tiles = variants.TILES["forward_sm90", "16", 128]
+    tiles = 128, 128, 8
     plain = resources.ptx(variants.Variant("forward_sm90", "bfloat16", 128, 128, *tiles, tma=True), "90")
     short = resources.ptx(variants.Variant("forward_sm90", "bfloat16", 128, 128, *tiles, tma=True, seqlens_k=True), "90")
     for text in (plain, short):
         assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes" in text
         assert "mbarrier.arrive.expect_tx.shared::cta.b64" in text
     assert "bar.sync 2, 128;" in short and "cp.async.cg.shared.global" in short
+
+
+@pytest.mark.parametrize("tile, tma_, registers, product", [
+    ((128, 128, 8, 3), True, (40, 232), "m64n128k16"),
+    ((128, 176, 8, 2), True, (24, 240), "m64n176k16"),
+    ((192, 128, 12, 3), False, (24, 160), "m64n128k16"),
+])
+def test_sm90_forward_tiles_compile(tile, tma_, registers, product):
+    """NVRTC builds each tile shape: S's product of BLOCK_N keys, setmaxnreg's split of the registers
+    (within what the CTA holds from its launch: 65536 over its threads, in 8s, each), the computing
+    threads' barrier of their warpgroups."""
+    _nvrtc()
+    from flashx_cupy import resources
+
+    block_m, block_n, warps, v_buffers = tile
+    dim = 64 if block_m == 192 else 128
+    text = resources.ptx(variants.Variant("forward_sm90", "bfloat16", dim, dim, block_m, block_n, warps, tma=tma_,
+                                          v_buffers=v_buffers, softcap=True), "90")
+    producer, computing = registers
+    threads = 32 * (warps + variants.PRODUCER_WARPS)
+    assert 128 * producer + 32 * warps * computing <= threads * (65536 // threads // 8 * 8)
+    assert f"setmaxnreg.dec.sync.aligned.u32 {producer};" in text and f"setmaxnreg.inc.sync.aligned.u32 {computing};" in text
+    assert f"wgmma.mma_async.sync.aligned.{product}.f32.bf16.bf16" in text
+    assert f"bar.sync 1, {32 * warps};" in text  # the exact path's barrier of the computing threads

@@ -8,6 +8,7 @@ holding tensor-core products (the tile loops) are counted by opcode.
     python -m flashx_cupy.resources --kernel dkdv --dim 128 --tile 64x64x4 --blocks
     python -m flashx_cupy.resources --kernel forward --features mask=1,dropout=1
     python -m flashx_cupy.resources --kernel forward_sm90 dq dkdv --features softcap=1,alibi=1,sinks=1
+    python -m flashx_cupy.resources --kernel forward_sm90 --dim 128 --features tma=1 --tile 128x128x8x3
     python -m flashx_cupy.resources --kernel forward_fp8_sm90 --dtype bfloat16 float16   # FP8 inputs, o's dtype
     python -m flashx_cupy.resources --kernel dq_sm90 dkdv_sm90 --dtype bfloat16 float16 --dim 64 128 --features mask=1,dropout=1
     python -m flashx_cupy.resources --kernel decode decode_merge decode_append --features paged=1,mask=1
@@ -86,6 +87,7 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
         print(f"{variant.kernel:8} {variant.dtype:9} d{variant.dim_qk}/{variant.dim_v} "
               f"{variant.block_m}x{variant.block_n}x{variant.warps}: {registers} registers, spills {stores}/{loads} B "
               f"(stores/loads), shared {variant.shared_memory} B"
+              + (", TMA" * variant.tma + f", {variant.v_buffers} V buffers" if variant.kernel == "forward_sm90" else "")
               + (f", {variant.stages} stages" + ", paged" * variant.paged + ", fp8 cache" * variant.fp8_cache
                  if variant.stages else ""))
         for line in built.splitlines():  # e.g. wgmma serialized by ptxas (info C7510, C7512), which costs the overlap
@@ -111,6 +113,21 @@ def decode_variants(kernel: str, dtype: str, dim: int, rows: list[int], features
             for block_m in rows if block_m <= variants.decode_rows_most(dim, bool(features.get("fp8_cache")))]
 
 
+def forward_sm90_variants(dtype: str, dim: int, tile: str | None, features: dict) -> list[variants.Variant]:
+    """The wgmma forward's shipped variants at head dim ``dim``, each tile of FORWARD_SM90_TILES
+    with the loads it takes (TMA or not, unless ``features`` says), or ``tile``
+    (BLOCK_MxBLOCK_NxWARPSxV_BUFFERS)."""
+    if tile:
+        shapes = {(tuple(map(int, tile.split("x"))), features.get("tma", False))}
+    else:
+        shapes = {(shape, tma) for (widest, _, tma), shape in variants.FORWARD_SM90_TILES.items()
+                  if widest == dim and features.get("tma", tma) == tma}
+    others = {name: value for name, value in features.items() if name != "tma"}
+    return [variants.Variant("forward_sm90", dtype, dim, dim, block_m, block_n, warps, tma=tma, v_buffers=v_buffers,
+                             **others)
+            for (block_m, block_n, warps, v_buffers), tma in sorted(shapes)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m flashx_cupy.resources", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", nargs="+", default=["forward", "dq", "dkdv"],
@@ -118,7 +135,7 @@ def main() -> None:
                                  *variants.DECODE_KERNELS])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=list(variants.DTYPE_CODES))
     parser.add_argument("--dim", nargs="+", type=int, default=list(variants.HEAD_DIM_CLASSES))
-    parser.add_argument("--tile", help="BLOCK_MxBLOCK_NxWARPS instead of the shipped tiles")
+    parser.add_argument("--tile", help="BLOCK_MxBLOCK_NxWARPS instead of the shipped tiles (forward_sm90: xV_BUFFERS too)")
     parser.add_argument("--rows", nargs="+", type=int, default=[16, 32, 64],
                         help="decoding: each CTA row count (BLOCK_M) to build, up to the head dim's most")
     parser.add_argument("--features", default="", help="Variant fields, e.g. mask=1,dropout=1,aligned=0")
@@ -131,6 +148,10 @@ def main() -> None:
             for dim in args.dim:
                 if kernel in variants.DECODE_KERNELS:
                     for variant in decode_variants(kernel, dtype, dim, args.rows, features):
+                        report(variant, args.arch, args.blocks)
+                    continue
+                if kernel == "forward_sm90":
+                    for variant in forward_sm90_variants(dtype, dim, args.tile, features):
                         report(variant, args.arch, args.blocks)
                     continue
                 width = "8" if kernel == "forward_fp8_sm90" else "32" if dtype == "float32" else "16"

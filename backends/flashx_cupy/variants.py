@@ -64,10 +64,7 @@ TILES = {
     # A forward that reads a bool mask byte a pair: 64 query rows a CTA timed 99 TFLOP/s against
     # 80 for 128 on the H100 (bf16, N=8k, d128; mask and dropout 56.5 against 49.5).
     ("forward_mask", "16", 128): (64, 64, 4),
-    # The wgmma forward: two warpgroups of 64 query rows, 128 keys a tile (the products' N).
-    ("forward_sm90", "16", 64): (128, 128, 8),
-    ("forward_sm90", "16", 128): (128, 128, 8),
-    # The wgmma forward on float8_e4m3fn inputs ("8"): the same CTA; a V^T row of 128 keys is one
+    # The wgmma forward on float8_e4m3fn inputs ("8"): forward_sm90's CTA of 128 x 128; a V^T row of 128 keys is one
     # 128-byte swizzled row.
     ("forward_fp8_sm90", "8", 64): (128, 128, 8),
     ("forward_fp8_sm90", "8", 128): (128, 128, 8),
@@ -77,6 +74,25 @@ TILES = {
     ("dkdv_sm90", "16", 128): (128, 64, 8),
     ("dq_sm90", "16", 64): (128, 64, 8),
     ("dq_sm90", "16", 128): (128, 64, 8),
+}
+#: The 16-bit wgmma forward ("forward_sm90"): (head-dim class, banded, TMA) -> (BLOCK_M, BLOCK_N,
+#: WARPS, V buffers), computing warpgroups of 64 query rows and BLOCK_N keys a tile (S's N), FA3's
+#: shapes. Banded is ``problem.band is not None`` (causal, window); TMA is ``tma.usable``. Where
+#: both head dims are of class 64, three warpgroups of 64 rows. At d128 without a band, 176 keys a
+#: tile, where Q, two K and three V tiles and the first tile's zeros (kernels/forward_sm90.cuh) would
+#: exceed 227 KB: V takes two buffers and the zeros lie in one of them, which only TMA's producer
+#: serves (its tiles announce themselves); a band keeps 128 keys (fewer masked keys at its edges).
+#: Every other problem takes two warpgroups and 128 keys, as all did before: setting every entry to
+#: (128, 128, 8, 3) restores that.
+FORWARD_SM90_TILES = {
+    (64, False, False): (192, 128, 12, 3),
+    (64, False, True): (192, 128, 12, 3),
+    (64, True, False): (192, 128, 12, 3),
+    (64, True, True): (192, 128, 12, 3),
+    (128, False, False): (128, 128, 8, 3),
+    (128, False, True): (128, 176, 8, 2),
+    (128, True, False): (128, 128, 8, 3),
+    (128, True, True): (128, 128, 8, 3),
 }
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
@@ -159,6 +175,7 @@ class Variant:
     paged: bool = False  # decoding: the cache is paged (block_table)
     fp8_cache: bool = False  # decoding: the cache is float8_e4m3fn (kernels/fp8.cuh), ``dtype`` the queries'
     tma: bool = False  # forward_sm90: K and V tiles by TMA, from Params' tensor maps (flashx_cupy.tma)
+    v_buffers: int = 3  # forward_sm90: V's ring; with 2 the first tile's zeros lie in it (FORWARD_SM90_TILES)
 
     @property
     def threads(self) -> int:
@@ -192,7 +209,7 @@ class Variant:
             "DQ_ATOMIC": int(self.dq_atomic),
             **({"STAGES": self.stages, "PAGED": int(self.paged), "FP8_CACHE": int(self.fp8_cache)}
                if self.kernel in DECODE_KERNELS else {}),
-            **({"TMA": int(self.tma)} if self.kernel == "forward_sm90" else {}),
+            **({"TMA": int(self.tma), "V_BUFFERS": self.v_buffers} if self.kernel == "forward_sm90" else {}),
         }
 
     @property
@@ -215,8 +232,9 @@ class Variant:
             pages = 2 * self.block_n * 8 if self.paged else 0
             stage = self.block_m * self.block_n * 4 if self.dtype == "float32" else 0
             return self.block_m * (self.dim_qk + pad) * size + keys + fp8_stages + pages + stage
-        if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles, three V tiles, zeros; barriers
-            return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + 4 * self.dim_v)) + 128
+        if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles, the V tiles, zeros past two of them; barriers
+            v_tiles = self.v_buffers + (self.v_buffers != 2)
+            return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + v_tiles * self.dim_v)) + 128
         if self.kernel == "forward_fp8_sm90":  # bytes: Q and two K tiles of 128-byte rows, three V^T tiles, zeros; barriers
             return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * self.block_n + 128
         if self.kernel in ("dkdv_sm90", "dq_sm90"):
@@ -247,7 +265,11 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
     table = "dq" if kernel == "delta" else "dkdv_dq" if dq_atomic else kernel
     if kernel == "forward" and problem.mask is not None and ("forward_mask", width, max(dim_qk, dim_v)) in TILES:
         table = "forward_mask"
-    block_m, block_n, warps = TILES[table, width, max(dim_qk, dim_v)]
+    v_buffers = 3
+    if kernel == "forward_sm90":
+        block_m, block_n, warps, v_buffers = FORWARD_SM90_TILES[max(dim_qk, dim_v), problem.band is not None, tma]
+    else:
+        block_m, block_n, warps = TILES[table, width, max(dim_qk, dim_v)]
     return Variant(
         kernel=kernel,
         dtype=problem.out_dtype,  # the inputs' but for FP8 inputs
@@ -270,6 +292,7 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         dkdv_parts=dkdv_parts,
         dq_atomic=dq_atomic,
         tma=tma,
+        v_buffers=v_buffers,
     )
 
 

@@ -42,6 +42,7 @@ struct Operands {
     // In pairs of bytes: Q's and K's rows 128 bytes whatever DIM_QK, V^T's BLOCK_N keys.
     enum { Q_TILE = BLOCK_M * 128 / 2, K_TILE = BLOCK_N * 128 / 2, V_TILE = DIM_V * BLOCK_N / 2, PRODUCT_K = 32 };
     enum { TMA_KV = 0 };  // K and V^T by cp.async (no tensor maps for the FP8 layouts)
+    enum { V_RING = 3 };  // V^T's buffers
 
     template <int N, bool ACCUMULATE>
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) { wgmma_ss_e4m3<N, ACCUMULATE>(d, a, b); }

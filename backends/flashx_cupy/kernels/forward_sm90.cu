@@ -8,8 +8,8 @@
 #include "forward.cuh"
 #include "wgmma.cuh"
 
-static_assert(BLOCK_N % 64 == 0 && (BLOCK_N == 64 || BLOCK_N == 128) && (DIM_V == 64 || DIM_V == 128),
-              "the products' N: 64 or 128");
+static_assert((BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176) && (DIM_V == 64 || DIM_V == 128),
+              "the products' N: S's 64, 128 or 176 (wgmma_ss), O's 64 or 128");
 
 // What forward_sm90.cuh's CTA takes from the element type (its members are listed there).
 struct Operands {
@@ -18,6 +18,9 @@ struct Operands {
     // K's and V's tiles by TMA: their (head_dim, heads_k, seqlen_k, batch) maps' boxes of 64
     // columns and BLOCK_N rows are Swizzle128's panels (tma.cuh).
     enum { TMA_KV = TMA };
+    // The buffers of V's ring (flashx_cupy.variants.FORWARD_SM90_TILES): three, or two where
+    // three and a tile of zeros would not fit (176 keys at d128).
+    enum { V_RING = V_BUFFERS };
 
     template <int N, bool ACCUMULATE>
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) { wgmma_ss<N, ACCUMULATE>(d, a, b); }
@@ -54,11 +57,14 @@ struct Operands {
     // Which elements are not finite is a question of the whole tile, its layout aside.
     static __device__ __forceinline__ bool nonfinite(const elem_t* v) { return tile_nonfinite<BLOCK_N, DIM_V, DIM_V>(v); }
 
+    // poison_allowed takes at most 64 keys at a time, from a row that is a multiple of 8 (the
+    // swizzle's period): the largest power of two that divides BLOCK_N, up to 64 (16 of 176).
+    enum { POISON_KEYS = (BLOCK_N & -BLOCK_N) < 64 ? (BLOCK_N & -BLOCK_N) : 64 };
     template <typename Poison>
     static __device__ __forceinline__ void poison(const ForwardRows& rows, const elem_t* v, int n, Poison mark) {
 #pragma unroll 1
-        for (int j0 = 0; j0 < BLOCK_N; j0 += 64)  // poison_allowed takes 64 keys at a time
-            poison_allowed<ATOMS, 64, DIM_V, Swizzle128<BLOCK_N>>(
+        for (int j0 = 0; j0 < BLOCK_N; j0 += POISON_KEYS)
+            poison_allowed<ATOMS, POISON_KEYS, DIM_V, Swizzle128<BLOCK_N>>(
                 [&](int r, int j) { return rows.reads_v<true>(rows.wrow + r, n + j0 + j); },
                 v + Swizzle128<BLOCK_N>::offset(j0, 0) / (int)sizeof(elem_t), mark);
     }

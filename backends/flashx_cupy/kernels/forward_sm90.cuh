@@ -7,13 +7,12 @@
 //
 // A CTA is WARPS / 4 computing warpgroups of 64 query rows and one producer warpgroup
 // (PRODUCER_THREADS) that only copies: Q once, then each key tile's K and V, by cp.async or by TMA
-// (Operands::TMA_KV), into rings of two K and three V buffers, announced on mbarriers ("full")
-// once landed; the computing warpgroups free a buffer ("empty") once the product reading it is
-// done. No barrier of the whole
-// CTA stands in the loop, so the two computing warpgroups need not wait for each other, and the
-// producer takes 40 registers (setmaxnreg) so that they may take 232. All tiles lie in wgmma's
-// 128-byte swizzle (Swizzle128); S = Q K^T takes both operands K-major from shared memory, and
-// O += P V takes P from registers.
+// (Operands::TMA_KV), into rings of two K and Operands::V_RING V buffers, announced on mbarriers
+// ("full") once landed; the computing warpgroups free a buffer ("empty") once the product reading
+// it is done. No barrier of the whole CTA stands in the loop, so the computing warpgroups need not
+// wait for each other, and the producer takes few registers (setmaxnreg) so that they may take
+// more (PRODUCER_REGISTERS). All tiles lie in wgmma's 128-byte swizzle (Swizzle128); S = Q K^T
+// takes both operands K-major from shared memory, and O += P V takes P from registers.
 //
 // wgmma's m64nN accumulator gives warp w of a warpgroup rows 16w .. 16w + 15 in the m16n8 atom
 // layout of mma.sync, so each lane packs P's register operand from its own scores.
@@ -32,6 +31,7 @@
 //   pack(a, s, kk)               P's keys of k-step kk as the register operand
 //   load_rows<ROWS>              Q's and K's copies into a tile; v_at, load_v V's
 //   TMA_KV                       whether K's and V's tiles come by TMA (the kernel's KvMaps), not load_rows and load_v
+//   V_RING                       the V buffers: 3, or 2 with the zeros in the ring (ZEROS_IN_RING)
 //   scaled(p, copy, b, hk)       the Params that the rows read (FP8: the descales folded in)
 //   nonfinite, poison, clear     a masked tile's V values that would make 0 * V NaN (exact.cuh)
 // Operands is the includer's struct rather than a template parameter of a body that two entries
@@ -42,14 +42,31 @@
 
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS % 4 == 0, "one 16-row atom per warp, whole warpgroups");
 
-// The CTA's barriers: tile t's K lies in K buffer t % 2 and its V in V buffer t % 3; "full" ones
-// complete when the producer's copies of a tile (or Q) have landed, "empty" ones when every
+// setmaxnreg's split of the SM's 64K registers (one CTA an SM): the producer keeps 40 where the
+// computing threads' 232 hold two warpgroups' S of 128 keys; elsewhere it takes FA3's 24, which
+// leaves 240 for S of 176 keys, or 160 for a third computing warpgroup.
+enum {
+    PRODUCER_REGISTERS = BLOCK_N == 128 && THREADS == 256 ? 40 : 24,
+    COMPUTE_REGISTERS = (65536 - PRODUCER_REGISTERS * PRODUCER_THREADS) / THREADS / 8 * 8
+};
+
+// V's ring. The first tile's product is owed against a tile of zeros (ForwardCtaSm90); with three
+// buffers it has a tile of its own. Where only two fit beside Q and K, the zeros lie in the last
+// buffer as tile -1, whose product frees it for tile 1 as any tile's frees its buffer. Two buffers
+// take TMA: by cp.async the producer announces a tile only after requesting the next, whose V
+// buffer the computing threads free only after that announcement.
+enum { V_RING = Operands::V_RING, ZEROS_IN_RING = V_RING == 2 };
+static_assert(V_RING == 3 || (ZEROS_IN_RING && Operands::TMA_KV), "three V buffers, or two by TMA");
+
+// The CTA's barriers: tile t's K lies in K buffer t % 2 and its V in V buffer t % V_RING; "full"
+// ones complete when the producer's copies of a tile (or Q) have landed, "empty" ones when every
 // computing thread is done with a buffer. ``sink`` takes the arrivals of the first tile's
-// product against the zero tile, which frees no buffer. By TMA, one producer thread arrives on a
-// tile's "full" barriers (FULL_KV_ARRIVALS), with the bytes to land; by cp.async, every one.
+// product against a zero tile of its own, which frees no buffer. By TMA, one producer thread
+// arrives on a tile's "full" barriers (FULL_KV_ARRIVALS), with the bytes to land; by cp.async,
+// every one.
 enum { FULL_KV_ARRIVALS = Operands::TMA_KV ? 1 : PRODUCER_THREADS };
 struct Barriers {
-    u64 full_k[2], empty_k[2], full_v[3], empty_v[3], full_q, sink;
+    u64 full_k[2], empty_k[2], full_v[V_RING], empty_v[V_RING], full_q, sink;
 };
 
 // The kernel's tensor maps of K and V, (head_dim, heads_k, seqlen_k, batch) with boxes of 64
@@ -82,10 +99,17 @@ struct ProducerSm90 : ForwardRows {
         if (n < end) {
             if (t >= 2) bar_wait(&bars->empty_k[t % 2], (t / 2 - 1) & 1);
             Operands::load_rows<BLOCK_N>(sK + t % 2 * Operands::K_TILE, k, p.k_n, p.k_d, n, s.len_k, p.head_dim, tid);
-            if (t >= 3) bar_wait(&bars->empty_v[t % 3], (t / 3 - 1) & 1);
-            Operands::load_v(sV + t % 3 * Operands::V_TILE, v, p.v_n, p.v_d, n, s.len_k, p.head_dim_v, tid);
+            wait_v_free(t);
+            Operands::load_v(sV + t % V_RING * Operands::V_TILE, v, p.v_n, p.v_d, n, s.len_k, p.head_dim_v, tid);
         }
         cp_async_commit();
+    }
+
+    // Until tile t's V buffer is free: the product of the tile V_RING before it, or of the zeros
+    // (tile -1), has freed it. The ring's items count the zeros where they lie in it.
+    __device__ __forceinline__ void wait_v_free(int t) {
+        const int item = t + ZEROS_IN_RING;
+        if (item >= V_RING) bar_wait(&bars->empty_v[t % V_RING], (item / V_RING - 1) & 1);
     }
 
     // The barrier of the producer's threads (barrier 2), which the computing ones skip.
@@ -102,8 +126,8 @@ struct ProducerSm90 : ForwardRows {
     // have copied.
     __device__ __forceinline__ void load_kv_tma(int n, int t) {
         const bool by_tma = n + BLOCK_N <= s.len_k || s.len_k == p.seqlen_k;
-        elem_t *k_tile = sK + t % 2 * Operands::K_TILE, *v_tile = sV + t % 3 * Operands::V_TILE;
-        u64 *full_k = &bars->full_k[t % 2], *full_v = &bars->full_v[t % 3];
+        elem_t *k_tile = sK + t % 2 * Operands::K_TILE, *v_tile = sV + t % V_RING * Operands::V_TILE;
+        u64 *full_k = &bars->full_k[t % 2], *full_v = &bars->full_v[t % V_RING];
         const int hk = h / p.group;
         if (tid == 0) {
             if (t >= 2) bar_wait(&bars->empty_k[t % 2], (t / 2 - 1) & 1);
@@ -111,7 +135,7 @@ struct ProducerSm90 : ForwardRows {
                 bar_arrive_expect_bytes(full_k, Operands::K_TILE * sizeof(elem_t));
                 tma_load_tile<BLOCK_N, DIM_QK>(k_tile, &maps.k, hk, n, b, full_k);
             }
-            if (t >= 3) bar_wait(&bars->empty_v[t % 3], (t / 3 - 1) & 1);
+            wait_v_free(t);
             if (by_tma) {
                 bar_arrive_expect_bytes(full_v, Operands::V_TILE * sizeof(elem_t));
                 tma_load_tile<BLOCK_N, DIM_V>(v_tile, &maps.v, hk, n, b, full_v);
@@ -135,11 +159,16 @@ struct ProducerSm90 : ForwardRows {
         bar_arrive(&bars->full_q);
     }
 
+    // By TMA, K and V announce themselves, and Q comes with the first tile: before the second's
+    // request where the zeros lie in the ring, as that request waits for the zeros' product, which
+    // waits for Q.
     template <bool MASKED>
     __device__ __forceinline__ void attend(int, int next) {
-        load_kv(next);
-        if constexpr (Operands::TMA_KV) {  // K and V announce themselves; Q with the first tile
+        if constexpr (Operands::TMA_KV && ZEROS_IN_RING)
             if (announced++ == 0) announce_q();
+        load_kv(next);
+        if constexpr (Operands::TMA_KV) {
+            if (!ZEROS_IN_RING && announced++ == 0) announce_q();
             return;
         }
         cp_async_wait<1>();  // this tile's copies (and Q's, with the first)
@@ -147,7 +176,7 @@ struct ProducerSm90 : ForwardRows {
         const int t = announced++;
         if (t == 0) bar_arrive(&bars->full_q);
         bar_arrive(&bars->full_k[t % 2]);
-        bar_arrive(&bars->full_v[t % 3]);
+        bar_arrive(&bars->full_v[t % V_RING]);
     }
 
     __device__ __forceinline__ void finish() {
@@ -159,9 +188,10 @@ struct ProducerSm90 : ForwardRows {
 //
 // A tile's P V is issued after the next tile's S, so that it runs beside that tile's softmax;
 // the output's rescale waits for it. The first tile owes a product too, P = 0 against a tile of
-// zeros (start_owed): with a branch between a product's issue and its wait, ptxas would wait for
-// every product at the branch's end. Each tile waits for its K and the owed V before its
-// products, and frees each buffer once the product reading it is done.
+// zeros (start_owed; of its own, or in V's ring, ZEROS_IN_RING): with a branch between a
+// product's issue and its wait, ptxas would wait for every product at the branch's end. Each
+// tile waits for its K and the owed V before its products, and frees each buffer once the
+// product reading it is done.
 struct ForwardCtaSm90 : ForwardRows {
     enum { PV_STEPS = BLOCK_N / Operands::PRODUCT_K };
     elem_t *sK, *sV;
@@ -181,7 +211,7 @@ struct ForwardCtaSm90 : ForwardRows {
 
     __device__ __forceinline__ void start_owed(const elem_t* zeros) {
         v_owed = zeros;
-        owed_full = &bars->full_q, owed_parity = 0, owed_empty = &bars->sink;
+        owed_full = &bars->full_q, owed_parity = 0, owed_empty = ZEROS_IN_RING ? &bars->empty_v[V_RING - 1] : &bars->sink;
 #pragma unroll
         for (int kk = 0; kk < PV_STEPS; ++kk) pf[kk][0] = pf[kk][1] = pf[kk][2] = pf[kk][3] = 0;
     }
@@ -201,7 +231,7 @@ struct ForwardCtaSm90 : ForwardRows {
         bar_wait(&bars->full_k[t % 2], (t / 2) & 1);
         bar_wait(owed_full, owed_parity);
         const elem_t* k_tile = sK + t % 2 * Operands::K_TILE;
-        elem_t* v_tile = sV + t % 3 * Operands::V_TILE;
+        elem_t* v_tile = sV + t % V_RING * Operands::V_TILE;
 
         float sc[ATOMS][BLOCK_N / 8][4];
         const u64 k_desc = wgmma_desc(smem_addr(k_tile), 16);
@@ -225,7 +255,7 @@ struct ForwardCtaSm90 : ForwardRows {
         rescale(alpha);
 
         if constexpr (MASKED) {  // some pair of the tile reads no V
-            bar_wait(&bars->full_v[t % 3], (t / 3) & 1);
+            bar_wait(&bars->full_v[t % V_RING], (t / V_RING) & 1);
             if (Operands::nonfinite(v_tile)) {
                 Operands::poison(*this, v_tile, n, [this](int, int nt, int e) { poisoned |= 1ull << (nt * 4 + e); });
                 compute_sync();
@@ -238,7 +268,7 @@ struct ForwardCtaSm90 : ForwardRows {
 #pragma unroll
         for (int kk = 0; kk < PV_STEPS; ++kk) Operands::pack(pf[kk], sc[0], kk);
         v_owed = v_tile;
-        owed_full = &bars->full_v[t % 3], owed_parity = (t / 3) & 1, owed_empty = &bars->empty_v[t % 3];
+        owed_full = &bars->full_v[t % V_RING], owed_parity = (t / V_RING) & 1, owed_empty = &bars->empty_v[t % V_RING];
     }
 
     // The last tile's product and the poisoned outputs; then every computing thread is done with
@@ -264,9 +294,9 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem[];
     elem_t* sQ = (elem_t*)smem;                         // Swizzle128<BLOCK_M>
     elem_t* sK = sQ + Operands::Q_TILE;                 // 2 x Swizzle128
-    elem_t* sV = sK + 2 * Operands::K_TILE;             // 3 x Swizzle128
-    elem_t* sZero = sV + 3 * Operands::V_TILE;          // a V tile of zeros
-    Barriers* bars = (Barriers*)(sZero + Operands::V_TILE);
+    elem_t* sV = sK + 2 * Operands::K_TILE;             // V_RING x Swizzle128
+    elem_t* sZero = sV + (V_RING - ZEROS_IN_RING) * Operands::V_TILE;  // a V tile of zeros: past the ring, or its last
+    Barriers* bars = (Barriers*)(sV + (V_RING + !ZEROS_IN_RING) * Operands::V_TILE);
     elem_t* sO = (elem_t*)smem;                         // BLOCK_M x LD_V, over Q and K once the loop is done
     static_assert(BLOCK_M * LD_V <= Operands::Q_TILE + 2 * Operands::K_TILE, "O's staging must fit below V");
 
@@ -283,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1)
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < 2; ++i) bar_init(&bars->full_k[i], FULL_KV_ARRIVALS), bar_init(&bars->empty_k[i], THREADS);
-        for (int i = 0; i < 3; ++i) bar_init(&bars->full_v[i], FULL_KV_ARRIVALS), bar_init(&bars->empty_v[i], THREADS);
+        for (int i = 0; i < V_RING; ++i) bar_init(&bars->full_v[i], FULL_KV_ARRIVALS), bar_init(&bars->empty_v[i], THREADS);
         bar_init(&bars->full_q, PRODUCER_THREADS);
         bar_init(&bars->sink, THREADS);
     }
@@ -292,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1)
     __syncthreads();
 
     if (threadIdx.x >= THREADS) {  // the producer, with few registers, so that the others may take more
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"((int)PRODUCER_REGISTERS));
         ProducerSm90 producer{{scaled, s, h, b, tile * BLOCK_M, 0}, k, v, sK, sV, bars, (int)threadIdx.x - THREADS, maps};
         producer.start();
         const In* q = (const In*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
@@ -301,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1)
         attend_key_tiles(producer);
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"((int)COMPUTE_REGISTERS));
     const int warp = threadIdx.x / 32;
     ForwardCtaSm90 cta{{scaled, s, h, b, tile * BLOCK_M, warp * 16}, sK, sV, bars,
                                  wgmma_desc(smem_addr(sQ), 16) + desc_step<BLOCK_M>(warp / 4 * 64, 0)};

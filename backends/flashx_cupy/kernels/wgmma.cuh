@@ -16,7 +16,7 @@
 #define WGMMA_TYPES ".f32.bf16.bf16"
 #endif
 
-// The accumulator operands of a product of N = 64 (32 registers a thread) or 128 (64).
+// The accumulator operands of a product of N = 64 (32 registers a thread), 128 (64) or 176 (88).
 #define WGMMA_D4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 #define WGMMA_D32(d, i)                                                                             \
     WGMMA_D4(d, i), WGMMA_D4(d, i + 1), WGMMA_D4(d, i + 2), WGMMA_D4(d, i + 3), WGMMA_D4(d, i + 4), \
@@ -29,6 +29,15 @@
     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, " \
     "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
     "%58, %59, %60, %61, %62, %63}"
+#define WGMMA_D88(d)                                                                                      \
+    WGMMA_D32(d, 0), WGMMA_D32(d, 8), WGMMA_D4(d, 16), WGMMA_D4(d, 17), WGMMA_D4(d, 18), WGMMA_D4(d, 19), \
+        WGMMA_D4(d, 20), WGMMA_D4(d, 21)
+#define WGMMA_R88                                                                                   \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, " \
+    "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
+    "%58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, " \
+    "%77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 
 // The descriptor of a wgmma operand in Swizzle128 layout at shared address ``addr`` (1024-byte
 // aligned, or a column offset within a swizzled row): 8-row groups 1024 bytes apart (the stride
@@ -67,11 +76,17 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b) {
                      "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32 ", %32, %33, acc, 1, 1, 0, 0;\n}"
                      : WGMMA_D32(d, 0)
                      : "l"(a), "l"(b), "n"((int)ACCUMULATE));
-    else
+    else if constexpr (N == 128)
         asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64 ", %64, %65, acc, 1, 1, 0, 0;\n}"
                      : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
                      : "l"(a), "l"(b), "n"((int)ACCUMULATE));
+    else
+        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %90, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n176k16" WGMMA_TYPES " " WGMMA_R88 ", %88, %89, acc, 1, 1, 0, 0;\n}"
+                     : WGMMA_D88(d)
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
+    static_assert(N == 64 || N == 128 || N == 176, "a product's N: 64, 128 or 176");
 }
 
 // D[64 x N] = A[64 x K] B[N x K]^T over the whole of K, A a Swizzle128<ROWS_A> tile and B a
