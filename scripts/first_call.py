@@ -126,7 +126,12 @@ def main() -> None:
     flex_dirs = {"TRITON_CACHE_DIR": new("triton"), "TORCHINDUCTOR_CACHE_DIR": new("inductor")}
     tuned_dirs = {"TRITON_CACHE_DIR": new("triton"), "FLASHX_CACHE_DIR": new("flashx"), "FLASHX_TRITON_AUTOTUNE": "1"}
     cases = []
-    for backend in os.environ.get("FIRST_CALL_BACKENDS", "triton").split(","):
+    backends = os.environ.get("FIRST_CALL_BACKENDS", "triton").split(",")
+    unknown = sorted(set(backends) - set(caches))
+    if unknown:
+        sys.exit(f"FIRST_CALL_BACKENDS names flashx backends ({', '.join(caches)}), not {', '.join(unknown)}: "
+                 "FlexAttention runs in every full run")
+    for backend in backends:
         dirs = {name: new(name.lower()) for name in caches[backend]}
         cases += [(f"{backend} cold", backend, dirs), (f"{backend} warm", backend, dirs)]
     if os.environ.get("FIRST_CALL_TUNED") == "1":

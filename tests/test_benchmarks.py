@@ -1221,3 +1221,17 @@ def test_timings_wait_for_what_a_first_call_left_running(monkeypatch):
     finally:
         flashx.registry.unregister("compiling")
     assert settled == ["first call", "compiling", "timed"]
+
+
+def test_first_call_script_names_what_it_cannot_run(monkeypatch):
+    """scripts/first_call.py runs flashx backends by name; another name is refused with the ones it
+    takes, before any case starts."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "first_call.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, FIRST_CALL_BACKENDS="triton,flex"))
+    assert done.returncode == 1
+    assert "(triton, cupy, numba), not flex" in done.stderr
