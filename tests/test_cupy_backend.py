@@ -1171,6 +1171,19 @@ def test_tma_takes_strided_16_bit_tensors_and_not_varlen():
     assert tma.usable(plain, one, one)
 
 
+def test_without_cuda_bindings_every_problem_keeps_cp_async(monkeypatch):
+    """CuPy runs without cuda-bindings, which alone encodes the maps: where it does not import, no
+    problem takes TMA (rather than failing at its first forward)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails
+    tma.driver_present.cache_clear()
+    try:
+        assert not tma.usable(_problem(), _kv(), _kv())
+    finally:
+        tma.driver_present.cache_clear()
+
+
 def test_tma_map_arguments(monkeypatch):
     """K's and V's maps: (head_dim, heads, rows, sequences) with their strides in bytes, boxes of 64
     columns (one 128-byte swizzled panel) and BLOCK_N rows of one head, the 128-byte swizzle and

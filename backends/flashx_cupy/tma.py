@@ -29,14 +29,25 @@ BOX_COLUMNS = 64
 STRIDE_ALIGNMENT, STRIDE_LIMIT = 16, 2**40
 
 
+@functools.cache
+def driver_present() -> bool:
+    """Whether cuda-bindings, which encodes the maps, imports: the ``cupy`` extra installs it, but
+    CuPy alone does not need it, and without it every problem keeps cp.async."""
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def usable(problem, *tensors) -> bool:
     """Whether TMA can copy the 16-bit (B, Nk, Hk, D) ``tensors`` (K and V) of ``problem``: not
     varlen (a packed tensor's sequences end inside the map, so each one's last tile would take
     cp.async, and nothing would be gained where sequences are short); base 16-byte aligned, unit
     feature stride, and each other dim of more than one element a positive multiple of 16 bytes
     apart, below 2**40 (a dim of one element is given a stride of its own, ``byte_strides``); no
-    dim empty, which a map cannot describe."""
-    if problem.varlen or problem.fp8 or problem.dtype == "float32":
+    dim empty, which a map cannot describe; and cuda-bindings present (``driver_present``)."""
+    if problem.varlen or problem.fp8 or problem.dtype == "float32" or not driver_present():
         return False
     for x in tensors:
         size = x.element_size()
