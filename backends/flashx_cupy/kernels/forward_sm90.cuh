@@ -19,8 +19,9 @@
 //
 // Shared memory written by threads (cp.async, or the non-finite clearing) is read by wgmma
 // through the async proxy: each writer fences (fence.proxy.async) before the barrier (mbarrier or
-// named) after which the products read. TMA writes through the async proxy itself. A product's registers are in flight from its issue to
-// its wait_group; the register fences after each wait keep the compiler from reading them earlier.
+// named) after which the products read; TMA writes through the async proxy itself. A product's
+// registers are in flight from its issue to its wait_group; the register fences after each wait
+// keep the compiler from reading them earlier.
 //
 // Operands' static members:
 //   In                           the inputs' element type in global memory
