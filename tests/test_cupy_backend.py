@@ -212,7 +212,7 @@ def test_sm90_forward_tiles_restore():
     ({}, "90", True, True),
     ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "band": (-1, 0)}, "90", True, True),
     ({"head_dim": 64, "head_dim_v": 64, "deterministic": True}, "90", True, True),
-    ({"head_dim": 64, "head_dim_v": 64}, "90", True, False),  # the fused dQ was faster at d64
+    ({"head_dim": 64, "head_dim_v": 64}, "90", True, True),  # with the fused dQ (fused_dq)
     ({"head_dim": 40, "head_dim_v": 96}, "90", True, True),  # classes 64 and 128
     ({"mask": object(), "block_mask": object(), "dropout_p": 0.1, "band": (-1, 0), "varlen": True}, "90", True,
      True),  # dq.cuh's and dkdv.cuh's pair rule, dropout and exact path
@@ -257,18 +257,20 @@ def test_sm90_backward_variants(kernel, dim_qk, dim_v):
 
 
 @pytest.mark.parametrize("capability, switch, changes, launched", [
-    ("90", None, {}, ["delta", "dq_sm90", "dkdv_sm90"]),
+    ("90", None, {}, ["delta", "dkdv_sm90 adding dQ"]),  # fused_dq: flashx_dq_sm90 does not run
     ("90", None, {"causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
-    ("90", "0", {}, ["delta", "dkdv"]),  # the mma.sync kernel with its fused dQ
+    ("90", None, {"deterministic": True}, ["delta", "dq_sm90", "dkdv_sm90"]),  # no atomics
+    ("90", "0", {}, ["delta", "dkdv adding dQ"]),  # the mma.sync kernel with its fused dQ
     ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
-    ("80", None, {}, ["delta", "dkdv"]),
+    ("80", None, {}, ["delta", "dkdv adding dQ"]),
     ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
-    ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv"]),  # the fused dQ, faster at d64
+    ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv_sm90 adding dQ"]),
     ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
 ])
 def test_backward_launches(monkeypatch, capability, switch, changes, launched):
-    """On compute capability 9.0 a 16-bit backward takes the wgmma kernels, which add no atomics
-    (no fused dQ); the switch brings back the mma.sync kernels."""
+    """On compute capability 9.0 a 16-bit backward takes the wgmma kernels: flashx_dkdv_sm90 adding
+    dQ where ``fused_dq`` holds, else the two kernels, which add no atomics; the switch brings back
+    the mma.sync kernels."""
     import contextlib
 
     import torch
@@ -286,7 +288,8 @@ def test_backward_launches(monkeypatch, capability, switch, changes, launched):
     device = SimpleNamespace(id=0, compute_capability=capability)
     kernels = []
     monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
-    monkeypatch.setattr(launch, "launch", lambda variant, *args: kernels.append(variant.kernel))
+    monkeypatch.setattr(launch, "launch",
+                        lambda variant, *args: kernels.append(variant.kernel + " adding dQ" * variant.dq_atomic))
     launch.backward(problem, q, k, v, o, lse, do)
     assert kernels == launched
 
@@ -318,6 +321,41 @@ def test_sm90_backward_compiles(kernel, dtype, dim_qk, dim_v, features):
     tiles = variants.TILES[kernel, "16", max(dim_qk, dim_v)]
     text = resources.ptx(variants.Variant(kernel, dtype, dim_qk, dim_v, *tiles, **features), "90")
     assert f".entry flashx_{kernel}(" in text and "wgmma.mma_async" in text and ".target sm_90a" in text
+
+
+@pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128)])
+def test_sm90_fused_dq_variant(dim_qk, dim_v):
+    """flashx_dkdv_sm90 adding dQ: the CTA of the two-kernel path, with two dS^T tiles (128 keys x
+    64 queries, one per step in turn) on 1024-byte boundaries beside its shared memory."""
+    problem = _problem(head_dim=dim_qk, head_dim_v=dim_v)
+    assert variants.fused_dq(problem)
+    fused = variants.choose("dkdv_sm90", problem, aligned=True, dq_atomic=True)
+    plain = variants.choose("dkdv_sm90", problem, aligned=True)
+    assert fused.macros["DQ_ATOMIC"] == 1 and fused.options != plain.options
+    assert (fused.block_m, fused.block_n, fused.warps, fused.threads) == (plain.block_m, plain.block_n, plain.warps,
+                                                                          plain.threads)
+    scores = fused.block_m * fused.block_n * variants.ELEMENT_SIZES[fused.dtype]
+    assert scores % 1024 == 0
+    assert fused.shared_memory == plain.shared_memory + 2 * scores <= 227 * 1024
+
+
+@pytest.mark.parametrize("dtype, dim, features", [
+    ("bfloat16", 64, {}),
+    ("float16", 128, {}),
+    ("bfloat16", 128, dict(mask=True, dropout=True, block_mask=True, varlen=True)),
+    ("bfloat16", 64, dict(seqlens_q=True, seqlens_k=True, softcap=True, alibi=True)),
+])
+def test_sm90_fused_dq_compiles(dtype, dim, features):
+    """NVRTC builds flashx_dkdv_sm90 adding dQ for sm_90a: its dS^T products read both operands
+    from shared memory, MN-major, and the sums are vector reductions."""
+    _nvrtc()
+    from flashx_cupy import resources
+
+    variant = variants.Variant("dkdv_sm90", dtype, dim, dim, *variants.TILES["dkdv_sm90", "16", dim], dq_atomic=True,
+                               **features)
+    text = resources.ptx(variant, "90")
+    assert ".entry flashx_dkdv_sm90(" in text and "red.relaxed.gpu.global.add.v2.f32" in text
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\S+ \{[^}]*\}, %rd\d+, %rd\d+, acc, 1, 1, 1, 1;", text)
 
 
 def test_dkdv_split_only_for_the_widest():

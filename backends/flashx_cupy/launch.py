@@ -309,8 +309,9 @@ def backward(problem, q, k, v, o, lse, do):
         launch(variant, device, tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, **fields), np.int32(rows))
 
         sm90 = variants.sm90_backward(problem, is_aligned, device.compute_capability)
-        if not sm90 and variants.fused_dq(problem):
-            _dkdv_adding_dq(problem, device, variants.choose("dkdv", problem, is_aligned, dq_atomic=True), fields, dq)
+        if variants.fused_dq(problem):
+            variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, dq_atomic=True)
+            _dkdv_adding_dq(problem, device, variant, fields, dq)
         else:
             variant = variants.choose("dq_sm90" if sm90 else "dq", problem, is_aligned)
             tiles_m = tiles(problem.seqlen_q, variant.block_m)

@@ -62,6 +62,8 @@ __device__ __forceinline__ void row_stats(const Params& p, const Sequence& s, in
 
 // How a backward kernel lays out its tiles in shared memory (``Tiles`` of dkdv.cuh and dq.cuh):
 //   QK<ROWS>, V<ROWS>    the layouts of Q and K, and of dO and V, tiles of ROWS rows;
+//   DS<ROWS>             the layout of a step's dS^T (ROWS keys x BLOCK_N queries), the fused
+//                        dQ's operand;
 //   QK_PITCH, V_PITCH    their elements a row as whole-tile loops (tile_nonfinite) see them;
 //   written()            what a thread does after writing a tile that the products then read.
 // mma.sync reads its operands by ldmatrix from padded rows; wgmma's are SwizzledTiles (wgmma.cuh).
@@ -70,6 +72,8 @@ struct PaddedTiles {
     using QK = Padded<LD_QK>;
     template <int ROWS>
     using V = Padded<LD_V>;
+    template <int ROWS>
+    using DS = Padded<LD_DS>;
     enum { QK_PITCH = LD_QK, V_PITCH = LD_V };
     static __device__ __forceinline__ void written() {}
 };
