@@ -31,11 +31,12 @@
 // record of allowed pairs (a byte a pair of shared memory); it too waits and syncs once a tile.
 //
 // On compute capability 9.0, 16-bit problems of head-dim classes 64 and 128 take flashx_dq_sm90
-// and flashx_dkdv_sm90 instead (dq_sm90.cu, dkdv_sm90.cu): the same CTAs and semantics (dq.cuh,
-// dkdv.cuh) on Hopper's warpgroup products, two warpgroups of 64 resident rows beside a producer
-// warpgroup that copies (ring.cuh), without the fused dQ. Each kernel's semantics live once, in
-// its .cuh, so that the two products' kernels cannot drift apart; a kernel file holds only its
-// products, its tiles' layout and its producer.
+// and flashx_dkdv_sm90 instead (dq_sm90.cu, dkdv_sm90.cu), or flashx_dkdv_sm90 with DQ_ATOMIC
+// alone where the host picks the fused dQ: the same CTAs and semantics (dq.cuh, dkdv.cuh) on
+// Hopper's warpgroup products, two warpgroups of 64 resident rows beside a producer warpgroup that
+// copies (ring.cuh). Each kernel's semantics live once, in its .cuh, so that the two products'
+// kernels cannot drift apart; a kernel file holds only its products, its tiles' layout and its
+// producer.
 
 
 #include "common.cuh"

@@ -1,7 +1,7 @@
 // flashx_dkdv_sm90: dK and dV on Hopper's warpgroup products (wgmma, sm_90a), for 16-bit
-// problems of head-dim classes 64 and 128, beside flashx_dq_sm90 (backward.cuh says how the
-// kernels divide the work). The semantics are dkdv.cuh's, shared with flashx_dkdv: only the
-// products, the layout of the tiles and who copies them differ.
+// problems of head-dim classes 64 and 128, beside flashx_dq_sm90, or with DQ_ATOMIC adding dQ
+// itself (backward.cuh says how the kernels divide the work). The semantics are dkdv.cuh's, shared
+// with flashx_dkdv: only the products, the layout of the tiles and who copies them differ.
 //
 // A CTA holds 128 keys, two computing warpgroups of 64, and streams query tiles of 64 rows. A
 // producer warpgroup (PRODUCER_THREADS, as in forward_sm90.cu) runs the schedule and copies K and
@@ -29,6 +29,17 @@
 // and in unmasked tiles, where no operand is cleared first, dV's product is issued before dP^T is
 // waited for and runs beside dS^T. A step ends waiting for its last products, since their register
 // operands die with it.
+//
+// With DQ_ATOMIC each warpgroup stages its rows of dS^T, rounded to 16 bits, in a Swizzle128 tile
+// of the CTA's 128 keys x the step's 64 queries (two tiles, steps alternating), and after a
+// barrier of the computing threads, the step's one, the products read it from there:
+//   dK  += dS^T Q   A = this warpgroup's rows of dS^T, K-major; B = Q MN-major: wgmma_ss;
+//   dQ_step = dS K  A = dS, MN-major from dS^T (the keys are the product's K, the queries its M);
+//                   B = K MN-major: wgmma_ss. Each warpgroup takes 64 columns (DQ_KEYS).
+// dK from shared memory spares the registers of dS^T's fragments, which the dQ accumulator (32
+// floats) takes. The step's dQ is added to p.dq's float32 sums (launch._dkdv_adding_dq) by vector
+// reductions, once its products are done; dkdv.cuh keeps the exact sums of a masked step over a
+// non-finite K.
 
 #define PRODUCER_THREADS 128  // one warpgroup that only copies (variants.PRODUCER_WARPS)
 #include "dkdv.cuh"
@@ -95,7 +106,7 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
             else
                 accumulate<true>(step);
 #if DQ_ATOMIC
-            add_dq(!unmasked, head_of(step), m);  // one copy after both bodies: one in each made ptxas serialize the products
+            add_dq(!unmasked, head_of(step), m);  // once, after either body: a copy in each made ptxas serialize the products
 #endif
         });
     }
