@@ -326,7 +326,8 @@ def test_sm90_backward_compiles(kernel, dtype, dim_qk, dim_v, features):
 @pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128)])
 def test_sm90_fused_dq_variant(dim_qk, dim_v):
     """flashx_dkdv_sm90 adding dQ: the CTA of the two-kernel path, with two dS^T tiles (128 keys x
-    64 queries, one per step in turn) on 1024-byte boundaries beside its shared memory."""
+    64 queries, one per step in turn) on 1024-byte boundaries beside its shared memory, and each
+    warpgroup's float32 staging of its 64 columns of a step's dQ."""
     problem = _problem(head_dim=dim_qk, head_dim_v=dim_v)
     assert variants.fused_dq(problem)
     fused = variants.choose("dkdv_sm90", problem, aligned=True, dq_atomic=True)
@@ -336,7 +337,9 @@ def test_sm90_fused_dq_variant(dim_qk, dim_v):
                                                                           plain.threads)
     scores = fused.block_m * fused.block_n * variants.ELEMENT_SIZES[fused.dtype]
     assert scores % 1024 == 0
-    assert fused.shared_memory == plain.shared_memory + 2 * scores <= 227 * 1024
+    staging = fused.block_n * 64 * 4
+    assert staging % 1024 == 0
+    assert fused.shared_memory == plain.shared_memory + 2 * scores + 2 * staging <= 227 * 1024
 
 
 @pytest.mark.parametrize("dtype, dim, features", [
@@ -347,14 +350,15 @@ def test_sm90_fused_dq_variant(dim_qk, dim_v):
 ])
 def test_sm90_fused_dq_compiles(dtype, dim, features):
     """NVRTC builds flashx_dkdv_sm90 adding dQ for sm_90a: its dS^T products read both operands
-    from shared memory, MN-major, and the sums are vector reductions."""
+    from shared memory, MN-major, and the sums are bulk reductions (the exact path's, per thread)."""
     _nvrtc()
     from flashx_cupy import resources
 
     variant = variants.Variant("dkdv_sm90", dtype, dim, dim, *variants.TILES["dkdv_sm90", "16", dim], dq_atomic=True,
                                **features)
     text = resources.ptx(variant, "90")
-    assert ".entry flashx_dkdv_sm90(" in text and "red.relaxed.gpu.global.add.v2.f32" in text
+    assert ".entry flashx_dkdv_sm90(" in text and "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in text
+    assert "red.relaxed.gpu.global.add.v2.f32" not in text
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\S+ \{[^}]*\}, %rd\d+, %rd\d+, acc, 1, 1, 1, 1;", text)
 
 
@@ -396,6 +400,50 @@ def test_dq_sums_in_chunks_of_kv_heads(batch, seqlen, heads_k, group, varlen):
     per_head = rows * group * 128 * 4
     assert all(heads * per_head <= max(launch.DQ_SUMS_BYTES, per_head) for _, heads in chunks)
     assert len(chunks) == -(-heads_k // max(1, min(heads_k, launch.DQ_SUMS_BYTES // per_head)))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dq_sums_in_panels(monkeypatch, varlen):
+    """The fused backward's dQ sums as the kernels address them (dkdv.cuh's dq_panel: a head's
+    panel i is head h * panels + i of DQ_PANEL columns) come back into dq, a launch a kv head, the
+    head dim's padding and rows past the sequences left out."""
+    import ctypes
+
+    import torch
+
+    cu = np.array([0, 2, 5], np.int32)
+    problem = _torch_problem(dtype="bfloat16", heads_q=6, heads_k=2, head_dim=100, head_dim_v=100,
+                             **(dict(total_q=6, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu) if varlen else {}))
+    variant = SimpleNamespace(dim_qk=128, block_m=128)
+    panels = variant.dim_qk // launch.DQ_PANEL
+    rows = [(start, end - start) for start, end in zip(cu, cu[1:])] if varlen else [(0, problem.seqlen_q)] * 2
+
+    def value(b, h, i, c):  # small integers, exact in bfloat16
+        return float((31 * b + 7 * h + 3 * i + c) % 97)
+
+    def kernel(variant, device, grid, params):
+        p = params[0]
+        for b, (start, length) in enumerate(rows):
+            for hh in range(p["kv_heads"] * problem.group):
+                for i in range(length):
+                    for c in range(variant.dim_qk):
+                        index = hh * panels + c // launch.DQ_PANEL
+                        at = b * p["dq_b"] + (start + i) * p["dq_n"] + index * p["dq_h"] + c % launch.DQ_PANEL
+                        ctypes.c_float.from_address(int(p["dq"] + 4 * at)).value += value(
+                            b, p["kv_head0"] * problem.group + hh, i, c)
+
+    monkeypatch.setattr(launch, "DQ_SUMS_BYTES", 1)  # a launch a kv head
+    monkeypatch.setattr(launch, "launch", kernel)
+    shape = (6, 6, 100) if varlen else (2, 5, 6, 100)
+    dq = torch.zeros(shape, dtype=torch.bfloat16)
+    launch._dkdv_adding_dq(problem, None, variant, {}, dq)
+    want = torch.zeros(shape)
+    for b, (start, length) in enumerate(rows):
+        for h in range(6):
+            for i in range(length):
+                at = (start + i, h) if varlen else (b, i, h)
+                want[at] = torch.tensor([value(b, h, i, c) for c in range(100)])
+    assert torch.equal(dq.float(), want)
 
 
 # -- sources and cache keys ----------------------------------------------------------------

@@ -49,6 +49,7 @@
 #define DQ_ATOMIC 0
 #endif
 #define LD_DS (BLOCK_N + CHUNK)  // dS^T in shared memory: keys x queries
+#define DQ_PANEL 8               // DQ_ATOMIC: the float32 dQ sums' columns a panel (launch.DQ_PANEL)
 static_assert(!DQ_ATOMIC || (TENSOR_CORES && DKDV_PARTS == 3), "the fused dQ takes dS of both parts' kernel, on tensor cores");
 
 // The LSE of query row i (within the sequence) in base 2, and D.

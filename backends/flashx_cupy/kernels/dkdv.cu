@@ -68,9 +68,8 @@ struct KeyCta : KeyRows<PaddedTiles> {
         if (dq_head < 0) return;
         const int m = dq_row;
         const elem_t* ds = sDS + (buf ^ 1) * BLOCK_M * LD_DS;
-        float* dq = dq_rows(dq_head, m);
         if (dq_masked && k_nonfinite) {
-            exact_dq(ds, dq, dq_head, m);
+            exact_dq(ds, dq_head, m);
             return;
         }
         const int warp = threadIdx.x / 32;
@@ -80,8 +79,28 @@ struct KeyCta : KeyRows<PaddedTiles> {
             float acc[QATOMS][PASS / 8][4];
             zero<QATOMS, PASS>(acc);
             gemm_atb<QATOMS, PASS, BLOCK_M, LD_DS, LD_QK>(acc, ds + qrow, sK + c0);
-            add_dq_sums<QATOMS, PASS>(dq, m, qrow, c0, acc);
+            add_dq_sums<QATOMS, PASS>(dq_head, m, qrow, c0, acc);
         }
+    }
+
+    // dQ += scale * acc, an m16n8 accumulator of MT atoms of queries from qrow and N columns from c0
+    // (a multiple of DQ_PANEL), into the sums of the queries from row m of head h, by reductions; a
+    // row past the sequence adds nothing.
+    template <int MT, int N>
+    __device__ __forceinline__ void add_dq_sums(int h, int m, int qrow, int c0, const float (&acc)[MT][N / 8][4]) const {
+        static_assert(DQ_PANEL == 8, "an atom's columns, one panel");
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = qrow + frag_row(mt, 2 * half);
+                if (m + i >= s.len_q) continue;
+                float* row = dq_panel(h, m + i, c0 / DQ_PANEL) + frag_col(0, 0);  // atom nt: the panel nt dq_h further
+#pragma unroll
+                for (int nt = 0; nt < N / 8; ++nt)
+                    reduce_add_pair(row + nt * p.dq_h, acc[mt][nt][2 * half] * p.scale,
+                                    acc[mt][nt][2 * half + 1] * p.scale);
+            }
     }
 #endif
 };

@@ -225,34 +225,19 @@ struct KeyRows {
                                dst[mt][nt][2 * half], dst[mt][nt][2 * half + 1]);
     }
 
-    // The float32 sums of dQ from query row m of head h: p.dq holds those of the launch's kv heads.
-    __device__ __forceinline__ float* dq_rows(int h, int m) const {
-        return (float*)p.dq + row_offset(b, s.start_q, m, h - p.kv_head0 * p.group, p.dq_b, p.dq_n, p.dq_h);
-    }
-
-    // dQ += scale * acc, an m16n8 accumulator of MT atoms of queries from qrow and N columns from c0,
-    // into the sums from ``dq`` (dq_rows of the step at row m), by reductions; a row past the
-    // sequence adds nothing.
-    template <int MT, int N>
-    __device__ __forceinline__ void add_dq_sums(float* dq, int m, int qrow, int c0, const float (&acc)[MT][N / 8][4]) const {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int i = qrow + frag_row(mt, 2 * half);
-                if (m + i >= s.len_q) continue;
-#pragma unroll
-                for (int nt = 0; nt < N / 8; ++nt)
-                    reduce_add_pair(dq + (i64)i * p.dq_n + c0 + frag_col(nt, 0), acc[mt][nt][2 * half] * p.scale,
-                                    acc[mt][nt][2 * half + 1] * p.scale);
-            }
+    // The float32 sums of dQ from query row m of head h, columns DQ_PANEL * panel on: p.dq holds
+    // those of the launch's kv heads, each head's columns in panels of DQ_PANEL, each panel's rows
+    // contiguous (launch._dkdv_adding_dq), so that the rows of a step in a panel are one range.
+    __device__ __forceinline__ float* dq_panel(int h, int m, int panel) const {
+        const int index = (h - p.kv_head0 * p.group) * (DIM_QK / DQ_PANEL) + panel;
+        return (float*)p.dq + row_offset(b, s.start_q, m, index, p.dq_b, p.dq_n, p.dq_h);
     }
 
     // The dQ sums of a masked step (queries from row m of head h) when K holds a NaN or an
     // infinity, in place of its product: element by element over the allowed pairs only, from the
     // step's dS^T in ``ds``, since a disallowed pair must not add 0 * inf. An element is NaN where an
     // allowed pair reads a non-finite K (the contract: NaN in, NaN out).
-    __device__ void exact_dq(const elem_t* ds, float* dq, int h, int m) const {
+    __device__ void exact_dq(const elem_t* ds, int h, int m) const {
         for (int idx = threadIdx.x; idx < BLOCK_N * DIM_QK; idx += THREADS) {
             const int i = idx / DIM_QK, c = idx % DIM_QK;
             if (m + i >= s.len_q) continue;
@@ -263,7 +248,7 @@ struct KeyRows {
                 sum = finite_bits(kv) ? fmaf(to_float(Tiles::template DS<BLOCK_M>::at(ds, j, i)), to_float(kv), sum)
                                       : QUIET_NAN;
             }
-            reduce_add(dq + (i64)i * p.dq_n + c, sum * p.scale);
+            reduce_add(dq_panel(h, m + i, c / DQ_PANEL) + c % DQ_PANEL, sum * p.scale);
         }
     }
 #endif

@@ -37,14 +37,17 @@
 //   dQ_step = dS K  A = dS, MN-major from dS^T (the keys are the product's K, the queries its M);
 //                   B = K MN-major: wgmma_ss. Each warpgroup takes 64 columns (DQ_KEYS).
 // dK from shared memory spares the registers of dS^T's fragments, which the dQ accumulator (32
-// floats) takes. The step's dQ is added to p.dq's float32 sums (launch._dkdv_adding_dq) by vector
-// reductions, once its products are done; dkdv.cuh keeps the exact sums of a masked step over a
-// non-finite K.
+// floats) takes. Once its products are done, each warpgroup stages its step's share of dQ, float32,
+// in a tile of its own laid out as p.dq's sums are (launch._dkdv_adding_dq), and one of its threads
+// adds the tile to them by TMA's bulk reductions (bulk_reduce.cuh), a few instructions where
+// per-thread reductions took 32 floats a thread; dkdv.cuh keeps the exact sums of a masked step
+// over a non-finite K.
 
 #define PRODUCER_THREADS 128  // one warpgroup that only copies (variants.PRODUCER_WARPS)
 #include "dkdv.cuh"
 #include "wgmma.cuh"
 #include "ring.cuh"
+#include "bulk_reduce.cuh"
 
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS == 8, "two warpgroups, one 16-key atom a warp");
 static_assert(BLOCK_M == 128 && BLOCK_N == 64, "64 keys a warpgroup; 64 queries a step (poison_allowed's bits)");
@@ -70,9 +73,11 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     u64 k_desc, v_desc;
     Ring<>* ring;
 #if DQ_ATOMIC
-    // The fused dQ (start_dq): a step's dS^T in one of two buffers, steps alternating; the
-    // descriptor of K as B of this warpgroup's share of the dQ product, and its first column.
+    // The fused dQ (start_dq): a step's dS^T in one of two buffers, steps alternating; this
+    // warpgroup's staging tile of its share (stage_dq); the descriptor of K as B of the share's
+    // product, and its first column.
     elem_t* sDS;
+    float* sDQ;
     int ds_buf;
     u64 k_dq_desc;
     int dq_col0;
@@ -109,6 +114,9 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
             add_dq(!unmasked, head_of(step), m);  // once, after either body: a copy in each made ptxas serialize the products
 #endif
         });
+#if DQ_ATOMIC
+        if (dq_issuer()) bulk_wait_read<0>();  // the last tile is read before the CTA's shared memory goes
+#endif
     }
 
     // Step ``step``, whose rows lie in buffers ``buf``.
@@ -175,9 +183,13 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     __device__ __forceinline__ elem_t* ds_tile() const { return sDS + ds_buf * BLOCK_M * BLOCK_N; }
     __device__ __forceinline__ int dq_key0() const { return threadIdx.x / 128 * 64 / DIM_QK * DQ_KEYS; }
 
+    // The thread of this warpgroup that issues its bulk reductions, and so waits for them.
+    __device__ __forceinline__ bool dq_issuer() const { return threadIdx.x % 128 == 0; }
+
     // The fused dQ's state, and whether K is finite (the first step's buffers land with K).
-    __device__ __forceinline__ void start_dq(elem_t* ds) {
+    __device__ __forceinline__ void start_dq(elem_t* ds, float* staging) {
         sDS = ds;
+        sDQ = staging + threadIdx.x / 128 * BLOCK_N * 64;
         ds_buf = 0;
         dq_col0 = threadIdx.x / 128 * 64 % DIM_QK;
         k_dq_desc = wgmma_desc(smem_addr(sK), BLOCK_M * 128) + desc_step<BLOCK_M>(dq_key0(), dq_col0);
@@ -188,7 +200,8 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     // dK += dS^T Q and this warpgroup's share of dQ = dS K, from the step's dS^T in ds_tile() once
     // both warpgroups have staged their rows there, issued into the open commit group. The other
     // buffer is free: each warpgroup waited for its products of the step before last before it
-    // reached this barrier.
+    // reached this barrier. The barrier also frees each warpgroup's dQ staging tile: its issuer
+    // waits first for the previous step's reductions to read it.
     //   dK: A = this warpgroup's 64 rows of dS^T, K-major (the queries are the product's K);
     //       B = Q MN-major, as issue_rs reads it.
     //   dQ: A = dS, MN-major from dS^T, and B = K, MN-major: their rows, the keys, are the
@@ -196,6 +209,7 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     //       of their 64-column panels, BLOCK_M rows of 128 bytes.
     __device__ __forceinline__ void issue_dk_dq(u32 q_addr) {
         fence_proxy_async();  // this thread's rows of dS^T, for the products of both warpgroups
+        if (dq_issuer()) bulk_wait_read<0>();
         compute_sync();
         const u32 ds = smem_addr(ds_tile());
         const u64 ds_k = wgmma_desc(ds, 16) + desc_step<BLOCK_M>(threadIdx.x / 128 * 64, 0);
@@ -208,12 +222,37 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     // The step's dQ share (queries from row m of head h) added to the sums, once its product is
     // done; a masked step over a non-finite K takes the exact sums instead, over both shares.
     __device__ __forceinline__ void add_dq(bool masked, int h, int m) {
-        float* dq = dq_rows(h, m);
         if (masked && k_nonfinite)
-            exact_dq(ds_tile(), dq, h, m);
+            exact_dq(ds_tile(), h, m);
         else
-            add_dq_sums<1, 64>(dq, m, threadIdx.x % 128 / 32 * 16, dq_col0, dq_share);
+            stage_dq(h, m);
         ds_buf ^= 1;
+    }
+
+    // The share, scaled, into this warpgroup's staging tile, then added to the sums by its issuer:
+    // a bulk reduction a panel of DQ_PANEL columns, of the rows within the sequence. The tile holds
+    // the share's panels one after another, each BLOCK_N rows of DQ_PANEL floats as in the sums, so
+    // that a warp's stores of one atom fill 256 contiguous bytes, free of bank conflicts.
+    __device__ __forceinline__ void stage_dq(int h, int m) {
+        static_assert(DQ_PANEL == 8, "an atom's columns, one panel");
+        const int qrow = threadIdx.x % 128 / 32 * 16;
+#pragma unroll
+        for (int nt = 0; nt < 64 / 8; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                *(float2*)(sDQ + (nt * BLOCK_N + qrow + frag_row(0, 2 * half)) * DQ_PANEL + frag_col(0, 0)) =
+                    make_float2(dq_share[0][nt][2 * half] * p.scale, dq_share[0][nt][2 * half + 1] * p.scale);
+        fence_proxy_async();
+        // The warpgroup's barrier (exact.cuh takes 1 and 2), named by a register: with a constant
+        // in each of two branches ptxas spilled at d128.
+        asm volatile("bar.sync %0, 128;" ::"r"(3 + threadIdx.x / 128) : "memory");
+        if (dq_issuer()) {
+            const u32 bytes = min(BLOCK_N, s.len_q - m) * DQ_PANEL * sizeof(float);
+#pragma unroll
+            for (int nt = 0; nt < 64 / 8; ++nt)
+                bulk_reduce_add(dq_panel(h, m, dq_col0 / DQ_PANEL + nt), smem_addr(sDQ + nt * BLOCK_N * DQ_PANEL), bytes);
+            bulk_commit();
+        }
     }
 #endif
 };
@@ -225,7 +264,8 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flas
     elem_t* sQ = sV + BLOCK_M * DIM_V;                           // RING_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_QK
     elem_t* sDO = sQ + RING_STAGES * BLOCK_N * DIM_QK;            // RING_STAGES x Swizzle128<BLOCK_N>: BLOCK_N x DIM_V
     elem_t* sDS = sDO + RING_STAGES * BLOCK_N * DIM_V;            // DQ_ATOMIC: 2 x Swizzle128<BLOCK_M>: BLOCK_M x BLOCK_N
-    float* sLse = (float*)(sDS + (DQ_ATOMIC ? 2 * BLOCK_M * BLOCK_N : 0));  // RING_STAGES x BLOCK_N
+    float* sDQ = (float*)(sDS + (DQ_ATOMIC ? 2 * BLOCK_M * BLOCK_N : 0));  // DQ_ATOMIC: 2 x 8 x BLOCK_N x DQ_PANEL (stage_dq)
+    float* sLse = sDQ + (DQ_ATOMIC ? 2 * BLOCK_N * 64 : 0);       // RING_STAGES x BLOCK_N
     float* sDelta = sLse + RING_STAGES * BLOCK_N;                 // RING_STAGES x BLOCK_N
     Ring<>* ring = (Ring<>*)(sDelta + RING_STAGES * BLOCK_N);
 
@@ -250,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flas
     KeyCtaSm90 cta{rows, wgmma_desc(smem_addr(sK), 16) + keys, wgmma_desc(smem_addr(sV), 16) + keys, ring};
     cta.zero_sums();
 #if DQ_ATOMIC
-    cta.start_dq(sDS);
+    cta.start_dq(sDS, sDQ);
 #endif
     cta.run();
     cta.store();
