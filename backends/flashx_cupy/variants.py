@@ -349,8 +349,8 @@ def forward_kernel(problem, aligned: bool, compute_capability: str, tma: bool = 
     "forward_sm90" (wgmma, sm_90a code) runs on compute capability 9.0 for 16-bit problems whose
     operands are all ``aligned``, with head dims up to 128 or both of class 256 by ``tma`` (the
     two V buffers of its d256 tiles need TMA's producer, FORWARD_SM90_TILES), and without a bool
-    mask, a block mask or dropout; it takes a band (causal, window), seqlens, varlen (up to 128)
-    and the score modifications (its softmax and epilogue are forward.cuh's). "forward" (mma.sync)
+    mask, a block mask or dropout; it takes a band (causal, window), seqlens, varlen (which takes no
+    TMA) and the score modifications (its softmax and epilogue are forward.cuh's). "forward" (mma.sync)
     serves every other problem, and every GPU. FP8 problems take "forward_fp8_sm90"
     (``fp8_forward_reasons`` says where it cannot).
     """
