@@ -131,6 +131,22 @@ def test_forward_kernel_choice(changes, capability, is_aligned, kernel):
     assert variants.forward_kernel(_problem(**changes), is_aligned, capability) == kernel
 
 
+@pytest.mark.parametrize("changes, tma_, kernel", [
+    ({"head_dim": 256, "head_dim_v": 256}, True, "forward_sm90"),
+    ({"head_dim": 192, "head_dim_v": 256, "band": (-1, 0), "seqlens_k": object()}, True, "forward_sm90"),
+    ({"head_dim": 256, "head_dim_v": 256, "dtype": "float16", "softcap": 30.0}, True, "forward_sm90"),
+    ({"head_dim": 256, "head_dim_v": 256}, False, "forward"),  # two V buffers need TMA's producer
+    ({"head_dim": 256, "head_dim_v": 256, "varlen": True}, False, "forward"),
+    ({"head_dim": 128, "head_dim_v": 256}, True, "forward"),  # mixed classes
+    ({"head_dim": 256, "head_dim_v": 64}, True, "forward"),
+    ({"head_dim": 256, "head_dim_v": 256, "dropout_p": 0.1}, True, "forward"),
+    ({}, False, "forward_sm90"),
+])
+def test_forward_kernel_choice_d256(changes, tma_, kernel):
+    """Both head dims of class 256 take the wgmma forward where K and V come by TMA."""
+    assert variants.forward_kernel(_problem(**changes), True, "90", tma_) == kernel
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_sm90_forward_variant(dim):
     """Swizzled tiles start on 1024-byte boundaries; the build targets sm_90a, the mma.sync one does not."""
@@ -162,6 +178,8 @@ def test_sm90_forward_variant(dim):
     ({"head_dim": 64, "head_dim_v": 64}, True, (192, 128, 12, 3)),  # three warpgroups at d64
     ({"head_dim": 40, "head_dim_v": 64, "band": (-1, 0)}, False, (192, 128, 12, 3)),
     ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "varlen": True}, False, (192, 128, 12, 3)),
+    ({"head_dim": 256, "head_dim_v": 256}, True, (128, 80, 8, 2)),  # FA3's 80 keys at d256, by TMA
+    ({"head_dim": 160, "head_dim_v": 256, "band": (-1, 0)}, True, (128, 80, 8, 2)),
 ])
 def test_sm90_forward_tiles(changes, tma_, tile):
     """FORWARD_SM90_TILES by the widest head-dim class, the band and the loads; the V ring's size
@@ -184,7 +202,7 @@ def test_sm90_forward_tiles_fit(key):
     (Q, two K and the V tiles with the zeros) within the H100's 227 KiB at both head dims of the class."""
     widest, banded, tma_ = key
     block_m, block_n, warps, v_buffers = variants.FORWARD_SM90_TILES[key]
-    assert block_m == 16 * warps and warps % 4 == 0 and block_n in (64, 128, 176)
+    assert block_m == 16 * warps and warps % 4 == 0 and block_n in (64, 80, 128, 176)
     assert v_buffers == 3 or (v_buffers == 2 and tma_)
     for dim_qk, dim_v in ((widest, widest), (widest, 64), (64, widest)):
         problem = _problem(head_dim=dim_qk, head_dim_v=dim_v, band=(-1, 0) if banded else None)

@@ -226,8 +226,9 @@ def forward(problem, q, k, v):
         else:
             v_fields, made = tensor_fields("v", v, varlen), ()
             is_aligned = aligned(problem, q, k, v)
-        kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability)
-        variant = variants.choose(kernel, problem, is_aligned, tma=kernel == "forward_sm90" and tma.usable(problem, k, v))
+        by_tma = tma.usable(problem, k, v)
+        kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability, by_tma)
+        variant = variants.choose(kernel, problem, is_aligned, tma=kernel == "forward_sm90" and by_tma)
         tiles_m = tiles(problem.seqlen_q, variant.block_m)
         params = pack(problem, tiles_m=tiles_m, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
                       **tensor_fields("k", k, varlen), **v_fields, **tensor_fields("o", o, varlen),

@@ -82,8 +82,10 @@ TILES = {
 #: tile, where Q, two K and three V tiles and the first tile's zeros (kernels/forward_sm90.cuh) would
 #: exceed 227 KB: V takes two buffers and the zeros lie in one of them, which only TMA's producer
 #: serves (its tiles announce themselves); a band keeps 128 keys (fewer masked keys at its edges).
-#: Every other problem takes two warpgroups and 128 keys, as all did before: setting every entry to
-#: (128, 128, 8, 3) restores that.
+#: At d256 (both head dims of class 256), 80 keys a tile with or without a band, by TMA only: Q (64
+#: KB), two K and two V tiles (40 KB each) with the zeros in V's ring take 224 KB; without TMA the
+#: problem takes the mma.sync forward (``forward_kernel``). Every other problem takes two warpgroups
+#: and 128 keys, as all did before: setting every entry of d64 and d128 to (128, 128, 8, 3) restores that.
 FORWARD_SM90_TILES = {
     (64, False, False): (192, 128, 12, 3),
     (64, False, True): (192, 128, 12, 3),
@@ -93,6 +95,8 @@ FORWARD_SM90_TILES = {
     (128, False, True): (128, 176, 8, 2),
     (128, True, False): (128, 128, 8, 3),
     (128, True, True): (128, 128, 8, 3),
+    (256, False, True): (128, 80, 8, 2),
+    (256, True, True): (128, 80, 8, 2),
 }
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
@@ -342,20 +346,24 @@ def decode_rows_most(widest: int, fp8_cache: bool) -> int:
     return min(most, DECODE_FP8_ROWS) if fp8_cache else most
 
 
-def forward_kernel(problem, aligned: bool, compute_capability: str) -> str:
-    """The forward kernel for ``problem`` on a GPU of ``compute_capability`` (CuPy's "90" form).
+def forward_kernel(problem, aligned: bool, compute_capability: str, tma: bool = False) -> str:
+    """The forward kernel for ``problem`` on a GPU of ``compute_capability`` (CuPy's "90" form);
+    ``tma``: K and V can come by TMA (``flashx_cupy.tma.usable``).
 
     "forward_sm90" (wgmma, sm_90a code) runs on compute capability 9.0 for 16-bit problems whose
-    operands are all ``aligned``, with head dims up to 128, and without a bool mask, a block mask or
-    dropout; it takes a band (causal, window), seqlens, varlen and the score modifications (its
-    softmax and epilogue are forward.cuh's). "forward" (mma.sync) serves every other problem, and
-    every GPU. FP8 problems take "forward_fp8_sm90" (``fp8_forward_reasons`` says where it cannot).
+    operands are all ``aligned``, with head dims up to 128 or both of class 256 by ``tma`` (the
+    two V buffers of its d256 tiles need TMA's producer, FORWARD_SM90_TILES), and without a bool
+    mask, a block mask or dropout; it takes a band (causal, window), seqlens, varlen (which takes no
+    TMA) and the score modifications (its softmax and epilogue are forward.cuh's). "forward" (mma.sync)
+    serves every other problem, and every GPU. FP8 problems take "forward_fp8_sm90"
+    (``fp8_forward_reasons`` says where it cannot).
     """
     if problem.fp8:
         return "forward_fp8_sm90"
-    if (compute_capability == "90" and problem.dtype != "float32" and aligned
-            and max(problem.head_dim, problem.head_dim_v) <= 128 and problem.mask is None
-            and problem.block_mask is None and problem.dropout_p == 0):
+    dims = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
+    tiled = max(dims) <= 128 or (dims == (256, 256) and tma)
+    if (compute_capability == "90" and problem.dtype != "float32" and aligned and tiled
+            and problem.mask is None and problem.block_mask is None and problem.dropout_p == 0):
         return "forward_sm90"
     return "forward"
 
