@@ -2,12 +2,13 @@
 default) in one process, on a GPU of compute capability 9.0: each case's backward runs alternately
 with this tree's kernels and the ref's, CUDA events around each kernel's launches alone, and the
 two must give the same gradients bit for bit (same products in the same order; only who copies
-and when differ).
+and when differ). Where ``fused_dq`` holds (no band, not deterministic), this tree's backward is
+flashx_dkdv_sm90 adding dQ, which is timed alone (its sums' order varies from run to run).
 
     python3 scripts/sm90_backward_ab.py                            # bf16, B=2, N=8192, H=16: d128, d64, each causal or not
     python3 scripts/sm90_backward_ab.py --ref main --dim 128 --causal 1 --repeats 30
     python3 scripts/sm90_backward_ab.py --heads 32 --kv-heads 4 --seqlen 4096 --causal 0   # GQA
-    python3 scripts/sm90_backward_ab.py --dim 64 --causal 0 --no-fused-dq   # where the fused mma.sync kernel serves
+    python3 scripts/sm90_backward_ab.py --dim 128 --causal 0 --no-fused-dq   # the two kernels where the fused one serves
 
 The ref's kernels are built from its kernels/ folder (git show; or ``--ref`` names a folder of
 kernels, another tree's backends/flashx_cupy/kernels where no git history travels) with this
@@ -70,7 +71,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-fused-dq", action="store_true",
-                        help="the wgmma kernels where the fused mma.sync dK/dV kernel would serve (d64 without a band)")
+                        help="flashx_dq_sm90 and flashx_dkdv_sm90 where the fused dK/dV kernel would serve (no band)")
     args = parser.parse_args()
 
     import cupy
@@ -100,7 +101,7 @@ def main() -> None:
         state["events"].setdefault(variant.kernel, []).append((start, end))
 
     launch.launch = timed
-    if args.no_fused_dq:  # variants.sm90_backward then takes the wgmma kernels at d64 too
+    if args.no_fused_dq:
         variants.fused_dq = lambda problem: False
     for dim in args.dim:
         for causal in args.causal:
@@ -131,8 +132,11 @@ def compare(args, dim: int, causal: bool, state: dict) -> None:
 
     label = f"{args.dtype} B={args.batch} N={args.seqlen} H={args.heads}/{kv_heads} d{dim}{' causal' if causal else ''}"
     grads, _ = backward(False)
-    if not state["events"]:  # d64 without a band takes the fused mma.sync kernel (variants.sm90_backward)
-        print(f"{label}: no wgmma backward kernel in this backward (--no-fused-dq takes them)", flush=True)
+    if "dq_sm90" not in state["events"]:  # the fused dQ, which the ref's kernel may lack: timed alone
+        ms = statistics.median(backward(False)[1]["dkdv_sm90"] for _ in range(args.repeats))
+        flops = 5 * 2 * args.batch * args.heads * args.seqlen ** 2 * dim / (2 if causal else 1)
+        print(f"{label} dkdv_sm90 adding dQ: this tree {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s of five products; "
+              f"--no-fused-dq compares the two kernels with {args.ref}'s)", flush=True)
         return
     grads_ref, _ = backward(True)
     same = all(torch.equal(a, b) for a, b in zip(grads, grads_ref))

@@ -131,6 +131,22 @@ def test_forward_kernel_choice(changes, capability, is_aligned, kernel):
     assert variants.forward_kernel(_problem(**changes), is_aligned, capability) == kernel
 
 
+@pytest.mark.parametrize("changes, tma_, kernel", [
+    ({"head_dim": 256, "head_dim_v": 256}, True, "forward_sm90"),
+    ({"head_dim": 192, "head_dim_v": 256, "band": (-1, 0), "seqlens_k": object()}, True, "forward_sm90"),
+    ({"head_dim": 256, "head_dim_v": 256, "dtype": "float16", "softcap": 30.0}, True, "forward_sm90"),
+    ({"head_dim": 256, "head_dim_v": 256}, False, "forward"),  # two V buffers need TMA's producer
+    ({"head_dim": 256, "head_dim_v": 256, "varlen": True}, False, "forward"),
+    ({"head_dim": 128, "head_dim_v": 256}, True, "forward"),  # mixed classes
+    ({"head_dim": 256, "head_dim_v": 64}, True, "forward"),
+    ({"head_dim": 256, "head_dim_v": 256, "dropout_p": 0.1}, True, "forward"),
+    ({}, False, "forward_sm90"),
+])
+def test_forward_kernel_choice_d256(changes, tma_, kernel):
+    """Both head dims of class 256 take the wgmma forward where K and V come by TMA."""
+    assert variants.forward_kernel(_problem(**changes), True, "90", tma_) == kernel
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_sm90_forward_variant(dim):
     """Swizzled tiles start on 1024-byte boundaries; the build targets sm_90a, the mma.sync one does not."""
@@ -162,6 +178,8 @@ def test_sm90_forward_variant(dim):
     ({"head_dim": 64, "head_dim_v": 64}, True, (192, 128, 12, 3)),  # three warpgroups at d64
     ({"head_dim": 40, "head_dim_v": 64, "band": (-1, 0)}, False, (192, 128, 12, 3)),
     ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "varlen": True}, False, (192, 128, 12, 3)),
+    ({"head_dim": 256, "head_dim_v": 256}, True, (128, 80, 8, 2)),  # FA3's 80 keys at d256, by TMA
+    ({"head_dim": 160, "head_dim_v": 256, "band": (-1, 0)}, True, (128, 80, 8, 2)),
 ])
 def test_sm90_forward_tiles(changes, tma_, tile):
     """FORWARD_SM90_TILES by the widest head-dim class, the band and the loads; the V ring's size
@@ -184,7 +202,7 @@ def test_sm90_forward_tiles_fit(key):
     (Q, two K and the V tiles with the zeros) within the H100's 227 KiB at both head dims of the class."""
     widest, banded, tma_ = key
     block_m, block_n, warps, v_buffers = variants.FORWARD_SM90_TILES[key]
-    assert block_m == 16 * warps and warps % 4 == 0 and block_n in (64, 128, 176)
+    assert block_m == 16 * warps and warps % 4 == 0 and block_n in (64, 80, 128, 176)
     assert v_buffers == 3 or (v_buffers == 2 and tma_)
     for dim_qk, dim_v in ((widest, widest), (widest, 64), (64, widest)):
         problem = _problem(head_dim=dim_qk, head_dim_v=dim_v, band=(-1, 0) if banded else None)
@@ -212,7 +230,7 @@ def test_sm90_forward_tiles_restore():
     ({}, "90", True, True),
     ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "band": (-1, 0)}, "90", True, True),
     ({"head_dim": 64, "head_dim_v": 64, "deterministic": True}, "90", True, True),
-    ({"head_dim": 64, "head_dim_v": 64}, "90", True, False),  # the fused dQ was faster at d64
+    ({"head_dim": 64, "head_dim_v": 64}, "90", True, True),  # with the fused dQ (fused_dq)
     ({"head_dim": 40, "head_dim_v": 96}, "90", True, True),  # classes 64 and 128
     ({"mask": object(), "block_mask": object(), "dropout_p": 0.1, "band": (-1, 0), "varlen": True}, "90", True,
      True),  # dq.cuh's and dkdv.cuh's pair rule, dropout and exact path
@@ -257,18 +275,20 @@ def test_sm90_backward_variants(kernel, dim_qk, dim_v):
 
 
 @pytest.mark.parametrize("capability, switch, changes, launched", [
-    ("90", None, {}, ["delta", "dq_sm90", "dkdv_sm90"]),
+    ("90", None, {}, ["delta", "dkdv_sm90 adding dQ"]),  # fused_dq: flashx_dq_sm90 does not run
     ("90", None, {"causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
-    ("90", "0", {}, ["delta", "dkdv"]),  # the mma.sync kernel with its fused dQ
+    ("90", None, {"deterministic": True}, ["delta", "dq_sm90", "dkdv_sm90"]),  # no atomics
+    ("90", "0", {}, ["delta", "dkdv adding dQ"]),  # the mma.sync kernel with its fused dQ
     ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
-    ("80", None, {}, ["delta", "dkdv"]),
+    ("80", None, {}, ["delta", "dkdv adding dQ"]),
     ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
-    ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv"]),  # the fused dQ, faster at d64
+    ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv_sm90 adding dQ"]),
     ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
 ])
 def test_backward_launches(monkeypatch, capability, switch, changes, launched):
-    """On compute capability 9.0 a 16-bit backward takes the wgmma kernels, which add no atomics
-    (no fused dQ); the switch brings back the mma.sync kernels."""
+    """On compute capability 9.0 a 16-bit backward takes the wgmma kernels: flashx_dkdv_sm90 adding
+    dQ where ``fused_dq`` holds, else the two kernels, which add no atomics; the switch brings back
+    the mma.sync kernels."""
     import contextlib
 
     import torch
@@ -286,7 +306,8 @@ def test_backward_launches(monkeypatch, capability, switch, changes, launched):
     device = SimpleNamespace(id=0, compute_capability=capability)
     kernels = []
     monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
-    monkeypatch.setattr(launch, "launch", lambda variant, *args: kernels.append(variant.kernel))
+    monkeypatch.setattr(launch, "launch",
+                        lambda variant, *args: kernels.append(variant.kernel + " adding dQ" * variant.dq_atomic))
     launch.backward(problem, q, k, v, o, lse, do)
     assert kernels == launched
 
@@ -318,6 +339,45 @@ def test_sm90_backward_compiles(kernel, dtype, dim_qk, dim_v, features):
     tiles = variants.TILES[kernel, "16", max(dim_qk, dim_v)]
     text = resources.ptx(variants.Variant(kernel, dtype, dim_qk, dim_v, *tiles, **features), "90")
     assert f".entry flashx_{kernel}(" in text and "wgmma.mma_async" in text and ".target sm_90a" in text
+
+
+@pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128)])
+def test_sm90_fused_dq_variant(dim_qk, dim_v):
+    """flashx_dkdv_sm90 adding dQ: the CTA of the two-kernel path, with two dS^T tiles (128 keys x
+    64 queries, one per step in turn) on 1024-byte boundaries beside its shared memory, and each
+    warpgroup's float32 staging of its 64 columns of a step's dQ."""
+    problem = _problem(head_dim=dim_qk, head_dim_v=dim_v)
+    assert variants.fused_dq(problem)
+    fused = variants.choose("dkdv_sm90", problem, aligned=True, dq_atomic=True)
+    plain = variants.choose("dkdv_sm90", problem, aligned=True)
+    assert fused.macros["DQ_ATOMIC"] == 1 and fused.options != plain.options
+    assert (fused.block_m, fused.block_n, fused.warps, fused.threads) == (plain.block_m, plain.block_n, plain.warps,
+                                                                          plain.threads)
+    scores = fused.block_m * fused.block_n * variants.ELEMENT_SIZES[fused.dtype]
+    assert scores % 1024 == 0
+    staging = fused.block_n * 64 * 4
+    assert staging % 1024 == 0
+    assert fused.shared_memory == plain.shared_memory + 2 * scores + 2 * staging <= 227 * 1024
+
+
+@pytest.mark.parametrize("dtype, dim, features", [
+    ("bfloat16", 64, {}),
+    ("float16", 128, {}),
+    ("bfloat16", 128, dict(mask=True, dropout=True, block_mask=True, varlen=True)),
+    ("bfloat16", 64, dict(seqlens_q=True, seqlens_k=True, softcap=True, alibi=True)),
+])
+def test_sm90_fused_dq_compiles(dtype, dim, features):
+    """NVRTC builds flashx_dkdv_sm90 adding dQ for sm_90a: its dS^T products read both operands
+    from shared memory, MN-major, and the sums are bulk reductions (the exact path's, per thread)."""
+    _nvrtc()
+    from flashx_cupy import resources
+
+    variant = variants.Variant("dkdv_sm90", dtype, dim, dim, *variants.TILES["dkdv_sm90", "16", dim], dq_atomic=True,
+                               **features)
+    text = resources.ptx(variant, "90")
+    assert ".entry flashx_dkdv_sm90(" in text and "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in text
+    assert "red.relaxed.gpu.global.add.v2.f32" not in text
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\S+ \{[^}]*\}, %rd\d+, %rd\d+, acc, 1, 1, 1, 1;", text)
 
 
 def test_dkdv_split_only_for_the_widest():
@@ -358,6 +418,50 @@ def test_dq_sums_in_chunks_of_kv_heads(batch, seqlen, heads_k, group, varlen):
     per_head = rows * group * 128 * 4
     assert all(heads * per_head <= max(launch.DQ_SUMS_BYTES, per_head) for _, heads in chunks)
     assert len(chunks) == -(-heads_k // max(1, min(heads_k, launch.DQ_SUMS_BYTES // per_head)))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dq_sums_in_panels(monkeypatch, varlen):
+    """The fused backward's dQ sums as the kernels address them (dkdv.cuh's dq_panel: a head's
+    panel i is head h * panels + i of DQ_PANEL columns) come back into dq, a launch a kv head, the
+    head dim's padding and rows past the sequences left out."""
+    import ctypes
+
+    import torch
+
+    cu = np.array([0, 2, 5], np.int32)
+    problem = _torch_problem(dtype="bfloat16", heads_q=6, heads_k=2, head_dim=100, head_dim_v=100,
+                             **(dict(total_q=6, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu) if varlen else {}))
+    variant = SimpleNamespace(dim_qk=128, block_m=128)
+    panels = variant.dim_qk // launch.DQ_PANEL
+    rows = [(start, end - start) for start, end in zip(cu, cu[1:])] if varlen else [(0, problem.seqlen_q)] * 2
+
+    def value(b, h, i, c):  # small integers, exact in bfloat16
+        return float((31 * b + 7 * h + 3 * i + c) % 97)
+
+    def kernel(variant, device, grid, params):
+        p = params[0]
+        for b, (start, length) in enumerate(rows):
+            for hh in range(p["kv_heads"] * problem.group):
+                for i in range(length):
+                    for c in range(variant.dim_qk):
+                        index = hh * panels + c // launch.DQ_PANEL
+                        at = b * p["dq_b"] + (start + i) * p["dq_n"] + index * p["dq_h"] + c % launch.DQ_PANEL
+                        ctypes.c_float.from_address(int(p["dq"] + 4 * at)).value += value(
+                            b, p["kv_head0"] * problem.group + hh, i, c)
+
+    monkeypatch.setattr(launch, "DQ_SUMS_BYTES", 1)  # a launch a kv head
+    monkeypatch.setattr(launch, "launch", kernel)
+    shape = (6, 6, 100) if varlen else (2, 5, 6, 100)
+    dq = torch.zeros(shape, dtype=torch.bfloat16)
+    launch._dkdv_adding_dq(problem, None, variant, {}, dq)
+    want = torch.zeros(shape)
+    for b, (start, length) in enumerate(rows):
+        for h in range(6):
+            for i in range(length):
+                at = (start + i, h) if varlen else (b, i, h)
+                want[at] = torch.tensor([value(b, h, i, c) for c in range(100)])
+    assert torch.equal(dq.float(), want)
 
 
 # -- sources and cache keys ----------------------------------------------------------------

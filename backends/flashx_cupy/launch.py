@@ -194,6 +194,9 @@ def tiles(rows: int, block: int) -> int:
 #: runs its kv heads in several launches, so that its peak stays near the deterministic path's
 #: (and the sums stay in the L2 cache that their reductions hit).
 DQ_SUMS_BYTES = 32 * 2**20
+#: The fused backward's float32 dQ sums lie in panels of this many columns (``DQ_PANEL`` in
+#: kernels/backward.cuh): an m16n8 atom's, so that a warp's store of one atom is 256 contiguous bytes.
+DQ_PANEL = 8
 
 
 def kv_head_chunks(problem) -> list[tuple[int, int]]:
@@ -223,8 +226,9 @@ def forward(problem, q, k, v):
         else:
             v_fields, made = tensor_fields("v", v, varlen), ()
             is_aligned = aligned(problem, q, k, v)
-        kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability)
-        variant = variants.choose(kernel, problem, is_aligned, tma=kernel == "forward_sm90" and tma.usable(problem, k, v))
+        by_tma = tma.usable(problem, k, v)
+        kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability, by_tma)
+        variant = variants.choose(kernel, problem, is_aligned, tma=kernel == "forward_sm90" and by_tma)
         tiles_m = tiles(problem.seqlen_q, variant.block_m)
         params = pack(problem, tiles_m=tiles_m, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
                       **tensor_fields("k", k, varlen), **v_fields, **tensor_fields("o", o, varlen),
@@ -309,8 +313,9 @@ def backward(problem, q, k, v, o, lse, do):
         launch(variant, device, tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, **fields), np.int32(rows))
 
         sm90 = variants.sm90_backward(problem, is_aligned, device.compute_capability)
-        if not sm90 and variants.fused_dq(problem):
-            _dkdv_adding_dq(problem, device, variants.choose("dkdv", problem, is_aligned, dq_atomic=True), fields, dq)
+        if variants.fused_dq(problem):
+            variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, dq_atomic=True)
+            _dkdv_adding_dq(problem, device, variant, fields, dq)
         else:
             variant = variants.choose("dq_sm90" if sm90 else "dq", problem, is_aligned)
             tiles_m = tiles(problem.seqlen_q, variant.block_m)
@@ -327,18 +332,37 @@ def backward(problem, q, k, v, o, lse, do):
 
 def _dkdv_adding_dq(problem, device, variant, fields: dict, dq) -> None:
     """The fused dK/dV launches, a chunk of kv heads each: dQ of the chunk's query heads is summed
-    in float32 (scaled, the head dim padded to its class) and then rounded into ``dq``."""
+    in float32 (scaled, the head dim padded to its class) and then rounded into ``dq``.
+
+    The sums of a query head lie in panels of ``DQ_PANEL`` columns, each panel's rows contiguous:
+    (B, heads, panels, Nq, DQ_PANEL), or (heads, panels, Tq, DQ_PANEL) packed, so that a query
+    tile's rows of a panel are one range, which flashx_dkdv_sm90 adds by one bulk reduction. The
+    kernels see a panel as a head of DQ_PANEL columns: head h's panel i is head h * panels + i."""
     import torch
 
     tiles_m = tiles(problem.seqlen_k, variant.block_m)
     group, chunks = problem.group, kv_head_chunks(problem)
-    buffer = torch.empty((*dq.shape[:-2], chunks[0][1] * group, variant.dim_qk), dtype=torch.float32, device=dq.device)
+    batch, rows = dq.shape[:-3], dq.shape[-3]
+    buffer = torch.empty((*batch, chunks[0][1] * group, variant.dim_qk // DQ_PANEL, rows, DQ_PANEL),
+                         dtype=torch.float32, device=dq.device)
     for first, heads in chunks:
-        sums = buffer[..., :heads * group, :].zero_()
+        sums = buffer.narrow(-4, 0, heads * group).zero_()
+        as_heads = sums.flatten(-4, -3).transpose(-3, -2)  # (B, Nq, heads * panels, DQ_PANEL), a view
         params = pack(problem, tiles_m=tiles_m, kv_head0=first, kv_heads=heads,
-                      **(fields | tensor_fields("dq", sums, problem.varlen, 3)))
+                      **(fields | tensor_fields("dq", as_heads, problem.varlen, 3)))
         launch(variant, device, tiles_m * heads * problem.batch, params)
-        dq[..., first * group:(first + heads) * group, :].copy_(sums[..., :problem.head_dim])
+        _round_sums(sums, dq[..., first * group:(first + heads) * group, :], problem.head_dim)
+
+
+def _round_sums(sums, dq, head_dim: int) -> None:
+    """``dq`` (B, Nq, heads, head_dim) or packed from the panels of ``sums``
+    (_dkdv_adding_dq's layout): whole panels, then the columns of a last partial one."""
+    panels = sums.movedim(-2, -4)  # (B, Nq, heads, panels, DQ_PANEL)
+    whole = head_dim // DQ_PANEL
+    if whole:
+        dq[..., :whole * DQ_PANEL].unflatten(-1, (whole, DQ_PANEL)).copy_(panels[..., :whole, :])
+    if head_dim % DQ_PANEL:
+        dq[..., whole * DQ_PANEL:].copy_(panels[..., whole, :head_dim % DQ_PANEL])
 
 
 def sum_over_rows(problem, terms):

@@ -155,7 +155,7 @@ def main() -> None:
                         report(variant, args.arch, args.blocks)
                     continue
                 width = "8" if kernel == "forward_fp8_sm90" else "32" if dtype == "float32" else "16"
-                table = "dkdv_dq" if features.get("dq_atomic") else kernel
+                table = "dkdv_dq" if features.get("dq_atomic") and kernel == "dkdv" else kernel
                 if not args.tile and (table, width, dim) not in variants.TILES:
                     continue  # a head dim this kernel does not serve
                 tile = tuple(map(int, args.tile.split("x"))) if args.tile else variants.TILES[table, width, dim]

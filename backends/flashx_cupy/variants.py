@@ -82,8 +82,10 @@ TILES = {
 #: tile, where Q, two K and three V tiles and the first tile's zeros (kernels/forward_sm90.cuh) would
 #: exceed 227 KB: V takes two buffers and the zeros lie in one of them, which only TMA's producer
 #: serves (its tiles announce themselves); a band keeps 128 keys (fewer masked keys at its edges).
-#: Every other problem takes two warpgroups and 128 keys, as all did before: setting every entry to
-#: (128, 128, 8, 3) restores that.
+#: At d256 (both head dims of class 256), 80 keys a tile with or without a band, by TMA only: Q (64
+#: KB), two K and two V tiles (40 KB each) with the zeros in V's ring take 224 KB; without TMA the
+#: problem takes the mma.sync forward (``forward_kernel``). Every other problem takes two warpgroups
+#: and 128 keys, as all did before: setting every entry of d64 and d128 to (128, 128, 8, 3) restores that.
 FORWARD_SM90_TILES = {
     (64, False, False): (192, 128, 12, 3),
     (64, False, True): (192, 128, 12, 3),
@@ -93,6 +95,8 @@ FORWARD_SM90_TILES = {
     (128, False, True): (128, 176, 8, 2),
     (128, True, False): (128, 128, 8, 3),
     (128, True, True): (128, 128, 8, 3),
+    (256, False, True): (128, 80, 8, 2),
+    (256, True, True): (128, 80, 8, 2),
 }
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
@@ -239,10 +243,14 @@ class Variant:
             return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * self.block_n + 128
         if self.kernel in ("dkdv_sm90", "dq_sm90"):
             # swizzled, unpadded: the resident tiles (K and V, or Q and dO), a ring of the streamed ones,
-            # then dK/dV's LSE and D a stage or dQ's allowed pairs of a tile; each stage's two barriers and item
+            # the fused dQ's two dS^T tiles and each warpgroup's float32 staging of its 64 columns of
+            # dQ, then dK/dV's LSE and D a stage or dQ's allowed pairs of a tile; each stage's two
+            # barriers and item
             stages = RING_STAGES
             extra = stages * 2 * self.block_n * 4 if self.kernel == "dkdv_sm90" else self.block_m * self.block_n
-            return (size * (self.block_m + stages * self.block_n) * (self.dim_qk + self.dim_v) + extra
+            fused = (2 * self.block_m * self.block_n * size + self.warps // 4 * self.block_n * 64 * 4
+                     if self.dq_atomic else 0)
+            return (size * (self.block_m + stages * self.block_n) * (self.dim_qk + self.dim_v) + fused + extra
                     + stages * (2 * 8 + 4))
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
@@ -262,7 +270,7 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
     (``flashx_cupy.tma.usable``)."""
     dim_qk, dim_v = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
     width = "8" if problem.fp8 else "32" if problem.dtype == "float32" else "16"
-    table = "dq" if kernel == "delta" else "dkdv_dq" if dq_atomic else kernel
+    table = "dq" if kernel == "delta" else "dkdv_dq" if dq_atomic and kernel == "dkdv" else kernel
     if kernel == "forward" and problem.mask is not None and ("forward_mask", width, max(dim_qk, dim_v)) in TILES:
         table = "forward_mask"
     v_buffers = 3
@@ -338,20 +346,24 @@ def decode_rows_most(widest: int, fp8_cache: bool) -> int:
     return min(most, DECODE_FP8_ROWS) if fp8_cache else most
 
 
-def forward_kernel(problem, aligned: bool, compute_capability: str) -> str:
-    """The forward kernel for ``problem`` on a GPU of ``compute_capability`` (CuPy's "90" form).
+def forward_kernel(problem, aligned: bool, compute_capability: str, tma: bool = False) -> str:
+    """The forward kernel for ``problem`` on a GPU of ``compute_capability`` (CuPy's "90" form);
+    ``tma``: K and V can come by TMA (``flashx_cupy.tma.usable``).
 
     "forward_sm90" (wgmma, sm_90a code) runs on compute capability 9.0 for 16-bit problems whose
-    operands are all ``aligned``, with head dims up to 128, and without a bool mask, a block mask or
-    dropout; it takes a band (causal, window), seqlens, varlen and the score modifications (its
-    softmax and epilogue are forward.cuh's). "forward" (mma.sync) serves every other problem, and
-    every GPU. FP8 problems take "forward_fp8_sm90" (``fp8_forward_reasons`` says where it cannot).
+    operands are all ``aligned``, with head dims up to 128 or both of class 256 by ``tma`` (the
+    two V buffers of its d256 tiles need TMA's producer, FORWARD_SM90_TILES), and without a bool
+    mask, a block mask or dropout; it takes a band (causal, window), seqlens, varlen (which takes no
+    TMA) and the score modifications (its softmax and epilogue are forward.cuh's). "forward" (mma.sync)
+    serves every other problem, and every GPU. FP8 problems take "forward_fp8_sm90"
+    (``fp8_forward_reasons`` says where it cannot).
     """
     if problem.fp8:
         return "forward_fp8_sm90"
-    if (compute_capability == "90" and problem.dtype != "float32" and aligned
-            and max(problem.head_dim, problem.head_dim_v) <= 128 and problem.mask is None
-            and problem.block_mask is None and problem.dropout_p == 0):
+    dims = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
+    tiled = max(dims) <= 128 or (dims == (256, 256) and tma)
+    if (compute_capability == "90" and problem.dtype != "float32" and aligned and tiled
+            and problem.mask is None and problem.block_mask is None and problem.dropout_p == 0):
         return "forward_sm90"
     return "forward"
 
@@ -378,27 +390,25 @@ def fp8_forward_reasons(problem, compute_capability: int | None) -> list[str]:
 
 
 def sm90_backward(problem, aligned: bool, compute_capability: str) -> bool:
-    """Whether the backward takes the wgmma kernels (sm_90a code), flashx_dq_sm90 and
-    flashx_dkdv_sm90, for ``problem`` on a GPU of ``compute_capability`` (CuPy's "90" form).
+    """Whether the backward takes the wgmma kernels (sm_90a code) for ``problem`` on a GPU of
+    ``compute_capability`` (CuPy's "90" form): flashx_dkdv_sm90 adding dQ where ``fused_dq`` holds,
+    else flashx_dq_sm90 and flashx_dkdv_sm90, which add no atomics and so serve deterministic calls.
 
     They run on compute capability 9.0 for 16-bit problems whose operands are all ``aligned``, with
     head dims up to 128, and take every feature of the pair rule, dropout and the score
-    modifications (dq.cuh's and dkdv.cuh's, shared with the mma.sync kernels); they add no atomics
-    (no fused dQ), so they serve deterministic calls too. Where both head dims are of class 64 and
-    ``fused_dq`` holds, the mma.sync kernel with the fused dQ (five products, not seven) was the
-    faster on the H200 (7.0 against 7.5 ms, bf16, N=8k, d64), and stays. flashx_dq and flashx_dkdv
-    (mma.sync) serve every other problem, every GPU, and all problems where the environment sets
-    ``SM90_BACKWARD_ENV`` to "0".
+    modifications (dq.cuh's and dkdv.cuh's, shared with the mma.sync kernels). flashx_dq and
+    flashx_dkdv (mma.sync) serve every other problem, every GPU, and all problems where the
+    environment sets ``SM90_BACKWARD_ENV`` to "0".
     """
     widest = max(head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v))
     return (compute_capability == "90" and problem.dtype != "float32" and aligned and widest <= 128
-            and not (widest == 64 and fused_dq(problem)) and os.environ.get(SM90_BACKWARD_ENV, "1") != "0")
+            and os.environ.get(SM90_BACKWARD_ENV, "1") != "0")
 
 
 def fused_dq(problem) -> bool:
-    """Whether the backward adds dQ in the dK/dV kernel (five products, not seven), by float32
-    reductions whose order varies from run to run: on tensor cores, where one dK/dV launch holds
-    both accumulators, unless the call asks for a deterministic backward. Not with a band (causal,
+    """Whether the backward adds dQ in the dK/dV kernel (five products, not seven; flashx_dkdv or
+    flashx_dkdv_sm90), by float32 reductions whose order varies from run to run: on tensor cores,
+    where one dK/dV launch holds both accumulators, unless the call asks for a deterministic backward. Not with a band (causal,
     window): there the split kernels skip more of the empty tiles, and were faster on the H100
     (6.8 ms against 7.7 for the fused kernel, bf16, N=8k, d128, causal)."""
     dims = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)

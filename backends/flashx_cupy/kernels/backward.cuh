@@ -31,11 +31,12 @@
 // record of allowed pairs (a byte a pair of shared memory); it too waits and syncs once a tile.
 //
 // On compute capability 9.0, 16-bit problems of head-dim classes 64 and 128 take flashx_dq_sm90
-// and flashx_dkdv_sm90 instead (dq_sm90.cu, dkdv_sm90.cu): the same CTAs and semantics (dq.cuh,
-// dkdv.cuh) on Hopper's warpgroup products, two warpgroups of 64 resident rows beside a producer
-// warpgroup that copies (ring.cuh), without the fused dQ. Each kernel's semantics live once, in
-// its .cuh, so that the two products' kernels cannot drift apart; a kernel file holds only its
-// products, its tiles' layout and its producer.
+// and flashx_dkdv_sm90 instead (dq_sm90.cu, dkdv_sm90.cu), or flashx_dkdv_sm90 with DQ_ATOMIC
+// alone where the host picks the fused dQ: the same CTAs and semantics (dq.cuh, dkdv.cuh) on
+// Hopper's warpgroup products, two warpgroups of 64 resident rows beside a producer warpgroup that
+// copies (ring.cuh). Each kernel's semantics live once, in its .cuh, so that the two products'
+// kernels cannot drift apart; a kernel file holds only its products, its tiles' layout and its
+// producer.
 
 
 #include "common.cuh"
@@ -48,6 +49,7 @@
 #define DQ_ATOMIC 0
 #endif
 #define LD_DS (BLOCK_N + CHUNK)  // dS^T in shared memory: keys x queries
+#define DQ_PANEL 8               // DQ_ATOMIC: the float32 dQ sums' columns a panel (launch.DQ_PANEL)
 static_assert(!DQ_ATOMIC || (TENSOR_CORES && DKDV_PARTS == 3), "the fused dQ takes dS of both parts' kernel, on tensor cores");
 
 // The LSE of query row i (within the sequence) in base 2, and D.
@@ -62,6 +64,8 @@ __device__ __forceinline__ void row_stats(const Params& p, const Sequence& s, in
 
 // How a backward kernel lays out its tiles in shared memory (``Tiles`` of dkdv.cuh and dq.cuh):
 //   QK<ROWS>, V<ROWS>    the layouts of Q and K, and of dO and V, tiles of ROWS rows;
+//   DS<ROWS>             the layout of a step's dS^T (ROWS keys x BLOCK_N queries), the fused
+//                        dQ's operand;
 //   QK_PITCH, V_PITCH    their elements a row as whole-tile loops (tile_nonfinite) see them;
 //   written()            what a thread does after writing a tile that the products then read.
 // mma.sync reads its operands by ldmatrix from padded rows; wgmma's are SwizzledTiles (wgmma.cuh).
@@ -70,6 +74,8 @@ struct PaddedTiles {
     using QK = Padded<LD_QK>;
     template <int ROWS>
     using V = Padded<LD_V>;
+    template <int ROWS>
+    using DS = Padded<LD_DS>;
     enum { QK_PITCH = LD_QK, V_PITCH = LD_V };
     static __device__ __forceinline__ void written() {}
 };

@@ -75,7 +75,16 @@ __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* base, i64 row
     // Each thread copies one 16-byte column chunk of every STEP-th row.
     constexpr int PER_ROW = COLS / CHUNK, STEP = GROUP / PER_ROW;
     static_assert(GROUP % PER_ROW == 0, "a thread keeps its column");
-    static_assert(STEP % Layout::PERIOD == 0, "a thread's rows are a constant stride apart");
+    if constexpr (STEP % Layout::PERIOD != 0) {
+        // Too few threads to keep a thread's rows a period apart (a swizzled tile of 256 columns by
+        // 128 threads): each half of the columns in turn, a tile of whole 64-column panels of its own.
+        constexpr int HALF = COLS / 2;
+        static_assert(HALF % 64 == 0, "the halves are whole panels");
+        load_tile<ROWS, HALF, Layout, GROUP>(s, base, row_stride, col_stride, row0, rows_valid, width, tid);
+        load_tile<ROWS, HALF, Layout, GROUP>((elem_t*)((char*)s + Layout::offset(0, HALF)), base + HALF, row_stride,
+                                             col_stride, row0, rows_valid, width - HALF, tid);
+        return;
+    }
     const int c = tid % PER_ROW * CHUNK, r0 = tid / PER_ROW;
     const elem_t* src = base + (i64)(row0 + r0) * row_stride + c;
     const i64 src_step = STEP * row_stride;

@@ -39,7 +39,7 @@ struct KeyCta : KeyRows<PaddedTiles> {
         probs_and_grads<MASKED>(h, m, pt, dst);
         if constexpr (EXACT) exact_operands<MASKED>(h, m);
 #if DQ_ATOMIC
-        store_ds(dst);
+        store_ds(sDS + buf * BLOCK_M * LD_DS, dst);
 #endif
 #if DKDV_PARTS & 2
         gemm_areg<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, pt, dout, sStage + wrow * BLOCK_N);
@@ -56,19 +56,6 @@ struct KeyCta : KeyRows<PaddedTiles> {
     }
 
 #if DQ_ATOMIC
-    // This warp's rows of dS^T into this step's buffer, rounded as the products' operands are.
-    __device__ __forceinline__ void store_ds(const float (&dst)[ATOMS][BLOCK_N / 8][4]) {
-        elem_t* ds = sDS + buf * BLOCK_M * LD_DS;
-#pragma unroll
-        for (int mt = 0; mt < ATOMS; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-                    store_pair(ds + (wrow + frag_row(mt, 2 * half)) * LD_DS + frag_col(nt, 0), dst[mt][nt][2 * half],
-                               dst[mt][nt][2 * half + 1]);
-    }
-
     // dQ += scale * dS K for the pending step's queries (row dq_row of head dq_head), dS^T from the
     // buffer the next step does not write. Each warp takes QATOMS atoms of 16 queries (two where
     // the tile has no more atoms than warps: each ldmatrix of K then serves two atoms) and COLS
@@ -81,9 +68,8 @@ struct KeyCta : KeyRows<PaddedTiles> {
         if (dq_head < 0) return;
         const int m = dq_row;
         const elem_t* ds = sDS + (buf ^ 1) * BLOCK_M * LD_DS;
-        float* dq = (float*)p.dq + row_offset(b, s.start_q, m, dq_head - p.kv_head0 * p.group, p.dq_b, p.dq_n, p.dq_h);
         if (dq_masked && k_nonfinite) {
-            exact_dq(ds, dq);
+            exact_dq(ds, dq_head, m);
             return;
         }
         const int warp = threadIdx.x / 32;
@@ -93,36 +79,28 @@ struct KeyCta : KeyRows<PaddedTiles> {
             float acc[QATOMS][PASS / 8][4];
             zero<QATOMS, PASS>(acc);
             gemm_atb<QATOMS, PASS, BLOCK_M, LD_DS, LD_QK>(acc, ds + qrow, sK + c0);
-#pragma unroll
-            for (int mt = 0; mt < QATOMS; ++mt)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int i = qrow + frag_row(mt, 2 * half);
-                    if (m + i >= s.len_q) continue;
-#pragma unroll
-                    for (int nt = 0; nt < PASS / 8; ++nt)
-                        reduce_add_pair(dq + (i64)i * p.dq_n + c0 + frag_col(nt, 0), acc[mt][nt][2 * half] * p.scale,
-                                        acc[mt][nt][2 * half + 1] * p.scale);
-                }
+            add_dq_sums<QATOMS, PASS>(dq_head, m, qrow, c0, acc);
         }
     }
 
-    // The same sums for a masked tile when K holds a NaN or an infinity, element by element over
-    // the allowed pairs only: a disallowed pair must not add 0 * inf. An element is NaN where an
-    // allowed pair reads a non-finite K (the contract: NaN in, NaN out).
-    __device__ void exact_dq(const elem_t* ds, float* dq) const {
-        const int h = dq_head, m = dq_row;
-        for (int idx = threadIdx.x; idx < BLOCK_N * DIM_QK; idx += THREADS) {
-            const int i = idx / DIM_QK, c = idx % DIM_QK;
-            if (m + i >= s.len_q) continue;
-            float sum = 0.f;
-            for (int j = 0; j < BLOCK_M && sum == sum; ++j) {
-                if (!allowed_pair(p, s, h, m + i, n0 + j)) continue;
-                const elem_t kv = sK[j * LD_QK + c];
-                sum = finite_bits(kv) ? fmaf(to_float(ds[j * LD_DS + i]), to_float(kv), sum) : QUIET_NAN;
+    // dQ += scale * acc, an m16n8 accumulator of MT atoms of queries from qrow and N columns from c0
+    // (a multiple of DQ_PANEL), into the sums of the queries from row m of head h, by reductions; a
+    // row past the sequence adds nothing.
+    template <int MT, int N>
+    __device__ __forceinline__ void add_dq_sums(int h, int m, int qrow, int c0, const float (&acc)[MT][N / 8][4]) const {
+        static_assert(DQ_PANEL == 8, "an atom's columns, one panel");
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = qrow + frag_row(mt, 2 * half);
+                if (m + i >= s.len_q) continue;
+                float* row = dq_panel(h, m + i, c0 / DQ_PANEL) + frag_col(0, 0);  // atom nt: the panel nt dq_h further
+#pragma unroll
+                for (int nt = 0; nt < N / 8; ++nt)
+                    reduce_add_pair(row + nt * p.dq_h, acc[mt][nt][2 * half] * p.scale,
+                                    acc[mt][nt][2 * half + 1] * p.scale);
             }
-            reduce_add(dq + (i64)i * p.dq_n + c, sum * p.scale);
-        }
     }
 #endif
 };

@@ -209,6 +209,50 @@ struct KeyRows {
         }
     }
 
+#if DQ_ATOMIC
+    // The fused dQ's parts that do not depend on its product (backward.cuh says what it adds).
+
+    // This warp's rows of dS^T into a step's buffer ``ds`` (Tiles::DS<BLOCK_M>), rounded as the
+    // products' operands are.
+    __device__ __forceinline__ void store_ds(elem_t* ds, const float (&dst)[ATOMS][BLOCK_N / 8][4]) const {
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    store_pair(&Tiles::template DS<BLOCK_M>::at(ds, wrow + frag_row(mt, 2 * half), frag_col(nt, 0)),
+                               dst[mt][nt][2 * half], dst[mt][nt][2 * half + 1]);
+    }
+
+    // The float32 sums of dQ from query row m of head h, columns DQ_PANEL * panel on: p.dq holds
+    // those of the launch's kv heads, each head's columns in panels of DQ_PANEL, each panel's rows
+    // contiguous (launch._dkdv_adding_dq), so that the rows of a step in a panel are one range.
+    __device__ __forceinline__ float* dq_panel(int h, int m, int panel) const {
+        const int index = (h - p.kv_head0 * p.group) * (DIM_QK / DQ_PANEL) + panel;
+        return (float*)p.dq + row_offset(b, s.start_q, m, index, p.dq_b, p.dq_n, p.dq_h);
+    }
+
+    // The dQ sums of a masked step (queries from row m of head h) when K holds a NaN or an
+    // infinity, in place of its product: element by element over the allowed pairs only, from the
+    // step's dS^T in ``ds``, since a disallowed pair must not add 0 * inf. An element is NaN where an
+    // allowed pair reads a non-finite K (the contract: NaN in, NaN out).
+    __device__ void exact_dq(const elem_t* ds, int h, int m) const {
+        for (int idx = threadIdx.x; idx < BLOCK_N * DIM_QK; idx += THREADS) {
+            const int i = idx / DIM_QK, c = idx % DIM_QK;
+            if (m + i >= s.len_q) continue;
+            float sum = 0.f;
+            for (int j = 0; j < BLOCK_M && sum == sum; ++j) {
+                if (!allowed_pair(p, s, h, m + i, n0 + j)) continue;
+                const elem_t kv = Tiles::template QK<BLOCK_M>::at(sK, j, c);
+                sum = finite_bits(kv) ? fmaf(to_float(Tiles::template DS<BLOCK_M>::at(ds, j, i)), to_float(kv), sum)
+                                      : QUIET_NAN;
+            }
+            reduce_add(dq_panel(h, m + i, c / DQ_PANEL) + c % DQ_PANEL, sum * p.scale);
+        }
+    }
+#endif
+
     // dK (scaled) and dV of this warp's keys into the outputs, in the m16n8 accumulator layout.
     __device__ __forceinline__ void store() const {
         elem_t* dk_out = (elem_t*)p.dk + row_offset(b, s.start_k, 0, hk, p.dk_b, p.dk_n, p.dk_h);

@@ -8,8 +8,9 @@
 #include "forward.cuh"
 #include "wgmma.cuh"
 
-static_assert((BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176) && (DIM_V == 64 || DIM_V == 128),
-              "the products' N: S's 64, 128 or 176 (wgmma_ss), O's 64 or 128");
+static_assert((BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176 || BLOCK_N == 80) &&
+                  (DIM_V == 64 || DIM_V == 128 || DIM_V == 256),
+              "the products' N: S's 64, 128, 176 or 80 (wgmma_ss), O's 64, 128 or 256 (wgmma_rs)");
 
 // What forward_sm90.cuh's CTA takes from the element type (its members are listed there).
 struct Operands {
@@ -19,7 +20,7 @@ struct Operands {
     // columns and BLOCK_N rows are Swizzle128's panels (tma.cuh).
     enum { TMA_KV = TMA };
     // The buffers of V's ring (flashx_cupy.variants.FORWARD_SM90_TILES): three, or two where
-    // three and a tile of zeros would not fit (176 keys at d128).
+    // three and a tile of zeros would not fit (176 keys at d128, every tile at d256).
     enum { V_RING = V_BUFFERS };
 
     template <int N, bool ACCUMULATE>
@@ -58,7 +59,7 @@ struct Operands {
     static __device__ __forceinline__ bool nonfinite(const elem_t* v) { return tile_nonfinite<BLOCK_N, DIM_V, DIM_V>(v); }
 
     // poison_allowed takes at most 64 keys at a time, from a row that is a multiple of 8 (the
-    // swizzle's period): the largest power of two that divides BLOCK_N, up to 64 (16 of 176).
+    // swizzle's period): the largest power of two that divides BLOCK_N, up to 64 (16 of 176 or 80).
     enum { POISON_KEYS = (BLOCK_N & -BLOCK_N) < 64 ? (BLOCK_N & -BLOCK_N) : 64 };
     template <typename Poison>
     static __device__ __forceinline__ void poison(const ForwardRows& rows, const elem_t* v, int n, Poison mark) {

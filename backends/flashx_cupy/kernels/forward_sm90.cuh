@@ -44,10 +44,11 @@
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS % 4 == 0, "one 16-row atom per warp, whole warpgroups");
 
 // setmaxnreg's split of the SM's 64K registers (one CTA an SM): the producer keeps 40 where the
-// computing threads' 232 hold two warpgroups' S of 128 keys; elsewhere it takes FA3's 24, which
-// leaves 240 for S of 176 keys, or 160 for a third computing warpgroup.
+// computing threads' 232 hold two warpgroups' S of 128 keys, or O at d256 beside S of 80 (FA3's 24
+// and 240 there spill the producer's cp.async of a short sequence's last tile); elsewhere it takes
+// FA3's 24, which leaves 240 for S of 176 keys, or 160 for a third computing warpgroup.
 enum {
-    PRODUCER_REGISTERS = BLOCK_N == 128 && THREADS == 256 ? 40 : 24,
+    PRODUCER_REGISTERS = (BLOCK_N == 128 || BLOCK_N == 80) && THREADS == 256 ? 40 : 24,
     COMPUTE_REGISTERS = (65536 - PRODUCER_REGISTERS * PRODUCER_THREADS) / THREADS / 8 * 8
 };
 
@@ -204,9 +205,9 @@ struct ForwardCtaSm90 : ForwardRows {
     u64 *owed_full, *owed_empty;      // its barriers, and the parity of its "full" phase
     u32 owed_parity;
     u32 pf[PV_STEPS][4];              // P of that tile, as the register operands of its k-steps
-    // Output elements an allowed pair poisons with a non-finite V (bit nt * 4 + e of acc[0][nt][e]),
-    // made NaN by finish, so that the rare path leaves the accumulators alone.
-    u64 poisoned = 0;
+    // Output elements an allowed pair poisons with a non-finite V (bit i % 64 of word i / 64, i = nt * 4 + e
+    // for acc[0][nt][e]), made NaN by finish, so that the rare path leaves the accumulators alone.
+    u64 poisoned[(DIM_V / 2 + 63) / 64] = {};
 
     __device__ __forceinline__ void load_kv(int) {}  // the producer's
 
@@ -258,7 +259,7 @@ struct ForwardCtaSm90 : ForwardRows {
         if constexpr (MASKED) {  // some pair of the tile reads no V
             bar_wait(&bars->full_v[t % V_RING], (t / V_RING) & 1);
             if (Operands::nonfinite(v_tile)) {
-                Operands::poison(*this, v_tile, n, [this](int, int nt, int e) { poisoned |= 1ull << (nt * 4 + e); });
+                Operands::poison(*this, v_tile, n, [this](int, int nt, int e) { poisoned[(nt * 4 + e) / 64] |= 1ull << (nt * 4 + e) % 64; });
                 compute_sync();
                 Operands::clear(v_tile);
                 fence_proxy_async();
@@ -282,7 +283,7 @@ struct ForwardCtaSm90 : ForwardRows {
         fence_registers<DIM_V>(acc[0]);
 #pragma unroll
         for (int i = 0; i < DIM_V / 2; ++i)
-            if (poisoned >> i & 1) acc[0][i / 4][i % 4] = QUIET_NAN;
+            if (poisoned[i / 64] >> i % 64 & 1) acc[0][i / 4][i % 4] = QUIET_NAN;
         compute_sync();
     }
 };

@@ -54,6 +54,10 @@ struct Ring {
         bar_arrive(&full[t % STAGES]);
     }
 
+    // The computing threads: until the first item's buffers, and what was requested with them, have
+    // landed (consume waits for them again, at once).
+    __device__ __forceinline__ void first_landed() { bar_wait(&full[0], 0); }
+
     // The computing threads: body(item, buffer) for each item announced before ``end``; the body
     // waits for the products that read its buffers.
     template <typename Body>

@@ -39,6 +39,18 @@
     "%58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, " \
     "%77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 
+// Operand lists of the widest products, numbered by tens: WGMMA_TENS(t) is %t0 .. %t9, WGMMA_EIGHT(t)
+// %t0 .. %t7 (t empty: from %0). S of 80 keys (40 registers a thread) and O at d256 (128).
+#define WGMMA_EIGHT(t) "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" #t "7"
+#define WGMMA_TENS(t) WGMMA_EIGHT(t) ", %" #t "8, %" #t "9"
+#define WGMMA_D40(d) WGMMA_D32(d, 0), WGMMA_D4(d, 8), WGMMA_D4(d, 9)
+#define WGMMA_R40 "{" WGMMA_TENS() ", " WGMMA_TENS(1) ", " WGMMA_TENS(2) ", " WGMMA_TENS(3) "}"
+#define WGMMA_D128(d) WGMMA_D32(d, 0), WGMMA_D32(d, 8), WGMMA_D32(d, 16), WGMMA_D32(d, 24)
+#define WGMMA_R128                                                                                        \
+    "{" WGMMA_TENS() ", " WGMMA_TENS(1) ", " WGMMA_TENS(2) ", " WGMMA_TENS(3) ", " WGMMA_TENS(4) ", "     \
+    WGMMA_TENS(5) ", " WGMMA_TENS(6) ", " WGMMA_TENS(7) ", " WGMMA_TENS(8) ", " WGMMA_TENS(9) ", "         \
+    WGMMA_TENS(10) ", " WGMMA_TENS(11) ", " WGMMA_EIGHT(12) "}"
+
 // The descriptor of a wgmma operand in Swizzle128 layout at shared address ``addr`` (1024-byte
 // aligned, or a column offset within a swizzled row): 8-row groups 1024 bytes apart (the stride
 // byte offset); ``lbo`` the leading byte offset, the distance of 64-column panels for an MN-major
@@ -68,35 +80,49 @@ __device__ __forceinline__ void fence_registers(float (&d)[N / 8][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
-// D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory, both K-major.
-template <int N, bool ACCUMULATE>
+// D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory, each K-major, or MN-major where
+// A_MN or B_MN says (trans-a, trans-b 1: a tile whose rows are the product's K).
+template <int N, bool ACCUMULATE, bool A_MN = false, bool B_MN = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b) {
     if constexpr (N == 64)
         asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32 ", %32, %33, acc, 1, 1, 0, 0;\n}"
+                     "wgmma.mma_async.sync.aligned.m64n64k16" WGMMA_TYPES " " WGMMA_R32 ", %32, %33, acc, 1, 1, %35, %36;\n}"
                      : WGMMA_D32(d, 0)
-                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE), "n"((int)A_MN), "n"((int)B_MN));
     else if constexpr (N == 128)
         asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64 ", %64, %65, acc, 1, 1, 0, 0;\n}"
+                     "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64 ", %64, %65, acc, 1, 1, %67, %68;\n}"
                      : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
-                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
-    else
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE), "n"((int)A_MN), "n"((int)B_MN));
+    else if constexpr (N == 176)
         asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %90, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n176k16" WGMMA_TYPES " " WGMMA_R88 ", %88, %89, acc, 1, 1, 0, 0;\n}"
+                     "wgmma.mma_async.sync.aligned.m64n176k16" WGMMA_TYPES " " WGMMA_R88 ", %88, %89, acc, 1, 1, %91, %92;\n}"
                      : WGMMA_D88(d)
-                     : "l"(a), "l"(b), "n"((int)ACCUMULATE));
-    static_assert(N == 64 || N == 128 || N == 176, "a product's N: 64, 128 or 176");
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE), "n"((int)A_MN), "n"((int)B_MN));
+    else
+        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %42, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n80k16" WGMMA_TYPES " " WGMMA_R40 ", %40, %41, acc, 1, 1, %43, %44;\n}"
+                     : WGMMA_D40(d)
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE), "n"((int)A_MN), "n"((int)B_MN));
+    static_assert(N == 64 || N == 128 || N == 176 || N == 80, "a product's N: 64, 128, 176 or 80");
 }
 
-// D[64 x N] = A[64 x K] B[N x K]^T over the whole of K, A a Swizzle128<ROWS_A> tile and B a
-// Swizzle128<ROWS_B> one from the descriptors of their (0, 0), both K-major: a product a 16-column
-// step, issued into the open commit group.
-template <int N, int K, int ROWS_A, int ROWS_B>
+// The descriptor's step along K by k (a multiple of 16) in a Swizzle128<ROWS> tile: along its
+// columns if K-major, its rows if MN_MAJOR.
+template <int ROWS, bool MN_MAJOR>
+__device__ __forceinline__ u64 k_step(int k) {
+    return MN_MAJOR ? desc_step<ROWS>(k, 0) : desc_step<ROWS>(0, k);
+}
+
+// D (+)= A[64 x K] B[K x N] over the whole of K, A a Swizzle128<ROWS_A> tile and B a
+// Swizzle128<ROWS_B> one from the descriptors of their (0, 0), each K-major unless A_MN or B_MN
+// says: a product a 16-step of K, issued into the open commit group.
+template <int N, int K, int ROWS_A, int ROWS_B, bool A_MN = false, bool B_MN = false, bool ACCUMULATE = false>
 __device__ __forceinline__ void wgmma_ss_whole_k(float (&d)[N / 8][4], u64 a, u64 b) {
-    wgmma_ss<N, false>(d, a, b);
+    wgmma_ss<N, ACCUMULATE, A_MN, B_MN>(d, a, b);
 #pragma unroll
-    for (int kk = 1; kk < K / 16; ++kk) wgmma_ss<N, true>(d, a + desc_step<ROWS_A>(0, 16 * kk), b + desc_step<ROWS_B>(0, 16 * kk));
+    for (int kk = 1; kk < K / 16; ++kk)
+        wgmma_ss<N, true, A_MN, B_MN>(d, a + k_step<ROWS_A, A_MN>(16 * kk), b + k_step<ROWS_B, B_MN>(16 * kk));
 }
 
 // D[64 x N] += A[64 x 16] B[16 x N], A in registers (each warp its 16 rows as an mma.sync A
@@ -108,11 +134,17 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const u32 (&a)[4]
                      ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
                      : WGMMA_D32(d, 0)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-    else
+    else if constexpr (N == 128)
         asm volatile("wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64
                      ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
                      : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n256k16" WGMMA_TYPES " " WGMMA_R128
+                     ", {%128, %129, %130, %131}, %132, 1, 1, 1, 1;"
+                     : WGMMA_D128(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    static_assert(N == 64 || N == 128 || N == 256, "P V's N: 64, 128 or 256");
 }
 
 // The backward kernels' tiles (backward.cuh): unpadded, in the 128-byte swizzle, read by the
@@ -122,6 +154,8 @@ struct SwizzledTiles {
     using QK = Swizzle128<ROWS>;
     template <int ROWS>
     using V = Swizzle128<ROWS>;
+    template <int ROWS>
+    using DS = Swizzle128<ROWS>;
     enum { QK_PITCH = DIM_QK, V_PITCH = DIM_V };
     static __device__ __forceinline__ void written() { fence_proxy_async(); }
 };
