@@ -182,8 +182,8 @@ def test_sm90_forward_variant(dim):
     ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "varlen": True}, False, (192, 128, 12, 3)),
     ({"head_dim": 256, "head_dim_v": 256}, True, (128, 80, 8, 2)),  # FA3's 80 keys at d256, by TMA
     ({"head_dim": 160, "head_dim_v": 256, "band": (-1, 0)}, True, (128, 80, 8, 2)),
-    ({"dropout_p": 0.1}, True, (128, 176, 8, 2)),  # Philox's registers fit beside S of 176 keys
-    ({"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64}, True, (128, 128, 8, 3)),  # ... not a third warpgroup
+    ({"dropout_p": 0.1}, True, (128, 128, 8, 3)),  # Philox's registers spill beside S of 176 keys
+    ({"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64}, True, (128, 128, 8, 3)),  # ... or in a third warpgroup
 ])
 def test_sm90_forward_tiles(changes, tma_, tile):
     """FORWARD_SM90_TILES by the widest head-dim class, the band and the loads; the V ring's size

@@ -276,8 +276,8 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
     v_buffers = 3
     if kernel == "forward_sm90":
         block_m, block_n, warps, v_buffers = FORWARD_SM90_TILES[max(dim_qk, dim_v), problem.band is not None, tma]
-        if problem.dropout_p > 0 and warps > 8:  # three warpgroups' 160 registers spill with Philox's
-            block_m, warps = 128, 8
+        if problem.dropout_p > 0:  # Philox's registers spill beside S of 176 keys or in a third warpgroup
+            block_m, block_n, warps, v_buffers = 128, 128, 8, 3
     else:
         block_m, block_n, warps = TILES[table, width, max(dim_qk, dim_v)]
     return Variant(
