@@ -121,7 +121,9 @@ def test_tiles_fit(key, split):
     ({"head_dim_v": 256}, "90", True, "forward"),
     ({"mask": object()}, "90", True, "forward"),
     ({"block_mask": object()}, "90", True, "forward"),
-    ({"dropout_p": 0.1}, "90", True, "forward"),
+    ({"dropout_p": 0.1}, "90", True, "forward_sm90"),
+    ({"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64, "band": (-1, 0)}, "90", True, "forward_sm90"),
+    ({"dropout_p": 0.1, "mask": object()}, "90", True, "forward"),
     ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "90", True, "forward_sm90"),  # the shared softmax
     ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "80", True, "forward"),
     ({"dtype": "float8_e4m3fn"}, "90", True, "forward_fp8_sm90"),  # FP8: the one forward (fp8_forward_reasons)
@@ -180,6 +182,8 @@ def test_sm90_forward_variant(dim):
     ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "varlen": True}, False, (192, 128, 12, 3)),
     ({"head_dim": 256, "head_dim_v": 256}, True, (128, 80, 8, 2)),  # FA3's 80 keys at d256, by TMA
     ({"head_dim": 160, "head_dim_v": 256, "band": (-1, 0)}, True, (128, 80, 8, 2)),
+    ({"dropout_p": 0.1}, True, (128, 128, 8, 3)),  # Philox's registers spill beside S of 176 keys
+    ({"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64}, True, (128, 128, 8, 3)),  # ... or in a third warpgroup
 ])
 def test_sm90_forward_tiles(changes, tma_, tile):
     """FORWARD_SM90_TILES by the widest head-dim class, the band and the loads; the V ring's size
@@ -1397,6 +1401,20 @@ def test_tma_forward_compiles():
         assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes" in text
         assert "mbarrier.arrive.expect_tx.shared::cta.b64" in text
     assert "bar.sync 2, 128;" in short and "cp.async.cg.shared.global" in short
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_sm90_forward_dropout_compiles(dim):
+    """The wgmma forward with dropout (the tiles ``choose`` gives it) draws Philox's words (its
+    multipliers) and keeps the exact path's barrier: a dropped pair reads no V, so a non-finite V
+    of a tile without a mask goes through the clearing too."""
+    _nvrtc()
+    from flashx_cupy import resources
+
+    variant = variants.choose("forward_sm90", _problem(head_dim=dim, head_dim_v=dim, dropout_p=0.1), aligned=True, tma=True)
+    text = resources.ptx(variant, "90")
+    assert variant.dropout and "-766435501" in text and "-845247145" in text  # 0xD2511F53, 0xCD9E8D57
+    assert f"bar.sync 1, {32 * variant.warps};" in text
 
 
 @pytest.mark.parametrize("tile, tma_, registers, product", [

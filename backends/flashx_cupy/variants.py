@@ -276,6 +276,8 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
     v_buffers = 3
     if kernel == "forward_sm90":
         block_m, block_n, warps, v_buffers = FORWARD_SM90_TILES[max(dim_qk, dim_v), problem.band is not None, tma]
+        if problem.dropout_p > 0:  # Philox's registers spill beside S of 176 keys or in a third warpgroup
+            block_m, block_n, warps, v_buffers = 128, 128, 8, 3
     else:
         block_m, block_n, warps = TILES[table, width, max(dim_qk, dim_v)]
     return Variant(
@@ -353,17 +355,18 @@ def forward_kernel(problem, aligned: bool, compute_capability: str, tma: bool = 
     "forward_sm90" (wgmma, sm_90a code) runs on compute capability 9.0 for 16-bit problems whose
     operands are all ``aligned``, with head dims up to 128 or both of class 256 by ``tma`` (the
     two V buffers of its d256 tiles need TMA's producer, FORWARD_SM90_TILES), and without a bool
-    mask, a block mask or dropout; it takes a band (causal, window), seqlens, varlen (which takes no
-    TMA) and the score modifications (its softmax and epilogue are forward.cuh's). "forward" (mma.sync)
+    mask or a block mask; it takes a band (causal, window), seqlens, varlen (which takes no TMA),
+    the score modifications and dropout (its softmax and epilogue are forward.cuh's), dropout at
+    head dims up to 128 (at d256 Philox's registers beside O's 128 floats a thread spill). "forward" (mma.sync)
     serves every other problem, and every GPU. FP8 problems take "forward_fp8_sm90"
     (``fp8_forward_reasons`` says where it cannot).
     """
     if problem.fp8:
         return "forward_fp8_sm90"
     dims = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
-    tiled = max(dims) <= 128 or (dims == (256, 256) and tma)
+    tiled = max(dims) <= 128 or (dims == (256, 256) and tma and problem.dropout_p == 0)
     if (compute_capability == "90" and problem.dtype != "float32" and aligned and tiled
-            and problem.mask is None and problem.block_mask is None and problem.dropout_p == 0):
+            and problem.mask is None and problem.block_mask is None):
         return "forward_sm90"
     return "forward"
 

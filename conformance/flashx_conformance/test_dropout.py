@@ -81,6 +81,19 @@ def test_dropout_matches_oracle(flashx_target, flashx_rng, name):
     assert_same_mask(*keep_masks(flashx_target, case), case)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=full_only)])
+def test_dropout_wide_key_tiles(flashx_target, flashx_rng, head_dim, causal, dtype):
+    """Forward and backward with dropout in 16 bits (where GPU kernels take tensor cores and their
+    widest tiles) over more keys than any backend's key tile holds (400 against tiles of up to
+    176), so that every column of a wide tile draws its own keep bits, and a tile ends inside the
+    sequence."""
+    case = make_case(flashx_rng, batch=1, heads_q=1, seqlen_q=136, seqlen_k=400, head_dim=head_dim, dtype=dtype,
+                     dropout_p=0.3, seed=SEED, rng_offset=OFFSET, causal=causal)
+    flashx_target.check(case)
+
+
 @pytest.mark.parametrize("seqlen_q", [64, pytest.param(512, marks=full_only)])
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5])
 def test_dropout_keep_fraction(flashx_target, flashx_rng, seqlen_q, dropout_p):

@@ -37,10 +37,20 @@ __device__ __forceinline__ bool group_sync_or(bool x) {
 // Whether rows [0, ROWS) of a shared tile hold a NaN or an infinity (an answer of the computing
 // threads). The warp votes on it once more so that ptxas sees it uniform: a branch on it that it
 // takes for divergent makes it serialize every wgmma of the kernel.
+// 16-bit tiles are read in 16-byte chunks (rows 16-byte aligned): with dropout every tile asks.
 template <int ROWS, int COLS, int LD>
 __device__ __forceinline__ bool tile_nonfinite(const elem_t* s) {
     int bad = 0;
-    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) bad |= !finite_bits(s[(idx / COLS) * LD + idx % COLS]);
+    if constexpr (sizeof(elem_t) == 2 && COLS % 8 == 0 && LD % 8 == 0) {
+        for (int idx = threadIdx.x; idx < ROWS * COLS / 8; idx += THREADS) {
+            const uint4 chunk = *(const uint4*)(s + idx / (COLS / 8) * LD + idx % (COLS / 8) * 8);
+            const elem_t* x = (const elem_t*)&chunk;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) bad |= !finite_bits(x[e]);
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) bad |= !finite_bits(s[(idx / COLS) * LD + idx % COLS]);
+    }
     return __any_sync(0xffffffffu, compute_sync_or(bad));
 }
 

@@ -107,9 +107,12 @@ struct ForwardRows {
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt) {
 #if DROPOUT
-            u64 kept = 0;  // bit 4 nt + e: element [mt][nt][e] is kept
+            // Bit 4 (nt % 16) + e of word nt / 16: element [mt][nt][e] is kept (a word holds 16 atoms:
+            // 128 keys, and a tile may take 176).
+            u64 kept[(BLOCK_N / 8 + 15) / 16] = {};
 #pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt) kept |= (u64)dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt) << (4 * nt);
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+                kept[nt / 16] |= (u64)dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt) << (4 * (nt % 16));
 #endif
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -124,7 +127,7 @@ struct ForwardRows {
                         const float pr = exp2f(sc[mt][nt][e] - m_ref);
                         row_sum[mt][half] += pr;  // the LSE is taken before dropout
 #if DROPOUT
-                        sc[mt][nt][e] = kept >> (4 * nt + e) & 1 ? pr : 0.f;
+                        sc[mt][nt][e] = kept[nt / 16] >> (4 * (nt % 16) + e) & 1 ? pr : 0.f;
 #else
                         sc[mt][nt][e] = pr;
 #endif

@@ -256,7 +256,7 @@ struct ForwardCtaSm90 : ForwardRows {
         bar_arrive(owed_empty);
         rescale(alpha);
 
-        if constexpr (MASKED) {  // some pair of the tile reads no V
+        if constexpr (MASKED || DROPOUT) {  // some pair of the tile reads no V
             bar_wait(&bars->full_v[t % V_RING], (t / V_RING) & 1);
             if (Operands::nonfinite(v_tile)) {
                 Operands::poison(*this, v_tile, n, [this](int, int nt, int e) { poisoned[(nt * 4 + e) / 64] |= 1ull << (nt * 4 + e) % 64; });
