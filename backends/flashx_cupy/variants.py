@@ -357,9 +357,9 @@ def forward_kernel(problem, aligned: bool, compute_capability: str, tma: bool = 
     two V buffers of its d256 tiles need TMA's producer, FORWARD_SM90_TILES), and without a bool
     mask or a block mask; it takes a band (causal, window), seqlens, varlen (which takes no TMA),
     the score modifications and dropout (its softmax and epilogue are forward.cuh's), dropout at
-    head dims up to 128 (at d256 Philox's registers beside O's 128 floats a thread spill). "forward" (mma.sync)
-    serves every other problem, and every GPU. FP8 problems take "forward_fp8_sm90"
-    (``fp8_forward_reasons`` says where it cannot).
+    head dims up to 128 (at d256 Philox's registers beside O's 128 floats a thread spill).
+    "forward" (mma.sync) serves every other problem, and every GPU. FP8 problems take
+    "forward_fp8_sm90" (``fp8_forward_reasons`` says where it cannot).
     """
     if problem.fp8:
         return "forward_fp8_sm90"
