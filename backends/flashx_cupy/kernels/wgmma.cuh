@@ -29,20 +29,16 @@
     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, " \
     "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
     "%58, %59, %60, %61, %62, %63}"
+// Operand lists of the wider products, numbered by tens: WGMMA_TENS(t) is %t0 .. %t9, WGMMA_EIGHT(t)
+// %t0 .. %t7 (t empty: from %0). S of 176 keys (88 registers a thread) or 80 (40), O at d256 (128).
+#define WGMMA_EIGHT(t) "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" #t "7"
+#define WGMMA_TENS(t) WGMMA_EIGHT(t) ", %" #t "8, %" #t "9"
 #define WGMMA_D88(d)                                                                                      \
     WGMMA_D32(d, 0), WGMMA_D32(d, 8), WGMMA_D4(d, 16), WGMMA_D4(d, 17), WGMMA_D4(d, 18), WGMMA_D4(d, 19), \
         WGMMA_D4(d, 20), WGMMA_D4(d, 21)
-#define WGMMA_R88                                                                                   \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
-    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, " \
-    "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
-    "%58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, " \
-    "%77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
-
-// Operand lists of the widest products, numbered by tens: WGMMA_TENS(t) is %t0 .. %t9, WGMMA_EIGHT(t)
-// %t0 .. %t7 (t empty: from %0). S of 80 keys (40 registers a thread) and O at d256 (128).
-#define WGMMA_EIGHT(t) "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" #t "7"
-#define WGMMA_TENS(t) WGMMA_EIGHT(t) ", %" #t "8, %" #t "9"
+#define WGMMA_R88                                                                                     \
+    "{" WGMMA_TENS() ", " WGMMA_TENS(1) ", " WGMMA_TENS(2) ", " WGMMA_TENS(3) ", " WGMMA_TENS(4) ", " \
+    WGMMA_TENS(5) ", " WGMMA_TENS(6) ", " WGMMA_TENS(7) ", " WGMMA_EIGHT(8) "}"
 #define WGMMA_D40(d) WGMMA_D32(d, 0), WGMMA_D4(d, 8), WGMMA_D4(d, 9)
 #define WGMMA_R40 "{" WGMMA_TENS() ", " WGMMA_TENS(1) ", " WGMMA_TENS(2) ", " WGMMA_TENS(3) "}"
 #define WGMMA_D128(d) WGMMA_D32(d, 0), WGMMA_D32(d, 8), WGMMA_D32(d, 16), WGMMA_D32(d, 24)
