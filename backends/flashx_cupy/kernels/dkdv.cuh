@@ -142,13 +142,16 @@ struct KeyRows {
         mods.load(p, s, h);
         const float* lse = sLse + buf * BLOCK_N;
         const float* delta = sDelta + buf * BLOCK_N;
+#if DROPOUT
+        KeepBits<ATOMS, BLOCK_N / 8> keep;
+        keep.draw(p, [&](int mt, int nt, bool counter_aligned) {
+            return dropout_keep_atom_t(p, b, h, m + 8 * nt, n0 + wrow + 16 * mt, counter_aligned);
+        });
+#endif
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#if DROPOUT
-                const u32 kept = dropout_keep_atom_t(p, b, h, m + 8 * nt, n0 + wrow + 16 * mt);
-#endif
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = frag_row(mt, e), c = frag_col(nt, e);
@@ -158,10 +161,10 @@ struct KeyRows {
                                    : ok ? exp2f(mods.log2_prob(p, pt[mt][nt][e], m + c, n0 + wrow + r, lse[c] * LOG2E, capped))
                                         : 0.f;
 #if DROPOUT
-                    const bool keep = kept >> e & 1;
-                    if (PROBS) pt[mt][nt][e] = keep ? pr * p.drop_scale : 0.f;
+                    const bool kept = keep.kept(mt, nt, e);
+                    if (PROBS) pt[mt][nt][e] = kept ? pr * p.drop_scale : 0.f;
 #if DKDV_PARTS & 1
-                    const float dpr = keep ? dst[mt][nt][e] * p.drop_scale : 0.f;
+                    const float dpr = kept ? dst[mt][nt][e] * p.drop_scale : 0.f;
 #endif
 #else
                     if (PROBS) pt[mt][nt][e] = pr;

@@ -102,13 +102,17 @@ struct QueryRows {
     __device__ __forceinline__ void grads(bool masked, int n, float (&sc)[ATOMS][BLOCK_N / 8][4],
                                           const float (&dp)[ATOMS][BLOCK_N / 8][4]) const {
         static_assert(PROBS || (!DROPOUT && !SOFTCAP), "dS from P needs the unscaled P, and no cap");
+#if DROPOUT
+        KeepBits<ATOMS, BLOCK_N / 8> keep;
+        if constexpr (GRADS)
+            keep.draw(p, [&](int mt, int nt, bool counter_aligned) {
+                return dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt, counter_aligned);
+            });
+#endif
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#if DROPOUT
-                const u32 kept = dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt);
-#endif
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = wrow + frag_row(mt, e), c = frag_col(nt, e);
@@ -123,7 +127,7 @@ struct QueryRows {
                         continue;
                     }
 #if DROPOUT
-                    const float dpr = kept >> e & 1 ? dp[mt][nt][e] * p.drop_scale : 0.f;
+                    const float dpr = keep.kept(mt, nt, e) ? dp[mt][nt][e] * p.drop_scale : 0.f;
 #else
                     const float dpr = dp[mt][nt][e];
 #endif

@@ -42,13 +42,13 @@ __device__ __forceinline__ u32 dropout_keep_pair(const Params& p, int b, int h, 
 
 // Whether a lane's four elements of the m16n8 atom at (i0, j0) are kept, bit e for element e
 // (frag_row and frag_col): rows g and g + 8, columns 2q and 2q + 1 (g = lane / 4, q = lane % 4).
-// Where drop_col0 is a multiple of 4, one Philox counter covers the columns of lanes q and q ^ 1:
-// each of the two draws one row's four words, the even lane row g and the odd one row g + 8, and
-// they trade the halves the other needs, one Philox call a lane instead of two. The whole warp
-// calls it.
-__device__ __forceinline__ u32 dropout_keep_atom(const Params& p, int b, int h, int i0, int j0) {
+// counter_aligned (drop_col0 a multiple of 4): one Philox counter covers the columns of lanes q
+// and q ^ 1, each of the two draws one row's four words, the even lane row g and the odd one row
+// g + 8, and they trade the halves the other needs, one Philox call a lane instead of two. The
+// whole warp calls it.
+__device__ __forceinline__ u32 dropout_keep_atom(const Params& p, int b, int h, int i0, int j0, bool counter_aligned) {
     const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    if (p.drop_col0 % 4 != 0)
+    if (!counter_aligned)
         return dropout_keep_pair(p, b, h, i0 + g, j0 + 2 * q) | dropout_keep_pair(p, b, h, i0 + g + 8, j0 + 2 * q) << 2;
     const bool odd = q & 1;
     const u32 row = dropout_keep4(p, b, h, i0 + g + (odd ? 8 : 0), (u32)(j0 + 4 * (q / 2) + p.drop_col0) / 4);
@@ -58,14 +58,14 @@ __device__ __forceinline__ u32 dropout_keep_atom(const Params& p, int b, int h, 
 }
 
 // The same for an atom of transposed scores (the dK/dV kernel's P^T: rows are keys from j0,
-// columns queries from i0), bit e for the key j0 + frag_row and the query i0 + frag_col. Where
-// drop_col0 is a multiple of 4, the warp's 32 counters (four groups of four keys, eight queries)
-// are one a lane: lane (g, q) draws key group g % 4 for query 2q + g / 4, and each element's bit
-// is a word of another lane's draw: one Philox call a lane instead of four.
-__device__ __forceinline__ u32 dropout_keep_atom_t(const Params& p, int b, int h, int i0, int j0) {
+// columns queries from i0), bit e for the key j0 + frag_row and the query i0 + frag_col.
+// counter_aligned: the warp's 32 counters (four groups of four keys, eight queries) are one a
+// lane: lane (g, q) draws key group g % 4 for query 2q + g / 4, and each element's bit is a word
+// of another lane's draw: one Philox call a lane instead of four.
+__device__ __forceinline__ u32 dropout_keep_atom_t(const Params& p, int b, int h, int i0, int j0, bool counter_aligned) {
     const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     u32 bits = 0;
-    if (p.drop_col0 % 4 != 0) {
+    if (!counter_aligned) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) bits |= (u32)dropout_keep(p, b, h, i0 + 2 * q + (e & 1), j0 + g + 8 * (e >> 1)) << e;
         return bits;
@@ -76,3 +76,36 @@ __device__ __forceinline__ u32 dropout_keep_atom_t(const Params& p, int b, int h
         bits |= (__shfl_sync(0xffffffffu, drawn, 4 * (4 * (e & 1) + g / 4 + 2 * (e >> 1)) + q) >> (g % 4) & 1) << e;
     return bits;
 }
+
+// The keep bits of a warp's ATOMS_M x ATOMS_N atoms, drawn for a whole tile before any is read:
+// atom(mt, nt, counter_aligned) returns one atom's four bits by dropout_keep_atom or
+// dropout_keep_atom_t. drop_col0's alignment is tested once for the tile and reaches the atoms as
+// a constant, so that within its branch the atoms' Philox calls are straight-line code, which the scheduler interleaves: with a
+// branch an atom, each call's ten dependent rounds sat alone in a basic block, and the warps
+// stalled on their latency.
+template <int ATOMS_M, int ATOMS_N>
+struct KeepBits {
+    u32 words[ATOMS_M][(ATOMS_N + 7) / 8];  // atom (mt, nt): bits 4 (nt % 8) .. + 3 of words[mt][nt / 8]
+
+    template <class Atom>
+    __device__ __forceinline__ void draw(const Params& p, Atom atom) {
+        if (p.drop_col0 % 4 == 0)
+            draw_all<true>(atom);
+        else
+            draw_all<false>(atom);
+    }
+
+    __device__ __forceinline__ bool kept(int mt, int nt, int e) const { return words[mt][nt / 8] >> (4 * (nt % 8) + e) & 1; }
+
+  private:
+    template <bool COUNTER_ALIGNED, class Atom>
+    __device__ __forceinline__ void draw_all(Atom atom) {
+#pragma unroll
+        for (int mt = 0; mt < ATOMS_M; ++mt) {
+#pragma unroll
+            for (int w = 0; w < (ATOMS_N + 7) / 8; ++w) words[mt][w] = 0;
+#pragma unroll
+            for (int nt = 0; nt < ATOMS_N; ++nt) words[mt][nt / 8] |= atom(mt, nt, COUNTER_ALIGNED) << 4 * (nt % 8);
+        }
+    }
+};

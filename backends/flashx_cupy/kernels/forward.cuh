@@ -104,16 +104,14 @@ struct ForwardRows {
                     tile_max[mt][e / 2] = fmaxf(tile_max[mt][e / 2], x);
                 }
 
+#if DROPOUT
+        KeepBits<ATOMS, BLOCK_N / 8> keep;
+        keep.draw(p, [&](int mt, int nt, bool counter_aligned) {
+            return dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt, counter_aligned);
+        });
+#endif
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt) {
-#if DROPOUT
-            // Bit 4 (nt % 16) + e of word nt / 16: element [mt][nt][e] is kept (a word holds 16 atoms:
-            // 128 keys, and a tile may take 176).
-            u64 kept[(BLOCK_N / 8 + 15) / 16] = {};
-#pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
-                kept[nt / 16] |= (u64)dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt) << (4 * (nt % 16));
-#endif
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float m_ref = move_row_max(row_max[mt][half], row_sum[mt][half], tile_max[mt][half], alpha[mt][half]);
@@ -127,7 +125,7 @@ struct ForwardRows {
                         const float pr = exp2f(sc[mt][nt][e] - m_ref);
                         row_sum[mt][half] += pr;  // the LSE is taken before dropout
 #if DROPOUT
-                        sc[mt][nt][e] = kept[nt / 16] >> (4 * (nt % 16) + e) & 1 ? pr : 0.f;
+                        sc[mt][nt][e] = keep.kept(mt, nt, e) ? pr : 0.f;
 #else
                         sc[mt][nt][e] = pr;
 #endif
