@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.arguments import LENGTHS, problem_args
-from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep, dropout_state, kept_scale
+from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep_tile, dropout_state, kept_scale
 from flashx_triton.launch import (Launch, Passes, call_args, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
 from flashx_triton.loads import (allow_kernel_descriptors, head_descriptors, last_dim_contiguous, load_rows,
@@ -144,7 +144,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
                     # registers (allocation failed at 255, D = 40, Dv = 80): the exact path always.
                     suspect = True
             if DROPOUT:
-                keep = dropout_keep(rows[None, :], cols[:, None], stream, dropout)
+                keep = dropout_keep_tile(rows, n0, cols.shape[0], stream, dropout, KEYS_FIRST=True)
                 p_kept = tl.where(keep, p * kept_scale(dropout), 0.0)
                 dp = tl.where(keep, dp * kept_scale(dropout), 0.0)
             else:
@@ -316,7 +316,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, seq, k_sta
                 p = tl.exp2(scores - lse2[:, None])
             dp = dot(do, tl.trans(v), None, DOT_PRECISION)
             if DROPOUT:
-                keep = dropout_keep(rows[:, None], cols[None, :], stream, dropout)
+                keep = dropout_keep_tile(rows, start_n, BLOCK_N, stream, dropout)
                 dp = tl.where(keep, dp * kept_scale(dropout), 0.0)
             ds = p * (dp - delta[:, None])
             if SOFTCAP:

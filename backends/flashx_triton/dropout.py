@@ -39,7 +39,8 @@ def dropout_keep(i, j, stream, dropout):
     """Z[i, j] of the contract's Dropout section, row i and key j at positions row0 + i and key0 + j
     (the ``dropout_offsets`` option): with y = key0 + j, word y % 4 of
     Philox4x32-10((y // 4, row0 + i, stream, offset), seed) >= threshold. ``dropout`` is
-    (seed, rng_offset, threshold, row0, key0, scale) (``dropout_state``)."""
+    (seed, rng_offset, threshold, row0, key0, scale) (``dropout_state``). One Philox call an
+    element, of which ``dropout_keep_tile`` keeps a quarter."""
     seed, rng_offset, threshold, row0, key0, _ = dropout
     zero = i * 0 + j * 0
     j = j + key0
@@ -51,6 +52,31 @@ def dropout_keep(i, j, stream, dropout):
     word = zero + j % 4
     r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
     return r.to(tl.int64) >= threshold
+
+
+@triton.jit
+def dropout_keep_tile(rows, first_key, BLOCK_N: tl.constexpr, stream, dropout, KEYS_FIRST: tl.constexpr = False):
+    """``dropout_keep`` of rows ``rows`` (1-D) and the BLOCK_N keys from ``first_key``: (rows,
+    BLOCK_N). Where key0 + first_key is a multiple of 4 (key0 is; tiles start at multiples of 4),
+    each Philox call serves the four keys of its counter: the words of BLOCK_N / 4 counters a row,
+    interleaved along the keys, key 4c + w taking word w of counter c."""
+    seed, rng_offset, threshold, row0, key0, _ = dropout
+    if (key0 + first_key) % 4 == 0:
+        counters = (key0 + first_key) // 4 + tl.arange(0, BLOCK_N // 4)
+        zero = rows[:, None] * 0 + counters[None, :] * 0
+        r0, r1, r2, r3 = tl.philox(seed, (zero + counters[None, :]).to(tl.uint32), (zero + rows[:, None] + row0).to(tl.uint32),
+                                   (zero + stream).to(tl.uint32), (zero + rng_offset).to(tl.uint32))
+        # join stacks along a new last axis: [.., c, x, y] holds word 2x + y, key 4c + 2x + y
+        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+        words = tl.reshape(words, (rows.shape[0], BLOCK_N))
+        if KEYS_FIRST:
+            words = tl.trans(words)
+        keep = words.to(tl.int64) >= threshold
+    elif KEYS_FIRST:
+        keep = dropout_keep(rows[None, :], first_key + tl.arange(0, BLOCK_N)[:, None], stream, dropout)
+    else:
+        keep = dropout_keep(rows[:, None], first_key + tl.arange(0, BLOCK_N)[None, :], stream, dropout)
+    return keep
 
 
 def dropout_args(problem) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.arguments import LENGTHS, problem_args
-from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep, dropout_state, kept_scale
+from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep_tile, dropout_state, kept_scale
 from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negated, readable_keys, widened
 from flashx_triton.launch import (Passes, aligned, call_args, flag_nonfinite, layout, next_program, per_problem,
                                   program_share)
@@ -97,7 +97,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                 alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             if DROPOUT:
-                keep = dropout_keep(rows[:, None], cols[None, :], stream, dropout)
+                keep = dropout_keep_tile(rows, start_n, BLOCK_N, stream, dropout)
                 p = tl.where(keep, p, 0.0)
             if EXACT and (MASKED or DROPOUT):
                 # No product has seen V yet: masked_dot checks it itself. "Allowed" is read back
