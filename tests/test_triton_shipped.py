@@ -27,7 +27,8 @@ KERNELS = ("forward", "dkdv", "dq", "fused", "gradients")
 
 def problem(n=8192, d=128, dtype="bfloat16", causal=False, batch=2, heads=16):
     return SimpleNamespace(head_dim=d, head_dim_v=d, head_dim_class=head_dim_class(d), dtype=dtype,
-                           band=(n, 0) if causal else None, batch=batch, heads_q=heads, seqlen_q=n, device_index=None)
+                           band=(n, 0) if causal else None, batch=batch, heads_q=heads, seqlen_q=n, device_index=None,
+                           dropout_p=0.0)
 
 
 @pytest.fixture(autouse=True)

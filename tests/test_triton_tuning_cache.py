@@ -38,7 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpr
 CONFIGS = [Config(64, 64, 4, 3), Config(32, 64, 4, 2, host_descriptors=False), Config(128, 64, 8, 3)]
 MEDIANS = {CONFIGS[0]: 2.0, CONFIGS[1]: 1.0, CONFIGS[2]: 3.0}  # the second is the fastest
 PROBLEM = SimpleNamespace(head_dim=64, head_dim_v=64, head_dim_class=64, dtype="bfloat16", band=None, batch=2, heads_q=4, seqlen_q=1000,
-                          device_index=None)
+                          device_index=None, dropout_p=0.0)
 KEY = "dkdv-d64x64-bfloat16-full-n10-r13"  # PROBLEM's: 1000 < 2**10 rows per head, 8000 < 2**13 in all
 HERE = tuning_cache.Environment("NVIDIA H100 80GB HBM3", "sm_90", "3.6.0", "0.1.0+0123456789ab")
 
@@ -315,3 +315,12 @@ def test_flashx_tune_takes_fp8_inputs_for_the_forward(table, monkeypatch, capsys
                      re.MULTILINE), out
     assert cli.main(["tune", "--seqlen", "40", "--dtype", "float8_e4m3fn", "--backward"]) == 1
     assert capsys.readouterr().err == "flashx tune: FP8 attention is forward only; leave out --backward\n"
+
+
+def test_dropout_problems_keep_choices_of_their_own():
+    """Dropout's kernels take more registers and shared memory: a choice made without it may not
+    launch with it, so the two are kept apart."""
+    from flashx_triton import tuning
+
+    assert tuning.kernel_key("dkdv", PROBLEM) == KEY
+    assert tuning.kernel_key("dkdv", SimpleNamespace(**{**vars(PROBLEM), "dropout_p": 0.1})) == KEY + "-dropout"

@@ -66,12 +66,16 @@ def dropout_keep_tile(rows, first_key, BLOCK_N: tl.constexpr, stream, dropout, K
         zero = rows[:, None] * 0 + counters[None, :] * 0
         r0, r1, r2, r3 = tl.philox(seed, (zero + counters[None, :]).to(tl.uint32), (zero + rows[:, None] + row0).to(tl.uint32),
                                    (zero + stream).to(tl.uint32), (zero + rng_offset).to(tl.uint32))
-        # join stacks along a new last axis: [.., c, x, y] holds word 2x + y, key 4c + 2x + y
-        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
-        words = tl.reshape(words, (rows.shape[0], BLOCK_N))
+        k0 = (r0.to(tl.int64) >= threshold).to(tl.int8)
+        k1 = (r1.to(tl.int64) >= threshold).to(tl.int8)
+        k2 = (r2.to(tl.int64) >= threshold).to(tl.int8)
+        k3 = (r3.to(tl.int64) >= threshold).to(tl.int8)
+        # join stacks along a new last axis: [.., c, x, y] holds word 2x + y, key 4c + 2x + y. In
+        # bytes, so that the layout conversions' scratch is a quarter of the words'.
+        kept = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (rows.shape[0], BLOCK_N))
         if KEYS_FIRST:
-            words = tl.trans(words)
-        keep = words.to(tl.int64) >= threshold
+            kept = tl.trans(kept)
+        keep = kept != 0
     elif KEYS_FIRST:
         keep = dropout_keep(rows[None, :], first_key + tl.arange(0, BLOCK_N)[:, None], stream, dropout)
     else:

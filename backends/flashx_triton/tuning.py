@@ -187,10 +187,13 @@ def _slot(kernel: str, problem) -> tuple:
 
 def kernel_key(kernel: str, problem) -> str:
     """What a choice is kept under besides its environment: the kernel, head dims, dtype, whether a
-    band bounds the problem, and its size class, e.g. "forward-d128x128-bfloat16-band-n13-r17"."""
+    band bounds the problem, its size class, and dropout, e.g. "forward-d128x128-bfloat16-band-n13-r17".
+    Dropout compiles kernels of their own, whose draws take registers and shared memory that the
+    same configuration without them does not: a choice made for one may not launch for the other."""
     length, rows = size_class(problem)
     band = "band" if problem.band is not None else "full"
-    return f"{kernel}-d{problem.head_dim}x{problem.head_dim_v}-{problem.dtype}-{band}-n{length}-r{rows}"
+    dropout = "-dropout" if problem.dropout_p > 0 else ""
+    return f"{kernel}-d{problem.head_dim}x{problem.head_dim_v}-{problem.dtype}-{band}-n{length}-r{rows}{dropout}"
 
 
 class Choice(NamedTuple):
