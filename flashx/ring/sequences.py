@@ -18,7 +18,8 @@ document's fragment the same band (whole, none or the diagonal), and a pair is o
 many documents it holds. A window, or dropout's offsets, which move with a document's length,
 part documents of different lengths into calls of their own. Dropout is drawn at positions
 within each sequence (the ``dropout_offsets`` option, and the sequence's own index in a packed
-call), so the mask is the one ``flashx.attention`` draws on the whole sequence, bit for bit.
+call, renumbered in a call on a group of heads: ``flashx.ring.heads``), so the mask is the one
+``flashx.attention`` draws on the whole sequence, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from flashx.ring.heads import HeadGroup
 from flashx.ring.layouts import Interval
 
 
@@ -133,9 +135,11 @@ class Sequences:
                 if x0 < x1:
                     yield _Piece(sequence, interval.row + x0 - start, x0 - begin, x1 - x0)
 
-    def calls(self, fragments: list[_Fragment]) -> list[tuple]:
+    def calls(self, fragments: list[_Fragment], head_group: HeadGroup | None = None) -> list[tuple]:
         """(rows, keys, window, offsets, lengths) of each backend call that serves ``fragments``:
-        lengths are the keywords (``seqlens_*`` or ``cu_seqlens_*``) as host lists, or {}."""
+        lengths are the keywords (``seqlens_*`` or ``cu_seqlens_*``) as host lists, or {}. Packed,
+        ``head_group`` renumbers the documents as the dropout streams of calls on its heads need
+        (``flashx.ring.heads``)."""
         if self.packed:  # documents side by side, with one window and offsets: one packed call
             groups = []
             for fragment in fragments:
@@ -152,6 +156,9 @@ class Sequences:
                                                                                     group[-1].keys.stop)
                 counts = {f.sequence: (_length(f.rows), _length(f.keys)) for f in group}
                 documents = len(self.offsets) - 1
+                if head_group is not None:
+                    counts = {head_group.document(d): lengths for d, lengths in counts.items()}
+                    documents *= head_group.count
                 cu_q = [0] + list(itertools.accumulate(counts.get(d, (0, 0))[0] for d in range(documents)))
                 cu_k = [0] + list(itertools.accumulate(counts.get(d, (0, 0))[1] for d in range(documents)))
                 calls.append((rows, keys, group[0].window, group[0].offsets,

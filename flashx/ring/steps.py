@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from flashx import arrays, registry
-from flashx.accumulate import run_backward_into, run_forward_into
+from flashx.accumulate import in_kernels, run_backward_into, run_forward_into
 from flashx.options import complete
 from flashx.plan import plan
 from flashx.problem import Problem
+from flashx.ring.heads import HeadGroup
 from flashx.ring.layouts import chunks
 from flashx.ring.sequences import Sequences
 
@@ -55,29 +56,37 @@ class Rank:
     """One rank's part of a ring call: for the K/V shard of each source rank, the calls of its step.
     Calls are planned (validated, a backend chosen) once, from this rank's shards, whose shapes
     every source's shard shares; ``Rank.planned`` keeps them for later ring calls of the same
-    description, such as every layer's of one training step."""
+    description, such as every layer's of one training step. ``renumbered``: the head group whose
+    packed documents the calls renumber for dropout (``flashx.ring.heads``)."""
 
     KEPT = 16  # ring calls of distinct descriptions whose ranks ``planned`` keeps, the latest ones
     _kept: collections.OrderedDict = collections.OrderedDict()
 
     @classmethod
     def planned(cls, index: int, world_size: int, layout: str, problem: Problem, sequences: Sequences, backend,
-                q, k, v) -> Rank:
+                q, k, v, head_group: HeadGroup | None = None) -> Rank:
         """``Rank(...)``, or the one an earlier call of the same description made: the same rank,
         layout, problem (every field but the arrays' values, which the ring reads into
         ``sequences``, and the dropout seed and offset with them), sequences, backend, registered
-        backends, and shards' metadata. Planning a call of many documents takes the host
-        milliseconds, while the GPU waits at its start."""
+        backends, head group, and shards' metadata. Planning a call of many documents takes the
+        host milliseconds, while the GPU waits at its start. ``head_group``: the calls of its heads
+        of the shards q, k, v; the groups of a call share one plan but where they renumber packed
+        documents for dropout."""
+        if head_group is not None:
+            q, k, v = head_group.queries_of(q), head_group.keys_of(k), head_group.keys_of(v)
+            if head_group.count == 1 or not (sequences.packed and problem.dropout_p > 0):
+                head_group = None  # the same calls for every group
         key = (index, world_size, layout, problem.static_key, problem.seed, problem.rng_offset, sequences, backend,
-               registry.version(), *map(arrays.metadata, (q, k, v)))
-        rank = cls._kept.pop(key, None) or cls(index, world_size, layout, problem, sequences, backend, q, k, v)
+               registry.version(), head_group, *map(arrays.metadata, (q, k, v)))
+        rank = cls._kept.pop(key, None) or cls(index, world_size, layout, problem, sequences, backend, q, k, v,
+                                               renumbered=head_group)
         cls._kept[key] = rank
         while len(cls._kept) > cls.KEPT:
             cls._kept.popitem(last=False)
         return rank
 
     def __init__(self, index: int, world_size: int, layout: str, problem: Problem, sequences: Sequences, backend,
-                 q, k, v):
+                 q, k, v, renumbered: HeadGroup | None = None):
         self.index = index
         length = q.shape[1] * world_size
         mine = chunks(layout, world_size, index, length, sequences.offsets)
@@ -90,12 +99,18 @@ class Rank:
             theirs = chunks(layout, world_size, source, length, sequences.offsets)
             for query_chunk, key_chunk in itertools.product(mine, theirs):
                 fragments = sequences.fragments(problem.band, query_chunk, key_chunk, problem.dropout_p > 0)
-                for rows, keys, window, offsets, lengths in sequences.calls(fragments):
+                for rows, keys, window, offsets, lengths in sequences.calls(fragments, renumbered):
                     options = complete("ring_attention", dict(common, window=window, dropout_offsets=offsets,
                                                               **_vouched(lengths, q.device)))
                     calls.append(_Call(rows, keys, batch, *plan(q[batch, rows], k[batch, keys], v[batch, keys],
                                                                  backend, options)))
             self.calls.append(calls)
+
+    @property
+    def adds_in_kernels(self) -> bool:
+        """Whether every call's backend adds its dq, dk, dv into the sums as it writes
+        (``backward_into``), holding no parts of its own."""
+        return all(in_kernels(call.impl, call.problem, "backward_into") for calls in self.calls for call in calls)
 
     def forward_step(self, q, k, v, source: int, o, lse) -> None:
         """Fold the attention of this rank's queries to ``source``'s K/V shard into (o, lse)."""
