@@ -25,7 +25,7 @@ def run_forward_into(impl: Backend, problem: Problem, q, k, v, o_sums, lse_sums)
     lse = -inf."""
     check_like("o_sums", o_sums, problem.o_shape, problem.lse_dtype, problem)
     check_like("lse_sums", lse_sums, problem.lse_shape, problem.lse_dtype, problem)
-    if in_kernels(impl, problem, "forward_into"):
+    if _in_kernels(impl, problem, "forward_into"):
         impl.forward_into(*for_backend(impl, problem, q, k, v), o_sums, lse_sums)
         return
     o, lse = run_forward(impl, problem, q, k, v)
@@ -41,7 +41,7 @@ def run_backward_into(impl: Backend, problem: Problem, q, k, v, o, lse, do, dq_s
     ``o`` and ``lse`` must already be checked, as for ``run_backward``."""
     for name, sums, like in (("dq_sums", dq_sums, q), ("dk_sums", dk_sums, k), ("dv_sums", dv_sums, v)):
         check_like(name, sums, tuple(like.shape), problem.lse_dtype, problem)
-    if in_kernels(impl, problem, "backward_into"):
+    if _in_kernels(impl, problem, "backward_into"):
         do = arrays.resolved(do)
         check_like("do", do, problem.o_shape, problem.dtype, problem)
         dsinks = impl.backward_into(*for_backend(impl, problem, q, k, v, o, lse, do), dq_sums, dk_sums, dv_sums)
@@ -52,7 +52,7 @@ def run_backward_into(impl: Backend, problem: Problem, q, k, v, o, lse, do, dq_s
     return grads[3] if problem.sinks is not None else None
 
 
-def in_kernels(impl: Backend, problem: Problem, method: str) -> bool:
+def _in_kernels(impl: Backend, problem: Problem, method: str) -> bool:
     """Whether the backend's ``method`` accumulates this call: it has one, and receives the sums
     themselves (arrays of its own kind, which no conversion copies). An empty problem is answered
     by the core, as ``flashx.execute`` answers it."""

@@ -126,14 +126,13 @@ def simulate_ring_attention(q, k, v, world_size, *, layout="zigzag", exchange="r
 
 def _ring(planned, problem, layout: str, exchange: str, world_size: int, head_groups: int | None, messages) -> Ring:
     """The ring of the ranks ``planned(head_group)`` plans (None: on every head), in ``head_groups``
-    groups for the backward (None: the fewest within twice one device's memory, counted for the
-    backend the calls chose)."""
+    groups for the backward (None: ``peak_bytes_per_token``'s default, which every rank computes
+    alike from the call's description)."""
     ranks = planned(None)
     if head_groups is None:
         head_groups = peak_bytes_per_token(problem.heads_q, problem.heads_k, problem.head_dim,
                                            getattr(torch, problem.dtype), world_size=world_size, layout=layout,
-                                           exchange=exchange, head_dim_v=problem.head_dim_v,
-                                           backward_into=all(rank.adds_in_kernels for rank in ranks))["head_groups"]
+                                           exchange=exchange, head_dim_v=problem.head_dim_v)["head_groups"]
     groups = split_heads(head_groups, problem.heads_q, problem.heads_k)
     backward = [(groups[0], ranks)] if head_groups == 1 else [(group, planned(group)) for group in groups]
     return Ring(ranks, messages, exchange, problem.sinks, backward)

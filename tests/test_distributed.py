@@ -825,6 +825,20 @@ def test_head_groups_count_one_group_of_sums_and_shards(world_size, exchange, he
     assert chosen["ring"] < 2 * chosen["single"]
 
 
+def test_the_default_head_groups_read_only_what_every_rank_shares():
+    """Every rank must traverse the ring as often, and whether a call's backend adds as it writes
+    may differ between ranks: the default counts every call's parts. Contiguous, Hk = 4, W = 4
+    (KiB per token): one group counts 38 with backward_into, below one device's 2 x 20, but 44
+    with the parts, so the default is 2 groups (32 with backward_into), for either flag."""
+    shape = dict(world_size=4, layout="contiguous")
+    one, two = (peak_bytes_per_token(16, 4, 128, torch.bfloat16, **shape, backward_into=flag, head_groups=1)["ring"]
+                / 1024 for flag in (True, False))
+    assert (one, two) == (38, 44)
+    for flag, kib in ((True, 32), (False, 35)):
+        chosen = peak_bytes_per_token(16, 4, 128, torch.bfloat16, **shape, backward_into=flag)
+        assert (chosen["head_groups"], chosen["ring"] / 1024) == (2, kib)
+
+
 def test_head_groups_are_checked():
     with pytest.raises(OptionError, match=r"^head_groups: expected a positive int dividing Hk = 4, or None, got 3$"):
         peak_bytes_per_token(8, 4, 16, torch.float32, world_size=2, head_groups=3)

@@ -30,27 +30,27 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
     are counted where the backend returns them, without ``backward_into``
     (``backward_into=False``, the core's fallback), and not where it adds into the sums as it
     writes (``backward_into=True``, as the Triton backend does). ``head_groups`` None counts the
-    ring's default: the fewest groups whose peak is below twice one device's (where a ring call of
-    the padded layout with dropout takes 1). Kernels' own workspace is left out (a backend's, alike
-    on one device and in the ring).
+    ring's default groups (``_fewest_head_groups``; a ring call of the padded layout with dropout
+    takes 1). Kernels' own workspace is left out (a backend's, alike on one device and in the ring).
     """
     check_exchange(exchange)
-
-    def count(groups: int) -> dict:
-        return _count(heads_q, heads_k, head_dim, dtype, world_size, layout, exchange, head_dim_v, backward_into,
-                      groups)
-
-    return count(_fewest_head_groups(count, heads_k) if head_groups is None else
-                 check_head_count(head_groups, heads_k))
+    shape = (heads_q, heads_k, head_dim, dtype, world_size, layout, exchange, head_dim_v)
+    groups = _fewest_head_groups(shape) if head_groups is None else check_head_count(head_groups, heads_k)
+    return _count(*shape, backward_into, groups)
 
 
-def _fewest_head_groups(count, heads_k: int) -> int:
-    """The fewest head groups (dividing Hk) whose ``count(groups)`` is below twice one device's,
-    else Hk, the least memory. Strictly below: the count leaves out kernels' workspace and the
-    allocator's rounding, which put a measured peak a few percent above it. Fewer groups are fewer
-    traversals of the ring."""
+def _fewest_head_groups(shape: tuple) -> int:
+    """The ring's default head groups: the fewest (dividing Hk) whose count is below twice one
+    device's, else Hk, the least memory. Strictly below: the count leaves out kernels' workspace
+    and the allocator's rounding, which put a measured peak a few percent above it. Fewer groups
+    are fewer traversals of the ring. Counted with every call's parts held (without
+    ``backward_into``, the most a backend holds): every rank must traverse the ring as many times,
+    so the count reads nothing but the call's description, which every rank shares, and not
+    whether its calls' backends add as they write, which may differ from rank to rank (an empty
+    call is the core's)."""
+    heads_k = shape[1]
     for groups in (g for g in range(1, heads_k + 1) if heads_k % g == 0):
-        counted = count(groups)
+        counted = _count(*shape, False, groups)
         if counted["ring"] < 2 * counted["single"]:
             return groups
     return heads_k

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from flashx import arrays, registry
-from flashx.accumulate import in_kernels, run_backward_into, run_forward_into
+from flashx.accumulate import run_backward_into, run_forward_into
 from flashx.options import complete
 from flashx.plan import plan
 from flashx.problem import Problem
@@ -105,12 +105,6 @@ class Rank:
                     calls.append(_Call(rows, keys, batch, *plan(q[batch, rows], k[batch, keys], v[batch, keys],
                                                                  backend, options)))
             self.calls.append(calls)
-
-    @property
-    def adds_in_kernels(self) -> bool:
-        """Whether every call's backend adds its dq, dk, dv into the sums as it writes
-        (``backward_into``), holding no parts of its own."""
-        return all(in_kernels(call.impl, call.problem, "backward_into") for calls in self.calls for call in calls)
 
     def forward_step(self, q, k, v, source: int, o, lse) -> None:
         """Fold the attention of this rank's queries to ``source``'s K/V shard into (o, lse)."""
