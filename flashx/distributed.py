@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from flashx.errors import ShapeError
 from flashx.ring.arguments import caller_sinks, require_torch, shard_problem
-from flashx.ring.heads import checked_head_groups, split_heads
+from flashx.ring.heads import check_head_count, split_heads
 from flashx.ring.layouts import LAYOUTS, shard, unshard
 from flashx.ring.memory import peak_bytes_per_token
 from flashx.ring.messages import SimulatedMessages, broadcast_seed, group_messages
@@ -71,7 +71,7 @@ def ring_attention(q, k, v, *, group=None, layout="zigzag", exchange="ring", cau
     positive int dividing Hk) runs the backward once per group of KV heads with their query heads,
     holding one group's sums and K/V in flight at a time, for as many traversals of the ring
     (launches and latency); None (the default) takes the fewest groups whose counted peak
-    (``peak_bytes_per_token``) is below twice one device's, one for the padded layout with dropout.
+    (``peak_bytes_per_token``) is below twice one device's.
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
@@ -80,7 +80,7 @@ def ring_attention(q, k, v, *, group=None, layout="zigzag", exchange="ring", cau
                "alibi_slopes": alibi_slopes, "sinks": sinks, "dropout_p": dropout_p, "seed": seed,
                "rng_offset": rng_offset}
     problem, sequences = shard_problem(q, k, v, layout, exchange, world_size, options, seqlens, cu_seqlens)
-    head_groups = checked_head_groups(head_groups, problem, sequences.packed)
+    head_groups = None if head_groups is None else check_head_count(head_groups, problem.heads_k)
     if seed is None and problem.dropout_p > 0:
         problem = dataclasses.replace(problem, seed=broadcast_seed(problem.seed, group, q.device))
     q4, k4, v4 = (sequences.batched(x) for x in (q, k, v))
@@ -113,7 +113,7 @@ def simulate_ring_attention(q, k, v, world_size, *, layout="zigzag", exchange="r
               for x in (q, k, v)]
     problem, sequences = shard_problem(shards[0][0], shards[1][0], shards[2][0], layout, exchange, world_size,
                                        options, seqlens, cu_seqlens)
-    head_groups = checked_head_groups(head_groups, problem, sequences.packed)
+    head_groups = None if head_groups is None else check_head_count(head_groups, problem.heads_k)
     shards = [[sequences.batched(x) for x in xs] for xs in shards]
     ring = _ring(lambda heads: [Rank.planned(rank, world_size, layout, problem, sequences, backend,
                                              *(xs[rank] for xs in shards), heads) for rank in range(world_size)],

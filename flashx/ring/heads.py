@@ -11,11 +11,13 @@ and runs every head at once.
 
 A call's arithmetic is per head, so a group's results are those of every head's calls, bit for
 bit, but for the dropout mask, whose Philox stream is ``b * Hq + h``: a call on a group's Hq / G
-heads numbers them from 0. In the packed layout its documents are renumbered (``HeadGroup.document``):
-document d of group g is document d G + g of B G, the others empty, so that the stream
-``(d G + g) Hq / G + h`` is the whole call's ``d Hq + (g Hq / G + h)``. The padded layout's batch
-entries are the arrays' own, which no view renumbers, and no backend takes heads at an offset of
-the stream: there dropout keeps one group (``checked_head_groups``).
+heads numbers them from 0, and no backend takes heads at an offset of the stream (as
+``dropout_offsets`` takes positions). So with dropout a group's calls renumber their sequences
+(``HeadGroup.document``): sequence b of group g is document b G + g of a packed call of B G
+documents, the others empty, whose stream ``(b G + g) Hq / G + h`` is the whole call's
+``b Hq + (g Hq / G + h)``. Packed documents are renumbered in the packed calls they make; a
+padded batch entry, which no view of the (B, N, H, D) arrays renumbers, becomes a packed call of
+its own (``flashx.ring.sequences``): one call per entry where the padded layout makes one for all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from flashx.errors import DTypeError, OptionError, UnsupportedError
+from flashx.errors import DTypeError, OptionError
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,11 @@ class HeadGroup:
     def lse_of(self, lse):
         return lse[:, self.index * self.heads_q : (self.index + 1) * self.heads_q]
 
-    def document(self, document: int) -> int:
-        """The number of packed document ``document`` in a call on the group's heads, whose dropout
-        stream ``b * (Hq / G) + h`` is then the whole call's ``b * Hq + h``."""
-        return document * self.count + self.index
+    def document(self, sequence: int) -> int:
+        """The document that ``sequence`` (a packed document or a padded batch entry) is in a packed
+        call on the group's heads, whose dropout stream ``b * (Hq / G) + h`` is then the whole
+        call's ``b * Hq + h``."""
+        return sequence * self.count + self.index
 
 
 def split_heads(count: int, heads_q: int, heads_k: int) -> list[HeadGroup]:
@@ -67,19 +70,3 @@ def check_head_count(head_groups, heads_k: int) -> int:
     if head_groups <= 0 or heads_k % head_groups:
         raise OptionError(f"head_groups: expected {expected}, got {head_groups!r}")
     return int(head_groups)
-
-
-def checked_head_groups(head_groups, problem, packed: bool) -> int | None:
-    """A ring call's ``head_groups`` checked against its whole sequence's ``problem``: the count, or
-    None where the default (the fewest groups within twice one device's memory) is to be chosen.
-    The padded layout with dropout takes one group (the module's docstring says why)."""
-    count = None if head_groups is None else check_head_count(head_groups, problem.heads_k)
-    if problem.dropout_p > 0 and not packed:
-        if count not in (None, 1):
-            raise UnsupportedError(
-                f"head_groups: the padded (B, N, H, D) layout with dropout runs the backward in one group, got "
-                f"{count}. A call on a group of heads draws the dropout mask by b * Hq + h from its first head, and "
-                f"no backend takes heads at an offset of that stream (as dropout_offsets takes positions); packed "
-                f"input (cu_seqlens) renumbers its documents instead and takes any head_groups")
-        return 1
-    return count

@@ -30,8 +30,8 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
     are counted where the backend returns them, without ``backward_into``
     (``backward_into=False``, the core's fallback), and not where it adds into the sums as it
     writes (``backward_into=True``, as the Triton backend does). ``head_groups`` None counts the
-    ring's default groups (``_fewest_head_groups``; a ring call of the padded layout with dropout
-    takes 1). Kernels' own workspace is left out (a backend's, alike on one device and in the ring).
+    ring's default groups (``_fewest_head_groups``). Kernels' own workspace is left out (a
+    backend's, alike on one device and in the ring).
     """
     check_exchange(exchange)
     shape = (heads_q, heads_k, head_dim, dtype, world_size, layout, exchange, head_dim_v)

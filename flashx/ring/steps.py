@@ -30,11 +30,12 @@ from flashx.ring.sequences import Sequences
 @dataclass(frozen=True)
 class _Call:
     """One backend call of a step: query rows ``rows`` of the shard against keys ``keys`` of the
-    K/V shard held (of every batch entry, or of the packed axis), planned once."""
+    K/V shard held (of every batch entry, or of one: the packed axis, or a padded entry served as a
+    packed call), planned once."""
 
     rows: slice
     keys: slice
-    batch: object  # index of the batch axis: every entry (padded) or the one packed axis (then dropped)
+    batch: object  # index of the batch axis: every entry (padded) or one (packed: then dropped)
     problem: Problem
     impl: object
 
@@ -57,7 +58,7 @@ class Rank:
     Calls are planned (validated, a backend chosen) once, from this rank's shards, whose shapes
     every source's shard shares; ``Rank.planned`` keeps them for later ring calls of the same
     description, such as every layer's of one training step. ``renumbered``: the head group whose
-    packed documents the calls renumber for dropout (``flashx.ring.heads``)."""
+    sequences the calls renumber for dropout (``flashx.ring.heads``)."""
 
     KEPT = 16  # ring calls of distinct descriptions whose ranks ``planned`` keeps, the latest ones
     _kept: collections.OrderedDict = collections.OrderedDict()
@@ -70,11 +71,11 @@ class Rank:
         ``sequences``, and the dropout seed and offset with them), sequences, backend, registered
         backends, head group, and shards' metadata. Planning a call of many documents takes the
         host milliseconds, while the GPU waits at its start. ``head_group``: the calls of its heads
-        of the shards q, k, v; the groups of a call share one plan but where they renumber packed
-        documents for dropout."""
+        of the shards q, k, v; the groups of a call share one plan but where they renumber their
+        sequences for dropout."""
         if head_group is not None:
             q, k, v = head_group.queries_of(q), head_group.keys_of(k), head_group.keys_of(v)
-            if head_group.count == 1 or not (sequences.packed and problem.dropout_p > 0):
+            if head_group.count == 1 or problem.dropout_p == 0:
                 head_group = None  # the same calls for every group
         key = (index, world_size, layout, problem.static_key, problem.seed, problem.rng_offset, sequences, backend,
                registry.version(), head_group, *map(arrays.metadata, (q, k, v)))
@@ -92,14 +93,13 @@ class Rank:
         mine = chunks(layout, world_size, index, length, sequences.offsets)
         common = {"softmax_scale": problem.softmax_scale, "softcap": problem.softcap, "dropout_p": problem.dropout_p,
                   "seed": problem.seed, "rng_offset": problem.rng_offset}
-        batch = 0 if sequences.packed else slice(None)
         self.calls = []
         for source in range(world_size):
             calls = []
             theirs = chunks(layout, world_size, source, length, sequences.offsets)
             for query_chunk, key_chunk in itertools.product(mine, theirs):
                 fragments = sequences.fragments(problem.band, query_chunk, key_chunk, problem.dropout_p > 0)
-                for rows, keys, window, offsets, lengths in sequences.calls(fragments, renumbered):
+                for batch, rows, keys, window, offsets, lengths in sequences.calls(fragments, renumbered):
                     options = complete("ring_attention", dict(common, window=window, dropout_offsets=offsets,
                                                               **_vouched(lengths, q.device)))
                     calls.append(_Call(rows, keys, batch, *plan(q[batch, rows], k[batch, keys], v[batch, keys],
