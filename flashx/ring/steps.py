@@ -35,7 +35,7 @@ class _Call:
 
     rows: slice
     keys: slice
-    batch: object  # index of the batch axis: every entry (padded) or one (packed: then dropped)
+    batch: object  # index of the batch axis: every entry (a padded call) or one (a packed call: then dropped)
     problem: Problem
     impl: object
 
