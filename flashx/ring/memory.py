@@ -22,10 +22,12 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
     """The bytes a rank holds per token of its shard at the peak of a forward and backward, as the
     contract's "Ring attention" section counts them, beside one device's ``flashx.attention``.
 
-    Returns {"single": ..., "ring": ..., "terms": {buffer: bytes}, "head_groups": G}: one device's
-    q, k, v, o, do and their gradients, and the ring's buffers at its peak, the backward's first
-    call of a middle step (``exchange`` "ring" or "all_gather") in the head group of G that it
-    runs. Rows are in the input dtype ``dtype``, sums in the LSE's precision. One call reads a
+    Returns {"single": ..., "ring": ..., "terms": {buffer: bytes}, "forward": {buffer: bytes},
+    "head_groups": G}: one device's q, k, v, o, do and their gradients; the ring's buffers at the
+    backward's peak, its first call of a middle step (``exchange`` "ring" or "all_gather") in the
+    head group of G that it runs (``terms``), and at the forward's, which runs every head at once
+    (``forward``: below the backward's but where the all-gather holds many shards); ``ring`` the
+    larger. Rows are in the input dtype ``dtype``, sums in the LSE's precision. One call reads a
     chunk of the shard's rows and keys (half of it in the zigzag layouts); its dq, dk and dv parts
     are counted where the backend returns them, without ``backward_into``
     (``backward_into=False``, the core's fallback), and not where it adds into the sums as it
@@ -41,7 +43,8 @@ def peak_bytes_per_token(heads_q: int, heads_k: int, head_dim: int, dtype, *, wo
 
 def _fewest_head_groups(shape: tuple) -> int:
     """The ring's default head groups: the fewest (dividing Hk) whose count is below twice one
-    device's, else Hk, the least memory. Strictly below: the count leaves out kernels' workspace
+    device's, else the fewest of those that count the least (where the forward's peak, which
+    groups leave alone, is the larger, more groups than reach it gain nothing). Strictly below: the count leaves out kernels' workspace
     and the allocator's rounding, which put a measured peak a few percent above it. Fewer groups
     are fewer traversals of the ring. Counted with every call's parts held (without
     ``backward_into``, the most a backend holds): every rank must traverse the ring as many times,
@@ -49,11 +52,9 @@ def _fewest_head_groups(shape: tuple) -> int:
     whether its calls' backends add as they write, which may differ from rank to rank (an empty
     call is the core's)."""
     heads_k = shape[1]
-    for groups in (g for g in range(1, heads_k + 1) if heads_k % g == 0):
-        counted = _count(*shape, False, groups)
-        if counted["ring"] < 2 * counted["single"]:
-            return groups
-    return heads_k
+    counts = {groups: _count(*shape, False, groups) for groups in range(1, heads_k + 1) if heads_k % groups == 0}
+    below = [groups for groups, counted in counts.items() if counted["ring"] < 2 * counted["single"]]
+    return below[0] if below else min(counts, key=lambda groups: counts[groups]["ring"])
 
 
 def _count(heads_q: int, heads_k: int, head_dim: int, dtype, world_size: int, layout: str, exchange: str,
@@ -77,4 +78,10 @@ def _count(heads_q: int, heads_k: int, head_dim: int, dtype, world_size: int, la
     else:
         terms["K/V of every shard, gathered"] = world_size * kv * group
         terms["dK/dV of every shard, summed"] = world_size * wide * kv * group
-    return {"single": 2 * (q + o + kv), "ring": sum(terms.values()), "terms": terms, "head_groups": head_groups}
+    forward = {"q, k, v (the caller's)": q + kv, "o summed": wide * o}
+    if exchange == "ring":
+        forward["K/V held and arriving"] = min(world_size - 1, 2) * kv
+    else:
+        forward["K/V of every shard, gathered"] = world_size * kv
+    return {"single": 2 * (q + o + kv), "ring": max(sum(terms.values()), sum(forward.values())), "terms": terms,
+            "forward": forward, "head_groups": head_groups}
