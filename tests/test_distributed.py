@@ -6,8 +6,9 @@ of o, lse, dq, dk and dv are gathered (and each rank's dsinks, its rows' part, s
 rank grades them by the contract's exactness rule
 against the float64 oracle on the whole sequence (``harness.conformance_failures``), compares
 float64 results with ``flashx.attention`` on the whole sequence, and reads the dropout mask out
-bit for bit. Ranks collect failures and report them at the end, so that no rank leaves the
-others waiting in a message.
+bit for bit. A case whose backward runs in head groups is run in one group too, and each rank's
+shards must equal its bit for bit. Ranks collect failures and report them at the end, so that no
+rank leaves the others waiting in a message.
 
 The same steps run in one process by ``simulate_ring_attention``; ``test_simulated_ring_on_cuda``
 is the GPU check (Triton kernels, 2, 4 and 8 simulated ranks), skipped without CUDA.
