@@ -1,7 +1,7 @@
 """Ring attention on the GPUs of one host, through NCCL: correctness, scaling, overlap, longest context.
 
     python3 scripts/ring_gpus.py [--out DIR] [--parts check,packed] [--check-layouts document_zigzag]
-                                                                    # the driver: 1, 2, 4 (8) GPUs, then a table
+                                 [--head-groups G]                  # the driver: 1, 2, 4 (8) GPUs, then a table
     torchrun --nproc-per-node W scripts/ring_gpus.py PART ARGS...   # one part on W GPUs (the driver's child)
 
 Parts (each rank prints one JSON line per result; rank 0's lines are the part's results):
@@ -11,7 +11,8 @@ Parts (each rank prints one JSON line per result; rank 0's lines are the part's 
                grading its share of the cases), and compared with single-GPU flashx.attention on a
                sequence of 32k (every rank computes the whole of it on its own GPU).
   time N R     causal fwd+bwd, B=1, H=16, D=128, bf16, zigzag, N tokens in all: the median of R steps
-               after one warm-up, the slowest rank's; TFLOP/s per GPU; peak memory per rank. With one
+               after one warm-up, the slowest rank's; TFLOP/s per GPU; peak memory per rank, beside the
+               count of flashx.distributed.peak_bytes_per_token in the backward's head groups. With one
                rank it times flashx.attention itself, the single-GPU baseline.
   trace N F    one profiled fwd+bwd on rank 0: its Chrome trace, gzipped to F, and the share of the ring's
                transfer time (NCCL SendRecv kernels) during which a compute kernel ran: the overlap of
@@ -22,8 +23,8 @@ Parts (each rank prints one JSON line per result; rank 0's lines are the part's 
                document and so balances the causal work) and each exchange (ring and all_gather): the
                median of R steps, TFLOP/s per GPU, the balance of the causal work over the ranks, per-GPU
                efficiency against one GPU's flashx.attention on the same documents, peak memory per token
-               per GPU measured beside the count of flashx.distributed.peak_bytes_per_token, and the
-               longest context it predicts.
+               per GPU measured beside the count of flashx.distributed.peak_bytes_per_token (in the
+               backward's head groups, recorded), and the longest context it predicts.
                With one rank it times flashx.attention, the baseline.
   trace-packed T F
                one profiled step of the packed part's documents in T tokens, Hk = H/4: document_zigzag over
@@ -38,6 +39,9 @@ writes ring-<device>.json and .md under --out (default $OUT, else /tmp/flashx-ou
 after each part, so a run cut short still reports, and appends the steps' rows to history.csv there:
 copy the record into benchmarks/results and append the rows to its history.csv. RING_SMOKE=1 runs
 every part on tiny float32 shapes on the CPU (gloo, the numpy backend), to check the script itself.
+The ring's backward runs in the head groups of ring_attention's default (the fewest whose counted
+peak is below twice one GPU's), or in G with --head-groups G (RING_HEAD_GROUPS in the parts'
+environment), in the time, trace and packed parts; the check part grades the default.
 FLOPs count as flash-attn's: a causal forward is 2·B·H·N²·D, the backward 2.5 times that. The
 Triton backend runs its shipped choices, untimed (the default): the ring's calls and the single-GPU
 baseline run the same configurations.
@@ -88,6 +92,8 @@ PACKED_HEADS_K = (HEADS, HEADS // 4)  # without and with grouped-query attention
 PACKED_LAYOUTS = ("zigzag", "document_zigzag")
 #: every document's length is a multiple of this, so that "document_zigzag" cuts it on 2, 4 and 8 GPUs
 DOCUMENT_MULTIPLE = 16
+#: the head groups of the ring's backward in the timed parts (--head-groups); None: ring_attention's default
+HEAD_GROUPS = int(os.environ["RING_HEAD_GROUPS"]) if os.environ.get("RING_HEAD_GROUPS") else None
 PARTS = ("check", "packed", "trace-packed", "trace", "time")
 #: A rank still running after this many seconds prints its threads' stacks, and again as often: a
 #: part the driver's time box cuts short leaves in the log where each rank stood.
@@ -268,8 +274,22 @@ def _step(torch, seqlen: int, world: int, rank: int):
             return flashx.attention(q, k, v, causal=True, backend=BACKEND)
     else:
         def forward():
-            return fxd.ring_attention(q, k, v, layout="zigzag", causal=True, backend=BACKEND)
+            return fxd.ring_attention(q, k, v, layout="zigzag", causal=True, head_groups=HEAD_GROUPS, backend=BACKEND)
     return _timer(torch, (q, k, v), do, forward)
+
+
+def counted(torch, world: int, heads_k: int, layout: str = "zigzag", exchange: str = "ring") -> dict:
+    """The memory per token of a GPU's shard that flashx.distributed.peak_bytes_per_token counts for
+    the timed steps: {"kib_per_token": one GPU's with one rank, else the ring's, "head_groups": the
+    ring backward's groups (None with one rank)}."""
+    import flashx.distributed as fxd
+
+    # Triton's kernels add their parts as they write (backward_into); numpy's return them
+    count = fxd.peak_bytes_per_token(HEADS, heads_k, HEAD_DIM, getattr(torch, DTYPE), world_size=world,
+                                     layout=layout, exchange=exchange, head_groups=HEAD_GROUPS,
+                                     backward_into=not SMOKE)
+    return dict(kib_per_token=(count["single"] if world == 1 else count["ring"]) / 1024,
+                head_groups=None if world == 1 else count["head_groups"])
 
 
 def _timer(torch, inputs: tuple, do, forward):
@@ -321,15 +341,14 @@ def _measure(torch, dist, step, repeats: int) -> dict:
 def part_time(seqlen: int, repeats: int) -> None:
     torch, dist, rank, world = _start()
     measured = _measure(torch, dist, _step(torch, seqlen, world, rank), repeats)
+    count = counted(torch, world, HEADS)
     _emit(rank, part="time", world=world, seqlen=seqlen, tflops_per_gpu=flops(seqlen) / world / measured["seconds"]
-          / 1e12, **measured)
+          / 1e12, counted_kib_per_token=count["kib_per_token"], head_groups=count["head_groups"], **measured)
     dist.destroy_process_group()
 
 
 def part_packed(tokens: int, repeats: int) -> None:
     """Packed documents: one GPU's flashx.attention, or the ring in each layout and exchange, at each Hk."""
-    import flashx.distributed as fxd
-
     torch, dist, rank, world = _start()
     lengths = document_lengths(tokens, *PACKED_LENGTHS)
     cu = torch.tensor(offsets(lengths), dtype=torch.int32, device=DEVICE)
@@ -338,16 +357,13 @@ def part_packed(tokens: int, repeats: int) -> None:
     for heads_k, (layout, exchange) in itertools.product(PACKED_HEADS_K, rings):
         step = _packed_step(torch, rank, world, tokens, heads_k, cu, layout, exchange)
         measured = _measure(torch, dist, step, repeats)
-        counted = fxd.peak_bytes_per_token(HEADS, heads_k, HEAD_DIM, getattr(torch, DTYPE), world_size=world,
-                                           layout="zigzag" if world == 1 else layout,
-                                           exchange="ring" if world == 1 else exchange,
-                                           backward_into=not SMOKE)  # Triton's kernels add as they write; numpy's return parts
+        count = counted(torch, world, heads_k, *((layout, exchange) if world > 1 else ()))
         shares = causal_work(lengths, world, layout) if world > 1 else [1]
         _emit(rank, part="packed", world=world, layout=layout, exchange=exchange, heads_k=heads_k, tokens=tokens,
               documents=len(lengths), shortest=min(lengths), longest=max(lengths),
               balance=statistics.mean(shares) / max(shares),
               tflops_per_gpu=work / world / measured["seconds"] / 1e12,
-              counted_kib_per_token=(counted["single"] if world == 1 else counted["ring"]) / 1024, **measured)
+              counted_kib_per_token=count["kib_per_token"], head_groups=count["head_groups"], **measured)
     dist.destroy_process_group()
 
 
@@ -377,7 +393,7 @@ def _packed_step(torch, rank: int, world: int, tokens: int, heads_k: int, cu, la
     else:
         def forward():
             return fxd.ring_attention(q, k, v, causal=True, cu_seqlens=cu, layout=layout, exchange=exchange,
-                                      backend=BACKEND)
+                                      head_groups=HEAD_GROUPS, backend=BACKEND)
     return _timer(torch, (q, k, v), do, forward)
 
 
@@ -550,15 +566,17 @@ def _plan(worlds: list[int], traces: str, parts: set[str], check_layouts: list[s
 
 def history_rows(results: dict) -> list[dict]:
     """The timed steps as rows of benchmarks/results/history.csv: the ring's as flashx-ring-zigzag-wW
-    (packed documents: flashx-ring-LAYOUT-EXCHANGE-wW, mode "fwd+bwd packed Hk=N"), the single-GPU
-    baseline's as flashx-triton; device "Wx <GPU>"."""
+    (packed documents: flashx-ring-LAYOUT-EXCHANGE-wW, mode "fwd+bwd packed Hk=N"; a backward in
+    G > 1 head groups adds " head_groups=G" to the mode), the single-GPU baseline's as
+    flashx-triton; device "Wx <GPU>"."""
     rows = []
     for r in (r for r in results["rows"] if r["part"] in ("time", "packed")):
         packed = r["part"] == "packed"
         ring = f"flashx-ring-{r.get('layout', 'zigzag')}-{r['exchange']}-w{r['world']}" if packed else \
             f"flashx-ring-zigzag-w{r['world']}"
+        grouped = f" head_groups={r['head_groups']}" if r.get("head_groups") not in (None, 1) else ""
         common = dict(date=results["date"], device=f"{r['world']}x {results['device']}",
-                      mode=f"fwd+bwd packed Hk={r['heads_k']}" if packed else "fwd+bwd",
+                      mode=(f"fwd+bwd packed Hk={r['heads_k']}" if packed else "fwd+bwd") + grouped,
                       impl="flashx-triton" if r["world"] == 1 else ring, dtype=DTYPE, batch=1,
                       seqlen=r["tokens"] if packed else r["seqlen"], heads=HEADS, head_dim=HEAD_DIM, causal=True,
                       torch=results["torch"], triton=results["triton"], flashx=results["flashx"])
@@ -635,17 +653,18 @@ def render(results: dict) -> str:
         lines += ["## Scaling: causal fwd+bwd, zigzag", "",
                   "Efficiency: the ring's TFLOP/s per GPU over single-GPU flashx's at the same tokens per GPU. "
                   "Speed-up: single-GPU time at the same N over the ring's. Steps: the median of 3 after a warm-up, "
-                  "the slowest rank's (one step, no warm-up, where repeats is 0).", "",
+                  "the slowest rank's (one step, no warm-up, where repeats is 0). Counted: peak_bytes_per_token "
+                  "per token of a GPU's shard, in the head groups the ring's backward ran.", "",
                   "| N | W | tokens/GPU | repeats | step (s) | TFLOP/s per GPU | efficiency | speed-up "
-                  "| peak MiB/GPU |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| peak MiB/GPU | head groups | counted KiB/token |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sorted(times, key=lambda r: (r["seqlen"], r["world"])):
             same_tokens, same_n, ring = single.get(r["seqlen"] // r["world"]), single.get(r["seqlen"]), r["world"] > 1
             efficiency = f"{r['tflops_per_gpu'] / same_tokens['tflops_per_gpu']:.2f}" if ring and same_tokens else ""
             speedup = f"{same_n['seconds'] / r['seconds']:.2f}" if ring and same_n else ""
             lines.append(f"| {r['seqlen']} | {r['world']} | {r['seqlen'] // r['world']} | {r['repeats']} | "
                          f"{r['seconds']:.3f} | {r['tflops_per_gpu']:.0f} | {efficiency} | {speedup} | "
-                         f"{r['peak_mib']:.0f} |")
+                         f"{r['peak_mib']:.0f} | {_groups(r)} | {_counted_kib(r)} |")
         lines.append("")
     for r in (r for r in rows if r["part"] == "trace"):
         share = f" ({100 * r['overlap']:.0f}%)" if r["overlap"] is not None else ""
@@ -686,18 +705,20 @@ def render_packed(rows: list[dict]) -> list[str]:
              f"work each holds (over its rows, the keys each attends) over the largest, the efficiency that "
              f"imbalance leaves. Efficiency: one GPU's time on the same "
              f"documents over W times the ring's. Memory: the peak per token of a GPU's shard, measured "
-             f"(inputs and gradients included) and counted by peak_bytes_per_token (the contract's table); "
+             f"(inputs and gradients included) and counted by peak_bytes_per_token (the contract's table) in "
+             f"the head groups the ring's backward ran; "
              f"x one GPU: measured over one GPU's measured. Longest context: the GPU's memory less 2 GiB over "
              f"the measured peak per token, times W.", "",
-             "| W | layout | exchange | Hk | step (s) | TFLOP/s per GPU | balance | efficiency | KiB/token/GPU "
-             "| counted | x one GPU | longest context |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| W | layout | exchange | Hk | head groups | step (s) | TFLOP/s per GPU | balance | efficiency "
+             "| KiB/token/GPU | counted | x one GPU | longest context |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (r["heads_k"], r["world"], r["layout"], r["exchange"])):
         base, per_token = one.get(r["heads_k"]), packed_kib_per_token(r)
         efficiency = f"{base['seconds'] / (r['world'] * r['seconds']):.2f}" if base and r["world"] > 1 else ""
         ratio = f"{per_token / packed_kib_per_token(base):.2f}" if base and per_token else ""
         longest = f"{longest_packed(r):,}" if per_token else ""
-        lines.append(f"| {r['world']} | {r['layout']} | {r['exchange']} | {r['heads_k']} | {r['seconds']:.3f} | "
+        lines.append(f"| {r['world']} | {r['layout']} | {r['exchange']} | {r['heads_k']} | {_groups(r)} | "
+                     f"{r['seconds']:.3f} | "
                      f"{r['tflops_per_gpu']:.0f} | {r['balance']:.2f} | {efficiency} | {per_token:.1f} | "
                      f"{r['counted_kib_per_token']:.1f} | {ratio} | {longest} |")
     return lines + [""]
@@ -737,6 +758,16 @@ def render_packed_profile(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _groups(row: dict) -> str:
+    """The head groups a row's ring ran its backward in (empty for one GPU, and rows recorded before
+    they were)."""
+    return "" if row.get("head_groups") is None else str(row["head_groups"])
+
+
+def _counted_kib(row: dict) -> str:
+    return "" if row.get("counted_kib_per_token") is None else f"{row['counted_kib_per_token']:.1f}"
+
+
 def packed_kib_per_token(row: dict) -> float:
     return row["peak_mib"] * 1024 / (row["tokens"] / row["world"])
 
@@ -754,7 +785,11 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=500, help="seconds for the whole driver run")
     parser.add_argument("--parts", default=",".join(PARTS), help="the driver's parts, comma-separated")
     parser.add_argument("--check-layouts", default="", help="the check part's layouts, comma-separated (default: all)")
+    parser.add_argument("--head-groups", type=int, help="the ring backward's head groups in the time, trace and "
+                        "packed parts (default: ring_attention's)")
     options = parser.parse_args()
+    if options.head_groups is not None:  # the parts, child processes, read it from their environment
+        os.environ["RING_HEAD_GROUPS"] = str(options.head_groups)
     if options.part == "check":
         part_check(options.args)
     elif options.part == "time":

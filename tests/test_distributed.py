@@ -6,8 +6,9 @@ of o, lse, dq, dk and dv are gathered (and each rank's dsinks, its rows' part, s
 rank grades them by the contract's exactness rule
 against the float64 oracle on the whole sequence (``harness.conformance_failures``), compares
 float64 results with ``flashx.attention`` on the whole sequence, and reads the dropout mask out
-bit for bit. Ranks collect failures and report them at the end, so that no rank leaves the
-others waiting in a message.
+bit for bit. A case whose backward runs in head groups is run in one group too, and each rank's
+shards must equal its bit for bit. Ranks collect failures and report them at the end, so that no
+rank leaves the others waiting in a message.
 
 The same steps run in one process by ``simulate_ring_attention``; ``test_simulated_ring_on_cuda``
 is the GPU check (Triton kernels, 2, 4 and 8 simulated ranks), skipped without CUDA.
@@ -20,6 +21,7 @@ import datetime
 import importlib.util
 import itertools
 import os
+import re
 import weakref
 import zlib
 from pathlib import Path
@@ -280,10 +282,12 @@ class RingCase:
     documents: tuple[int, ...] | None = None
     seqlens: tuple[int, ...] | None = None
     exchange: str = "ring"
+    head_groups: int | None = None  # None: the ring's default
 
     def __str__(self):
         extras = [name for name in ("read_mask", "poison") if getattr(self, name)]
-        extras += [f"{name}={getattr(self, name)}" for name in ("documents", "seqlens") if getattr(self, name)]
+        extras += [f"{name}={getattr(self, name)}" for name in ("documents", "seqlens", "head_groups")
+                   if getattr(self, name)]
         return (f"{self.layout} {self.exchange} {self.options} Hk={self.heads_k} {self.dtype} {self.backend} "
                 f"{' '.join(extras)}")
 
@@ -302,7 +306,8 @@ class RingCase:
         if options.get("seed", 0) is None:
             options["seed"] = seed  # the seed rank 0 drew, found by the caller
         head_dim_v = self.seqlen if self.read_mask else self.head_dim_v
-        rng = np.random.default_rng(zlib.crc32(str(self).encode()))  # the same inputs in every process
+        # the same inputs in every process, and in every head grouping of the case
+        rng = np.random.default_rng(zlib.crc32(str(dataclasses.replace(self, head_groups=None)).encode()))
         shapes = dict(heads_q=self.heads_q, heads_k=self.heads_k, head_dim=8, head_dim_v=head_dim_v, dtype=self.dtype)
         if self.documents:
             case = make_varlen_case(rng, lengths_q=list(self.documents), lengths_k=list(self.documents),
@@ -363,6 +368,17 @@ def ring_cases(world_size: int) -> list[RingCase]:
     ]
     unit = 2 * world_size  # document_zigzag's documents: multiples of 2W, from none to the whole sequence
     mixed, whole = tuple(unit * n for n in (1, 0, 4, 2, 0)), (0, 8 * unit, 0)  # mixed: one unit of padding after
+    cases += [  # head groups: each also run in one group, which it must equal bit for bit
+        RingCase("zigzag", {"causal": True, "softcap": 2.0, "sinks": SINKS}, heads_k=2, head_groups=2),
+        RingCase("contiguous", {"window": (3, 2)}, seqlens=(19, 2), exchange="all_gather", head_groups=4),
+        RingCase("contiguous", {"window": (5, 1)}, dtype="bfloat16", head_groups=2),
+        RingCase("zigzag", {"causal": True, "dropout_p": 0.3, "seed": 2**50 + 1}, heads_k=2, read_mask=True,
+                 documents=documents[1], head_groups=2),
+        RingCase("contiguous", {"window": (4, 4), "dropout_p": 0.25, "seed": 77, "rng_offset": 2**33 + 1},
+                 read_mask=True, seqlens=(24, 11), head_groups=4),
+        RingCase("document_zigzag", {"causal": True, "window": (5, -1), "dropout_p": 0.3, "seed": 4}, heads_k=2,
+                 read_mask=True, documents=mixed, seqlen=8 * unit, exchange="all_gather", head_groups=2),
+    ]
     cases += [
         RingCase("document_zigzag", {"causal": True}, heads_k=2, documents=mixed, poison=True, seqlen=8 * unit),
         RingCase("document_zigzag", {"window": (3, 2)}, heads_k=1, documents=mixed, seqlen=8 * unit),
@@ -383,6 +399,8 @@ def ring_cases(world_size: int) -> list[RingCase]:
                               backend="triton", read_mask=True, seqlen=8, batch=1, heads_q=2))
         cases.append(RingCase("zigzag", {"causal": True, "softcap": 2.0, "sinks": SINKS[:2]}, heads_k=1,
                               dtype="float32", backend="triton", seqlen=8, batch=1, heads_q=2))
+        cases.append(RingCase("zigzag", {"causal": True, "dropout_p": 0.3, "seed": 123}, heads_k=2, dtype="float32",
+                              backend="triton", read_mask=True, seqlen=8, batch=1, heads_q=2, head_groups=2))
     return cases
 
 
@@ -439,8 +457,16 @@ def run_ring_case(ring: RingCase, rank: int, world_size: int, run) -> dict[str, 
     if drawn:
         torch.manual_seed(1000 + rank)  # every rank would draw another seed
     o, lse = run(mine["q"], mine["k"], mine["v"], layout=ring.layout, exchange=ring.exchange, return_lse=True,
-                 backend=ring.backend, **_ring_options(options))
+                 head_groups=ring.head_groups, backend=ring.backend, **_ring_options(options))
     return dict(zip(outputs_of(case), (o.detach(), lse, *_gradients(o, mine, options))))
+
+
+def differences(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    """The outputs of ``got`` that are not ``expected``'s bit for bit."""
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+    return [f"{name}: {int((got[name].view(bits[x.itemsize]) != x.view(bits[x.itemsize])).sum())} of {x.numel()} "
+            f"values differ from head_groups=1's" for name, x in expected.items()
+            if not torch.equal(got[name].view(bits[x.itemsize]), x.view(bits[x.itemsize]))]
 
 
 def grade(ring: RingCase, got: dict[str, torch.Tensor]) -> list[str]:
@@ -508,6 +534,10 @@ def _ranks(rank: int, world_size: int, init_file: str):
                            cu_seqlens=torch.tensor([0, 2 * world_size, 2 * world_size + 3]))
         for index, ring in enumerate(ring_cases(world_size)):
             mine = run_ring_case(ring, rank, world_size, ring_attention)
+            if ring.head_groups not in (None, 1):
+                failures += [f"W={world_size} {ring}: rank {rank}: {failure}"
+                             for failure in differences(mine, run_ring_case(dataclasses.replace(ring, head_groups=1),
+                                                                           rank, world_size, ring_attention))]
             gathered = {}
             for name, x in mine.items():
                 if name == "dsinks":  # each rank's rows' part: their sum is the whole sequence's
@@ -557,7 +587,7 @@ def ring_memory_failures(world_size: int, rank: int) -> list[str]:
     ``peak_bytes_per_token`` (its terms but the caller's tensors and the backend's parts, which are
     the NumPy backend's arrays here; at most, and no less than without the first call's sums):
     two dK/dV sets in flight, not three; packed documents in
-    "document_zigzag"."""
+    "document_zigzag"; in two head groups, one group's sums and shards beside the whole gradients."""
     failures = []
     tokens, heads, heads_k, dim = 512, 4, 2, 16
     generator = torch.Generator().manual_seed(rank)
@@ -569,22 +599,25 @@ def ring_memory_failures(world_size: int, rank: int) -> list[str]:
     unit = 2 * world_size  # packed documents (one empty) and padding after them: W shards' rows
     documents = {"cu_seqlens": torch.tensor([0, 100 * unit, 156 * unit, 156 * unit, 250 * unit])}
     padded, packed = (q, k, v, do), [x.detach()[0].requires_grad_(x.requires_grad) for x in (q, k, v, do)]
-    for exchange, layout, lengths in (("ring", "zigzag", {}), ("ring", "contiguous", {}),
-                                      ("ring", "document_zigzag", documents)):
+    for exchange, layout, lengths, head_groups in (
+            ("ring", "zigzag", {}, 1), ("ring", "contiguous", {}, 1), ("ring", "document_zigzag", documents, 1),
+            ("ring", "zigzag", {}, 2), ("ring", "document_zigzag", documents, 2)):
         q, k, v, do = packed if lengths else padded
-        o = ring_attention(q, k, v, causal=True, layout=layout, exchange=exchange, backend="numpy", **lengths)
+        o = ring_attention(q, k, v, causal=True, layout=layout, exchange=exchange, backend="numpy",
+                           head_groups=head_groups, **lengths)
         with _LiveBytes() as allocated:
             torch.autograd.grad(o, (q, k, v), do)
         count = peak_bytes_per_token(heads, heads_k, dim, torch.float32, world_size=world_size, layout=layout,
-                                     exchange=exchange)
-        expected = count["ring"] - count["terms"]["q, o, do, k, v (the caller's)"] \
+                                     exchange=exchange, head_groups=head_groups)
+        expected = sum(count["terms"].values()) - count["terms"]["q, o, do, k, v (the caller's)"] \
             - count["terms"]["a call's dq, dk, dv parts"]
         # the first call's sums may be made at a moment other than the peak's (with W = 2, when
         # fewer dK/dV sets are live): the count holds them, so it bounds the peak from above
         least = expected - count["terms"]["the first call's dK/dV, summed"]
         if not least <= allocated.peak / tokens <= expected:
-            failures.append(f"W={world_size} {exchange} {layout}: the backward allocated {allocated.peak / tokens} "
-                            f"bytes per token at its peak, counted {expected} (at least {least})")
+            failures.append(f"W={world_size} {exchange} {layout} head_groups={head_groups}: the backward allocated "
+                            f"{allocated.peak / tokens} bytes per token at its peak, counted {expected} "
+                            f"(at least {least})")
     return failures
 
 
@@ -660,24 +693,53 @@ def test_a_ring_call_of_a_planned_description_plans_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_the_ring_backward_sends_no_sums_after_its_last_step(monkeypatch, world_size):
+@pytest.mark.parametrize("head_groups", [1, 2])
+def test_the_ring_backward_sends_no_sums_after_its_last_step(monkeypatch, world_size, head_groups):
     """The backward reads each rank's own K/V shard last, so a shard's dK/dV sums end their turn at
     its owner: W - 1 hops of K/V (the first before the first step) and W - 1 of sums, none after
-    the last step, where a backward that started from the rank's own shard sent the sums W times."""
+    the last step, where a backward that started from the rank's own shard sent the sums W times.
+    In head groups, each group's traversal does so on its heads."""
     from flashx.ring import messages
 
     sent = []
     shift = messages.SimulatedMessages.shift
     monkeypatch.setattr(messages.SimulatedMessages, "shift",
-                        lambda self, items: (sent.append(items[0][0].dtype), shift(self, items))[1])
+                        lambda self, items: (sent.append((items[0][0].dtype, items[0][0].shape[2])),
+                                             shift(self, items))[1])
     x = torch.randn(2, 8 * world_size, 2, 16, dtype=torch.bfloat16, requires_grad=True)
-    o = simulate_ring_attention(x, x, x, world_size, causal=True)
+    o = simulate_ring_attention(x, x, x, world_size, causal=True, head_groups=head_groups)
     sent.clear()
     o.float().sum().backward()
-    assert sent.count(torch.bfloat16) == sent.count(torch.float32) == world_size - 1
+    heads = 2 // head_groups
+    assert sent.count((torch.bfloat16, heads)) == sent.count((torch.float32, heads)) == head_groups * (world_size - 1)
+    assert len(sent) == 2 * head_groups * (world_size - 1)
     reference = x.detach().requires_grad_()
     flashx.attention(reference, reference, reference, causal=True).float().sum().backward()
     assert (x.grad.float() - reference.grad.float()).norm() <= 1e-2 * reference.grad.float().norm()
+
+
+@pytest.mark.parametrize("options, packed", [({}, False), ({"dropout_p": 0.2, "seed": 1}, False),
+                                             ({"dropout_p": 0.2, "seed": 1}, True)], ids=str)
+def test_the_default_head_groups_are_the_fewest_below_twice_one_device(monkeypatch, options, packed):
+    """bfloat16, Hq = Hk = 4, D = 16, four ranks: one group counts 2.81x one device, two 2.09x,
+    four 1.55x, so the backward traverses the ring four times, a group of one KV head each (its
+    dK/dV sums sent W - 1 times per group), with dropout too."""
+    from flashx.ring import messages
+
+    counted = peak_bytes_per_token(4, 4, 16, torch.bfloat16, world_size=4)
+    assert counted["head_groups"] == 4 and counted["ring"] < 2 * counted["single"]
+    assert peak_bytes_per_token(4, 4, 16, torch.bfloat16, world_size=4, head_groups=2)["ring"] >= 2 * counted["single"]
+    sums = []
+    shift = messages.SimulatedMessages.shift
+    monkeypatch.setattr(messages.SimulatedMessages, "shift",
+                        lambda self, items: (sums.append(items[0][0].shape[2]) if items[0][0].dtype == torch.float32
+                                             else None, shift(self, items))[1])
+    x = torch.randn(1, 32, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    lengths = {"cu_seqlens": torch.tensor([0, 12, 32])} if packed else {}
+    x = x[0].detach().requires_grad_() if packed else x
+    o = simulate_ring_attention(x, x, x, 4, causal=True, backend="numpy", **options, **lengths)
+    torch.autograd.grad(o.float().sum(), x)
+    assert sums == [1] * (4 * 3)
 
 
 @pytest.mark.parametrize("world_size, documents", [(1, (2, 0, 6, 4)), (8, (16, 48, 0, 32, 16, 80, 0)),
@@ -741,8 +803,66 @@ def test_the_count_leaves_out_the_parts_of_a_backend_that_adds_as_it_writes(head
     """The contract's figures (bfloat16, H = 16, D = 128, the zigzag ring, KiB per token): a backend
     without ``backward_into`` returns each call's dq, dk and dv parts, one with it (Triton's) adds
     them into the sums, as measured on the H200 (84.4 and 36.3 KiB at W = 4)."""
-    counts = [peak_bytes_per_token(16, heads_k, 128, torch.bfloat16, world_size=4, backward_into=flag)
+    counts = [peak_bytes_per_token(16, heads_k, 128, torch.bfloat16, world_size=4, backward_into=flag, head_groups=1)
               for flag in (False, True)]
     assert [count["ring"] / 1024 for count in counts] == [with_parts, without_parts]
     assert counts[0]["terms"]["a call's dq, dk, dv parts"] == counts[0]["ring"] - counts[1]["ring"]
     assert "a call's dq, dk, dv parts" not in counts[1]["terms"]
+
+
+@pytest.mark.parametrize("world_size, exchange, heads_k, counts, default", [
+    (2, "ring", 16, {1: 76, 2: 60, 4: 46}, 2), (4, "ring", 16, {1: 84, 2: 64, 4: 48}, 4),
+    (4, "ring", 4, {1: 36, 2: 31, 4: 25.5}, 1), (4, "all_gather", 16, {1: 132, 2: 88, 4: 60}, 4)])
+def test_head_groups_count_one_group_of_sums_and_shards(world_size, exchange, heads_k, counts, default):
+    """The contract's figures (bfloat16, H = 16, D = 128, zigzag, backward_into, KiB per token): in
+    G groups the sums and the K/V in flight are 1/G, beside the whole gradients (a + kv = 12 KiB
+    at Hk = 16) the groups are written into. The default is the fewest groups below twice one
+    device's 32 KiB (20 KiB at Hk = 4): two groups at W = 4 count exactly 64 KiB, not below."""
+    shape = dict(world_size=world_size, exchange=exchange, backward_into=True)
+    for groups, kib in counts.items():
+        count = peak_bytes_per_token(16, heads_k, 128, torch.bfloat16, **shape, head_groups=groups)
+        assert (count["ring"] / 1024, count["head_groups"]) == (kib, groups)
+        assert ("dq, dk, dv (the results, written in group by group)" in count["terms"]) == (groups > 1)
+    chosen = peak_bytes_per_token(16, heads_k, 128, torch.bfloat16, **shape)
+    assert chosen["head_groups"] == default and chosen["ring"] == counts[default] * 1024
+    assert chosen["ring"] < 2 * chosen["single"]
+
+
+def test_the_forward_holds_every_head_of_the_gathered_shards():
+    """The all-gather's forward holds every K/V shard of every head (bfloat16, H = 16, D = 128, KiB
+    per token): at W = 8, q, k, v 12, o summed 8 and 8 shards 64 make 84, above the backward's 58
+    in 8 groups, and no count of groups gets below twice one device's 32; the default, the fewest
+    groups of the least count with every call's parts, is 8 (4 count 85.5 with the parts). In the
+    ring the forward holds two shards: 36 at W = 4, below the backward's 48."""
+    gathered = peak_bytes_per_token(16, 16, 128, torch.bfloat16, world_size=8, exchange="all_gather",
+                                    backward_into=True)
+    assert (gathered["head_groups"], gathered["ring"] / 1024, sum(gathered["terms"].values()) / 1024) == (8, 84, 58)
+    assert gathered["forward"] == {"q, k, v (the caller's)": 12 * 1024, "o summed": 8 * 1024,
+                                   "K/V of every shard, gathered": 64 * 1024}
+    ring = peak_bytes_per_token(16, 16, 128, torch.bfloat16, world_size=4, backward_into=True)
+    assert (sum(ring["forward"].values()) / 1024, ring["ring"] / 1024) == (36, 48)
+
+
+def test_the_default_head_groups_read_only_what_every_rank_shares():
+    """Every rank must traverse the ring as often, and whether a call's backend adds as it writes
+    may differ between ranks: the default counts every call's parts. Contiguous, Hk = 4, W = 4
+    (KiB per token): one group counts 38 with backward_into, below one device's 2 x 20, but 44
+    with the parts, so the default is 2 groups (32 with backward_into), for either flag."""
+    shape = dict(world_size=4, layout="contiguous")
+    one, two = (peak_bytes_per_token(16, 4, 128, torch.bfloat16, **shape, backward_into=flag, head_groups=1)["ring"]
+                / 1024 for flag in (True, False))
+    assert (one, two) == (38, 44)
+    for flag, kib in ((True, 32), (False, 35)):
+        chosen = peak_bytes_per_token(16, 4, 128, torch.bfloat16, **shape, backward_into=flag)
+        assert (chosen["head_groups"], chosen["ring"] / 1024) == (2, kib)
+
+
+def test_head_groups_are_checked():
+    with pytest.raises(OptionError, match=r"^head_groups: expected a positive int dividing Hk = 4, or None, got 3$"):
+        peak_bytes_per_token(8, 4, 16, torch.float32, world_size=2, head_groups=3)
+    q, kv = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+    for value, error in ((0, OptionError), (4, OptionError), (np.int64(-2), OptionError), (2.0, DTypeError),
+                         (True, DTypeError), ("2", DTypeError)):
+        with pytest.raises(error, match=f"^head_groups: expected a positive int dividing Hk = 2, or None, got "
+                                        f"{re.escape(repr(value))}$"):
+            simulate_ring_attention(q, kv, kv, 2, head_groups=value)

@@ -111,7 +111,35 @@ def test_packed_table_from_peaks(ring):
     assert ring.packed_kib_per_token(four) == pytest.approx(40.0)
     assert ring.longest_packed(four) == 4 * int((81920 - 2048) * 1024 / 40.0)
     table = "\n".join(ring.render_packed([one, four]))
-    assert "| 4 | document_zigzag | ring | 4 | 0.270 | 300 | 1.00 | 0.93 | 40.0 | 37.0 | 2.00 | 8,178,892 |" in table
+    assert "| 4 | document_zigzag | ring | 4 |  | 0.270 | 300 | 1.00 | 0.93 | 40.0 | 37.0 | 2.00 | 8,178,892 |" in table
+    grouped = "\n".join(ring.render_packed([one, dict(four, head_groups=2)]))  # rows record their groups
+    assert "| 4 | document_zigzag | ring | 4 | 2 | 0.270 | 300 |" in grouped
+
+
+def test_head_groups_reach_the_time_table_and_history(ring):
+    """A ring step's row records the backward's head groups and their count: the scaling table
+    shows them, and history.csv tells a grouped backward's series apart from one group's."""
+    results = dict(gpus=4, device="GPU", date="today", flashx="0", torch="0", triton="0", nccl="0", longest=[],
+                   rows=[dict(part="time", world=1, seqlen=32768, repeats=3, seconds=0.04, tflops_per_gpu=400.0,
+                              peak_mib=1030.0, counted_kib_per_token=32.0, head_groups=None),
+                         dict(part="time", world=4, seqlen=131072, repeats=3, seconds=0.16, tflops_per_gpu=390.0,
+                              peak_mib=1700.0, counted_kib_per_token=48.0, head_groups=4)])
+    text = ring.render(results)
+    assert "| 131072 | 4 | 32768 | 3 | 0.160 | 390 | 0.97 |  | 1700 | 4 | 48.0 |" in text
+    assert "| 32768 | 1 | 32768 | 3 | 0.040 | 400 |  |  | 1030 |  | 32.0 |" in text
+    modes = {(row["impl"], row["mode"]) for row in ring.history_rows(results)}
+    assert modes == {("flashx-triton", "fwd+bwd"), ("flashx-ring-zigzag-w4", "fwd+bwd head_groups=4")}
+
+
+def test_counted_memory_in_the_ring_default_head_groups(ring):
+    """The script's count is peak_bytes_per_token's in ring_attention's default groups, at W = 4:
+    bf16, H = 16, D = 128, with backward_into (Triton) on a GPU, 4 groups of 48 KiB per token;
+    float32, H = 4, D = 16, numpy under RING_SMOKE, 2 groups of 3.4375 KiB."""
+    import torch
+
+    kib, groups = (3.4375, 2) if ring.SMOKE else (48.0, 4)
+    assert ring.counted(torch, 4, ring.HEADS) == dict(kib_per_token=kib, head_groups=groups)
+    assert ring.counted(torch, 1, ring.HEADS) == dict(kib_per_token=32.0 if not ring.SMOKE else 2.0, head_groups=None)
 
 
 def test_causal_work_of_the_layouts(ring):

@@ -48,14 +48,17 @@ class _GroupMessages:
 
     def shift(self, items: list) -> Callable[[], list]:
         (tensors,) = items
+        # a head group's heads of a shard are a view, sent as a copy that lives until the wait
+        sent = [x.contiguous() for x in tensors]
         received = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in tensors)
-        operations = [dist.P2POp(dist.isend, x, group=self.group, group_peer=self.send_to) for x in tensors]
+        operations = [dist.P2POp(dist.isend, x, group=self.group, group_peer=self.send_to) for x in sent]
         operations += [dist.P2POp(dist.irecv, x, group=self.group, group_peer=self.receive_from) for x in received]
         works = dist.batch_isend_irecv(operations)
 
         def wait() -> list:
             for work in works:
                 work.wait()
+            sent.clear()
             return [received]
 
         return wait

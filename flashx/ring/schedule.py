@@ -21,8 +21,11 @@ at every step would add an error that grows with W, which the contract's exactne
 not allow. What travels unchanged, the K/V shards, travels in the input dtype. The backward
 holds two sets of dK/dV per rank, not three: a step's first call runs while the dK/dV of the
 shard it reads are still arriving, its parts are then added into the arrived buffer, the step's
-other calls add straight into it, and that buffer is sent on. ``peak_bytes_per_token``
-(``flashx.ring.memory``) counts every buffer of both exchanges.
+other calls add straight into it, and that buffer is sent on. In head groups
+(``flashx.ring.heads``) the backward traverses the ring once per group of KV heads, its sums and
+shards a group's, each group's sums written into the whole gradients once complete: 1/G of those
+buffers for G traversals. ``peak_bytes_per_token`` (``flashx.ring.memory``) counts every buffer
+of both exchanges.
 """
 
 from __future__ import annotations
@@ -77,11 +80,13 @@ class RingAttention(torch.autograd.Function):
 
 class Ring:
     """The ranks this process runs (one, or all of them in a simulation), the messages between
-    them, the exchange of K/V ("ring" or "all_gather") and the sinks every row joins once (None:
-    none), in the lse's dtype."""
+    them, the exchange of K/V ("ring" or "all_gather"), the sinks every row joins once (None:
+    none), in the lse's dtype, and the backward's head groups (``flashx.ring.heads``): each
+    ``HeadGroup`` with the ranks planned on its heads, one group of every head with ``ranks``."""
 
-    def __init__(self, ranks: list[Rank], messages, exchange: str, sinks):
+    def __init__(self, ranks: list[Rank], messages, exchange: str, sinks, head_groups: list[tuple]):
         self.ranks, self.messages, self.exchange, self.sinks = ranks, messages, exchange, sinks
+        self.head_groups = head_groups
         self.world_size = len(ranks[0].calls)
 
     def source(self, rank: Rank, step: int, backward: bool) -> int:
@@ -128,26 +133,52 @@ class Ring:
         return [o.to(q.dtype) for o, q in zip(os, qs)], list(lses), keyless
 
     def backward(self, qs, ks, vs, os, lses, dos, keyless):
+        """dq, dk, dv of every rank in the inputs' dtype, and dsinks (None without sinks). One head
+        group's sums are the gradients, converted; more groups' are written into gradients made
+        first, each group's once summed, and dropped before the next group's are made."""
+        if len(self.head_groups) == 1:
+            ((_, ranks),) = self.head_groups
+            sums = self._backward_heads(ranks, qs, ks, vs, os, lses, dos)
+            grads = [[x.to(like.dtype) for x, like in zip(xs, likes)] for xs, likes in zip(sums, (qs, ks, vs))]
+        else:
+            grads = [[torch.empty_like(x) for x in xs] for xs in (qs, ks, vs)]
+            for group, ranks in self.head_groups:
+                heads = [[of(x) for x in xs] for of, xs in ((group.queries_of, qs), (group.keys_of, ks),
+                                                            (group.keys_of, vs), (group.queries_of, os),
+                                                            (group.lse_of, lses), (group.queries_of, dos))]
+                _write_heads(group, self._backward_heads(ranks, *heads), grads)
+        dsinks = None
+        if self.sinks is not None:
+            dsinks = sum(map(sink_gradient, os, lses, dos, keyless, itertools.repeat(self.sinks)))
+        return (*grads, dsinks)
+
+    def _backward_heads(self, ranks: list[Rank], qs, ks, vs, os, lses, dos) -> tuple[list, list, list]:
+        """The ring's backward on the heads of q, k, v, o, lse and do given (every rank's), by
+        ``ranks``, planned on them: each rank's dq, dk and dv sums, in the LSE's precision. A
+        rank's own K/V shard is read in place (the messages send copies where they must)."""
         accumulate = accumulation_dtype(qs[0])
         dqs = [torch.zeros(q.shape, dtype=accumulate, device=q.device) for q in qs]
         gradients = _RingGradients(self, ks, vs) if self.exchange == "ring" else _GatheredGradients(self, ks, vs)
-        own = [(k.contiguous(), v.contiguous()) for k, v in zip(ks, vs)]
-        for step, shards in _step(self.key_values(own, backward=True)):
+        for step, shards in _step(self.key_values(list(zip(ks, vs)), backward=True)):
             inputs = [(q, *kv, o, lse, do, self.source(rank, step, True), dq)
-                      for rank, q, kv, o, lse, do, dq in zip(self.ranks, qs, shards, os, lses, dos, dqs)]
+                      for rank, q, kv, o, lse, do, dq in zip(ranks, qs, shards, os, lses, dos, dqs)]
             # the first calls run while the step's dK/dV still arrive
-            firsts = [rank.backward_first(*args) for rank, args in zip(self.ranks, inputs)]
+            firsts = [rank.backward_first(*args) for rank, args in zip(ranks, inputs)]
             sums = gradients.arrived(step)
-            for index, rank in enumerate(self.ranks):  # no loop variable keeps a shard past its step
+            for index, rank in enumerate(ranks):  # no loop variable keeps a shard past its step
                 rank.backward_rest(*inputs[index], firsts[index], sums[index])
             inputs = firsts = None
             gradients.pass_on(sums, last=step + 1 == self.world_size)
         dkvs = gradients.finish()
-        dsinks = None
-        if self.sinks is not None:
-            dsinks = sum(map(sink_gradient, os, lses, dos, keyless, itertools.repeat(self.sinks)))
-        return ([dq.to(q.dtype) for dq, q in zip(dqs, qs)], [dk.to(k.dtype) for (dk, _), k in zip(dkvs, ks)],
-                [dv.to(v.dtype) for (_, dv), v in zip(dkvs, vs)], dsinks)
+        return dqs, [dk for dk, _ in dkvs], [dv for _, dv in dkvs]
+
+
+def _write_heads(group, sums: tuple[list, list, list], grads: list[list]) -> None:
+    """Every rank's dq, dk, dv sums of ``group``'s heads written into its heads of the gradients
+    ``grads``, converted (a function: nothing holds the sums once it returns)."""
+    for summed, whole, of in zip(sums, grads, (group.queries_of, group.keys_of, group.keys_of)):
+        for part, grad in zip(summed, whole):
+            of(grad).copy_(part)
 
 
 def _step(key_values: Iterator[list]) -> Iterator[tuple[int, list]]:

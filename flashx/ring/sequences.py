@@ -17,8 +17,10 @@ the two chunks at the same places relative to its length: causal attention gives
 document's fragment the same band (whole, none or the diagonal), and a pair is one call however
 many documents it holds. A window, or dropout's offsets, which move with a document's length,
 part documents of different lengths into calls of their own. Dropout is drawn at positions
-within each sequence (the ``dropout_offsets`` option, and the sequence's own index in a packed
-call), so the mask is the one ``flashx.attention`` draws on the whole sequence, bit for bit.
+within each sequence (the ``dropout_offsets`` option, and the sequence's own index in the call:
+its batch entry, or its document in a packed call; calls on a group of heads renumber them, each
+padded entry then a packed call of its own: ``flashx.ring.heads``), so the mask is the one
+``flashx.attention`` draws on the whole sequence, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from flashx.ring.heads import HeadGroup
 from flashx.ring.layouts import Interval
 
 
@@ -133,9 +136,13 @@ class Sequences:
                 if x0 < x1:
                     yield _Piece(sequence, interval.row + x0 - start, x0 - begin, x1 - x0)
 
-    def calls(self, fragments: list[_Fragment]) -> list[tuple]:
-        """(rows, keys, window, offsets, lengths) of each backend call that serves ``fragments``:
-        lengths are the keywords (``seqlens_*`` or ``cu_seqlens_*``) as host lists, or {}."""
+    def calls(self, fragments: list[_Fragment], head_group: HeadGroup | None = None) -> list[tuple]:
+        """(batch, rows, keys, window, offsets, lengths) of each backend call that serves
+        ``fragments``: batch indexes the (B, N/W, ...) shards' batch axis (every entry, or one, whose
+        axis it drops), lengths are the keywords (``seqlens_*`` or ``cu_seqlens_*``) as host lists,
+        or {}. ``head_group``: the calls of a group of heads with dropout, whose sequences are
+        renumbered as their dropout streams need (``flashx.ring.heads``); in the padded layout each
+        batch entry is then a packed call of its own, the one way to renumber it."""
         if self.packed:  # documents side by side, with one window and offsets: one packed call
             groups = []
             for fragment in fragments:
@@ -146,17 +153,12 @@ class Sequences:
                     groups[-1].append(fragment)
                 else:
                     groups.append([fragment])
-            calls = []
-            for group in groups:
-                rows, keys = slice(group[0].rows.start, group[-1].rows.stop), slice(group[0].keys.start,
-                                                                                    group[-1].keys.stop)
-                counts = {f.sequence: (_length(f.rows), _length(f.keys)) for f in group}
-                documents = len(self.offsets) - 1
-                cu_q = [0] + list(itertools.accumulate(counts.get(d, (0, 0))[0] for d in range(documents)))
-                cu_k = [0] + list(itertools.accumulate(counts.get(d, (0, 0))[1] for d in range(documents)))
-                calls.append((rows, keys, group[0].window, group[0].offsets,
-                              {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}))
-            return calls
+            return [(0, slice(group[0].rows.start, group[-1].rows.stop),
+                     slice(group[0].keys.start, group[-1].keys.stop), group[0].window, group[0].offsets,
+                     self._packed_lengths(group, head_group)) for group in groups]
+        if head_group is not None:
+            return [(f.sequence, f.rows, f.keys, f.window, f.offsets, self._packed_lengths([f], head_group))
+                    for f in fragments]
         groups = {}  # batch entries with one fragment: one padded call, the others' lengths 0
         for fragment in fragments:
             key = (fragment.rows.start, fragment.rows.stop, fragment.keys.start, fragment.keys.stop, fragment.window,
@@ -169,8 +171,20 @@ class Sequences:
             if len(members) < len(self.lengths):
                 lengths = {"seqlens_q": [_length(rows) * (b in members) for b in range(len(self.lengths))],
                            "seqlens_k": [_length(keys) * (b in members) for b in range(len(self.lengths))]}
-            calls.append((rows, keys, first.window, first.offsets, lengths))
+            calls.append((slice(None), rows, keys, first.window, first.offsets, lengths))
         return calls
+
+    def _packed_lengths(self, fragments: list[_Fragment], head_group: HeadGroup | None) -> dict:
+        """The cu_seqlens of a packed call of ``fragments``, side by side in sequence order: one
+        document per sequence, empty but for theirs, renumbered for ``head_group``."""
+        counts = {f.sequence: (_length(f.rows), _length(f.keys)) for f in fragments}
+        documents = len(self.offsets) - 1 if self.packed else len(self.lengths)
+        if head_group is not None:
+            counts = {head_group.document(d): lengths for d, lengths in counts.items()}
+            documents *= head_group.count
+        cu_q = [0] + list(itertools.accumulate(counts.get(d, (0, 0))[0] for d in range(documents)))
+        cu_k = [0] + list(itertools.accumulate(counts.get(d, (0, 0))[1] for d in range(documents)))
+        return {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
 
 
 def _shifted(part: slice, by: int) -> slice:

@@ -22,6 +22,7 @@ from flashx.accumulate import run_backward_into, run_forward_into
 from flashx.options import complete
 from flashx.plan import plan
 from flashx.problem import Problem
+from flashx.ring.heads import HeadGroup
 from flashx.ring.layouts import chunks
 from flashx.ring.sequences import Sequences
 
@@ -29,11 +30,12 @@ from flashx.ring.sequences import Sequences
 @dataclass(frozen=True)
 class _Call:
     """One backend call of a step: query rows ``rows`` of the shard against keys ``keys`` of the
-    K/V shard held (of every batch entry, or of the packed axis), planned once."""
+    K/V shard held (of every batch entry, or of one: the packed axis, or a padded entry served as a
+    packed call), planned once."""
 
     rows: slice
     keys: slice
-    batch: object  # index of the batch axis: every entry (padded) or the one packed axis (then dropped)
+    batch: object  # index of the batch axis: every entry (a padded call) or one (a packed call: then dropped)
     problem: Problem
     impl: object
 
@@ -55,42 +57,49 @@ class Rank:
     """One rank's part of a ring call: for the K/V shard of each source rank, the calls of its step.
     Calls are planned (validated, a backend chosen) once, from this rank's shards, whose shapes
     every source's shard shares; ``Rank.planned`` keeps them for later ring calls of the same
-    description, such as every layer's of one training step."""
+    description, such as every layer's of one training step. ``renumbered``: the head group whose
+    sequences the calls renumber for dropout (``flashx.ring.heads``)."""
 
     KEPT = 16  # ring calls of distinct descriptions whose ranks ``planned`` keeps, the latest ones
     _kept: collections.OrderedDict = collections.OrderedDict()
 
     @classmethod
     def planned(cls, index: int, world_size: int, layout: str, problem: Problem, sequences: Sequences, backend,
-                q, k, v) -> Rank:
+                q, k, v, head_group: HeadGroup | None = None) -> Rank:
         """``Rank(...)``, or the one an earlier call of the same description made: the same rank,
         layout, problem (every field but the arrays' values, which the ring reads into
         ``sequences``, and the dropout seed and offset with them), sequences, backend, registered
-        backends, and shards' metadata. Planning a call of many documents takes the host
-        milliseconds, while the GPU waits at its start."""
+        backends, head group, and shards' metadata. Planning a call of many documents takes the
+        host milliseconds, while the GPU waits at its start. ``head_group``: the calls of its heads
+        of the shards q, k, v; the groups of a call share one plan but where they renumber their
+        sequences for dropout."""
+        if head_group is not None:
+            q, k, v = head_group.queries_of(q), head_group.keys_of(k), head_group.keys_of(v)
+            if head_group.count == 1 or problem.dropout_p == 0:
+                head_group = None  # the same calls for every group
         key = (index, world_size, layout, problem.static_key, problem.seed, problem.rng_offset, sequences, backend,
-               registry.version(), *map(arrays.metadata, (q, k, v)))
-        rank = cls._kept.pop(key, None) or cls(index, world_size, layout, problem, sequences, backend, q, k, v)
+               registry.version(), head_group, *map(arrays.metadata, (q, k, v)))
+        rank = cls._kept.pop(key, None) or cls(index, world_size, layout, problem, sequences, backend, q, k, v,
+                                               renumbered=head_group)
         cls._kept[key] = rank
         while len(cls._kept) > cls.KEPT:
             cls._kept.popitem(last=False)
         return rank
 
     def __init__(self, index: int, world_size: int, layout: str, problem: Problem, sequences: Sequences, backend,
-                 q, k, v):
+                 q, k, v, renumbered: HeadGroup | None = None):
         self.index = index
         length = q.shape[1] * world_size
         mine = chunks(layout, world_size, index, length, sequences.offsets)
         common = {"softmax_scale": problem.softmax_scale, "softcap": problem.softcap, "dropout_p": problem.dropout_p,
                   "seed": problem.seed, "rng_offset": problem.rng_offset}
-        batch = 0 if sequences.packed else slice(None)
         self.calls = []
         for source in range(world_size):
             calls = []
             theirs = chunks(layout, world_size, source, length, sequences.offsets)
             for query_chunk, key_chunk in itertools.product(mine, theirs):
                 fragments = sequences.fragments(problem.band, query_chunk, key_chunk, problem.dropout_p > 0)
-                for rows, keys, window, offsets, lengths in sequences.calls(fragments):
+                for batch, rows, keys, window, offsets, lengths in sequences.calls(fragments, renumbered):
                     options = complete("ring_attention", dict(common, window=window, dropout_offsets=offsets,
                                                               **_vouched(lengths, q.device)))
                     calls.append(_Call(rows, keys, batch, *plan(q[batch, rows], k[batch, keys], v[batch, keys],
