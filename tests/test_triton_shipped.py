@@ -6,6 +6,7 @@ stood in for; ``run`` records what would have been launched.
 """
 
 import os
+import json
 from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported (they import lazily)
@@ -98,6 +99,35 @@ def test_a_shipped_choice_holds_from_its_length_class_up():
             assert tuning.shipped("forward", problem(n), "sm_90") == want, n
         assert tuning.shipped("forward", problem(d=64), "sm_90") is None
         assert tuning.shipped("forward", problem(), "sm_80") is None
+
+
+def test_dropout_takes_its_own_group_where_the_table_has_one():
+    plain, dropped = {"512": "128x128 w8 s3"}, {"512": "128x64 w8 s3"}
+    table = {"sm_90": {"choices": {"forward d128 bfloat16 full": plain, "forward d128 bfloat16 full dropout": dropped}}}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning, "_shipped", lambda: table)
+        with_dropout = SimpleNamespace(**{**vars(problem()), "dropout_p": 0.1})
+        assert tuning.shipped("forward", with_dropout, "sm_90") == Config(128, 64, 8, 3)
+        assert tuning.shipped("forward", problem(), "sm_90") == Config(128, 128, 8, 3)
+        causal_dropout = SimpleNamespace(**{**vars(problem(causal=True)), "dropout_p": 0.1})
+        assert tuning.shipped("forward", causal_dropout, "sm_90") is None  # no band group at all
+
+
+def test_encoding_a_partial_sweep_keeps_the_groups_it_did_not_reach(tmp_path, monkeypatch):
+    from flashx_triton import defaults
+
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"sm_90": {"measured": "before", "choices": {"dq d64 bfloat16 full": {"512": "64x64 w4 s3"}}}}))
+    monkeypatch.setattr(tuning, "SHIPPED", shipped)
+    choice = tuning._encoded(Config(128, 64, 8, 3))
+    sweep = tmp_path / "sweep.json"  # B=2, N=8k, H=16, d128: the sweep's rows, n14 r19
+    sweep.write_text(json.dumps({"device": "GPU", "capability": [9, 0], "triton": "3.6", "date": "2026-11-29", "keys": {
+        "forward-d128x128-bfloat16-full-n14-r19-dropout": {"choice": choice, "medians": [[choice, 1.0]]}}}))
+    defaults.encode(str(sweep))
+    written = json.loads(shipped.read_text())["sm_90"]
+    assert written["choices"] == {"dq d64 bfloat16 full": {"512": "64x64 w4 s3"},
+                                  "forward d128 bfloat16 full dropout": {"8192": "128x64 w8 s3"}}
+    assert written["measured"].startswith("before; GPU, Triton 3.6, 2026-11-29")
 
 
 def test_the_default_call_runs_the_shipped_choice_untimed(gpu, monkeypatch):

@@ -7,7 +7,9 @@
 
 ``sweep`` runs the tuner (FLASHX_TRITON_AUTOTUNE=1) at the benchmark's points: bf16 and fp16
 fwd+bwd, fp32 forwards and FP8 (e4m3, no descales) forwards, d 64/128/256, causal or not, N
-512..16k, B = 16384 / N and H = 2048 / d, plus the off-sweep shapes of issue 26. Compiling every
+512..16k, B = 16384 / N and H = 2048 / d, bf16 fwd+bwd with dropout 0.1 at N = 8k (whose kernels
+are tuned apart: ``tuning.kernel_key``), plus the off-sweep shapes of issue 26; ``POINTS`` (labels,
+comma-separated: "sweep", "dropout", "first-call", ...) sweeps some of them. Compiling every
 candidate is most of a cold tuning's time, so worker processes first compile them all (one shape
 per class, timings stubbed) into the shared Triton cache, in parallel; the tuner then runs
 serially on a quiet GPU.
@@ -36,6 +38,8 @@ OFF_SWEEP = [("first-call", 2, 6000, 16, 16, 128, True, "bfloat16", True),
              ("gqa-full", 4, 4096, 32, 8, 128, False, "bfloat16", True),
              ("fp32-d256", 8, 2048, 8, 8, 256, True, "float32", False),
              ("fp32-d256", 2, 8192, 8, 8, 256, False, "float32", False)]
+# dropout 0.1 (``_step``) at one length of the sweep's shapes: its tables hold one entry each
+DROPOUT = [("dropout", 2, 8192, 2048 // d, 2048 // d, d, causal, "bfloat16", True) for d in (128, 64) for causal in (True, False)]
 
 
 def sweep_points():
@@ -46,9 +50,12 @@ def sweep_points():
             for causal in (True, False):
                 for n in SEQLENS:
                     points.append(("sweep", 16384 // n, n, 2048 // d, 2048 // d, d, causal, dtype, backward))
+        if dtype == "bfloat16":
+            points += DROPOUT
         if dtype == "float16":
             points += OFF_SWEEP
-    return points
+    wanted = os.environ.get("POINTS")
+    return [point for point in points if wanted is None or point[0] in wanted.split(",")]
 
 
 def _inputs(point):
@@ -68,7 +75,8 @@ def _inputs(point):
 def _step(point, q, k, v, do):
     import flashx
 
-    o = flashx.attention(q, k, v, causal=point[6], backend="triton")
+    dropout = {"dropout_p": 0.1, "seed": 0} if point[0] == "dropout" else {}
+    o = flashx.attention(q, k, v, causal=point[6], backend="triton", **dropout)
     if point[8]:
         o.backward(do)
     return o
@@ -149,9 +157,10 @@ TOLERANCE = 1.03  # a choice is kept for the next length class while within 3% o
 
 
 def encode(sweep_json: str) -> None:
-    """The shipped table from a ``sweep``: per kernel, head-dim class, dtype and band, the tuner's
-    choice at each length class of the sweep, kept for longer classes while it stays within
-    TOLERANCE of their fastest candidate (so run-to-run ties do not flip the table)."""
+    """The shipped table from a ``sweep``: per kernel, head-dim class, dtype, band and dropout, the
+    tuner's choice at each length class of the sweep, kept for longer classes while it stays within
+    TOLERANCE of their fastest candidate (so run-to-run ties do not flip the table). The groups a
+    sweep of some ``POINTS`` did not reach keep their entries."""
     import re
 
     from flashx_triton import tuning
@@ -160,12 +169,15 @@ def encode(sweep_json: str) -> None:
     rows = 16384 * 2048 // 128  # the sweep's query rows at d <= 128 (d 256: half), one size class each
     groups = {}
     for key, found in record["keys"].items():
-        kernel, d, dtype, band, length, row_class = re.fullmatch(r"(\w+)-d(\d+)x\d+-(\w+)-(band|full)-n(\d+)-r(\d+)",
-                                                                key).groups()
+        kernel, d, dtype, band, length, row_class, dropout = re.fullmatch(
+            r"(\w+)-d(\d+)x\d+-(\w+)-(band|full)-n(\d+)-r(\d+)(-dropout)?", key).groups()
         if int(row_class) != min(rows * 128 // max(int(d), 128), 1 << 18).bit_length():
             continue  # an off-sweep shape
-        groups.setdefault(f"{kernel} d{d} {dtype} {band}", {})[int(length)] = found
-    table = {}
+        groups.setdefault(f"{kernel} d{d} {dtype} {band}{' dropout' if dropout else ''}", {})[int(length)] = found
+    shipped = tuning.SHIPPED
+    document = json.loads(shipped.read_text()) if shipped.exists() else {}
+    capability = f"sm_{''.join(map(str, record['capability']))}"
+    table = dict(document.get(capability, {}).get("choices", {}))
     for group, by_length in sorted(groups.items()):
         entries, kept = {}, None
         for length in sorted(by_length):
@@ -174,11 +186,11 @@ def encode(sweep_json: str) -> None:
                 kept = by_length[length]["choice"]
                 entries[str(1 << (length - 1))] = tuning.text(kept)
         table[group] = entries
-    shipped = tuning.SHIPPED
-    document = json.loads(shipped.read_text()) if shipped.exists() else {}
-    document[f"sm_{''.join(map(str, record['capability']))}"] = {
-        "measured": f"{record['device']}, Triton {record.get('triton', '3.6')}, {record.get('date', '2026-11-26')}: "
-                    "python -m flashx_triton.defaults sweep, then encode", "choices": table}
+    measured = (f"{record['device']}, Triton {record.get('triton', '3.6')}, {record.get('date', '2026-11-26')}: "
+                f"python -m flashx_triton.defaults sweep, then encode ({', '.join(sorted(groups))})")
+    earlier = document.get(capability, {}).get("measured")
+    document[capability] = {"measured": f"{earlier}; {measured}" if earlier else measured,
+                            "choices": dict(sorted(table.items()))}
     shipped.write_text(json.dumps(document, indent=1) + "\n")
     print(f"{shipped}: {len(table)} groups, {sum(map(len, table.values()))} entries from {record['device']}")
 

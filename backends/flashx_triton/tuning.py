@@ -222,9 +222,11 @@ def _shipped() -> dict:
 
 def shipped(kernel: str, problem, capability: str) -> Config | str | None:
     """The shipped choice for ``kernel`` on ``problem`` on a GPU of ``capability``: the entry of the
-    longest length class at or below the problem's (or the shortest entry); None where none is shipped."""
-    entries = shipped_table(capability).get(f"{kernel} d{problem.head_dim_class} {problem.dtype} "
-                                            f"{'band' if problem.band is not None else 'full'}")
+    longest length class at or below the problem's (or the shortest entry); None where none is
+    shipped. With dropout, its group's entries where the table has them, else those without."""
+    table = shipped_table(capability)
+    group = f"{kernel} d{problem.head_dim_class} {problem.dtype} {'band' if problem.band is not None else 'full'}"
+    entries = (problem.dropout_p > 0 and table.get(f"{group} dropout")) or table.get(group)
     if not entries:
         return None
     length, _ = size_class(problem)
