@@ -538,10 +538,14 @@ struct DecodeCta {
     }
 };
 
-// ptxas's own register target for the float32 build with bulk copies (96 at d64, 16 rows) spilled a
-// few bytes; the bound of one CTA an SM lets it take what it needs. A float32 CTA holds over 110 KB of
-// shared memory, at most two an SM, which no register count up to 255 lowers.
-#if BULK && DTYPE == 2
+// ptxas's own register targets for some builds with bulk copies spilled (float32 at d64 and 16 rows:
+// 96 registers; an FP8 cache at d64 and 32 rows with a mask and softcap: 128); the bound of one CTA an
+// SM lets them take what they need, and they keep the CTAs an SM of their cp.async builds: a float32
+// CTA's shared memory holds at most two, which no register count up to 255 lowers, and the FP8
+// builds' registers fit as many CTAs as their cp.async builds' (flashx_cupy.resources). The 16-bit
+// caches' bulk builds keep ptxas's targets: with the bound, one at d64 took 176 registers, a CTA
+// fewer an SM.
+#if BULK && (DTYPE == 2 || FP8_CACHE)
 #define DECODE_BOUNDS __launch_bounds__(THREADS, 1)
 #else
 #define DECODE_BOUNDS __launch_bounds__(THREADS)
