@@ -295,8 +295,10 @@ struct DecodeCta {
     // The barriers, armed for the tiles the prologue requests, and the stages' columns past the
     // head dims zeroed; before a barrier of the CTA.
     __device__ __forceinline__ void prepare_bulk() {
-        if (threadIdx.x == 0)
+        if (threadIdx.x == 0) {
             for (int stage = 0; stage < STAGES; ++stage) bar_init(sFull + stage, 1);
+            fence_proxy_async();  // the initialized barriers, for the copies that complete on them
+        }
         for (int ahead = 0; ahead < STAGES - 1; ++ahead) expect(tile_lo + ahead, ahead);
         zero_columns<STAGES * BLOCK_N, DIM_QK, CACHE_LD_QK>(sKs, p.head_dim);
         zero_columns<STAGES * BLOCK_N, DIM_V, CACHE_LD_V>(sVs, p.head_dim_v);
