@@ -942,7 +942,8 @@ def test_fp8_decode_variant():
         assert fp8.fp8_cache and fp8.macros["FP8_CACHE"] == 1 and fp8.macros["DTYPE"] == 0 and fp8.macros["PAGED"]
         assert (fp8.block_n, fp8.warps, fp8.stages) == variants.DECODE_TILES["8", dim]
         pad, stages = 8, fp8.stages  # one widened 16-bit tile, the stages in bytes, two tiles' (page, slot)
-        assert fp8.shared_memory == (16 * (dim + pad) * 2 + 64 * 2 * (dim + pad) * 2 + stages * 64 * 2 * dim + 2 * 64 * 8)
+        assert fp8.shared_memory == (16 * (dim + pad) * 2 + 64 * 2 * (dim + pad) * 2 + stages * 64 * 2 * dim + 2 * 64 * 8
+                                     + stages * 8)  # and a barrier a stage
         plain, *_ = _decode_problem(dtype="float16", head_dim=dim)
         assert variants.choose_decode("decode", plain, aligned=True).macros["FP8_CACHE"] == 0
     assert "FP8_CACHE" not in variants.choose("forward", _problem(), aligned=True).macros
@@ -959,7 +960,7 @@ def test_fp8_resources_build_the_shipped_variants():
     and row counts."""
     from flashx_cupy import resources
 
-    built = resources.decode_variants("decode", "bfloat16", 64, [16, 32, 64], {"fp8_cache": True, "paged": True})
+    built = resources.decode_variants("decode", "bfloat16", 64, [16, 32, 64], {"fp8_cache": True, "paged": True}, "90")
     assert [variant.block_m for variant in built] == [16, 32]
     assert all((v.fp8_cache, v.stages, v.block_n) == (True, variants.DECODE_TILES["8", 64][2], 64) for v in built)
 
@@ -998,6 +999,103 @@ def test_decode_kernels_share_one_build():
     variant = variants.choose_decode("decode", contiguous, aligned=False)
     assert variant.macros["PAGED"] == variant.macros["ALIGNED"] == 0 and variant.macros["DTYPE"] == 2
     assert (variant.dim_qk, variant.dim_v, variant.block_m, variant.block_n) == (256, 64, 16, 32)
+
+
+@pytest.mark.parametrize("capability, is_aligned, bulk", [
+    ("90", True, True),
+    ("90", False, False),  # a row's copy must be 16-byte aligned, a whole number of 16 bytes
+    ("80", True, False),  # bulk copies and mbarrier waits are sm_90's
+    ("89", True, False),
+    ("100", True, False),
+])
+def test_decode_bulk_choice(monkeypatch, capability, is_aligned, bulk):
+    """Decoding copies K and V rows in bulk on compute capability 9.0 for aligned operands; the
+    switch brings back cp.async."""
+    monkeypatch.delenv(variants.DECODE_BULK_ENV, raising=False)
+    assert variants.decode_bulk(is_aligned, capability) is bulk
+    monkeypatch.setenv(variants.DECODE_BULK_ENV, "0")
+    assert variants.decode_bulk(is_aligned, capability) is False
+    monkeypatch.setenv(variants.DECODE_BULK_ENV, "1")
+    assert variants.decode_bulk(is_aligned, capability) is bulk
+
+
+def test_decode_bulk_variant():
+    """The load path is the BULK macro of all three decoding kernels' one build; it changes neither
+    the tiles nor the shared memory (the stages' barriers are reserved either way), so the split
+    count and the CTAs an SM are the same for both paths."""
+    for cache_dtype, page_size in ((None, None), ("float8_e4m3fn", 16)):
+        problem, *_ = _decode_problem(cache_dtype=cache_dtype, page_size=page_size)
+        bulk = [variants.choose_decode(kernel, problem, aligned=True, bulk=True) for kernel in variants.DECODE_KERNELS]
+        assert len({variant.options for variant in bulk}) == 1 and bulk[0].macros["BULK"] == 1
+        plain = variants.choose_decode("decode", problem, aligned=True)
+        assert plain.macros["BULK"] == 0 and not plain.decode_bulk
+        assert plain.shared_memory == bulk[0].shared_memory
+        assert decode.count_splits(problem, plain, 132, 228 * 1024) == decode.count_splits(problem, bulk[0], 132,
+                                                                                         228 * 1024)
+    assert "BULK" not in variants.choose("forward", _problem(), aligned=True).macros  # no rebuild of the others
+    text = variants.source("decode.cu")
+    assert text.count("void bulk_load(") == 1 and text.count("void bar_wait(") == 1  # mbarrier.cuh's, inlined once
+
+
+@pytest.mark.parametrize("capability, switch, is_aligned, bulk", [
+    ("90", None, True, True),
+    ("90", "0", True, False),
+    ("90", None, False, False),
+    ("80", None, True, False),
+])
+def test_decode_launches_bulk(monkeypatch, capability, switch, is_aligned, bulk):
+    """``decode`` builds the split kernel with bulk copies as ``variants.decode_bulk`` says for the
+    device and the operands, and the append and merge kernels from the same build."""
+    import contextlib
+
+    if switch is None:
+        monkeypatch.delenv(variants.DECODE_BULK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(variants.DECODE_BULK_ENV, switch)
+    problem, q, (k_cache, v_cache), tokens = _decode_problem(batch=2, seqlen_q=1, slots=256, new=1, num_splits=3)
+    device = SimpleNamespace(id=0, compute_capability=capability)
+    launched = []
+    monkeypatch.setattr(decode, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
+    monkeypatch.setattr(decode, "aligned", lambda problem, *tensors: is_aligned)
+    monkeypatch.setattr(decode, "device_size", lambda device_id: (132, 228 * 1024))
+    monkeypatch.setattr(decode, "launch", lambda variant, *args: launched.append(variant))
+    decode.decode(problem, q, k_cache, v_cache, tokens["k_new"], tokens["v_new"])
+    assert [variant.kernel for variant in launched] == ["decode_append", "decode", "decode_merge"]
+    assert {variant.decode_bulk for variant in launched} == {bulk} and len({v.options for v in launched}) == 1
+
+
+def test_resources_build_decoding_as_the_host_does():
+    """``python -m flashx_cupy.resources`` builds decoding's bulk copies for sm_90 and cp.async
+    elsewhere, unless the features say ``decode_bulk``."""
+    from flashx_cupy import resources
+
+    assert all(v.decode_bulk for v in resources.decode_variants("decode", "bfloat16", 128, [16, 32], {}, "90"))
+    assert not any(v.decode_bulk for v in resources.decode_variants("decode", "bfloat16", 128, [16], {}, "80"))
+    assert not any(v.decode_bulk for v in resources.decode_variants("decode", "bfloat16", 128, [16],
+                                                                    {"aligned": False}, "90"))
+    assert not any(v.decode_bulk for v in resources.decode_variants("decode", "bfloat16", 128, [16],
+                                                                    {"decode_bulk": False}, "90"))
+
+
+@pytest.mark.parametrize("features", [
+    {},
+    {"paged": True, "mask": True, "softcap": True, "alibi": True, "sinks": True},
+    {"fp8_cache": True, "paged": True},
+])
+def test_decode_bulk_compiles(features):
+    """NVRTC builds the bulk-copy decoding kernel for sm_90: one bulk copy a row on the stage's
+    mbarrier, no cp.async of K or V (Q's alone)."""
+    _nvrtc()
+    from flashx_cupy import resources
+
+    texts = {bulk: resources.ptx(resources.decode_variants("decode", "bfloat16", 128, [16],
+                                                          {"decode_bulk": bulk, **features}, "90")[0], "90")
+             for bulk in (True, False)}
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in texts[True]
+    assert "mbarrier.try_wait.parity" in texts[True] and "mbarrier.arrive.expect_tx" in texts[True]
+    assert "mbarrier" not in texts[False] and "cp.async.bulk" not in texts[False]
+    copies = [text.count("cp.async.cg.shared.global") for text in (texts[True], texts[False])]
+    assert 0 < copies[0] < copies[1]  # Q's alone
 
 
 def test_count_splits():

@@ -13,10 +13,15 @@ holding tensor-core products (the tile loops) are counted by opcode.
     python -m flashx_cupy.resources --kernel dq_sm90 dkdv_sm90 --dtype bfloat16 float16 --dim 64 128 --features mask=1,dropout=1
     python -m flashx_cupy.resources --kernel decode decode_merge decode_append --features paged=1,mask=1
     python -m flashx_cupy.resources --kernel decode decode_append --dtype bfloat16 float16 --features fp8_cache=1
+    python -m flashx_cupy.resources --kernel decode --dim 128 --rows 16 --features decode_bulk=0 --blocks
 
 NVRTC 13.0 is the one CuPy 14.2 uses on the lent GPUs; cuda-bindings (numba-cuda's dependency)
 finds the wheel's library. A spill or a register count here is what the GPU will run; a block's
-opcode counts are the static instructions of one tile, a proxy for its issue cost.
+opcode counts are the static instructions of one tile, a proxy for its issue cost. Decoding builds
+its K and V copies the way the host does on ``--arch`` (``variants.decode_bulk``: bulk copies on
+90) unless the features say ``decode_bulk``; with ``--blocks`` a kernel's copy instructions into
+shared memory are counted too (LDGSTS: cp.async's 16 bytes a thread; UBLKCP: a bulk copy, in
+ptxas's loop over the lanes that issue one).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
               f"(stores/loads), shared {variant.shared_memory} B"
               + (", TMA" * variant.tma + f", {variant.v_buffers} V buffers" if variant.kernel == "forward_sm90" else "")
               + (f", {variant.stages} stages" + ", paged" * variant.paged + ", fp8 cache" * variant.fp8_cache
+                 + ", bulk" * variant.decode_bulk
                  if variant.stages else ""))
         for line in built.splitlines():  # e.g. wgmma serialized by ptxas (info C7510, C7512), which costs the overlap
             if "warning" in line.lower() or "Performance Loss" in line:
@@ -97,6 +103,8 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
             sass = subprocess.run([tool("nvdisasm"), "-c", str(binary)], capture_output=True, text=True,
                                   check=True).stdout
             code = sass.split(f".text.{variant.entry_point}:")[1].split(".section")[0]
+            copies = collections.Counter(op for op in _SASS_LINE.findall(code) if op in ("LDGSTS", "UBLKCP"))
+            print(f"    copies: LDGSTS={copies['LDGSTS']} UBLKCP={copies['UBLKCP']}")
             for block in re.split(r"^\.L_x_\d+:", code, flags=re.MULTILINE):
                 counts = collections.Counter(_SASS_LINE.findall(block))
                 if counts["HMMA"] + counts["HGMMA"] >= 16:
@@ -104,9 +112,12 @@ def report(variant: variants.Variant, arch: str, blocks: bool) -> None:
                     print(f"    block of {sum(counts.values())}: {top}")
 
 
-def decode_variants(kernel: str, dtype: str, dim: int, rows: list[int], features: dict) -> list[variants.Variant]:
+def decode_variants(kernel: str, dtype: str, dim: int, rows: list[int], features: dict,
+                    arch: str) -> list[variants.Variant]:
     """The shipped decoding variants of ``kernel`` at head dim ``dim``, one per CTA row count (an FP8
-    cache's tiles with ``fp8_cache``)."""
+    cache's tiles with ``fp8_cache``), loading K and V as the host would on ``arch`` unless
+    ``features`` says ``decode_bulk``."""
+    features = {"decode_bulk": variants.decode_bulk(features.get("aligned", True), arch), **features}
     width = "8" if features.get("fp8_cache") else "32" if dtype == "float32" else "16"
     block_n, warps, stages = variants.DECODE_TILES[width, dim]
     return [variants.Variant(kernel, dtype, dim, dim, block_m, block_n, warps, stages=stages, **features)
@@ -147,7 +158,7 @@ def main() -> None:
         for dtype in args.dtype:
             for dim in args.dim:
                 if kernel in variants.DECODE_KERNELS:
-                    for variant in decode_variants(kernel, dtype, dim, args.rows, features):
+                    for variant in decode_variants(kernel, dtype, dim, args.rows, features, args.arch):
                         report(variant, args.arch, args.blocks)
                     continue
                 if kernel == "forward_sm90":

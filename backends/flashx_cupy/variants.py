@@ -127,6 +127,8 @@ DECODE_ROW_ELEMENTS = 4096
 #: each reading the (byte-wide) cache.
 DECODE_FP8_ROWS = 32
 DECODE_KERNELS = ("decode", "decode_merge", "decode_append")
+#: Set to "0", decoding loads K and V by cp.async where it would take bulk copies (``decode_bulk``).
+DECODE_BULK_ENV = "FLASHX_CUPY_DECODE_BULK"
 FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "forward_fp8_sm90": "forward_fp8_sm90.cu",
          "dq": "dq.cu", "dkdv": "dkdv.cu", "dkdv_sm90": "dkdv_sm90.cu", "dq_sm90": "dq_sm90.cu", "delta": "dq.cu",
          **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
@@ -178,6 +180,7 @@ class Variant:
     stages: int = 0  # decoding: key tiles in flight
     paged: bool = False  # decoding: the cache is paged (block_table)
     fp8_cache: bool = False  # decoding: the cache is float8_e4m3fn (kernels/fp8.cuh), ``dtype`` the queries'
+    decode_bulk: bool = False  # decoding: K and V rows by bulk copies on mbarriers, not cp.async (``decode_bulk``)
     tma: bool = False  # forward_sm90: K and V tiles by TMA, from Params' tensor maps (flashx_cupy.tma)
     v_buffers: int = 3  # forward_sm90: V's ring; with 2 the first tile's zeros lie in it (FORWARD_SM90_TILES)
 
@@ -211,8 +214,8 @@ class Variant:
             "ALIGNED": int(self.aligned),
             "DKDV_PARTS": self.dkdv_parts,
             "DQ_ATOMIC": int(self.dq_atomic),
-            **({"STAGES": self.stages, "PAGED": int(self.paged), "FP8_CACHE": int(self.fp8_cache)}
-               if self.kernel in DECODE_KERNELS else {}),
+            **({"STAGES": self.stages, "PAGED": int(self.paged), "FP8_CACHE": int(self.fp8_cache),
+                "BULK": int(self.decode_bulk)} if self.kernel in DECODE_KERNELS else {}),
             **({"TMA": int(self.tma), "V_BUFFERS": self.v_buffers} if self.kernel == "forward_sm90" else {}),
         }
 
@@ -228,14 +231,18 @@ class Variant:
         if self.kernel in ("delta", "decode_merge", "decode_append"):
             return 0
         size = ELEMENT_SIZES[self.dtype]
-        if self.kernel == "decode":  # Q, K/V tiles and stages, two tiles' (page, slot), the float32 products' staging
+        if self.kernel == "decode":
+            # Q, K/V tiles and stages, two tiles' (page, slot), the stages' barriers (reserved with or
+            # without bulk copies, so that both load paths hold as many CTAs an SM and take as many
+            # splits), the float32 products' staging
             pad = 16 // size
             tiles = 1 if self.fp8_cache else self.stages  # an FP8 cache's stages are bytes, widened into one tile
             keys = tiles * self.block_n * (self.dim_qk + self.dim_v + 2 * pad) * size
             fp8_stages = self.stages * self.block_n * (self.dim_qk + self.dim_v) if self.fp8_cache else 0
             pages = 2 * self.block_n * 8 if self.paged else 0
+            barriers = 8 * self.stages
             stage = self.block_m * self.block_n * 4 if self.dtype == "float32" else 0
-            return self.block_m * (self.dim_qk + pad) * size + keys + fp8_stages + pages + stage
+            return self.block_m * (self.dim_qk + pad) * size + keys + fp8_stages + pages + barriers + stage
         if self.kernel == "forward_sm90":  # swizzled, unpadded: Q, two K tiles, the V tiles, zeros past two of them; barriers
             v_tiles = self.v_buffers + (self.v_buffers != 2)
             return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + v_tiles * self.dim_v)) + 128
@@ -306,9 +313,10 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
     )
 
 
-def choose_decode(kernel: str, problem, aligned: bool) -> Variant:
+def choose_decode(kernel: str, problem, aligned: bool, bulk: bool = False) -> Variant:
     """The variant of decoding kernel ``kernel`` (one of DECODE_KERNELS) for the DecodeProblem
-    ``problem``; the three of one problem have one set of macros, so one build."""
+    ``problem``, its K and V by bulk copies where ``bulk`` (``decode_bulk``); the three of one
+    problem have one set of macros, so one build."""
     dim_qk, dim_v = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
     widest = max(dim_qk, dim_v)
     width = "8" if problem.fp8 else "32" if problem.dtype == "float32" else "16"
@@ -329,7 +337,18 @@ def choose_decode(kernel: str, problem, aligned: bool) -> Variant:
         stages=stages,
         paged=problem.paged,
         fp8_cache=problem.fp8,
+        decode_bulk=bulk,
     )
+
+
+def decode_bulk(aligned: bool, compute_capability: str) -> bool:
+    """Whether the decoding kernel loads its K and V tiles by 1-D bulk copies completing on
+    mbarriers (one per cache row; sm_90's copy engine) rather than by each thread's 16-byte
+    cp.async: on compute capability 9.0 (CuPy's "90" form), for ``aligned`` operands (a row's
+    copy is 16-byte aligned and a whole number of 16 bytes), unless the environment sets
+    ``DECODE_BULK_ENV`` to "0", the switch that compares the two on one GPU. Either way the kernel
+    computes on the same tiles, so the outputs agree bit for bit."""
+    return compute_capability == "90" and aligned and os.environ.get(DECODE_BULK_ENV, "1") != "0"
 
 
 def decode_block_m(rows: int, widest: int, fp8_cache: bool = False) -> int:

@@ -9,7 +9,8 @@
 //                         rows of every query head that reads the kv head, query-major: row r is
 //                         query i = r / group of head hk * group + r % group, so the split's keys
 //                         and values are read once for the whole GQA group. Key tiles of BLOCK_N
-//                         keys stream through STAGES shared buffers (cp.async, 16-byte chunks);
+//                         keys stream through STAGES shared buffers (bulk copies or cp.async,
+//                         below);
 //                         each of the WARPS warps takes WARP_KEYS keys of every tile for all of
 //                         the CTA's rows (tensor cores for 16-bit inputs: the rows padded to 16),
 //                         with its own online softmax in base 2, and the warps' states are joined
@@ -27,6 +28,17 @@
 // poison_allowed). In a paged cache each row of a tile is found through the block table, whose
 // entries for a tile are read into shared memory one tile before its copies are issued.
 //
+// A tile's rows arrive one of two ways. With BULK (sm_90), one 1-D bulk copy per cache row (a
+// row's Dk or Dv elements are contiguous, and in a paged cache lie in one page): the CTA's first
+// BLOCK_N threads copy a K row each and the next BLOCK_N a V row each, so that a thread computes one
+// row's address a tile, and the copies complete on the stage's mbarrier (mbarrier.cuh). Thread 0
+// announces a tile's bytes to that barrier before the CTA barrier after which its copies are
+// issued, and every thread waits on it before reading the stage. Rows of keys the split does not
+// use are zeroed by their thread instead, and the columns past the head dim once, before the first
+// tile, so that the tiles are the cp.async path's to the bit. Without BULK, each thread copies
+// 16-byte chunks of rows by cp.async (zero-filling the rows and columns that are not read), STAGES -
+// 1 groups in flight.
+//
 // An FP8 cache (FP8_CACHE, float8_e4m3fn under 16-bit queries) streams its bytes through the
 // STAGES buffers the same way, 16 values a 16-byte copy, at half the bytes of a 16-bit cache. When
 // a tile is in, the CTA widens it once into a single 16-bit tile (fp8.cuh), which the products
@@ -35,12 +47,16 @@
 // by them. The FP8 code is compile-time: a 16-bit cache's build holds none of it.
 //
 // Macros beyond common.cuh's and score_mods.cuh's (flashx_cupy.variants): STAGES key tiles in
-// flight; PAGED 1 for a paged cache; FP8_CACHE 1 for a float8_e4m3fn cache. Params: seqlen_q = Nq,
+// flight; PAGED 1 for a paged cache; FP8_CACHE 1 for a float8_e4m3fn cache; BULK 1 for bulk
+// copies of K and V (sm_90, ALIGNED operands). Params: seqlen_q = Nq,
 // left/right the band with an unbounded side as a reach past every key, tiles_m the row tiles,
 // splits, new_tokens, page_size; k_descale and v_descale (B, Hk) float32 or null (1).
 
 #include "common.cuh"
 #include "score_mods.cuh"
+#if BULK
+#include "mbarrier.cuh"
+#endif
 
 #if FP8_CACHE
 #include "fp8.cuh"
@@ -62,6 +78,7 @@ typedef elem_t cache_t;  // the stages are the products' tiles
 static_assert(WARP_KEYS % 16 == 0 && WARP_KEYS <= 64, "a warp's keys feed mma in 16s and poison_allowed in 64s");
 static_assert(BLOCK_M % 16 == 0 && THREADS >= BLOCK_M, "whole atoms; a thread per row for the row results");
 static_assert(STAGES >= 2, "a tile is computed while the next ones load");
+static_assert(!BULK || (ALIGNED && THREADS == 2 * BLOCK_N), "bulk copies: 16-byte aligned rows, a thread per K and per V row");
 
 // The result of a row from its base-2 maximum ``m2`` (0 for a row without keys) and its sum of
 // 2^(s - m2) over its keys: ``scale`` turns the row's accumulator into o, ``lse`` in natural log,
@@ -112,6 +129,31 @@ __device__ __forceinline__ void load_rows(T* s, const T* base, RowAt at, int wid
 #endif
 }
 
+#if BULK
+// Row r of a tile of T in shared memory (``s``, LD elements a row): ``bytes`` from base + at(r) by
+// one bulk copy counted on ``full``, or, where at(r) is -1 (a key the split does not use), zeros
+// stored by this thread, fenced for the copy a later tile makes into the row.
+template <int LD, typename T, typename RowAt>
+__device__ __forceinline__ void bulk_row(T* s, const T* base, RowAt at, int r, u32 bytes, u64* full) {
+    const i64 offset = at(r);
+    T* row = s + r * LD;
+    if (offset >= 0) {
+        bulk_load(smem_addr(row), base + offset, bytes, full);
+        return;
+    }
+    for (u32 c = 0; c < bytes; c += 16) *(uint4*)((char*)row + c) = make_uint4(0, 0, 0, 0);
+    fence_proxy_async();
+}
+
+// Columns [width, COLS) of rows [0, ROWS) zero: the bytes past a row's copy (width a whole number
+// of 16-byte chunks).
+template <int ROWS, int COLS, int LD, typename T>
+__device__ __forceinline__ void zero_columns(T* s, int width) {
+    for (int r = threadIdx.x; r < ROWS; r += THREADS)
+        for (int c = width; c < COLS; c += 16 / (int)sizeof(T)) *(uint4*)(s + r * LD + c) = make_uint4(0, 0, 0, 0);
+}
+#endif
+
 // A CTA of flashx_decode: its rows, the keys they use, its split's tiles, and each warp's running
 // softmax over its keys.
 struct DecodeCta {
@@ -128,6 +170,7 @@ struct DecodeCta {
     elem_t *sQ, *sK, *sV;    // the tiles the products read (COMPUTE_TILES of each)
     cache_t *sKs, *sVs;      // the STAGES buffers the copies fill: sK and sV themselves for a 16-bit cache
     int2* sPages;  // PAGED: (page, slot) of each row of the next two tiles to request
+    u64* sFull;    // BULK: a barrier per stage, whose phase completes when a tile's rows have landed
     float* sStage;
 
     // The CTA's rows, keys and tiles; the empty running state.
@@ -224,10 +267,51 @@ struct DecodeCta {
         };
         const cache_t* k = (const cache_t*)p.k + (PAGED ? 0 : (i64)b * p.k_b) + (i64)hk * p.k_h;
         const cache_t* v = (const cache_t*)p.v + (PAGED ? 0 : (i64)b * p.v_b) + (i64)hk * p.v_h;
+#if BULK
+        const int r = threadIdx.x % BLOCK_N;
+        if (threadIdx.x < BLOCK_N)
+            bulk_row<CACHE_LD_QK>(sKs + stage * BLOCK_N * CACHE_LD_QK, k, row_at(p.k_n, p.k_b), r,
+                                  p.head_dim * (u32)sizeof(cache_t), sFull + stage);
+        else
+            bulk_row<CACHE_LD_V>(sVs + stage * BLOCK_N * CACHE_LD_V, v, row_at(p.v_n, p.v_b), r,
+                                 p.head_dim_v * (u32)sizeof(cache_t), sFull + stage);
+#else
         load_rows<BLOCK_N, DIM_QK, CACHE_LD_QK>(sKs + stage * BLOCK_N * CACHE_LD_QK, k, row_at(p.k_n, p.k_b),
                                                 p.head_dim, p.k_d);
         load_rows<BLOCK_N, DIM_V, CACHE_LD_V>(sVs + stage * BLOCK_N * CACHE_LD_V, v, row_at(p.v_n, p.v_b),
                                               p.head_dim_v, p.v_d);
+#endif
+    }
+
+#if BULK
+    // Thread 0 announces the bytes of tile t (none past the split) to the barrier of stage
+    // ``stage``, whose previous phase every thread has waited for: its rows of keys in [lo, hi).
+    __device__ __forceinline__ void expect(int t, int stage) {
+        if (threadIdx.x != 0 || t >= tile_hi) return;
+        const int n = t * BLOCK_N, rows = min(hi - n, BLOCK_N) - max(lo - n, 0);
+        bar_arrive_expect_bytes(sFull + stage, rows * (p.head_dim + p.head_dim_v) * (u32)sizeof(cache_t));
+    }
+
+    // The barriers, armed for the tiles the prologue requests, and the stages' columns past the
+    // head dims zeroed; before a barrier of the CTA.
+    __device__ __forceinline__ void prepare_bulk() {
+        if (threadIdx.x == 0) {
+            for (int stage = 0; stage < STAGES; ++stage) bar_init(sFull + stage, 1);
+            fence_proxy_async();  // the initialized barriers, for the copies that complete on them
+        }
+        for (int ahead = 0; ahead < STAGES - 1; ++ahead) expect(tile_lo + ahead, ahead);
+        zero_columns<STAGES * BLOCK_N, DIM_QK, CACHE_LD_QK>(sKs, p.head_dim);
+        zero_columns<STAGES * BLOCK_N, DIM_V, CACHE_LD_V>(sVs, p.head_dim_v);
+    }
+#endif
+
+    // Until the tile of ``step`` (its stage step % STAGES) has landed for this thread.
+    __device__ __forceinline__ void wait_tile(int step) {
+#if BULK
+        bar_wait(sFull + step % STAGES, (step / STAGES) & 1);
+#else
+        cp_async_wait<STAGES - 2>();  // all but the newest STAGES - 2 groups
+#endif
     }
 
     // The tile of stage ``stage`` as the products read it: which of the COMPUTE_TILES holds it. A
@@ -320,6 +404,9 @@ struct DecodeCta {
                     nan_at<ROW_ATOMS, DIM_V>(acc));
                 __syncthreads();
                 clear_nonfinite<BLOCK_N, DIM_V, LD_V>(v_tile);
+#if BULK
+                fence_proxy_async();  // a later tile's copies overwrite the stage
+#endif
                 __syncthreads();
             }
         }
@@ -328,22 +415,28 @@ struct DecodeCta {
     }
 
     // Every tile of the split: STAGES - 1 requested ahead, the block table's entries one more.
+    // With BULK, the barriers are armed for the first tiles (prepare_bulk) and Q's cp.async group
+    // is the only one.
     __device__ __forceinline__ void attend_split() {
 #pragma unroll 1
         for (int ahead = 0; ahead < STAGES - 1; ++ahead) {
             keep_pages(ahead & 1, page_slot(tile_lo + ahead));
             if (PAGED) __syncthreads();
             request(tile_lo + ahead, ahead);
-            cp_async_commit();
+            if (!BULK) cp_async_commit();
         }
+        if (BULK) cp_async_wait<0>();  // Q: for every thread after the loop's first barrier
         keep_pages((STAGES - 1) & 1, page_slot(tile_lo + STAGES - 1));
 #pragma unroll 1
         for (int t = tile_lo; t < tile_hi; ++t) {
             const int step = t - tile_lo;
-            cp_async_wait<STAGES - 2>();  // tile t is in
-            __syncthreads();              // ... for every thread; and every warp is done with tile t - 1's stage
+            wait_tile(step);  // tile t is in
+#if BULK
+            expect(t + STAGES - 1, (step + STAGES - 1) % STAGES);  // tile t - 1's stage, for the copies after the barrier
+#endif
+            __syncthreads();  // ... for every thread; and every warp is done with tile t - 1's stage
             request(t + STAGES - 1, (step + STAGES - 1) % STAGES);
-            cp_async_commit();
+            if (!BULK) cp_async_commit();
             const int2 pages = page_slot(t + STAGES);  // its latency hides behind the products
             const int tile = computed_tile(step % STAGES);
             if (t < full_lo || t >= full_hi)
@@ -352,7 +445,7 @@ struct DecodeCta {
                 attend<false>(t, tile);
             keep_pages((step + STAGES) & 1, pages);  // the buffer tile t + STAGES - 2 was requested from
         }
-        cp_async_wait<0>();
+        if (!BULK) cp_async_wait<0>();  // with BULK every tile requested has been waited for
         __syncthreads();  // the buffers become the join's
     }
 
@@ -447,7 +540,20 @@ struct DecodeCta {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode(const Params p) {
+// ptxas's own register targets for some builds with bulk copies spilled (float32 at d64 and 16 rows:
+// 96 registers; an FP8 cache at d64 and 32 rows with a mask and softcap: 128); the bound of one CTA an
+// SM lets them take what they need, and they keep the CTAs an SM of their cp.async builds: a float32
+// CTA's shared memory holds at most two, which no register count up to 255 lowers, and the FP8
+// builds' registers fit as many CTAs as their cp.async builds' (flashx_cupy.resources). The 16-bit
+// caches' bulk builds keep ptxas's targets: with the bound, one at d64 took 176 registers, a CTA
+// fewer an SM.
+#if BULK && (DTYPE == 2 || FP8_CACHE)
+#define DECODE_BOUNDS __launch_bounds__(THREADS, 1)
+#else
+#define DECODE_BOUNDS __launch_bounds__(THREADS)
+#endif
+
+extern "C" __global__ void DECODE_BOUNDS flashx_decode(const Params p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* sQ = (elem_t*)smem;                                // BLOCK_M x LD_QK
     elem_t* sK = sQ + BLOCK_M * LD_QK;                         // COMPUTE_TILES x BLOCK_N x LD_QK
@@ -460,7 +566,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode(const Params
     cache_t *sKs = sK, *sVs = sV;
     int2* sPages = (int2*)(sV + STAGES * BLOCK_N * LD_V);      // PAGED: 2 x BLOCK_N
 #endif
-    float* sStage = (float*)(sPages + (PAGED ? 2 * BLOCK_N : 0));  // float32: WARPS x BLOCK_M x WARP_KEYS
+    u64* sFull = (u64*)(sPages + (PAGED ? 2 * BLOCK_N : 0));  // STAGES barriers, used by BULK
+    float* sStage = (float*)(sFull + STAGES);                   // float32: WARPS x BLOCK_M x WARP_KEYS
     static_assert((BLOCK_M * DIM_V + (2 * WARPS + 1) * BLOCK_M) * 4 <= COMPUTE_TILES * BLOCK_N * (LD_QK + LD_V) *
                   (int)sizeof(elem_t) + BYTE_STAGES * BLOCK_N * (DIM_QK + DIM_V),
                   "the join must fit the K/V buffers (the tiles and, for an FP8 cache, the stages after them)");
@@ -472,8 +579,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode(const Params
     x /= p.tiles_m;
     const int hk = x % p.heads_k, b = x / p.heads_k;
     DecodeCta cta{p, b, hk, split, tile * BLOCK_M, p.seqlen_q * p.group};
-    cta.sQ = sQ, cta.sK = sK, cta.sV = sV, cta.sKs = sKs, cta.sVs = sVs, cta.sPages = sPages, cta.sStage = sStage;
+    cta.sQ = sQ, cta.sK = sK, cta.sV = sV, cta.sKs = sKs, cta.sVs = sVs, cta.sPages = sPages, cta.sFull = sFull;
+    cta.sStage = sStage;
     cta.start();
+#if BULK
+    cta.prepare_bulk();
+    __syncthreads();  // the barriers initialized and armed before any copy or wait
+#endif
 
     const elem_t* q = (const elem_t*)p.q + (i64)b * p.q_b;
     const int row0 = cta.row0, rows = cta.rows, group = p.group;
@@ -482,7 +594,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode(const Params
         const int row = row0 + r;
         return row < rows ? (i64)(row / group) * q_n + (i64)(hk * group + row % group) * q_h : -1;
     }, p.head_dim, p.q_d);
-    cp_async_commit();  // Q arrives with the first tile (cp.async groups complete in order)
+    cp_async_commit();  // Q arrives with the first tile (cp.async groups complete in order; BULK: waited alone)
     cta.attend_split();
     cta.finish();
 }

@@ -1,6 +1,6 @@
 // TMA (sm_90): bulk copies of a tensor's box from global into shared memory by one thread,
 // described by a tensor map (TensorMap, written by flashx_cupy.tma) and counted in bytes on an
-// mbarrier (wgmma.cuh's); after wgmma.cuh.
+// mbarrier (mbarrier.cuh's); after wgmma.cuh.
 //
 // The maps of 16-bit tensors take the 128-byte swizzle and boxes of 64 columns (128 bytes): a box
 // row's 16-byte chunk k lands at chunk k ^ (row % 8) of its 128-byte row, the pattern keyed to the
@@ -15,13 +15,6 @@
 struct alignas(64) TensorMap {
     u64 opaque[16];
 };
-
-// Arrives on the mbarrier and raises its current phase's expected bytes by ``bytes``: the phase
-// completes once the arrivals and the bytes are all in.
-__device__ __forceinline__ void bar_arrive_expect_bytes(u64* bar, u32 bytes) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}"
-                 ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
 
 // The box of a rank-4 map at coordinates (c0, c1, c2, c3), innermost first, into shared address
 // ``dst``; its bytes count on ``bar``. The map is read where it lies, in parameter memory.

@@ -1,5 +1,5 @@
-// Hopper's warpgroup products (wgmma, sm_90a code) and the shared-memory barriers beside them,
-// for the kernels built on them (forward_sm90.cu, forward_fp8_sm90.cu through forward_sm90.cuh;
+// Hopper's warpgroup products (wgmma, sm_90a code), with mbarrier.cuh's barriers beside them, for
+// the kernels built on them (forward_sm90.cu, forward_fp8_sm90.cu through forward_sm90.cuh;
 // dkdv_sm90.cu, dq_sm90.cu); after common.cuh. The 16-bit products are here, the e4m3 ones in
 // wgmma_e4m3.cuh.
 //
@@ -9,6 +9,8 @@
 // operands are read through the async proxy: shared memory that threads write (cp.async, or a
 // store) is fenced (fence.proxy.async) by each writer before the barrier after which a product
 // reads it.
+
+#include "mbarrier.cuh"
 
 #if DTYPE == 0
 #define WGMMA_TYPES ".f32.f16.f16"
@@ -66,7 +68,6 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 template <int N>
 __device__ __forceinline__ void fence_registers(float (&d)[N / 8][4]) {
@@ -169,18 +170,4 @@ template <int N>
 __device__ __forceinline__ void to_fragments(const float (&c)[N / 8][4], u32 (&a)[N / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk) to_fragment<N>(a[kk], c, kk);
-}
-
-// mbarriers in shared memory: a phase completes once ``count`` threads have arrived; arrive
-// releases and the wait acquires, at CTA scope.
-__device__ __forceinline__ void bar_init(u64* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(u64* bar) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
-}
-// Until the phase of the given parity has completed (the phase before the first completes at once).
-__device__ __forceinline__ void bar_wait(u64* bar, u32 parity) {
-    asm volatile("{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}"
-                 ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
