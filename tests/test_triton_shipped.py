@@ -74,6 +74,13 @@ def test_every_shipped_entry_is_a_candidate_and_every_16bit_class_has_one():
                         assert tuning.shipped(kernel, on, "sm_90") in tuning.candidates(kernel, on), (kernel, n)
     for d in (64, 128):
         assert tuning.shipped("forward", problem(d=d, dtype="float32"), "sm_90") is not None
+    dropout_groups = [group for group in table if group.endswith(" dropout")]
+    assert dropout_groups
+    for group in dropout_groups:
+        kernel, d, dtype, band, _ = group.split()
+        for n in table[group]:
+            on = SimpleNamespace(**{**vars(problem(int(n), int(d[1:]), dtype, band == "band")), "dropout_p": 0.1})
+            assert tuning.shipped(kernel, on, "sm_90") in tuning.candidates(kernel, on), group
 
 
 def test_shipped_text_is_written_as_it_is_read():

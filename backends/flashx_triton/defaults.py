@@ -126,7 +126,8 @@ def sweep(out: str) -> None:
     import triton
 
     record = {"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
-              "triton": triton.__version__, "date": datetime.date.today().isoformat(), "points": [], "keys": {}}
+              "triton": triton.__version__, "date": datetime.date.today().isoformat(),
+              "labels": sorted({point[0] for point in points}), "points": [], "keys": {}}
     for point in points:
         if time.perf_counter() - started > float(os.environ.get("DEADLINE_S", "inf")):
             print("deadline: the points left are not tuned", flush=True)
@@ -141,7 +142,7 @@ def sweep(out: str) -> None:
             print(f"{point}: {error!r}"[:300], flush=True)
             continue
         keys = []
-        for key, choice, timings in tuning.choices():
+        for key, choice, _, timings in tuning.choices():
             if key not in record["keys"] and timings is not None:
                 record["keys"][key] = {"choice": choice, "medians": [[tuning._encoded(c), ms] for c, ms in timings]}
                 keys.append(key)
@@ -186,8 +187,9 @@ def encode(sweep_json: str) -> None:
                 kept = by_length[length]["choice"]
                 entries[str(1 << (length - 1))] = tuning.text(kept)
         table[group] = entries
+    labels = f" ({', '.join(record['labels'])} points)" if "labels" in record else ""
     measured = (f"{record['device']}, Triton {record.get('triton', '3.6')}, {record.get('date', '2026-11-26')}: "
-                f"python -m flashx_triton.defaults sweep, then encode ({', '.join(sorted(groups))})")
+                f"python -m flashx_triton.defaults sweep, then encode{labels}")
     earlier = document.get(capability, {}).get("measured")
     document[capability] = {"measured": f"{earlier}; {measured}" if earlier else measured,
                             "choices": dict(sorted(table.items()))}
