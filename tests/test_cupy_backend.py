@@ -1001,22 +1001,23 @@ def test_decode_kernels_share_one_build():
     assert (variant.dim_qk, variant.dim_v, variant.block_m, variant.block_n) == (256, 64, 16, 32)
 
 
-@pytest.mark.parametrize("capability, is_aligned, bulk", [
-    ("90", True, True),
-    ("90", False, False),  # a row's copy must be 16-byte aligned, a whole number of 16 bytes
-    ("80", True, False),  # bulk copies and mbarrier waits are sm_90's
-    ("89", True, False),
-    ("100", True, False),
+@pytest.mark.parametrize("capability, is_aligned, row_bytes, bulk", [
+    ("90", True, 256, True),  # bf16 d128
+    ("90", False, 256, False),  # a row's copy must be 16-byte aligned, a whole number of 16 bytes
+    ("90", True, 128, False),  # an FP8 cache at d128, bf16 at d64: no fewer instructions, and slower
+    ("80", True, 256, False),  # bulk copies and mbarrier waits are sm_90's
+    ("89", True, 256, False),
+    ("100", True, 256, False),
 ])
-def test_decode_bulk_choice(monkeypatch, capability, is_aligned, bulk):
-    """Decoding copies K and V rows in bulk on compute capability 9.0 for aligned operands; the
-    switch brings back cp.async."""
+def test_decode_bulk_choice(monkeypatch, capability, is_aligned, row_bytes, bulk):
+    """Decoding copies K and V rows in bulk on compute capability 9.0 for aligned operands of rows
+    of 256 bytes or more; the switch brings back cp.async."""
     monkeypatch.delenv(variants.DECODE_BULK_ENV, raising=False)
-    assert variants.decode_bulk(is_aligned, capability) is bulk
+    assert variants.decode_bulk(is_aligned, capability, row_bytes) is bulk
     monkeypatch.setenv(variants.DECODE_BULK_ENV, "0")
-    assert variants.decode_bulk(is_aligned, capability) is False
+    assert variants.decode_bulk(is_aligned, capability, row_bytes) is False
     monkeypatch.setenv(variants.DECODE_BULK_ENV, "1")
-    assert variants.decode_bulk(is_aligned, capability) is bulk
+    assert variants.decode_bulk(is_aligned, capability, row_bytes) is bulk
 
 
 def test_decode_bulk_variant():
@@ -1075,6 +1076,8 @@ def test_resources_build_decoding_as_the_host_does():
                                                                     {"aligned": False}, "90"))
     assert not any(v.decode_bulk for v in resources.decode_variants("decode", "bfloat16", 128, [16],
                                                                     {"decode_bulk": False}, "90"))
+    for dim, features in ((64, {}), (128, {"fp8_cache": True})):  # rows of 128 bytes
+        assert not any(v.decode_bulk for v in resources.decode_variants("decode", "bfloat16", dim, [16], features, "90"))
 
 
 @pytest.mark.parametrize("features", [

@@ -40,7 +40,7 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new):
         o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
         is_aligned = aligned(problem, q, k_cache, v_cache)
-        bulk = variants.decode_bulk(is_aligned, device.compute_capability)
+        bulk = variants.decode_bulk(is_aligned, device.compute_capability, problem.head_dim * k_cache.element_size())
         variant = variants.choose_decode("decode", problem, is_aligned, bulk)
         splits = count_splits(problem, variant, *device_size(device.id))
         fields = decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse)

@@ -117,8 +117,8 @@ def decode_variants(kernel: str, dtype: str, dim: int, rows: list[int], features
     """The shipped decoding variants of ``kernel`` at head dim ``dim``, one per CTA row count (an FP8
     cache's tiles with ``fp8_cache``), loading K and V as the host would on ``arch`` unless
     ``features`` says ``decode_bulk``."""
-    features = {"decode_bulk": variants.decode_bulk(features.get("aligned", True), arch), **features}
     width = "8" if features.get("fp8_cache") else "32" if dtype == "float32" else "16"
+    features = {"decode_bulk": variants.decode_bulk(features.get("aligned", True), arch, dim * int(width) // 8), **features}
     block_n, warps, stages = variants.DECODE_TILES[width, dim]
     return [variants.Variant(kernel, dtype, dim, dim, block_m, block_n, warps, stages=stages, **features)
             for block_m in rows if block_m <= variants.decode_rows_most(dim, bool(features.get("fp8_cache")))]

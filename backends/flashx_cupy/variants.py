@@ -129,6 +129,7 @@ DECODE_FP8_ROWS = 32
 DECODE_KERNELS = ("decode", "decode_merge", "decode_append")
 #: Set to "0", decoding loads K and V by cp.async where it would take bulk copies (``decode_bulk``).
 DECODE_BULK_ENV = "FLASHX_CUPY_DECODE_BULK"
+BULK_ROW_BYTES = 256  # the shortest cache row decoding copies in bulk (``decode_bulk``)
 FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "forward_fp8_sm90": "forward_fp8_sm90.cu",
          "dq": "dq.cu", "dkdv": "dkdv.cu", "dkdv_sm90": "dkdv_sm90.cu", "dq_sm90": "dq_sm90.cu", "delta": "dq.cu",
          **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
@@ -341,14 +342,18 @@ def choose_decode(kernel: str, problem, aligned: bool, bulk: bool = False) -> Va
     )
 
 
-def decode_bulk(aligned: bool, compute_capability: str) -> bool:
+def decode_bulk(aligned: bool, compute_capability: str, row_bytes: int) -> bool:
     """Whether the decoding kernel loads its K and V tiles by 1-D bulk copies completing on
     mbarriers (one per cache row; sm_90's copy engine) rather than by each thread's 16-byte
     cp.async: on compute capability 9.0 (CuPy's "90" form), for ``aligned`` operands (a row's
-    copy is 16-byte aligned and a whole number of 16 bytes), unless the environment sets
-    ``DECODE_BULK_ENV`` to "0", the switch that compares the two on one GPU. Either way the kernel
-    computes on the same tiles, so the outputs agree bit for bit."""
-    return compute_capability == "90" and aligned and os.environ.get(DECODE_BULK_ENV, "1") != "0"
+    copy is 16-byte aligned and a whole number of 16 bytes) whose K rows hold at least
+    ``BULK_ROW_BYTES`` bytes, unless the environment sets ``DECODE_BULK_ENV`` to "0", the switch
+    that compares the two on one GPU. Either way the kernel computes on the same tiles, so the
+    outputs agree bit for bit. Shorter rows take as many instructions a tile by bulk copies as by
+    cp.async, and an FP8 cache's rows of 128 bytes ran slower by bulk copies (H200: 212 us
+    against 164 at B=16, L=8k; benchmarks/results/decode-h200.md)."""
+    return (compute_capability == "90" and aligned and row_bytes >= BULK_ROW_BYTES
+            and os.environ.get(DECODE_BULK_ENV, "1") != "0")
 
 
 def decode_block_m(rows: int, widest: int, fp8_cache: bool = False) -> int:
