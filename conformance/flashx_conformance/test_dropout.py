@@ -94,6 +94,19 @@ def test_dropout_wide_key_tiles(flashx_target, flashx_rng, head_dim, causal, dty
     flashx_target.check(case)
 
 
+@full_only
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_after_a_call_without_it(flashx_target, flashx_rng, head_dim, causal):
+    """A shape first called without dropout, then with it: a backend that keeps choices by shape
+    (tiles, launches) must not carry one made without dropout's draws to a call that makes them.
+    2048 keys, where GPU backends take their widest tiles."""
+    case = make_case(flashx_rng, batch=1, heads_q=2, seqlen_q=2048, seqlen_k=2048, head_dim=head_dim,
+                     dtype=flashx_target.dtype, causal=causal)
+    flashx_target.check(case)
+    flashx_target.check(Case(case.inputs, case.dtype, {**case.options, "dropout_p": 0.1, "seed": SEED}))
+
+
 @pytest.mark.parametrize("seqlen_q", [64, pytest.param(512, marks=full_only)])
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5])
 def test_dropout_keep_fraction(flashx_target, flashx_rng, seqlen_q, dropout_p):
