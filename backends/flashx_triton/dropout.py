@@ -57,7 +57,8 @@ def dropout_keep(i, j, stream, dropout):
 @triton.jit
 def dropout_keep_tile(rows, first_key, BLOCK_N: tl.constexpr, stream, dropout, KEYS_FIRST: tl.constexpr = False):
     """``dropout_keep`` of rows ``rows`` (1-D) and the BLOCK_N keys from ``first_key``: (rows,
-    BLOCK_N). Where key0 + first_key is a multiple of 4 (key0 is; tiles start at multiples of 4),
+    BLOCK_N), or (BLOCK_N, rows) with KEYS_FIRST (the dK/dV kernel's transposed scores). Where
+    key0 + first_key is a multiple of 4 (tiles start at multiples of 4, so wherever key0 is one),
     each Philox call serves the four keys of its counter: the words of BLOCK_N / 4 counters a row,
     interleaved along the keys, key 4c + w taking word w of counter c."""
     seed, rng_offset, threshold, row0, key0, _ = dropout
@@ -73,7 +74,7 @@ def dropout_keep_tile(rows, first_key, BLOCK_N: tl.constexpr, stream, dropout, K
         # join stacks along a new last axis: [.., c, x, y] holds word 2x + y, key 4c + 2x + y. In
         # bytes, so that the layout conversions' scratch is a quarter of the words'.
         kept = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (rows.shape[0], BLOCK_N))
-        if KEYS_FIRST:
+        if KEYS_FIRST:  # the bytes, not the booleans: a transposed boolean tile fails sm_90's lowering (Triton 3.6)
             kept = tl.trans(kept)
         keep = kept != 0
     elif KEYS_FIRST:
