@@ -5,7 +5,7 @@ without it, at the benchmark's shape (B=2, N=8192, H=16, bf16; d128 and d64, cau
     python3 scripts/dropout_speed.py --backend cupy --dim 128 --label after --json out.json
 
 TFLOP/s as flash-attn counts them (forward 4 B H N^2 D, halved when causal; fwd+bwd 3.5x), each the
-median of CUDA-event timings after a warm-up. The inputs come from a fixed seed and each line ends
+median of ``triton.testing.do_bench``. The inputs come from a fixed seed and each line ends
 with the sum of |o|, so that two trees run one after the other (an A/B of a kernel change, each in
 its own process) show whether they computed the same outputs. Calls with dropout run first: a
 backend that keeps choices by shape meets the dropout call without one made for the plain call.
@@ -17,23 +17,9 @@ import argparse
 import json
 
 import torch
+from triton.testing import do_bench
 
 import flashx
-
-
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -57,8 +43,10 @@ def main() -> None:
                 for p in args.dropout:
                     options = dict(causal=causal, dropout_p=p, seed=1234) if p else dict(causal=causal)
                     with torch.no_grad():
-                        forward = median_ms(lambda: flashx.attention(q, k, v, backend=backend, **options), 20)
-                    step = median_ms(lambda: flashx.attention(q, k, v, backend=backend, **options).backward(do), 10)
+                        forward = do_bench(lambda: flashx.attention(q, k, v, backend=backend, **options),
+                                           return_mode="median")
+                    step = do_bench(lambda: flashx.attention(q, k, v, backend=backend, **options).backward(do),
+                                    grad_to_none=[q, k, v], return_mode="median")
                     with torch.no_grad():
                         checksum = float(flashx.attention(q, k, v, backend=backend, **options).float().abs().sum())
                     rows.append(dict(label=args.label, backend=backend, dim=dim, causal=causal, dropout_p=p,
