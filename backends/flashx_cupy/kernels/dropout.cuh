@@ -80,9 +80,9 @@ __device__ __forceinline__ u32 dropout_keep_atom_t(const Params& p, int b, int h
 // The keep bits of a warp's ATOMS_M x ATOMS_N atoms, drawn for a whole tile before any is read:
 // atom(mt, nt, counter_aligned) returns one atom's four bits by dropout_keep_atom or
 // dropout_keep_atom_t. drop_col0's alignment is tested once for the tile and reaches the atoms as
-// a constant, so that within its branch the atoms' Philox calls are straight-line code, which the scheduler interleaves: with a
-// branch an atom, each call's ten dependent rounds sat alone in a basic block, and the warps
-// stalled on their latency.
+// a constant, so that within its branch the atoms' Philox calls are straight-line code, which the
+// scheduler interleaves: with a branch an atom, each call's ten dependent rounds sat alone in a
+// basic block, and the warps stalled on their latency.
 template <int ATOMS_M, int ATOMS_N>
 struct KeepBits {
     u32 words[ATOMS_M][(ATOMS_N + 7) / 8];  // atom (mt, nt): bits 4 (nt % 8) .. + 3 of words[mt][nt / 8]
