@@ -20,7 +20,7 @@ from flashx_cupy import CupyBackend, decode, launch, tma, unavailable_reason, va
 def _problem(**changes):
     fields = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, varlen=False, seqlens_q=None, seqlens_k=None,
                   mask=None, block_mask=None, dropout_p=0.0, deterministic=False, band=None, softcap=None,
-                  alibi_slopes=None, sinks=None)
+                  alibi_slopes=None, sinks=None, softmax_scale=0.125)
     fields |= changes
     fp8 = fields["dtype"].startswith("float8")
     return SimpleNamespace(**({"fp8": fp8, "fp8_dtype": fields["dtype"] if fp8 else None,
@@ -85,6 +85,17 @@ def test_score_mods_are_compile_time_options(kernel):
                                                     else one: 1.0 if one == "softcap" else object()}), aligned=True)
         assert [alone.macros[m] for m in ("SOFTCAP", "ALIBI", "SINKS")] == [
             int(one == "softcap"), int(one == "alibi"), int(one == "sinks" and not key_side)]
+
+
+@pytest.mark.parametrize("kernel", ["forward", "forward_sm90", "forward_fp8_sm90", "dq", "dkdv", "delta"])
+def test_negative_scale_is_a_forward_option(kernel):
+    """A negative softmax_scale builds the wgmma forwards apart (their row max is then over the
+    scaled scores, not the dot products); the other kernels build the same for either sign."""
+    positive, negative = (variants.choose(kernel, _problem(softmax_scale=scale, dtype="float8_e4m3fn" if "fp8" in kernel
+                                                           else "bfloat16"), aligned=True) for scale in (0.125, -0.125))
+    forward = kernel in variants.SM90_FORWARDS
+    assert positive.macros.get("NEGATIVE_SCALE") == (0 if forward else None)
+    assert (negative.options != positive.options) == forward
 
 
 def test_delta_shares_the_dq_build():

@@ -148,6 +148,8 @@ SM90_BACKWARD_ENV = "FLASHX_CUPY_SM90_BACKWARD"
 #: copies (``PRODUCER_THREADS`` in forward_sm90.cu, forward_fp8_sm90.cu, dkdv_sm90.cu and dq_sm90.cu).
 PRODUCER_WARPS = 4
 PRODUCER_KERNELS = ("forward_sm90", "forward_fp8_sm90", "dkdv_sm90", "dq_sm90")
+#: The wgmma forwards, whose row max is over the dot products unless ``negative_scale`` (forward.cuh).
+SM90_FORWARDS = ("forward_sm90", "forward_fp8_sm90")
 #: The buffers of the wgmma backward's rings, the streamed tiles in flight (``RING_STAGES`` in
 #: kernels/ring.cuh).
 RING_STAGES = 3
@@ -184,6 +186,7 @@ class Variant:
     decode_bulk: bool = False  # decoding: K and V rows by bulk copies on mbarriers, not cp.async (``decode_bulk``)
     tma: bool = False  # forward_sm90: K and V tiles by TMA, from Params' tensor maps (flashx_cupy.tma)
     v_buffers: int = 3  # forward_sm90: V's ring; with 2 the first tile's zeros lie in it (FORWARD_SM90_TILES)
+    negative_scale: bool = False  # SM90_FORWARDS: softmax_scale < 0, whose row max is that of the scaled scores
 
     @property
     def threads(self) -> int:
@@ -218,6 +221,7 @@ class Variant:
             **({"STAGES": self.stages, "PAGED": int(self.paged), "FP8_CACHE": int(self.fp8_cache),
                 "BULK": int(self.decode_bulk)} if self.kernel in DECODE_KERNELS else {}),
             **({"TMA": int(self.tma), "V_BUFFERS": self.v_buffers} if self.kernel == "forward_sm90" else {}),
+            **({"NEGATIVE_SCALE": int(self.negative_scale)} if self.kernel in SM90_FORWARDS else {}),
         }
 
     @property
@@ -311,6 +315,7 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         dq_atomic=dq_atomic,
         tma=tma,
         v_buffers=v_buffers,
+        negative_scale=kernel in SM90_FORWARDS and problem.softmax_scale < 0,
     )
 
 

@@ -147,9 +147,16 @@ def test_large_magnitudes_constant(flashx_target, flashx_rng, dtype):
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.3, 2.0, 1e-3], ids=lambda s: f"scale={s}")
-def test_scale(flashx_target, flashx_rng, scale):
-    """softmax_scale is used as given: 0 (uniform weights, dq = dk = 0), negative, sharp, flat."""
-    case = make_case(flashx_rng, seqlen_q=57, seqlen_k=83, head_dim=32, dtype=flashx_target.dtype, causal=True, softmax_scale=scale)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("seqlens", [(57, 83), pytest.param((257, 390), marks=full_only)], ids=str)
+def test_scale(flashx_target, flashx_rng, seqlens, dtype, scale):
+    """softmax_scale is used as given: 0 (uniform weights, dq = dk = 0), negative, sharp, flat.
+    Causal rows and padded keys put masked pairs beside the allowed ones, where a kernel that
+    scales a masked -inf by the scale would make 0 * inf = NaN; the longer sequences give the
+    kernels' tiles that need no pair test too."""
+    seqlen_q, seqlen_k = seqlens
+    case = make_case(flashx_rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32, dtype=dtype, causal=True,
+                     softmax_scale=scale)
     flashx_target.check(case)
 
 

@@ -10,13 +10,26 @@
 // ones; key tiles that no row of the CTA may use are never visited, and block-mask tiles it
 // disallows are skipped unread.
 //
-// Online softmax in base 2: scores are scaled by softmax_scale * log2(e) (and capped and biased,
-// score_mods.cuh) before the row max, so a negative scale takes the max of the scaled scores; the
-// LSE leaves in natural log, the sink folded in once at the end. O leaves through shared memory in
-// 16-byte rows.
+// Online softmax in base 2: scores are softmax_scale * log2(e) times the dot products (then capped
+// and biased, score_mods.cuh); the LSE leaves in natural log, the sink folded in once at the end.
+// O leaves through shared memory in 16-byte rows.
+//
+// The unmasked tiles of the wgmma forwards, where a score is a non-negative multiple of its dot
+// product (no softcap or ALiBi, and a scale >= 0: NEGATIVE_SCALE is the host's), take the row max
+// over the dot products themselves, scaled once a row, and each weight's exponent is one FFMA,
+// dot * scale - max, as FA3 has it: a multiply a score fewer. Scaling by a non-negative number
+// keeps the order, so the max is the same number. Masked tiles, a negative scale and the
+// modifications take the max of the scaled scores: a masked pair's -inf times a scale of 0 (or
+// one that flushes to 0) would be NaN. The mma.sync forward keeps that way throughout: at its 255
+// registers the scale held through the exponentials spills at d128.
 
 #include "common.cuh"
 #include "score_mods.cuh"
+
+#ifndef NEGATIVE_SCALE
+#define NEGATIVE_SCALE 0
+#endif
+constexpr bool UNMASKED_MAX_OF_DOTS = PRODUCER_THREADS > 0 && !SOFTCAP && !ALIBI && !NEGATIVE_SCALE;
 
 // A CTA's query rows, the keys they use and their running softmax and output. Each warp owns
 // ATOMS atoms of 16 rows from row wrow of the tile.
@@ -83,12 +96,13 @@ struct ForwardRows {
 #endif
     }
 
-    // The scores of the key tile at n become its probabilities (zero where dropped); the running
+    // The dot products of the key tile at n become its probabilities (zero where dropped); the running
     // max, sum and output move to the tile's max, alpha[mt][half] the factor of the move. DEFERRED
     // leaves the output's move to rescale(alpha), so that a product still adding to the output
     // may finish in between.
     template <bool MASKED, bool DEFERRED = false>
     __device__ __forceinline__ void softmax(float (&sc)[ATOMS][BLOCK_N / 8][4], int n, float (&alpha)[ATOMS][2]) {
+        constexpr bool MAX_OF_DOTS = UNMASKED_MAX_OF_DOTS && !MASKED;
         float tile_max[ATOMS][2];
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt) tile_max[mt][0] = tile_max[mt][1] = NEG_INF;
@@ -98,11 +112,14 @@ struct ForwardRows {
             for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float x = mods.score2(p, sc[mt][nt][e], m0 + wrow + frag_row(mt, e), n + frag_col(nt, e));
+                    float x = MAX_OF_DOTS ? sc[mt][nt][e] : mods.score2(p, sc[mt][nt][e], m0 + wrow + frag_row(mt, e), n + frag_col(nt, e));
                     if (MASKED && !allowed_pair(p, s, h, m0 + wrow + frag_row(mt, e), n + frag_col(nt, e))) x = NEG_INF;
                     sc[mt][nt][e] = x;
                     tile_max[mt][e / 2] = fmaxf(tile_max[mt][e / 2], x);
                 }
+        if constexpr (MAX_OF_DOTS)
+#pragma unroll
+            for (int mt = 0; mt < ATOMS; ++mt) tile_max[mt][0] *= p.scale_log2, tile_max[mt][1] *= p.scale_log2;
 
 #if DROPOUT
         KeepBits<ATOMS, BLOCK_N / 8> keep;
@@ -122,7 +139,7 @@ struct ForwardRows {
                 for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                     for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                        const float pr = exp2f(sc[mt][nt][e] - m_ref);
+                        const float pr = exp2f(MAX_OF_DOTS ? fmaf(sc[mt][nt][e], p.scale_log2, -m_ref) : sc[mt][nt][e] - m_ref);
                         row_sum[mt][half] += pr;  // the LSE is taken before dropout
 #if DROPOUT
                         sc[mt][nt][e] = keep.kept(mt, nt, e) ? pr : 0.f;
