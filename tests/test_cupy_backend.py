@@ -836,7 +836,7 @@ def test_fp8_forward_variant():
         variant = variants.choose(variants.forward_kernel(problem, True, "90"), problem, aligned=True)
         assert variant.kernel == "forward_fp8_sm90" and variant.entry_point == "flashx_forward_fp8_sm90"
         assert variant.dtype == out_dtype and variant.macros["DTYPE"] == variants.DTYPE_CODES[out_dtype]
-        assert (variant.block_m, variant.block_n, variant.warps) == variants.TILES["forward_fp8_sm90", "8", variant.dim_qk]
+        assert (variant.block_m, variant.block_n, variant.warps) == variants.FORWARD_FP8_TILES[variant.dim_qk, False]
         assert variant.dim_qk == variant.dim_v == flashx.problem.head_dim_class(dim)
         assert "--gpu-architecture=sm_90a" in variant.options
         assert variant.threads == 32 * (variant.warps + variants.PRODUCER_WARPS)

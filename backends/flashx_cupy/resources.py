@@ -165,14 +165,18 @@ def main() -> None:
                     for variant in forward_sm90_variants(dtype, dim, args.tile, features):
                         report(variant, args.arch, args.blocks)
                     continue
-                width = "8" if kernel == "forward_fp8_sm90" else "32" if dtype == "float32" else "16"
-                table = "dkdv_dq" if features.get("dq_atomic") and kernel == "dkdv" else kernel
-                if not args.tile and (table, width, dim) not in variants.TILES:
-                    continue  # a head dim this kernel does not serve
-                tile = tuple(map(int, args.tile.split("x"))) if args.tile else variants.TILES[table, width, dim]
-                for parts in variants.dkdv_parts(dim, dim) if kernel == "dkdv" else (3,):
-                    variant = variants.Variant(kernel, dtype, dim, dim, *tile, dkdv_parts=parts, **features)
-                    report(variant, args.arch, args.blocks)
+                if kernel == "forward_fp8_sm90":
+                    tiles = {tiles for (served, _), tiles in variants.FORWARD_FP8_TILES.items() if served == dim}
+                else:
+                    width = "32" if dtype == "float32" else "16"
+                    table = "dkdv_dq" if features.get("dq_atomic") and kernel == "dkdv" else kernel
+                    tiles = {variants.TILES[table, width, dim]} if (table, width, dim) in variants.TILES else set()
+                if args.tile:
+                    tiles = {tuple(map(int, args.tile.split("x")))}
+                for tile in sorted(tiles):  # none: a head dim this kernel does not serve
+                    for parts in variants.dkdv_parts(dim, dim) if kernel == "dkdv" else (3,):
+                        variant = variants.Variant(kernel, dtype, dim, dim, *tile, dkdv_parts=parts, **features)
+                        report(variant, args.arch, args.blocks)
 
 
 if __name__ == "__main__":

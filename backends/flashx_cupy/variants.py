@@ -64,10 +64,6 @@ TILES = {
     # A forward that reads a bool mask byte a pair: 64 query rows a CTA timed 99 TFLOP/s against
     # 80 for 128 on the H100 (bf16, N=8k, d128; mask and dropout 56.5 against 49.5).
     ("forward_mask", "16", 128): (64, 64, 4),
-    # The wgmma forward on float8_e4m3fn inputs ("8"): forward_sm90's CTA of 128 x 128; a V^T row of 128 keys is one
-    # 128-byte swizzled row.
-    ("forward_fp8_sm90", "8", 64): (128, 128, 8),
-    ("forward_fp8_sm90", "8", 128): (128, 128, 8),
     # The wgmma backward: two warpgroups of 64 keys (dK/dV) or query rows (dQ), 64 of the other
     # a step (the scores and dP beside the sums in registers).
     ("dkdv_sm90", "16", 64): (128, 64, 8),
@@ -86,6 +82,16 @@ TILES = {
 #: KB), two K and two V tiles (40 KB each) with the zeros in V's ring take 224 KB; without TMA the
 #: problem takes the mma.sync forward (``forward_kernel``). Every other problem takes two warpgroups
 #: and 128 keys, as all did before: setting every entry of d64 and d128 to (128, 128, 8, 3) restores that.
+#: The wgmma forward on float8_e4m3fn inputs: (head-dim class, banded) -> (BLOCK_M, BLOCK_N, WARPS),
+#: 128 keys a tile (a V^T row of 128 keys is one 128-byte swizzled row). At d64 without a band, three
+#: warpgroups of 64 rows timed 462-471 TFLOP/s against 416-424 for two on the H200 (B=2, N=8k,
+#: H=32), and with a band 348-352 against 358-359; at d128 three warpgroups spill.
+FORWARD_FP8_TILES = {
+    (64, False): (192, 128, 12),
+    (64, True): (128, 128, 8),
+    (128, False): (128, 128, 8),
+    (128, True): (128, 128, 8),
+}
 FORWARD_SM90_TILES = {
     (64, False, False): (192, 128, 12, 3),
     (64, False, True): (192, 128, 12, 3),
@@ -290,6 +296,8 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         block_m, block_n, warps, v_buffers = FORWARD_SM90_TILES[max(dim_qk, dim_v), problem.band is not None, tma]
         if problem.dropout_p > 0:  # Philox's registers spill beside S of 176 keys or in a third warpgroup
             block_m, block_n, warps, v_buffers = 128, 128, 8, 3
+    elif kernel == "forward_fp8_sm90":
+        block_m, block_n, warps = FORWARD_FP8_TILES[max(dim_qk, dim_v), problem.band is not None]
     else:
         block_m, block_n, warps = TILES[table, width, max(dim_qk, dim_v)]
     return Variant(
