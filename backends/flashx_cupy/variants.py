@@ -82,16 +82,6 @@ TILES = {
 #: KB), two K and two V tiles (40 KB each) with the zeros in V's ring take 224 KB; without TMA the
 #: problem takes the mma.sync forward (``forward_kernel``). Every other problem takes two warpgroups
 #: and 128 keys, as all did before: setting every entry of d64 and d128 to (128, 128, 8, 3) restores that.
-#: The wgmma forward on float8_e4m3fn inputs: (head-dim class, banded) -> (BLOCK_M, BLOCK_N, WARPS),
-#: 128 keys a tile (a V^T row of 128 keys is one 128-byte swizzled row). At d64 without a band, three
-#: warpgroups of 64 rows timed 462-471 TFLOP/s against 416-424 for two on the H200 (B=2, N=8k,
-#: H=32), and with a band 348-352 against 358-359; at d128 three warpgroups spill.
-FORWARD_FP8_TILES = {
-    (64, False): (192, 128, 12),
-    (64, True): (128, 128, 8),
-    (128, False): (128, 128, 8),
-    (128, True): (128, 128, 8),
-}
 FORWARD_SM90_TILES = {
     (64, False, False): (192, 128, 12, 3),
     (64, False, True): (192, 128, 12, 3),
@@ -103,6 +93,16 @@ FORWARD_SM90_TILES = {
     (128, True, True): (128, 128, 8, 3),
     (256, False, True): (128, 80, 8, 2),
     (256, True, True): (128, 80, 8, 2),
+}
+#: The wgmma forward on float8_e4m3fn inputs: (head-dim class, banded) -> (BLOCK_M, BLOCK_N, WARPS),
+#: 128 keys a tile (a V^T row of 128 keys is one 128-byte swizzled row). At d64 without a band, three
+#: warpgroups of 64 rows timed 462-471 TFLOP/s against 416-424 for two on the H200 (B=2, N=8k,
+#: H=32), and with a band 348-352 against 358-359; at d128 three warpgroups spill.
+FORWARD_FP8_TILES = {
+    (64, False): (192, 128, 12),
+    (64, True): (128, 128, 8),
+    (128, False): (128, 128, 8),
+    (128, True): (128, 128, 8),
 }
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps

@@ -112,7 +112,8 @@ struct ForwardRows {
             for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float x = MAX_OF_DOTS ? sc[mt][nt][e] : mods.score2(p, sc[mt][nt][e], m0 + wrow + frag_row(mt, e), n + frag_col(nt, e));
+                    float x = MAX_OF_DOTS ? sc[mt][nt][e]
+                                          : mods.score2(p, sc[mt][nt][e], m0 + wrow + frag_row(mt, e), n + frag_col(nt, e));
                     if (MASKED && !allowed_pair(p, s, h, m0 + wrow + frag_row(mt, e), n + frag_col(nt, e))) x = NEG_INF;
                     sc[mt][nt][e] = x;
                     tile_max[mt][e / 2] = fmaxf(tile_max[mt][e / 2], x);
