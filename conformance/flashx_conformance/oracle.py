@@ -440,6 +440,10 @@ def _attend(dense: _Dense, gradients: bool, magnitudes: bool = False) -> dict:
         attended = allowed if dense.keep is None else allowed & (dense.keep != 0)
         if magnitudes:
             q, k, v, do = (np.abs(x) for x in (dense.q, k, v, dense.do))
+            # lse is log(l) plus a P-weighted mean of the scores: it errs as they do, by the
+            # rounding of their dot products at the magnitude of their terms, not of their sum
+            score_terms = np.abs(dense.scale) * (q @ k.swapaxes(-1, -2))
+            lse = np.abs(lse) + np.where(allowed, p * score_terms, 0.0).sum(axis=-1)
         else:
             q, do = dense.q, dense.do
         result = {"o": _masked_matmul(p_dropped, v, attended), "lse": lse}
