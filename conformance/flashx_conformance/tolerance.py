@@ -130,7 +130,10 @@ def _judge(name, actual, expected, naive, terms, dtype, axes, relative_norm, lse
     # gradients cancel (the terms of dS sum to 0 over a row): their noise scales with their terms
     scale = np.where(np.isfinite(terms), terms, 0) if name in GRADIENTS else exact
     norm = np.sqrt((scale * scale).sum())
-    if bound is not None and norm > np.finfo(np.float32).tiny:  # below it, float32 storage has no relative precision
+    # Below the smallest normal number of the output's storage (float16's for float16 o and
+    # gradients, float32's otherwise: bfloat16 has its range) an output has no relative precision.
+    storage = np.float16 if dtype == "float16" and name not in ("lse", "dsinks") else np.float32
+    if bound is not None and norm > np.finfo(storage).tiny:
         relative = np.sqrt((error * error).sum()) / norm
         if relative > bound:
             problems.append(f"relative norm error {float(relative):.3e} > {bound:.3g} (max |error| {float(max_error):.3e} at {where(index, axes)})")
