@@ -11,8 +11,9 @@ is this suite's reading of "the rounding noise of dtype t at the magnitude of X"
 T_X (``oracle.term_magnitudes``) sums the absolute values of the terms summed into X, so
 T_X >= |X| and the floor is at least the contract's max|round_t(X_ref) - X_ref|. For lse it is
 |lse| plus the P-weighted magnitude of the scores' dot-product terms: a score rounds at the
-magnitude of its terms, and a row of one key has the lse of its one score, however it cancels. eps_acc is the
-epsilon of the accumulation dtype (float32 for 16-bit and float32 inputs, float64 for float64).
+magnitude of its terms, and a row of one key has the lse of its one score, however it cancels.
+eps_acc is the epsilon of the accumulation dtype (float32 for 16-bit and float32 inputs, float64
+for float64).
 Without these two refinements a gradient that cancels to 0 (one key per row: dS = P (dP -
 delta) = 0) or an output the naive computation gets exact by its structure (P = 1, dv = dO)
 would have to be bit-exact in every kernel, and a float32 kernel, which accumulates in the
