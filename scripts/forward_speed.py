@@ -4,7 +4,7 @@
 
 B=2, N=8192, d128 with H=16 and d64 with H=32 (FP8: float8_e4m3fn casts of the same normal values,
 descales of 1, o in bfloat16), causal or not; TFLOP/s as flash-attn counts the forward (4 B H N^2 D,
-halved when causal), the median of 30 CUDA-event timings after 5 calls. Each line also prints the
+halved when causal), the median of ``triton.testing.do_bench``. Each line also prints the
 sum of |o|, so that two trees whose kernels should agree bit for bit can be compared by eye;
 ``$OUT/forward-TAG.json`` keeps the rows. ``--warm`` makes one call of each case and times nothing:
 run it for every tree side by side first, so that NVRTC's compiles stay out of the timed runs,
@@ -18,26 +18,12 @@ import os
 import sys
 
 import torch
+from triton.testing import do_bench
 
 import flashx
 
 CASES = [("float8_e4m3fn", 128, 16), ("float8_e4m3fn", 64, 32), ("bfloat16", 128, 16)]
 BATCH, SEQLEN = 2, 8192
-
-
-def median_ms(call, reps: int = 30) -> float:
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
 
 
 def main() -> None:
@@ -55,7 +41,7 @@ def main() -> None:
                 call()
                 continue
             flops = 4 * BATCH * heads * SEQLEN**2 * head_dim / (2 if causal else 1)
-            tflops = flops / median_ms(call) / 1e9
+            tflops = flops / do_bench(call, return_mode="median") / 1e9
             total = float(call().float().abs().sum())
             rows.append(dict(tag=tag, dtype=dtype, head_dim=head_dim, heads=heads, causal=causal, tflops=tflops,
                              abs_sum=total))
