@@ -829,8 +829,8 @@ def test_fp8_forward_declarations(monkeypatch, capability, options, reasons):
 
 def test_fp8_forward_variant():
     """FP8 inputs build forward_fp8_sm90 with o's dtype as DTYPE, for sm_90a, a producer warpgroup,
-    and shared memory of Q and two K tiles of 128-byte rows, three V^T tiles and a tile of zeros in
-    bytes, each on a 1024-byte boundary."""
+    and shared memory of Q and two K tiles of 128-byte rows, three V^T tiles of whole 128-key panels
+    and a tile of zeros in bytes, each on a 1024-byte boundary."""
     for dim, out_dtype in ((32, "bfloat16"), (64, "float16"), (128, "bfloat16"), (96, "float16")):
         problem = _fp8_problem(shape=(1, 4, 2, dim), out_dtype=out_dtype)
         variant = variants.choose(variants.forward_kernel(problem, True, "90"), problem, aligned=True)
@@ -840,9 +840,14 @@ def test_fp8_forward_variant():
         assert variant.dim_qk == variant.dim_v == flashx.problem.head_dim_class(dim)
         assert "--gpu-architecture=sm_90a" in variant.options
         assert variant.threads == 32 * (variant.warps + variants.PRODUCER_WARPS)
-        q, k, v = variant.block_m * 128, variant.block_n * 128, variant.dim_v * variant.block_n
+        q, k, v = variant.block_m * 128, variant.block_n * 128, variant.dim_v * -(-variant.block_n // 128) * 128
         assert all(size % 1024 == 0 for size in (q, k, v))
         assert variant.shared_memory == q + 2 * k + 4 * v + 128 <= 227 * 1024
+    import torch
+
+    masked = _fp8_problem(shape=(1, 4, 2, 128), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    variant = variants.choose(variants.forward_kernel(masked, True, "90"), masked, aligned=True)
+    assert variant.block_n == variants.FP8_MASKED_KEYS < variants.FORWARD_FP8_TILES[128, False][1]
     text = variants.source("forward_fp8_sm90.cu")
     assert f"#define PRODUCER_THREADS {32 * variants.PRODUCER_WARPS} " in text
     for name in ("forward_fp8_sm90.cu", "forward_sm90.cu"):  # one CTA and kernel, forward_sm90.cuh's

@@ -94,16 +94,19 @@ FORWARD_SM90_TILES = {
     (256, False, True): (128, 80, 8, 2),
     (256, True, True): (128, 80, 8, 2),
 }
-#: The wgmma forward on float8_e4m3fn inputs: (head-dim class, banded) -> (BLOCK_M, BLOCK_N, WARPS),
-#: 128 keys a tile (a V^T row of 128 keys is one 128-byte swizzled row). At d64 without a band, three
-#: warpgroups of 64 rows timed 462-471 TFLOP/s against 416-424 for two on the H200 (B=2, N=8k,
-#: H=32), and with a band 348-352 against 358-359; at d128 three warpgroups spill.
+#: The wgmma forward on float8_e4m3fn inputs: (head-dim class, banded) -> (BLOCK_M, BLOCK_N, WARPS).
+#: At d64 without a band, three warpgroups of 64 rows timed 462-471 TFLOP/s against 416-424 for two
+#: on the H200 (B=2, N=8k, H=32), and with a band 348-352 against 358-359; at d128 three warpgroups
+#: spill. At d128 a tile of 192 keys halves the tiles' fixed costs a key against 128: 703-711
+#: TFLOP/s against 680 (B=2, N=8k, H=16), causal 574 against 562; 224 keys timed 710-712 and
+#: 560-569. A bool mask keeps 128 keys (FP8_MASKED_KEYS): at 192 its pair tests spill 352 B.
 FORWARD_FP8_TILES = {
     (64, False): (192, 128, 12),
     (64, True): (128, 128, 8),
-    (128, False): (128, 128, 8),
-    (128, True): (128, 128, 8),
+    (128, False): (128, 192, 8),
+    (128, True): (128, 192, 8),
 }
+FP8_MASKED_KEYS = 128
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
 #: taking 16 of them each, STAGES tiles in flight. The rows a CTA holds (BLOCK_M) follow the problem
@@ -258,7 +261,8 @@ class Variant:
             v_tiles = self.v_buffers + (self.v_buffers != 2)
             return size * (self.block_m * self.dim_qk + self.block_n * (2 * self.dim_qk + v_tiles * self.dim_v)) + 128
         if self.kernel == "forward_fp8_sm90":  # bytes: Q and two K tiles of 128-byte rows, three V^T tiles, zeros; barriers
-            return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * self.block_n + 128
+            vt_keys = -(-self.block_n // 128) * 128  # V^T's rows: whole panels of 128 keys
+            return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * vt_keys + 128
         if self.kernel in ("dkdv_sm90", "dq_sm90"):
             # swizzled, unpadded: the resident tiles (K and V, or Q and dO), a ring of the streamed ones,
             # the fused dQ's two dS^T tiles and each warpgroup's float32 staging of its 64 columns of
@@ -298,6 +302,8 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
             block_m, block_n, warps, v_buffers = 128, 128, 8, 3
     elif kernel == "forward_fp8_sm90":
         block_m, block_n, warps = FORWARD_FP8_TILES[max(dim_qk, dim_v), problem.band is not None]
+        if problem.mask is not None:
+            block_n = min(block_n, FP8_MASKED_KEYS)
     else:
         block_m, block_n, warps = TILES[table, width, max(dim_qk, dim_v)]
     return Variant(

@@ -94,6 +94,29 @@ def _sparse_mask(rng, dtype, **options):
     return quantized(rng, case).with_poison("k", key).with_poison("v", key)
 
 
+def _long_keys_seqlens(rng, dtype, **options):
+    """Head dims of the 128 class over several key tiles of any width up to 224: a sequence ends at
+    key 410, inside its last tile's second 128 keys, NaN past it in k and v."""
+    lengths_q, lengths_k = [130, 97], [410, 500]
+    case = make_case(rng, batch=2, seqlen_q=130, seqlen_k=500, heads_q=2, heads_k=1, head_dim=128, dtype=dtype,
+                     causal=True, seqlens_q=np.array(lengths_q, np.int32), seqlens_k=np.array(lengths_k, np.int32),
+                     **options)
+    case = quantized(rng, case)
+    for name in ("k", "v"):
+        case = case.with_poison(name, _padding(lengths_k, 500))
+    return case
+
+
+def _long_keys_nan_v(rng, dtype, **options):
+    """NaN in v at key 200, which rows 200 on read, in a tile the diagonal crosses: their o is NaN
+    in that column, and no other element is."""
+    case = quantized(rng, make_case(rng, seqlen_q=300, seqlen_k=300, head_dim=96, dtype=dtype, causal=True,
+                                    **options))
+    where = np.zeros(case.inputs["v"].shape, bool)
+    where[0, 200, 0, 5] = True
+    return case.with_poison("v", where)
+
+
 #: Contexts of the FP8 forward: name -> build(rng, dtype, **keywords).
 CONTEXTS = {
     "plain-gqa": lambda rng, dtype, **options: quantized(rng, make_case(
@@ -109,6 +132,8 @@ CONTEXTS = {
     "block-mask": lambda rng, dtype, **options: quantized(rng, make_case(
         rng, seqlen_q=64, seqlen_k=96, head_dim=32, dtype=dtype,
         block_mask=flashx.BlockMask(rng.random((2, 2, 4, 6)) < 0.6, 16), **options)),
+    "long-keys-seqlens": _long_keys_seqlens,
+    "long-keys-nan-v": _long_keys_nan_v,
 }
 #: (input format, output dtype) pairs.
 FORMATS = {

@@ -13,19 +13,25 @@
 //   (wgmma_e4m3.cuh), zero past the keys. The producer then copies V^T by cp.async as it copies K.
 //
 // Tiles are handled as 16-bit pairs of bytes (wgmma_e4m3.cuh): Q and K rows are one 128-byte
-// swizzled row each (a head dim of 64 uses half of it), V^T rows BLOCK_N = 128 keys.
+// swizzled row each (a head dim of 64 uses half of it), V^T rows whole 128-byte panels of keys
+// (VT_KEYS), of which P V reads the tile's BLOCK_N.
 
 #define PRODUCER_THREADS 128  // one warpgroup that only copies Q, K and V (variants.PRODUCER_WARPS)
 #include "forward.cuh"
 #include "wgmma.cuh"
 #include "wgmma_e4m3.cuh"
 
-static_assert(BLOCK_N == 128 && (DIM_QK == 64 || DIM_QK == 128) && (DIM_V == 64 || DIM_V == 128),
-              "a V^T row of 128 keys is one swizzled row; S's N 128, O's 64 or 128");
+static_assert((BLOCK_N == 128 || BLOCK_N == 192 || BLOCK_N == 224) && (DIM_QK == 64 || DIM_QK == 128) &&
+                  (DIM_V == 64 || DIM_V == 128),
+              "S's N 128, 192 or 224 (a multiple of the k-step's 32 keys), O's 64 or 128");
+
+// A V^T row's keys in whole swizzled panels of 128: a copy of 16-byte chunks needs the panel's
+// eight, and keys past BLOCK_N are copied as zeros, never read.
+enum { VT_KEYS = (BLOCK_N + 127) / 128 * 128 };
 
 typedef unsigned char u8;
 
-// Key j of 64 keys from key J0 of a V^T tile (Swizzle128<DIM_V> in pairs), feature c, for
+// Key j of up to 64 keys from key J0 of a V^T tile (Swizzle128<DIM_V> in pairs), feature c, for
 // poison_allowed, which reads whether it is finite: the 16-bit value NaN where the byte is NaN.
 template <int J0>
 struct KeysOfVt {
@@ -39,8 +45,8 @@ struct KeysOfVt {
 // What forward_sm90.cuh's CTA takes from the element type (its members are listed there).
 struct Operands {
     typedef u8 In;
-    // In pairs of bytes: Q's and K's rows 128 bytes whatever DIM_QK, V^T's BLOCK_N keys.
-    enum { Q_TILE = BLOCK_M * 128 / 2, K_TILE = BLOCK_N * 128 / 2, V_TILE = DIM_V * BLOCK_N / 2, PRODUCT_K = 32 };
+    // In pairs of bytes: Q's and K's rows 128 bytes whatever DIM_QK, V^T's VT_KEYS keys.
+    enum { Q_TILE = BLOCK_M * 128 / 2, K_TILE = BLOCK_N * 128 / 2, V_TILE = DIM_V * VT_KEYS / 2, PRODUCT_K = 32 };
     enum { TMA_KV = 0 };  // K and V^T by cp.async (no tensor maps for the FP8 layouts)
     enum { V_RING = 3 };  // V^T's buffers
 
@@ -49,7 +55,7 @@ struct Operands {
     template <int N>
     static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) { wgmma_rs_e4m3<N>(d, a, b); }
 
-    // K-major V^T: k-step kk is its columns (keys) 32 kk .. 32 kk + 31, 16 pairs.
+    // K-major V^T: k-step kk is its columns (keys) 32 kk .. 32 kk + 31, 16 pairs, in panel kk / 4.
     static __device__ __forceinline__ u64 v_desc(const elem_t* vt) { return wgmma_desc(smem_addr(vt), 16); }
     static __device__ __forceinline__ u64 v_step(int kk) { return desc_step<DIM_V>(0, 16 * kk); }
 
@@ -69,11 +75,11 @@ struct Operands {
         return (const u8*)p.v + (i64)b * p.v_b + (i64)hk * p.v_h;  // per sequence in every layout
     }
 
-    // V^T's columns are keys: 16-key chunks from the first past the sequence are zeros.
+    // V^T's columns are keys: 16-key chunks from the first past the sequence or the tile are zeros.
     static __device__ __forceinline__ void load_v(elem_t* dst, const u8* vt, i64 row_stride, i64, int n, int len_k,
                                                   int width, int tid) {
-        load_tile<DIM_V, BLOCK_N / 2, Swizzle128<DIM_V>, PRODUCER_THREADS>(
-            dst, (const elem_t*)(vt + n), row_stride / 2, 1, 0, width, (len_k - n + 1) / 2, tid);
+        load_tile<DIM_V, VT_KEYS / 2, Swizzle128<DIM_V>, PRODUCER_THREADS>(
+            dst, (const elem_t*)(vt + n), row_stride / 2, 1, 0, width, min(len_k - n + 1, BLOCK_N) / 2, tid);
     }
 
     // The scores' factor and o's folded into the scale (softcap's too) and into drop_scale, o's
@@ -90,16 +96,24 @@ struct Operands {
         return descaled;
     }
 
-    static __device__ __forceinline__ bool nonfinite(const elem_t* vt) { return tile_nan_e4m3<DIM_V * BLOCK_N>(vt); }
+    static __device__ __forceinline__ bool nonfinite(const elem_t* vt) { return tile_nan_e4m3<DIM_V * VT_KEYS>(vt); }
 
     template <typename Poison>
     static __device__ __forceinline__ void poison(const ForwardRows& rows, const elem_t* vt, int n, Poison mark) {
-        const auto reads = [&](int r, int j) { return rows.reads_v<true>(rows.wrow + r, n + j); };
-        poison_allowed<ATOMS, 64, DIM_V, KeysOfVt<0>>(reads, vt, mark);  // 64 keys at a time
-        poison_allowed<ATOMS, 64, DIM_V, KeysOfVt<64>>([&](int r, int j) { return reads(r, 64 + j); }, vt, mark);
+        poison_from<0>([&](int r, int j) { return rows.reads_v<true>(rows.wrow + r, n + j); }, vt, mark);
     }
 
-    static __device__ __forceinline__ void clear(elem_t* vt) { clear_nan_e4m3<DIM_V * BLOCK_N>(vt); }
+    // Keys J0 .. BLOCK_N - 1, 64 at a time (poison_allowed's most).
+    template <int J0, typename Reads, typename Poison>
+    static __device__ __forceinline__ void poison_from(Reads reads, const elem_t* vt, Poison mark) {
+        if constexpr (J0 < BLOCK_N) {
+            constexpr int KEYS = BLOCK_N - J0 < 64 ? BLOCK_N - J0 : 64;
+            poison_allowed<ATOMS, KEYS, DIM_V, KeysOfVt<J0>>([&](int r, int j) { return reads(r, J0 + j); }, vt, mark);
+            poison_from<J0 + 64>(reads, vt, mark);
+        }
+    }
+
+    static __device__ __forceinline__ void clear(elem_t* vt) { clear_nan_e4m3<DIM_V * VT_KEYS>(vt); }
 };
 
 #define FORWARD_SM90 flashx_forward_fp8_sm90
