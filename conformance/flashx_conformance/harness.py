@@ -23,7 +23,7 @@ import pytest
 import flashx
 from flashx.problem import FP8_DTYPES, FP8_OUT_DTYPES
 from flashx_conformance import oracle
-from flashx_conformance.tolerance import AXES, judge, judge_exact, reference_precision, round_to
+from flashx_conformance.tolerance import AXES, SMALLEST_NORMAL, judge, judge_exact, reference_precision, round_to
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: Marks a parameter too big for the small tier (interpreters, simulators): it is skipped there.
@@ -349,12 +349,16 @@ def conformance_failures(case: Case, got: dict[str, np.ndarray], relative_norm: 
         naive = [oracle.naive(*(clean[name] for name in ("do", "q", "k", "v")), case.dtype, backward=backward, **options)
                  for backward in ("autograd", "rowsum")]
     terms = oracle.term_magnitudes(*(clean[name] for name in ("do", "q", "k", "v")), **options)
+    # FP8: plain attention in FP8 rounds its weights as a kernel does, and its floor is the output's
+    subnormal = ([None] * len(terms) if case.fp8 else
+                 oracle.subnormal_magnitudes(*(clean[name] for name in ("do", "q", "k", "v")),
+                                             SMALLEST_NORMAL[case.dtype], **options))
     axes = AXES["varlen" if case.varlen else "padded"]
     lse = np.asarray(expected[OUTPUTS.index("lse")], dtype=np.float64)
     lse_magnitude = float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
     failures = [
         judge(name, got[name], expected[n], [baseline[n] for baseline in naive], terms[n], case.output_dtype, axes[name],
-              relative_norm, lse_magnitude)
+              relative_norm, lse_magnitude, subnormal[n])
         for n, name in enumerate(outputs_of(case))
     ]
     shapes = {name: poisoned[name] for name in ("q", "k", "v")}
@@ -386,8 +390,9 @@ def merged_failures(case: Case, o: np.ndarray, lse: np.ndarray) -> list[str]:
     expected = oracle.forward_backward(*inputs, **case.options)
     naive = [oracle.naive(*inputs, case.dtype, backward=backward, **case.options) for backward in ("autograd", "rowsum")]
     terms = oracle.term_magnitudes(*inputs, **case.options)
+    subnormal = oracle.subnormal_magnitudes(*inputs, SMALLEST_NORMAL[case.dtype], **case.options)
     failures = [judge(name, x, expected[n], [baseline[n] for baseline in naive], terms[n], case.dtype,
-                      AXES["padded"][name])
+                      AXES["padded"][name], subnormal=subnormal[n])
                 for n, (name, x) in enumerate((("o", o), ("lse", lse)))]
     return [failure for failure in failures if failure]
 

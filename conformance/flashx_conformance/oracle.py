@@ -85,6 +85,52 @@ def term_magnitudes(do, q, k, v, **options):
     return dense.outputs({**result, "lse": np.abs(result["lse"])})
 
 
+def subnormal_magnitudes(do, q, k, v, smallest_normal: float, **options):
+    """For each of (o, lse, dq, dk, dv) (and dsinks with sinks): U_X, the sum over the terms of X
+    of the factors that multiply a value of the input dtype t lying below ``smallest_normal``
+    (t's). Times half t's subnormal spacing it bounds what rounding those values moves X by:
+    below the normal range rounding is absolute, so T_X does not hold it (``tolerance.py``).
+
+    The values are those a flash kernel keeps in t between two products:
+    - o, which the contract stores in t and the backward reads back for delta_i =
+      dot(o_i, do_i): a subnormal o_ie moves delta_i by up to half a spacing times |do_ie|, and
+      every dS_ij = P_ij (dP_ij - delta_i) of the row by P_ij times that (times softcap's slope);
+    - P (in o's product with V, and, kept and scaled by dropout, in dv's with dO) and dS (in dq's
+      product with K and dk's with Q), which a kernel on 16-bit tensor cores rounds to t.
+    Each counts only where the oracle's value is below ``smallest_normal``: above it rounding
+    is relative, and the floor's eps_t / 2 * T_X holds it.
+    """
+    dense = _prepare(q, k, v, do, options)
+    result = _attend(dense, gradients=True)
+    tiny = smallest_normal
+    p, p_dropped, ds, slope, attended, k_heads, v_heads = (
+        result["intermediates"][name] for name in ("p", "p_dropped", "ds", "slope", "attended", "k", "v"))
+    allowed, keep, heads_k = dense.allowed, (1.0 if dense.keep is None else dense.keep), dense.k.shape[1]
+    q_abs, k_abs, v_abs, do_abs = (np.abs(x) for x in (dense.q, k_heads, v_heads, dense.do))  # k, v per query head
+    with np.errstate(invalid="ignore"):  # NaN inputs: NaN magnitudes, which the tolerance leaves out
+        # o = sum_j (P Z / (1 - p))_ij v_j: a forward rounds exp(S - m) >= P (m, its running
+        # maximum, is at most the row's lse), then divides by the row's sum (>= 1) and by 1 - p
+        o = np.where(attended & (p < tiny), keep, 0.0) @ v_abs
+        # dv_j = sum_i (P Z / (1 - p))_ij do_i: the kernel rounds the scaled, kept P
+        dv = _group_sum(np.where(attended & (p_dropped < tiny), 1.0, 0.0).swapaxes(-1, -2) @ do_abs, heads_k)
+        # delta_i's error per unit of spacing: the |do_ie| of o's elements below the normal range
+        delta = np.where(np.abs(result["o"]) < tiny, do_abs, 0.0).sum(axis=-1, keepdims=True)
+        ds_terms = np.where(allowed, p * delta * slope + (np.abs(ds) < tiny), 0.0)
+        scale = abs(dense.scale)
+        magnitudes = {
+            "o": o,
+            "lse": np.zeros(result["lse"].shape),
+            "dq": scale * (ds_terms @ k_abs),
+            "dk": _group_sum(scale * (ds_terms.swapaxes(-1, -2) @ q_abs), heads_k),
+            "dv": dv,
+        }
+        if dense.sinks is not None:  # dsinks = -sum_i P_sink_i delta_i over rows with a key
+            p_sink = np.exp(dense.sinks.reshape(1, -1, 1, 1) - result["lse"][..., None])
+            terms = np.where(allowed.any(axis=-1, keepdims=True), p_sink * delta, 0.0)
+            magnitudes["dsinks"] = terms.sum(axis=(0, 2, 3))
+    return dense.outputs(magnitudes)
+
+
 def empty_rows(q, k, v, **options) -> np.ndarray:
     """True where a query row has no allowed key (o = 0, lse = -inf, dq = 0), in lse's layout."""
     dense = _prepare(q, k, v, None, options)
@@ -458,8 +504,9 @@ def _attend(dense: _Dense, gradients: bool, magnitudes: bool = False) -> dict:
             ds, scale = np.where(allowed, p * (dp + delta), 0.0), abs(dense.scale)
         else:
             ds, scale = np.where(allowed, p * (dp - delta), 0.0), dense.scale
+        slope = 1.0 if dense.softcap is None else 1 - capped * capped  # d S_capped / d S_scaled
         if dense.softcap is not None and not magnitudes:
-            ds = ds * (1 - capped * capped)
+            ds = ds * slope
         if dense.sinks is not None:
             # d lse / d sink = exp(sink - lse): each row with a key adds -P_sink * delta
             p_sink = np.exp(dense.sinks.reshape(1, -1, 1, 1) - lse_rows)
@@ -469,6 +516,9 @@ def _attend(dense: _Dense, gradients: bool, magnitudes: bool = False) -> dict:
         result["dq"] = scale * _masked_matmul(ds, k, allowed)
         result["dk"] = _group_sum(scale * _masked_matmul(ds.swapaxes(-1, -2), q, allowed_t), heads_k)
         result["dv"] = _group_sum(_masked_matmul(p_dropped.swapaxes(-1, -2), do, attended.swapaxes(-1, -2)), heads_k)
+        if not magnitudes:  # for subnormal_magnitudes: what a kernel may round, on the padded grid
+            result["intermediates"] = {"p": p, "p_dropped": p_dropped, "ds": ds, "slope": slope,
+                                       "attended": attended, "k": k, "v": v}
     return result
 
 
