@@ -151,7 +151,9 @@ def test_fp8_cache_decoding_with_new_tokens_lowers(compiled, lowered):
     """An e4m3 cache: the append quantizes by an explicit saturation and the saturating
     conversion, and the split kernel widens 128-key tiles that cp.async copies 16 bytes at a time,
     without Triton's one-per-element F2F to bfloat16; V's tile reaches its product with P as 16-bit
-    values through ldmatrix.trans, never read from shared memory byte by byte."""
+    values through ldmatrix.trans, never read from shared memory byte by byte. The three launches
+    are programmatic dependent launches: each waits for the launch before it (griddepcontrol.wait)
+    before it reads anything, and the append and the split let the next one launch early."""
     from flashx_triton import TritonBackend
 
     generator = torch.Generator().manual_seed(0)
@@ -168,9 +170,14 @@ def test_fp8_cache_decoding_with_new_tokens_lowers(compiled, lowered):
     assert "cp.async.cg.shared.global" in split and "cvt.rn.f16x2.e4m3x2" in split
     assert "cvt.bf16.f16" not in split and "cvt.rn.bf16x2.f32" in split
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in split and "ld.shared.b8" not in split
+    for kernel, early in zip(compiled, (True, True, False)):
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.launch_pdl and "griddepcontrol.wait" in ptx
+        assert ("griddepcontrol.launch_dependents" in ptx) == early
 
 
-def test_paged_decoding_with_new_tokens_lowers(lowered):
+def test_paged_decoding_with_new_tokens_lowers(compiled, lowered):
+    """A 16-bit paged cache's launches are plain ones (``flashx_triton.decode.programmatic``)."""
     from flashx_triton import TritonBackend
 
     generator = torch.Generator().manual_seed(0)
@@ -182,7 +189,8 @@ def test_paged_decoding_with_new_tokens_lowers(lowered):
     problem = build_decode_problem(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
                                    block_table=block_table, num_splits=2)
     TritonBackend().decode(problem, q, k_cache, v_cache, k_new, v_new)
-    assert len(lowered) == 3  # append, split, merge
+    assert lowered == ["_append_kernel", "_split_kernel", "_merge_kernel"]
+    assert not any(kernel.metadata.launch_pdl or "griddepcontrol" in kernel.asm["ptx"] for kernel in compiled)
 
 
 def test_lengths_band_reaches_and_dropout_draws_compile_no_variants_of_their_own(lowered, monkeypatch):

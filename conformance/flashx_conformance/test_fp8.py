@@ -94,12 +94,12 @@ def _sparse_mask(rng, dtype, **options):
     return quantized(rng, case).with_poison("k", key).with_poison("v", key)
 
 
-def _long_keys_seqlens(rng, dtype, **options):
-    """Head dims of the 128 class over several key tiles of any width up to 224: a sequence ends at
-    key 410, inside its last tile's second 128 keys, NaN past it in k and v."""
-    lengths_q, lengths_k = [130, 97], [410, 500]
-    case = make_case(rng, batch=2, seqlen_q=130, seqlen_k=500, heads_q=2, heads_k=1, head_dim=128, dtype=dtype,
-                     causal=True, seqlens_q=np.array(lengths_q, np.int32), seqlens_k=np.array(lengths_k, np.int32),
+def _long_keys_seqlens(rng, dtype, head_dim=128, causal=True, ends=(410, 500), **options):
+    """Several key tiles of any width up to 224 keys, and a sequence that ends inside one (key 410:
+    in the second 128 keys of a 192-key tile), NaN past it in k and v."""
+    lengths_q, lengths_k = [130, 97], list(ends)
+    case = make_case(rng, batch=2, seqlen_q=130, seqlen_k=500, heads_q=2, heads_k=1, head_dim=head_dim, dtype=dtype,
+                     causal=causal, seqlens_q=np.array(lengths_q, np.int32), seqlens_k=np.array(lengths_k, np.int32),
                      **options)
     case = quantized(rng, case)
     for name in ("k", "v"):
@@ -134,6 +134,8 @@ CONTEXTS = {
         block_mask=flashx.BlockMask(rng.random((2, 2, 4, 6)) < 0.6, 16), **options)),
     "long-keys-seqlens": _long_keys_seqlens,
     "long-keys-nan-v": _long_keys_nan_v,
+    "long-keys-d64": lambda rng, dtype, **options: _long_keys_seqlens(
+        rng, dtype, head_dim=64, causal=False, ends=(300, 500), **options),
 }
 #: (input format, output dtype) pairs.
 FORMATS = {
