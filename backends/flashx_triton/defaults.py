@@ -9,7 +9,8 @@
 fwd+bwd, fp32 forwards and FP8 (e4m3, no descales) forwards, d 64/128/256, causal or not, N
 512..16k, B = 16384 / N and H = 2048 / d, bf16 fwd+bwd with dropout 0.1 at N = 8k (whose kernels
 are tuned apart: ``tuning.kernel_key``), plus the off-sweep shapes of issue 26; ``POINTS`` (labels,
-comma-separated: "sweep", "dropout", "first-call", ...) sweeps some of them. Compiling every
+comma-separated: "sweep", "dropout", "first-call", ...) and ``DTYPES`` (comma-separated) sweep some
+of them. Compiling every
 candidate is most of a cold tuning's time, so worker processes first compile them all (one shape
 per class, timings stubbed) into the shared Triton cache, in parallel; the tuner then runs
 serially on a quiet GPU.
@@ -54,8 +55,9 @@ def sweep_points():
             points += DROPOUT
         if dtype == "float16":
             points += OFF_SWEEP
-    wanted = os.environ.get("POINTS")
-    return [point for point in points if wanted is None or point[0] in wanted.split(",")]
+    wanted, dtypes = os.environ.get("POINTS"), os.environ.get("DTYPES")
+    return [point for point in points if (wanted is None or point[0] in wanted.split(","))
+            and (dtypes is None or point[7] in dtypes.split(","))]
 
 
 def _inputs(point):

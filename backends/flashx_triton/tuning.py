@@ -62,12 +62,13 @@ FORWARD = {
 }
 FORWARD_FP32 = [C(64, 32, 4, 2), C(64, 64, 4, 2), C(32, 32, 4, 2), C(32, 32, 4, 1)]
 # FP8 inputs (flashx_triton.fp8): K and V tiles take half the bytes, and the FP8 tensor-core
-# product reduces 32 at a time, so the tiles are wider and the pipeline deeper than bf16's. Not
-# yet timed on a GPU (shipped.json has no FP8 entry): the first is 128 x 128 keys, the 16-bit
-# kernels' choice at long lengths; each compiles for sm_90 without spilling in the plain launch.
+# product reduces 32 at a time, so the tiles are wider and the pipeline deeper than bf16's. The
+# first is the untimed choice where shipped.json has none; each compiles for sm_90 without spilling
+# but 128 x 256 at d128 (52 B at 2 stages, which the tuner may still find faster).
 FORWARD_FP8 = {
-    64: [C(128, 128, 8, 3), C(128, 64, 4, 3), C(64, 64, 4, 3), C(128, 128, 8, 4)],
-    128: [C(128, 128, 8, 3), C(128, 128, 8, 4), C(128, 64, 8, 4), C(64, 64, 4, 3)],
+    64: [C(128, 128, 8, 3), C(128, 64, 4, 3), C(64, 64, 4, 3), C(128, 128, 8, 4), C(128, 256, 8, 3), C(64, 128, 4, 4)],
+    128: [C(128, 128, 8, 3), C(128, 128, 8, 4), C(128, 64, 8, 4), C(64, 64, 4, 3), C(64, 128, 4, 3), C(128, 128, 8, 2),
+          C(128, 256, 8, 2)],
     256: [C(128, 64, 8, 3), C(128, 64, 8, 2), C(64, 64, 4, 2)],
 }
 # dK/dV: block_n keys stay resident while block_m query rows stream.
