@@ -56,14 +56,14 @@ struct ForwardRows {
         if (rows_end <= m0 || end <= first) first = end = 0;
         lo = first / BLOCK_N * BLOCK_N;
         unmasked_lo = unmasked_hi = end;
-#if !MASK && !BLOCK_MASK
-        if (m0 + BLOCK_M <= s.len_q) {
-            const int from = max(m0 + BLOCK_M - 1 + diag - p.left, lo);  // every row of the tile reaches back
-            const int to = min(s.len_k, m0 + diag + p.right + 1);        // and forward
-            const int a = (from + BLOCK_N - 1) / BLOCK_N * BLOCK_N, z = to > 0 ? to / BLOCK_N * BLOCK_N : 0;
-            if (a < z) unmasked_lo = a, unmasked_hi = z;
+        if constexpr (!MASK && !BLOCK_MASK) {
+            if (m0 + BLOCK_M <= s.len_q) {
+                const int from = max(m0 + BLOCK_M - 1 + diag - p.left, lo);  // every row of the tile reaches back
+                const int to = min(s.len_k, m0 + diag + p.right + 1);        // and forward
+                const int a = (from + BLOCK_N - 1) / BLOCK_N * BLOCK_N, z = to > 0 ? to / BLOCK_N * BLOCK_N : 0;
+                if (a < z) unmasked_lo = a, unmasked_hi = z;
+            }
         }
-#endif
         zero<ATOMS, DIM_V>(acc);
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
@@ -89,11 +89,8 @@ struct ForwardRows {
     template <bool MASKED>
     __device__ __forceinline__ bool reads_v(int r, int j) const {
         if (MASKED && !allowed_pair(p, s, h, m0 + r, j)) return false;
-#if DROPOUT
-        return dropout_keep(p, b, h, m0 + r, j);
-#else
+        if constexpr (DROPOUT) return dropout_keep(p, b, h, m0 + r, j);
         return true;
-#endif
     }
 
     // The dot products of the key tile at n become its probabilities (zero where dropped); the running
@@ -122,12 +119,11 @@ struct ForwardRows {
 #pragma unroll
             for (int mt = 0; mt < ATOMS; ++mt) tile_max[mt][0] *= p.scale_log2, tile_max[mt][1] *= p.scale_log2;
 
-#if DROPOUT
         KeepBits<ATOMS, BLOCK_N / 8> keep;
-        keep.draw(p, [&](int mt, int nt, bool counter_aligned) {
-            return dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt, counter_aligned);
-        });
-#endif
+        if constexpr (DROPOUT)
+            keep.draw(p, [&](int mt, int nt, bool counter_aligned) {
+                return dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt, counter_aligned);
+            });
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt) {
 #pragma unroll
@@ -142,11 +138,7 @@ struct ForwardRows {
                     for (int e = 2 * half; e < 2 * half + 2; ++e) {
                         const float pr = exp2f(MAX_OF_DOTS ? fmaf(sc[mt][nt][e], p.scale_log2, -m_ref) : sc[mt][nt][e] - m_ref);
                         row_sum[mt][half] += pr;  // the LSE is taken before dropout
-#if DROPOUT
-                        sc[mt][nt][e] = keep.kept(mt, nt, e) ? pr : 0.f;
-#else
-                        sc[mt][nt][e] = pr;
-#endif
+                        sc[mt][nt][e] = !DROPOUT || keep.kept(mt, nt, e) ? pr : 0.f;
                     }
             }
         }
@@ -167,9 +159,7 @@ struct ForwardRows {
     __device__ __forceinline__ void store(elem_t* sO) const {
         const int lane = threadIdx.x % 32;
         float* lse = (float*)p.lse + (i64)b * p.lse_b + (i64)h * p.lse_h + s.start_q;
-#if SINKS
-        const float sink = ((const float*)p.sinks)[h];
-#endif
+        const float sink = SINKS ? ((const float*)p.sinks)[h] : 0.f;
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
@@ -179,16 +169,17 @@ struct ForwardRows {
                 total += __shfl_xor_sync(0xffffffffu, total, 2);
                 const int r = wrow + frag_row(mt, 2 * half);
                 const bool empty = total == 0.f;
-#if SINKS
-                float keys_share;
-                const float lse2 = with_sink(row_max[mt][half], total, sink * LOG2E, keys_share);
-                const float out_scale = empty ? 0.f : p.drop_scale * keys_share;
-                if (m0 + r < rows_out && lane % 4 == 0) lse[m0 + r] = empty ? sink : lse2 * LN2;
-#else
-                const float out_scale = empty ? 0.f : p.drop_scale / total;
-                if (m0 + r < rows_out && lane % 4 == 0)
-                    lse[m0 + r] = empty ? NEG_INF : (row_max[mt][half] + log2f(total)) * LN2;
-#endif
+                float out_scale;
+                if constexpr (SINKS) {
+                    float keys_share;
+                    const float lse2 = with_sink(row_max[mt][half], total, sink * LOG2E, keys_share);
+                    out_scale = empty ? 0.f : p.drop_scale * keys_share;
+                    if (m0 + r < rows_out && lane % 4 == 0) lse[m0 + r] = empty ? sink : lse2 * LN2;
+                } else {
+                    out_scale = empty ? 0.f : p.drop_scale / total;
+                    if (m0 + r < rows_out && lane % 4 == 0)
+                        lse[m0 + r] = empty ? NEG_INF : (row_max[mt][half] + log2f(total)) * LN2;
+                }
 #pragma unroll
                 for (int nt = 0; nt < DIM_V / 8; ++nt)
                     store_pair(sO + r * LD_V + frag_col(nt, 0), empty ? 0.f : acc[mt][nt][2 * half] * out_scale,
@@ -197,19 +188,19 @@ struct ForwardRows {
         __syncwarp();
 
         elem_t* o = (elem_t*)p.o + row_offset(b, s.start_q, 0, h, p.o_b, p.o_n, p.o_h);
-#if ALIGNED  // o is the backend's own contiguous allocation: aligned whenever the inputs are
-        constexpr int PER_ROW = DIM_V / CHUNK;
-        for (int idx = lane; idx < ATOMS * 16 * PER_ROW; idx += 32) {
-            const int r = wrow + idx / PER_ROW, c = idx % PER_ROW * CHUNK;
-            if (m0 + r < rows_out && c < p.head_dim_v)
-                *(uint4*)(o + (i64)(m0 + r) * p.o_n + c) = *(const uint4*)(sO + r * LD_V + c);
+        if constexpr (ALIGNED) {  // o is the backend's own contiguous allocation: aligned whenever the inputs are
+            constexpr int PER_ROW = DIM_V / CHUNK;
+            for (int idx = lane; idx < ATOMS * 16 * PER_ROW; idx += 32) {
+                const int r = wrow + idx / PER_ROW, c = idx % PER_ROW * CHUNK;
+                if (m0 + r < rows_out && c < p.head_dim_v)
+                    *(uint4*)(o + (i64)(m0 + r) * p.o_n + c) = *(const uint4*)(sO + r * LD_V + c);
+            }
+        } else {
+            for (int idx = lane; idx < ATOMS * 16 * DIM_V; idx += 32) {
+                const int r = wrow + idx / DIM_V, c = idx % DIM_V;
+                if (m0 + r < rows_out && c < p.head_dim_v) o[(i64)(m0 + r) * p.o_n + c * p.o_d] = sO[r * LD_V + c];
+            }
         }
-#else
-        for (int idx = lane; idx < ATOMS * 16 * DIM_V; idx += 32) {
-            const int r = wrow + idx / DIM_V, c = idx % DIM_V;
-            if (m0 + r < rows_out && c < p.head_dim_v) o[(i64)(m0 + r) * p.o_n + c * p.o_d] = sO[r * LD_V + c];
-        }
-#endif
     }
 };
 

@@ -90,7 +90,6 @@ __device__ __forceinline__ float through_softcap(float ds, float capped) {
 #endif
 }
 
-#if SINKS
 // The sink of head h in base 2 joins a row's softmax as one more column, with no value: the row's
 // keys gave ``sum`` in units of 2^row_max (0: no allowed key). Returns the row's base-2 LSE and
 // sets ``keys_share`` to the keys' weight exp(lse_keys - lse) per unit of ``sum``. The common
@@ -114,4 +113,3 @@ __device__ __forceinline__ bool row_has_key(const Params& p, const Sequence& s, 
         if (__any_sync(0xffffffffu, j0 + lane < hi && allowed_pair(p, s, h, i, j0 + lane))) return true;
     return false;
 }
-#endif
