@@ -86,16 +86,16 @@ static_assert(!BULK || (ALIGNED && THREADS == 2 * BLOCK_N), "bulk copies: 16-byt
 // or -inf. NaN stays NaN.
 __device__ __forceinline__ void row_result(const Params& p, int h, float m2, float sum, float& scale, float& lse) {
     const bool empty = sum == 0.f;
-#if SINKS
-    const float sink = ((const float*)p.sinks)[h];
-    float keys_share;
-    const float lse2 = with_sink(m2, sum, sink * LOG2E, keys_share);
-    scale = empty ? 0.f : keys_share;
-    lse = empty ? sink : lse2 * LN2;
-#else
-    scale = empty ? 0.f : 1.f / sum;
-    lse = empty ? NEG_INF : (m2 + log2f(sum)) * LN2;
-#endif
+    if constexpr (SINKS) {
+        const float sink = ((const float*)p.sinks)[h];
+        float keys_share;
+        const float lse2 = with_sink(m2, sum, sink * LOG2E, keys_share);
+        scale = empty ? 0.f : keys_share;
+        lse = empty ? sink : lse2 * LN2;
+    } else {
+        scale = empty ? 0.f : 1.f / sum;
+        lse = empty ? NEG_INF : (m2 + log2f(sum)) * LN2;
+    }
 }
 
 // The index of row (b, i, h) in the splits' partial results: (b, i, h) row-major, as o.
@@ -108,25 +108,25 @@ __device__ __forceinline__ i64 part_row(const Params& p, int b, int i, int h) {
 // columns >= width zero (all-zero bits: +0 in every element type).
 template <int ROWS, int COLS, int LD, typename T, typename RowAt>
 __device__ __forceinline__ void load_rows(T* s, const T* base, RowAt at, int width, i64 col_stride) {
-#if ALIGNED
-    // Each thread copies one 16-byte column chunk of every STEP-th row.
-    constexpr int PER_CHUNK = 16 / (int)sizeof(T), PER_ROW = COLS / PER_CHUNK, STEP = THREADS / PER_ROW;
-    static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
-    const int c = threadIdx.x % PER_ROW * PER_CHUNK, r0 = threadIdx.x / PER_ROW;
-    const u32 dst = smem_addr(s + r0 * LD + c);
+    if constexpr (ALIGNED) {
+        // Each thread copies one 16-byte column chunk of every STEP-th row.
+        constexpr int PER_CHUNK = 16 / (int)sizeof(T), PER_ROW = COLS / PER_CHUNK, STEP = THREADS / PER_ROW;
+        static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
+        const int c = threadIdx.x % PER_ROW * PER_CHUNK, r0 = threadIdx.x / PER_ROW;
+        const u32 dst = smem_addr(s + r0 * LD + c);
 #pragma unroll
-    for (int r = r0; r < ROWS; r += STEP) {
-        const i64 offset = at(r);
-        const bool valid = offset >= 0 && c < width;
-        cp_async16(dst + (r - r0) * LD * (int)sizeof(T), valid ? base + offset + c : base, valid);
+        for (int r = r0; r < ROWS; r += STEP) {
+            const i64 offset = at(r);
+            const bool valid = offset >= 0 && c < width;
+            cp_async16(dst + (r - r0) * LD * (int)sizeof(T), valid ? base + offset + c : base, valid);
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+            const int r = idx / COLS, c = idx % COLS;
+            const i64 offset = at(r);
+            s[r * LD + c] = offset >= 0 && c < width ? base[offset + c * col_stride] : T(0);
+        }
     }
-#else
-    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
-        const int r = idx / COLS, c = idx % COLS;
-        const i64 offset = at(r);
-        s[r * LD + c] = offset >= 0 && c < width ? base[offset + c * col_stride] : T(0);
-    }
-#endif
 }
 
 #if BULK
@@ -182,9 +182,7 @@ struct DecodeCta {
         lo = max(diag + first_i - p.left, 0);
         hi = max(min(diag + last_i + p.right + 1, length), lo);
         int every_lo = max(diag + last_i - p.left, 0), every_hi = min(diag + first_i + p.right + 1, length);
-#if MASK
-        every_hi = min(every_hi, diag);  // the tree mask's keys are tested pair by pair
-#endif
+        if constexpr (MASK) every_hi = min(every_hi, diag);  // the tree mask's keys are tested pair by pair
         // The split's share of the tiles [lo / BLOCK_N, ceil(hi / BLOCK_N)), and its unmasked ones.
         const int first = lo / BLOCK_N, last = hi > lo ? (hi + BLOCK_N - 1) / BLOCK_N : first;
         const int per_split = (last - first + p.splits - 1) / p.splits;
@@ -216,14 +214,12 @@ struct DecodeCta {
         if (row >= rows) return false;
         const int i = row / p.group, position = diag + i;
         bool ok = j < length && j >= position - p.left && j <= position + p.right;
-#if MASK
         const int column = j - diag;  // the tree mask's column: >= 0 over the last Nq keys
-        if (ok && column >= 0) {
+        if (MASK && ok && column >= 0) {
             const int h = hk * p.group + row % p.group;
             ok = ((const unsigned char*)p.mask)[(i64)b * p.mask_b + (i64)h * p.mask_h + (i64)i * p.mask_i +
                                                 (i64)column * p.mask_j] != 0;
         }
-#endif
         return ok;
     }
 
@@ -231,20 +227,16 @@ struct DecodeCta {
     // table only where the split uses the key (entries past a sequence may hold anything).
     __device__ __forceinline__ int2 page_slot(int t) const {
         int2 at = make_int2(0, 0);
-#if PAGED
         const int position = t * BLOCK_N + (int)threadIdx.x;
-        if (threadIdx.x < BLOCK_N && t < tile_hi && position >= lo && position < hi) {
+        if (PAGED && threadIdx.x < BLOCK_N && t < tile_hi && position >= lo && position < hi) {
             const int page = position / p.page_size;
             at = make_int2(((const int*)p.block_table)[(i64)b * p.table_b + page], position - page * p.page_size);
         }
-#endif
         return at;
     }
 
     __device__ __forceinline__ void keep_pages(int buffer, int2 at) {
-#if PAGED
-        if (threadIdx.x < BLOCK_N) sPages[buffer * BLOCK_N + threadIdx.x] = at;
-#endif
+        if (PAGED && threadIdx.x < BLOCK_N) sPages[buffer * BLOCK_N + threadIdx.x] = at;
     }
 
     // Requests the K and V rows of tile t (none past the split) into stage ``stage``; in a paged
@@ -257,12 +249,11 @@ struct DecodeCta {
             return [=](int r) -> i64 {
                 const int position = n + r;
                 if (position < low || position >= high) return -1;
-#if PAGED
-                const int2 at = pages[r];
-                return (i64)at.x * page_stride + (i64)at.y * row_stride;
-#else
+                if constexpr (PAGED) {
+                    const int2 at = pages[r];
+                    return (i64)at.x * page_stride + (i64)at.y * row_stride;
+                }
                 return (i64)position * row_stride;
-#endif
             };
         };
         const cache_t* k = (const cache_t*)p.k + (PAGED ? 0 : (i64)b * p.k_b) + (i64)hk * p.k_h;
