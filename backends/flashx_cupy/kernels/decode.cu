@@ -54,9 +54,7 @@
 
 #include "common.cuh"
 #include "score_mods.cuh"
-#if BULK
 #include "mbarrier.cuh"
-#endif
 
 #if FP8_CACHE
 #include "fp8.cuh"
@@ -129,7 +127,6 @@ __device__ __forceinline__ void load_rows(T* s, const T* base, RowAt at, int wid
     }
 }
 
-#if BULK
 // Row r of a tile of T in shared memory (``s``, LD elements a row): ``bytes`` from base + at(r) by
 // one bulk copy counted on ``full``, or, where at(r) is -1 (a key the split does not use), zeros
 // stored by this thread, fenced for the copy a later tile makes into the row.
@@ -152,7 +149,6 @@ __device__ __forceinline__ void zero_columns(T* s, int width) {
     for (int r = threadIdx.x; r < ROWS; r += THREADS)
         for (int c = width; c < COLS; c += 16 / (int)sizeof(T)) *(uint4*)(s + r * LD + c) = make_uint4(0, 0, 0, 0);
 }
-#endif
 
 // A CTA of flashx_decode: its rows, the keys they use, its split's tiles, and each warp's running
 // softmax over its keys.
@@ -258,24 +254,23 @@ struct DecodeCta {
         };
         const cache_t* k = (const cache_t*)p.k + (PAGED ? 0 : (i64)b * p.k_b) + (i64)hk * p.k_h;
         const cache_t* v = (const cache_t*)p.v + (PAGED ? 0 : (i64)b * p.v_b) + (i64)hk * p.v_h;
-#if BULK
-        const int r = threadIdx.x % BLOCK_N;
-        if (threadIdx.x < BLOCK_N)
-            bulk_row<CACHE_LD_QK>(sKs + stage * BLOCK_N * CACHE_LD_QK, k, row_at(p.k_n, p.k_b), r,
-                                  p.head_dim * (u32)sizeof(cache_t), sFull + stage);
-        else
-            bulk_row<CACHE_LD_V>(sVs + stage * BLOCK_N * CACHE_LD_V, v, row_at(p.v_n, p.v_b), r,
-                                 p.head_dim_v * (u32)sizeof(cache_t), sFull + stage);
-#else
-        load_rows<BLOCK_N, DIM_QK, CACHE_LD_QK>(sKs + stage * BLOCK_N * CACHE_LD_QK, k, row_at(p.k_n, p.k_b),
-                                                p.head_dim, p.k_d);
-        load_rows<BLOCK_N, DIM_V, CACHE_LD_V>(sVs + stage * BLOCK_N * CACHE_LD_V, v, row_at(p.v_n, p.v_b),
-                                              p.head_dim_v, p.v_d);
-#endif
+        if constexpr (BULK) {
+            const int r = threadIdx.x % BLOCK_N;
+            if (threadIdx.x < BLOCK_N)
+                bulk_row<CACHE_LD_QK>(sKs + stage * BLOCK_N * CACHE_LD_QK, k, row_at(p.k_n, p.k_b), r,
+                                      p.head_dim * (u32)sizeof(cache_t), sFull + stage);
+            else
+                bulk_row<CACHE_LD_V>(sVs + stage * BLOCK_N * CACHE_LD_V, v, row_at(p.v_n, p.v_b), r,
+                                     p.head_dim_v * (u32)sizeof(cache_t), sFull + stage);
+        } else {
+            load_rows<BLOCK_N, DIM_QK, CACHE_LD_QK>(sKs + stage * BLOCK_N * CACHE_LD_QK, k, row_at(p.k_n, p.k_b),
+                                                    p.head_dim, p.k_d);
+            load_rows<BLOCK_N, DIM_V, CACHE_LD_V>(sVs + stage * BLOCK_N * CACHE_LD_V, v, row_at(p.v_n, p.v_b),
+                                                  p.head_dim_v, p.v_d);
+        }
     }
 
-#if BULK
-    // Thread 0 announces the bytes of tile t (none past the split) to the barrier of stage
+    // BULK: thread 0 announces the bytes of tile t (none past the split) to the barrier of stage
     // ``stage``, whose previous phase every thread has waited for: its rows of keys in [lo, hi).
     __device__ __forceinline__ void expect(int t, int stage) {
         if (threadIdx.x != 0 || t >= tile_hi) return;
@@ -294,15 +289,11 @@ struct DecodeCta {
         zero_columns<STAGES * BLOCK_N, DIM_QK, CACHE_LD_QK>(sKs, p.head_dim);
         zero_columns<STAGES * BLOCK_N, DIM_V, CACHE_LD_V>(sVs, p.head_dim_v);
     }
-#endif
 
     // Until the tile of ``step`` (its stage step % STAGES) has landed for this thread.
     __device__ __forceinline__ void wait_tile(int step) {
-#if BULK
-        bar_wait(sFull + step % STAGES, (step / STAGES) & 1);
-#else
-        cp_async_wait<STAGES - 2>();  // all but the newest STAGES - 2 groups
-#endif
+        if constexpr (BULK) bar_wait(sFull + step % STAGES, (step / STAGES) & 1);
+        else cp_async_wait<STAGES - 2>();  // all but the newest STAGES - 2 groups
     }
 
     // The tile of stage ``stage`` as the products read it: which of the COMPUTE_TILES holds it. A
@@ -395,9 +386,7 @@ struct DecodeCta {
                     nan_at<ROW_ATOMS, DIM_V>(acc));
                 __syncthreads();
                 clear_nonfinite<BLOCK_N, DIM_V, LD_V>(v_tile);
-#if BULK
-                fence_proxy_async();  // a later tile's copies overwrite the stage
-#endif
+                if constexpr (BULK) fence_proxy_async();  // a later tile's copies overwrite the stage
                 __syncthreads();
             }
         }
@@ -422,9 +411,8 @@ struct DecodeCta {
         for (int t = tile_lo; t < tile_hi; ++t) {
             const int step = t - tile_lo;
             wait_tile(step);  // tile t is in
-#if BULK
-            expect(t + STAGES - 1, (step + STAGES - 1) % STAGES);  // tile t - 1's stage, for the copies after the barrier
-#endif
+            if constexpr (BULK)  // tile t - 1's stage, for the copies after the barrier
+                expect(t + STAGES - 1, (step + STAGES - 1) % STAGES);
             __syncthreads();  // ... for every thread; and every warp is done with tile t - 1's stage
             request(t + STAGES - 1, (step + STAGES - 1) % STAGES);
             if (!BULK) cp_async_commit();
@@ -573,10 +561,10 @@ extern "C" __global__ void DECODE_BOUNDS flashx_decode(const Params p) {
     cta.sQ = sQ, cta.sK = sK, cta.sV = sV, cta.sKs = sKs, cta.sVs = sVs, cta.sPages = sPages, cta.sFull = sFull;
     cta.sStage = sStage;
     cta.start();
-#if BULK
-    cta.prepare_bulk();
-    __syncthreads();  // the barriers initialized and armed before any copy or wait
-#endif
+    if constexpr (BULK) {
+        cta.prepare_bulk();
+        __syncthreads();  // the barriers initialized and armed before any copy or wait
+    }
 
     const elem_t* q = (const elem_t*)p.q + (i64)b * p.q_b;
     const int row0 = cta.row0, rows = cta.rows, group = p.group;
@@ -645,12 +633,11 @@ __device__ __forceinline__ cache_t cached(elem_t x, u64 descales, i64 at) {
 extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode_append(const Params p) {
     const int b = blockIdx.x / p.new_tokens, t = blockIdx.x % p.new_tokens;
     const int position = ((const int*)p.cache_seqlens)[b] + t;
-#if PAGED
-    const int page = ((const int*)p.block_table)[(i64)b * p.table_b + position / p.page_size];
-    const int slot = position % p.page_size;
-#else
-    const int page = b, slot = position;
-#endif
+    int page = b, slot = position;
+    if constexpr (PAGED) {
+        page = ((const int*)p.block_table)[(i64)b * p.table_b + position / p.page_size];
+        slot = position % p.page_size;
+    }
     cache_t* k = (cache_t*)p.k + (i64)page * p.k_b + (i64)slot * p.k_n;
     cache_t* v = (cache_t*)p.v + (i64)page * p.v_b + (i64)slot * p.v_n;
     const elem_t* k_new = (const elem_t*)p.k_new + (i64)b * p.kn_b + (i64)t * p.kn_n;
