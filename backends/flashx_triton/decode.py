@@ -19,6 +19,9 @@ call with ``validate=False`` can be captured in a CUDA graph):
    splits' normalised outputs and LSEs as "Merging partial results" says, an empty split (LSE
    -inf) weighing exactly 0. With one split the split kernel writes o and lse itself.
 
+On sm_90 the launches are programmatic dependent ones (``programmatic``): each may start while
+the one before it ends, and waits for it before reading anything.
+
 An FP8 cache (float8_e4m3fn, the contract's FP8 section) is read as the queries' 16-bit dtype,
 which holds its values exactly; k_descale joins the scores' scale and v_descale o's factor, per
 program, and new tokens are quantized into it by the append (``flashx_triton.fp8.quantized_e4m3``).
