@@ -7,34 +7,26 @@ struct Sequence {
 __device__ __forceinline__ Sequence sequence(const Params& p, int b) {
     Sequence s;
     s.b = b;
-#if VARLEN
-    const int* cu_q = (const int*)p.cu_q;
-    const int* cu_k = (const int*)p.cu_k;
-    s.start_q = cu_q[b];
-    s.len_q = cu_q[b + 1] - s.start_q;
-    s.start_k = cu_k[b];
-    s.len_k = cu_k[b + 1] - s.start_k;
-#else
-    s.start_q = s.start_k = 0;
-#if SEQLENS_Q
-    s.len_q = ((const int*)p.seqlens_q)[b];
-#else
-    s.len_q = p.seqlen_q;
-#endif
-#if SEQLENS_K
-    s.len_k = ((const int*)p.seqlens_k)[b];
-#else
-    s.len_k = p.seqlen_k;
-#endif
-#endif
+    if constexpr (VARLEN) {
+        const int* cu_q = (const int*)p.cu_q;
+        const int* cu_k = (const int*)p.cu_k;
+        s.start_q = cu_q[b];
+        s.len_q = cu_q[b + 1] - s.start_q;
+        s.start_k = cu_k[b];
+        s.len_k = cu_k[b + 1] - s.start_k;
+    } else {
+        s.start_q = s.start_k = 0;
+        if constexpr (SEQLENS_Q) s.len_q = ((const int*)p.seqlens_q)[b];
+        else s.len_q = p.seqlen_q;
+        if constexpr (SEQLENS_K) s.len_k = ((const int*)p.seqlens_k)[b];
+        else s.len_k = p.seqlen_k;
+    }
     return s;
 }
 
 // The offset of row ``row`` (within the sequence) of head ``h`` in a (B, N, H, D) or (T, H, D) array.
 __device__ __forceinline__ i64 row_offset(int b, int start, int row, int h, i64 sb, i64 sn, i64 sh) {
-#if VARLEN
-    sb = 0;
-#endif
+    if constexpr (VARLEN) sb = 0;
     return (i64)b * sb + (i64)(start + row) * sn + (i64)h * sh;
 }
 
@@ -43,28 +35,21 @@ __device__ __forceinline__ i64 row_offset(int b, int start, int row, int h, i64 
 __device__ __forceinline__ bool allowed_pair(const Params& p, const Sequence& s, int h, int i, int j) {
     const int diag = s.len_k - s.len_q;
     bool ok = i < s.len_q && j < s.len_k && j >= i + diag - p.left && j <= i + diag + p.right;
-#if MASK
-    if (ok)
+    if (MASK && ok)
         ok = ((const unsigned char*)p.mask)[(i64)s.b * p.mask_b + (i64)h * p.mask_h + (i64)i * p.mask_i +
                                             (i64)j * p.mask_j] != 0;
-#endif
-#if BLOCK_MASK
-    if (ok)
+    if (BLOCK_MASK && ok)
         ok = ((const unsigned char*)p.blocks)[(i64)s.b * p.blocks_b + (i64)h * p.blocks_h +
                                               (i64)(i / p.block_q) * p.blocks_i + (i64)(j / p.block_k) * p.blocks_j] != 0;
-#endif
     return ok;
 }
 
 // Whether every pair of query rows [i0, i1) and keys [j0, j1) is allowed without looking
 // (inside both lengths and the band; no mask). Tiles for which it holds skip the pair rule.
 __device__ __forceinline__ bool tile_unmasked(const Params& p, const Sequence& s, int i0, int i1, int j0, int j1) {
-#if MASK || BLOCK_MASK
-    return false;
-#else
+    if constexpr (MASK || BLOCK_MASK) return false;
     const int diag = s.len_k - s.len_q;
     return i1 <= s.len_q && j1 <= s.len_k && j0 >= (i1 - 1) + diag - p.left && j1 - 1 <= i0 + diag + p.right;
-#endif
 }
 
 // Whether the block mask allows some pair of rows [i0, i1) and keys [j0, j1) (the answer of the
@@ -73,7 +58,7 @@ __device__ __forceinline__ bool tile_unmasked(const Params& p, const Sequence& s
 template <int GROUP = THREADS>
 __device__ __forceinline__ bool blocks_allow(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1,
                                              int tid = threadIdx.x) {
-#if BLOCK_MASK
+    if constexpr (!BLOCK_MASK) return true;
     const int bi0 = i0 / p.block_q, bi1 = (i1 - 1) / p.block_q + 1;
     const int bj0 = j0 / p.block_k, bj1 = (j1 - 1) / p.block_k + 1;
     const int n = (bi1 - bi0) * (bj1 - bj0);
@@ -84,7 +69,4 @@ __device__ __forceinline__ bool blocks_allow(const Params& p, const Sequence& s,
                                                (i64)bj * p.blocks_j] != 0;
     }
     return group_sync_or<GROUP>(any);
-#else
-    return true;
-#endif
 }
