@@ -97,7 +97,7 @@ FORWARD_SM90_TILES = {
 #: The wgmma forward on float8_e4m3fn inputs: (head-dim class, banded) -> (BLOCK_M, BLOCK_N, WARPS).
 #: At d64 without a band, three warpgroups of 64 rows timed 462-471 TFLOP/s against 416-424 for two
 #: on the H200 (B=2, N=8k, H=32), and with a band 348-352 against 358-359; at d128 three warpgroups
-#: spill. At d128 a tile of 192 keys halves the tiles' fixed costs a key against 128: 703-711
+#: spill. At d128 a tile of 192 keys cuts the fixed costs a key of a tile by a third: 703-711
 #: TFLOP/s against 680 (B=2, N=8k, H=16), causal 574 against 562; 224 keys timed 710-712 and
 #: 560-569. A bool mask keeps 128 keys (FP8_MASKED_KEYS): at 192 its pair tests spill 352 B.
 FORWARD_FP8_TILES = {
