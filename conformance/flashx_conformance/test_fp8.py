@@ -95,8 +95,8 @@ def _sparse_mask(rng, dtype, **options):
 
 
 def _long_keys_seqlens(rng, dtype, head_dim=128, causal=True, ends=(410, 500), **options):
-    """Several key tiles of any width up to 224 keys, and a sequence that ends inside one (key 410:
-    in the second 128 keys of a 192-key tile), NaN past it in k and v."""
+    """Several key tiles of any width the FP8 forwards take, and a sequence that ends inside one
+    (key 410: in the second 128 keys of a 192-key tile), NaN past it in k and v."""
     lengths_q, lengths_k = [130, 97], list(ends)
     case = make_case(rng, batch=2, seqlen_q=130, seqlen_k=500, heads_q=2, heads_k=1, head_dim=head_dim, dtype=dtype,
                      causal=causal, seqlens_q=np.array(lengths_q, np.int32), seqlens_k=np.array(lengths_k, np.int32),

@@ -21,9 +21,8 @@
 #include "wgmma.cuh"
 #include "wgmma_e4m3.cuh"
 
-static_assert((BLOCK_N == 128 || BLOCK_N == 192 || BLOCK_N == 224) && (DIM_QK == 64 || DIM_QK == 128) &&
-                  (DIM_V == 64 || DIM_V == 128),
-              "S's N 128, 192 or 224 (a multiple of the k-step's 32 keys), O's 64 or 128");
+static_assert((BLOCK_N == 128 || BLOCK_N == 192) && (DIM_QK == 64 || DIM_QK == 128) && (DIM_V == 64 || DIM_V == 128),
+              "S's N 128 or 192 (a multiple of the k-step's 32 keys), O's 64 or 128");
 
 // A V^T row's keys in whole swizzled panels of 128: a copy of 16-byte chunks needs the panel's
 // eight, and keys past BLOCK_N are copied as zeros, never read.

@@ -33,7 +33,7 @@
     "%58, %59, %60, %61, %62, %63}"
 // Operand lists of the wider products, numbered by tens: WGMMA_TENS(t) is %t0 .. %t9, WGMMA_EIGHT(t)
 // %t0 .. %t7 (t empty: from %0). S of 176 keys (88 registers a thread) or 80 (40), O at d256 (128);
-// the FP8 forward's S of 192 (96) or 224 (112).
+// the FP8 forward's S of 192 (96).
 #define WGMMA_EIGHT(t) "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" #t "7"
 #define WGMMA_TENS(t) WGMMA_EIGHT(t) ", %" #t "8, %" #t "9"
 #define WGMMA_D88(d)                                                                                      \
@@ -46,11 +46,6 @@
 #define WGMMA_R96                                                                                     \
     "{" WGMMA_TENS() ", " WGMMA_TENS(1) ", " WGMMA_TENS(2) ", " WGMMA_TENS(3) ", " WGMMA_TENS(4) ", " \
     WGMMA_TENS(5) ", " WGMMA_TENS(6) ", " WGMMA_TENS(7) ", " WGMMA_TENS(8) ", %90, %91, %92, %93, %94, %95}"
-#define WGMMA_D112(d) WGMMA_D96(d), WGMMA_D4(d, 24), WGMMA_D4(d, 25), WGMMA_D4(d, 26), WGMMA_D4(d, 27)
-#define WGMMA_R112                                                                                    \
-    "{" WGMMA_TENS() ", " WGMMA_TENS(1) ", " WGMMA_TENS(2) ", " WGMMA_TENS(3) ", " WGMMA_TENS(4) ", " \
-    WGMMA_TENS(5) ", " WGMMA_TENS(6) ", " WGMMA_TENS(7) ", " WGMMA_TENS(8) ", " WGMMA_TENS(9) ", "     \
-    WGMMA_TENS(10) ", %110, %111}"
 #define WGMMA_D40(d) WGMMA_D32(d, 0), WGMMA_D4(d, 8), WGMMA_D4(d, 9)
 #define WGMMA_R40 "{" WGMMA_TENS() ", " WGMMA_TENS(1) ", " WGMMA_TENS(2) ", " WGMMA_TENS(3) "}"
 #define WGMMA_D128(d) WGMMA_D32(d, 0), WGMMA_D32(d, 8), WGMMA_D32(d, 16), WGMMA_D32(d, 24)

@@ -35,26 +35,23 @@ __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
     return r;
 }
 
-// D[64 x N] (+)= A[64 x 32] B[32 x N], e4m3 A and B from shared memory, both K-major: S of 64, 128,
-// 192 or 224 keys.
+// D[64 x N] (+)= A[64 x 32] B[32 x N], e4m3 A and B from shared memory, both K-major: S of 64, 128
+// or 192 keys.
 #define WGMMA_SS_E4M3(SHAPE, REGS, A, B, ACC)                                                         \
     "{\n.reg .pred acc;\nsetp.ne.b32 acc, %" #ACC ", 0;\nwgmma.mma_async.sync.aligned." SHAPE \
     ".f32.e4m3.e4m3 " REGS ", %" #A ", %" #B ", acc, 1, 1;\n}"
 template <int N, bool ACCUMULATE>
 __device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[N / 8][4], u64 a, u64 b) {
-    static_assert(N == 64 || N == 128 || N == 192 || N == 224, "S's N: 64, 128, 192 or 224");
+    static_assert(N == 64 || N == 128 || N == 192, "S's N: 64, 128 or 192");
     if constexpr (N == 64)
         asm volatile(WGMMA_SS_E4M3("m64n64k32", WGMMA_R32, 32, 33, 34)
                      : WGMMA_D32(d, 0) : "l"(a), "l"(b), "n"((int)ACCUMULATE));
     else if constexpr (N == 128)
         asm volatile(WGMMA_SS_E4M3("m64n128k32", WGMMA_R64, 64, 65, 66)
                      : WGMMA_D32(d, 0), WGMMA_D32(d, 8) : "l"(a), "l"(b), "n"((int)ACCUMULATE));
-    else if constexpr (N == 192)
+    else
         asm volatile(WGMMA_SS_E4M3("m64n192k32", WGMMA_R96, 96, 97, 98)
                      : WGMMA_D96(d) : "l"(a), "l"(b), "n"((int)ACCUMULATE));
-    else
-        asm volatile(WGMMA_SS_E4M3("m64n224k32", WGMMA_R112, 112, 113, 114)
-                     : WGMMA_D112(d) : "l"(a), "l"(b), "n"((int)ACCUMULATE));
 }
 
 // D[64 x N] += A[64 x 32] B[32 x N], A in registers (the fragment above), B K-major in shared memory.
