@@ -349,10 +349,7 @@ def conformance_failures(case: Case, got: dict[str, np.ndarray], relative_norm: 
         naive = [oracle.naive(*(clean[name] for name in ("do", "q", "k", "v")), case.dtype, backward=backward, **options)
                  for backward in ("autograd", "rowsum")]
     terms = oracle.term_magnitudes(*(clean[name] for name in ("do", "q", "k", "v")), **options)
-    # FP8: plain attention in FP8 rounds its weights as a kernel does, and its floor is the output's
-    subnormal = ([None] * len(terms) if case.fp8 else
-                 oracle.subnormal_magnitudes(*(clean[name] for name in ("do", "q", "k", "v")),
-                                             SMALLEST_NORMAL[case.dtype], **options))
+    subnormal = subnormal_terms(case.dtype, len(terms), *(clean[name] for name in ("do", "q", "k", "v")), **options)
     axes = AXES["varlen" if case.varlen else "padded"]
     lse = np.asarray(expected[OUTPUTS.index("lse")], dtype=np.float64)
     lse_magnitude = float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
@@ -382,6 +379,16 @@ def conformance_failures(case: Case, got: dict[str, np.ndarray], relative_norm: 
     return [failure for failure in failures if failure]
 
 
+def subnormal_terms(dtype: str, count: int, do, q, k, v, **options) -> list:
+    """U_X of each of the ``count`` outputs (``oracle.subnormal_magnitudes``) where a 16-bit value
+    a kernel keeps can fall below its dtype's normal range: float16 inputs. Elsewhere the term is
+    nil (bfloat16 has float32's range; FP8 is judged against plain attention in FP8, which rounds
+    its weights as a kernel does), and None each spares the oracle a pass."""
+    if dtype != "float16":
+        return [None] * count
+    return oracle.subnormal_magnitudes(do, q, k, v, SMALLEST_NORMAL["float16"], **options)
+
+
 def merged_failures(case: Case, o: np.ndarray, lse: np.ndarray) -> list[str]:
     """What breaks the contract in (o, lse) of a padded ``case`` (float64 arrays) that were joined
     from parts by ``flashx.merge_states``: graded as the forward's outputs are."""
@@ -390,7 +397,7 @@ def merged_failures(case: Case, o: np.ndarray, lse: np.ndarray) -> list[str]:
     expected = oracle.forward_backward(*inputs, **case.options)
     naive = [oracle.naive(*inputs, case.dtype, backward=backward, **case.options) for backward in ("autograd", "rowsum")]
     terms = oracle.term_magnitudes(*inputs, **case.options)
-    subnormal = oracle.subnormal_magnitudes(*inputs, SMALLEST_NORMAL[case.dtype], **case.options)
+    subnormal = subnormal_terms(case.dtype, len(terms), *inputs, **case.options)
     failures = [judge(name, x, expected[n], [baseline[n] for baseline in naive], terms[n], case.dtype,
                       AXES["padded"][name], subnormal=subnormal[n])
                 for n, (name, x) in enumerate((("o", o), ("lse", lse)))]
