@@ -22,7 +22,7 @@ from triton.testing import do_bench
 
 import flashx
 
-CASES = [("float8_e4m3fn", 128, 16), ("float8_e4m3fn", 64, 32), ("bfloat16", 128, 16)]
+CASES = [("float8_e4m3fn", 128, 16), ("float8_e4m3fn", 64, 32), ("bfloat16", 128, 16), ("bfloat16", 64, 32)]
 BATCH, SEQLEN = 2, 8192
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashx_conformance.harness import DTYPES, diagonal, full_only, make_case
+from flashx_conformance.harness import DTYPES, Case, diagonal, full_only, make_case
 
 # (batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v)
 LENGTHS = [(2, n, n, 2, 64, 64) for n in (1, 2, 5, 17, 97, 113, 143)]
@@ -85,3 +85,32 @@ def test_one_key_with_cancelling_scores(flashx_target, head_dim, seqlen_q, seed)
     rng = np.random.default_rng(seed)
     case = make_case(rng, batch=1, seqlen_q=seqlen_q, seqlen_k=1, heads_q=1, head_dim=head_dim, dtype="float32")
     flashx_target.check(case)
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)], ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=full_only)])
+def test_rising_row_max(flashx_target, flashx_rng, head_dim, causal, dtype):
+    """Scores that climb along the keys, 1.7 to 4.7 units (base e) a tile of 64 to 176 keys, then
+    a key 5 units above the climb's top (a weight of 2^7.2 against it), a plateau, and a key 48
+    units above that; each row at its own rate, 0.5 to 1.5 times that, so that the rows of a
+    tile move their maxima at different tiles.
+
+    An online softmax may take its weights against a reference that lags behind the maximum
+    (FlashAttention-4 moves it only once a tile's maximum passes it by 2^8 in weight), so that
+    weights above 1 reach the 16-bit product with V, and the reference moves every few tiles
+    rather than at each. Standard normal inputs put a row's maximum in its first tiles and
+    leave that path nearly unvisited; here every tile visits it, on both sides of the move.
+    Coordinate 0 of q is sqrt(D) times the row's rate and of k the climb, so that a score is the
+    climb times the rate plus a standard normal term."""
+    seqlen_k, seqlen_q = 600, 130
+    climb = np.full(seqlen_k, 12.0)
+    climb[:450] = np.linspace(0.0, 12.0, 450)
+    climb[450], climb[520] = 17.0, 60.0
+    case = make_case(flashx_rng, batch=1, heads_q=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
+                     dtype=dtype, causal=causal)
+    inputs = dict(case.inputs)
+    inputs["q"] = inputs["q"].copy()
+    inputs["k"] = inputs["k"].copy()
+    inputs["q"][..., 0] = np.sqrt(head_dim) * (0.5 + np.arange(seqlen_q) % 16 / 15)[None, :, None]
+    inputs["k"][..., 0] = climb[None, :, None]
+    flashx_target.check(Case(inputs, case.dtype, case.options))

@@ -31,6 +31,15 @@
 #endif
 constexpr bool UNMASKED_MAX_OF_DOTS = PRODUCER_THREADS > 0 && !SOFTCAP && !ALIBI && !NEGATIVE_SCALE;
 
+// The wgmma forwards move a row's max lazily (move_row_max), which 16-bit weights allow: the weight
+// of a maximum the reference lags behind, up to 2^8, rounds as a normalised weight would in plain
+// attention. e4m3 weights (WEIGHTS_E4M3, the FP8 forward) keep the exact max, as the contract's FP8
+// exactness asks: with four significant bits that weight, the one that counts most, must be 1.
+#ifndef WEIGHTS_E4M3
+#define WEIGHTS_E4M3 0
+#endif
+constexpr bool LAZY_MAX = PRODUCER_THREADS > 0 && !WEIGHTS_E4M3;
+
 // A CTA's query rows, the keys they use and their running softmax and output. Each warp owns
 // ATOMS atoms of 16 rows from row wrow of the tile.
 struct ForwardRows {
@@ -96,7 +105,7 @@ struct ForwardRows {
     // The dot products of the key tile at n become its probabilities (zero where dropped); the running
     // max, sum and output move to the tile's max, alpha[mt][half] the factor of the move. DEFERRED
     // leaves the output's move to rescale(alpha), so that a product still adding to the output
-    // may finish in between.
+    // may finish in between; with LAZY_MAX it moves the max lazily, so that most tiles owe none.
     template <bool MASKED, bool DEFERRED = false>
     __device__ __forceinline__ void softmax(float (&sc)[ATOMS][BLOCK_N / 8][4], int n, float (&alpha)[ATOMS][2]) {
         constexpr bool MAX_OF_DOTS = UNMASKED_MAX_OF_DOTS && !MASKED;
@@ -128,7 +137,7 @@ struct ForwardRows {
         for (int mt = 0; mt < ATOMS; ++mt) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const float m_ref = move_row_max(row_max[mt][half], row_sum[mt][half], tile_max[mt][half], alpha[mt][half]);
+                const float m_ref = move_row_max<DEFERRED && LAZY_MAX>(row_max[mt][half], row_sum[mt][half], tile_max[mt][half], alpha[mt][half]);
                 if constexpr (!DEFERRED)
 #pragma unroll
                     for (int nt = 0; nt < DIM_V / 8; ++nt) acc[mt][nt][2 * half] *= alpha[mt][half], acc[mt][nt][2 * half + 1] *= alpha[mt][half];
@@ -144,7 +153,13 @@ struct ForwardRows {
         }
     }
 
+    // The output's move of a DEFERRED softmax: a thread whose rows kept their max (alpha exactly 1;
+    // most tiles under LAZY_MAX) skips the multiplies.
     __device__ __forceinline__ void rescale(const float (&alpha)[ATOMS][2]) {
+        bool moved = false;
+#pragma unroll
+        for (int mt = 0; mt < ATOMS; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+        if (!moved) return;
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll

@@ -17,6 +17,7 @@
 // (VT_KEYS), of which P V reads the tile's BLOCK_N.
 
 #define PRODUCER_THREADS 128  // one warpgroup that only copies Q, K and V (variants.PRODUCER_WARPS)
+#define WEIGHTS_E4M3 1         // the exact running max (forward.cuh's LAZY_MAX)
 #include "forward.cuh"
 #include "wgmma.cuh"
 #include "wgmma_e4m3.cuh"

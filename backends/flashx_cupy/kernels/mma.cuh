@@ -180,10 +180,19 @@ __device__ __forceinline__ int frag_col(int nt, int e) { return nt * 8 + 2 * (th
 // to ``lane_max`` (the row's quad of lanes shares the max): the row's max moves and its sum is
 // rescaled. Returns the shift of the tile's exponents, 0 for a row with no allowed key so far, so
 // that exp2(-inf) gives 0, not NaN; ``alpha`` is the move's factor, which the output owes too.
+//
+// LAZY moves the max only when the tile's exceeds it by more than STALE_MAX_LOG2 (FA4's rule), so
+// that most tiles past the first leave it, and with it the output, as they are (alpha exactly 1).
+// The max is then only a reference: the weights 2^(s - max) reach at most 2^STALE_MAX_LOG2, which
+// float32 sums and 16-bit or e4m3 weights hold with the same relative rounding, and the output
+// and the LSE are taken against the same reference, so neither changes but by rounding.
+constexpr float STALE_MAX_LOG2 = 8.f;
+
+template <bool LAZY = false>
 __device__ __forceinline__ float move_row_max(float& row_max, float& row_sum, float lane_max, float& alpha) {
     float mx = fmaxf(lane_max, __shfl_xor_sync(0xffffffffu, lane_max, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(row_max, mx);
+    const float m_new = LAZY ? (mx > row_max + STALE_MAX_LOG2 ? mx : row_max) : fmaxf(row_max, mx);
     const float m_ref = m_new == NEG_INF ? 0.f : m_new;
     alpha = exp2f(row_max - m_ref);
     row_max = m_new;
