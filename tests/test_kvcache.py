@@ -221,8 +221,8 @@ def test_numpy_declines_writing_a_torch_bfloat16_cache():
     (1, False, 32),  # 8 programs, two an SM on 132 SMs: 32 splits make one wave of 256
     (16, False, 2),
     (32, False, 1),  # 256 programs fill the SMs alone
-    (1, True, 16),  # paged: 128-key tiles in 3 stages, one program an SM
-    (16, True, 1),
+    (1, True, 32),  # paged: the same tiles, so the same splits
+    (16, True, 2),
 ])
 def test_triton_split_choice(monkeypatch, batch, paged, expected):
     """The core's rule (``flashx.splits``) with the Triton kernel's tiles and programs an SM, on an

@@ -177,7 +177,8 @@ def test_fp8_cache_decoding_with_new_tokens_lowers(compiled, lowered):
 
 
 def test_paged_decoding_with_new_tokens_lowers(compiled, lowered):
-    """A 16-bit paged cache's launches are plain ones (``flashx_triton.decode.programmatic``)."""
+    """A 16-bit paged cache's launches are programmatic ones too (``flashx_triton.decode.programmatic``),
+    each waiting for the launch before it; the append and the split let the next one launch early."""
     from flashx_triton import TritonBackend
 
     generator = torch.Generator().manual_seed(0)
@@ -190,7 +191,10 @@ def test_paged_decoding_with_new_tokens_lowers(compiled, lowered):
                                    block_table=block_table, num_splits=2)
     TritonBackend().decode(problem, q, k_cache, v_cache, k_new, v_new)
     assert lowered == ["_append_kernel", "_split_kernel", "_merge_kernel"]
-    assert not any(kernel.metadata.launch_pdl or "griddepcontrol" in kernel.asm["ptx"] for kernel in compiled)
+    for kernel, early in zip(compiled, (True, True, False)):
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.launch_pdl and "griddepcontrol.wait" in ptx
+        assert ("griddepcontrol.launch_dependents" in ptx) == early
 
 
 def test_lengths_band_reaches_and_dropout_draws_compile_no_variants_of_their_own(lowered, monkeypatch):

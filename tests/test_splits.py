@@ -3,8 +3,7 @@ grid, and that a decoding problem's count depends on its shapes and options, nev
 
 The grid is the decode benchmark's shape (Hq=32 over Hk=8, one query row: 4 rows a kv head, one
 row tile of 16) at B in 1..64 and L in 4k..128k, on 132 SMs (H100 SXM, H200) and 114 (H100 PCIe),
-with one or two programs an SM (the backends' kernels at d128: Triton's paged and contiguous
-tiles, CuPy's CTAs).
+with one or two programs an SM (the backends' kernels at d128: Triton's and CuPy's).
 """
 
 from __future__ import annotations

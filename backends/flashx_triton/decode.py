@@ -45,25 +45,27 @@ and without ``validate`` and in a CUDA graph replayed with other lengths.
 Tiles (``config``), chosen on the H100 with the split count of one program an SM that preceded the
 core's rule: a contiguous cache takes 64 keys, 4 warps and 3 stages, whose 64 KB in flight kept one
 program per SM at the copy bandwidth (32-key tiles needed two programs per SM, so twice the splits,
-and ran slower). A paged cache takes 128 keys, 4 warps and 3 stages, its pages read a tile ahead
-(``_tile_pages``): with each tile's addresses waiting on a table read of its own, Triton's pipeline
-did not overlap the copies, and 2 stages of 128 keys ran best, at 0.71x (pages of 16) and 0.80x
-(pages of 256) the contiguous cache's rate on an H200 (B=16, L=8k); read a tile ahead, 3 stages of
-128 keys ran at 0.95x and 1.04x.
+and ran slower). A paged cache takes the same tiles, its pages read a tile ahead (``_tile_pages``):
+with each tile's addresses waiting on a table read of its own, Triton's pipeline did not overlap
+the copies (no tile passed 0.81x the contiguous cache's rate on an H200 at B=16, L=8k). Read a
+tile ahead, 64 keys and two programs an SM hold 0.95-0.96x (pages of 16) and 0.98-0.99x (pages of
+256) of it from B·L = 64k tokens (B=4, L=16k; B=16, L=4k and 8k; B=64, L=4k), where 128 keys of 3
+stages, one program an SM and so half the splits, held 0.76-0.84x and 0.85-0.94x.
 
-A contiguous FP8 cache of up to 32 rows takes 64 keys, 4 warps and 5 stages: two programs an SM (88
-KB of shared memory and 223 registers at d128 for sm_90, no spills), each with five 8 KB tiles in
-flight. On an H200 (Hq 32, Hk 8, d128, CUDA-graph replays) it read 1.84 (B=1, L=32k), 2.16 (B=4,
-L=16k), 2.38 (B=16, L=8k) and 2.47 TB/s (B=64, L=4k) of FP8 cache, 1.12-1.14x the bfloat16 cache's
-tokens a second, where the earlier 128 keys, 8 warps and 4 stages (one program an SM: 139 KB and 215
-registers) read 1.60-1.97 TB/s; 32-key tiles of 6 stages read 1.48-1.90, and 128 keys under 4 warps
-spilled. More rows, and a paged FP8 cache, keep 8 warps sharing each tile's widening: 128 keys (64
-for more than 16 rows) and 4 stages (3 paged), compiled without spilling, where 4 warps of 64 rows
-spill; not timed on a GPU. Widening, not memory, bounds an FP8 cache's tiles: V is widened in the
-layout it is loaded in (features contiguous) and reaches its product with P through shared memory as
-16-bit values, read by ldmatrix.trans, since the tensor-core operand wants V's keys in pairs where
-the cache holds features together, and widened in that operand's layout its bytes are read from
-shared memory one at a time.
+An FP8 cache of up to 32 rows, contiguous or paged, takes 64 keys, 4 warps and 5 stages: two
+programs an SM (88 KB of shared memory and 223 registers at d128 for sm_90, no spills), each with
+five 8 KB tiles in flight. On an H200 (Hq 32, Hk 8, d128, CUDA-graph replays) it read 1.84 (B=1,
+L=32k), 2.16 (B=4, L=16k), 2.38 (B=16, L=8k) and 2.47 TB/s (B=64, L=4k) of FP8 cache, 1.12-1.14x the
+bfloat16 cache's tokens a second, where the earlier 128 keys, 8 warps and 4 stages (one program an
+SM: 139 KB and 215 registers) read 1.60-1.97 TB/s; 32-key tiles of 6 stages read 1.48-1.90, and 128
+keys under 4 warps spilled. Paged, those tiles hold 0.89-0.91x (pages of 16) and 0.95-0.98x (pages
+of 256) of the contiguous FP8 rate from B·L = 64k tokens, where 128 keys under 8 warps and 3 stages
+held 0.72-0.79x and 0.77-0.86x. More rows keep 8 warps sharing each tile's widening: 64 keys and 4
+stages (3 paged), compiled without spilling, where 4 warps of 64 rows spill; not timed on a GPU.
+Widening, not memory, bounds an FP8 cache's tiles: V is widened in the layout it is loaded in
+(features contiguous) and reaches its product with P through shared memory as 16-bit values, read by
+ldmatrix.trans, since the tensor-core operand wants V's keys in pairs where the cache holds features
+together, and widened in that operand's layout its bytes are read from shared memory one at a time.
 """
 
 from __future__ import annotations
@@ -396,13 +398,10 @@ def config(problem) -> dict:
         return dict(BLOCK_M=block_m, BLOCK_N=16, num_warps=1, num_stages=1)
     if max(problem.head_dim, problem.head_dim_v) > 128 or problem.dtype == "float32":
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=2)
-    if problem.fp8 and block_m <= 32 and not problem.paged:
+    if problem.fp8 and block_m <= 32:
         return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=5)
     if problem.fp8:
-        return dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 16 else 64, num_warps=8,
-                    num_stages=3 if problem.paged else 4)
-    if problem.paged:
-        return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3 if problem.paged else 4)
     return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
@@ -555,10 +554,10 @@ def programmatic(problem) -> bool:
     the gap between them, a visible share of a step over a short cache. Waiting for the whole
     launch before makes it safe after any kernel, the caller's included. On an H200 (CUDA-graph
     replays, Hq 32, Hk 8, d128) it read 1-3.5% faster over contiguous caches and FP8 caches paged
-    or not, and 2-3% slower over 16-bit paged caches at B=1 (cause not found), which launch as
-    before. The split lets the merge in once its loop is done: at its start, 1-10% slower.
+    or not, and 0-3% faster over 16-bit paged caches (pages of 16 and 256, B=1 and 16). The split
+    lets the merge in once its loop is done: at its start, 1-10% slower.
     """
-    if _interpreting() or (problem.paged and not problem.fp8):
+    if _interpreting():
         return False
     return triton.runtime.driver.active.get_current_target().arch >= 90
 
