@@ -12,7 +12,8 @@ float32 for decoding with ``--float32``), under a set of feature combinations, o
 named by its fields; NVRTC compiles them as ``flashx_cupy.resources`` does (``pip install
 "nvidia-cuda-nvrtc==13.0.*"``). ``compare`` renames each file's registers and labels in order of
 first use and drops their declarations, so that two builds which differ only in how NVVM numbered
-them compare equal; it lists the variants that differ beyond that.
+them compare equal; it lists the variants that differ beyond that, and marks those whose
+instructions agree once register numbers are dropped.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ def built(kernel: str, dtype: str, dim: int, features: dict, arch: str) -> list[
         return [variants.Variant("forward_fp8_sm90", dtype, dim, dim, *tiles, **features)
                 for (widest, _), tiles in variants.FORWARD_FP8_TILES.items() if widest == dim]
     if kernel in BACKWARD and (kernel, "16", dim) in variants.TILES:
-        return [variants.Variant(kernel, dtype, dim, dim, *variants.TILES[kernel, "16", dim], **features)]
+        tiles = variants.TILES[kernel, "16", dim]
+        builds = [{}]
+        if kernel.startswith("dkdv"):  # dK/dV with the fused dQ, and (mma.sync) each sum alone
+            builds += [{"dq_atomic": True}] + ([{"dkdv_parts": 1}, {"dkdv_parts": 2}] if kernel == "dkdv" else [])
+        return [variants.Variant(kernel, dtype, dim, dim, *tiles, **features, **build) for build in builds]
     if kernel in variants.DECODE_KERNELS and not any(features.get(name) for name in ("dropout", "block_mask", "varlen")):
         caches = [{}, {"paged": True}] + ([] if dtype == "float32" else [{"fp8_cache": True}])
         return [v for cache in caches for v in decode_variants(kernel, dtype, dim, [16, 32], {**features, **cache}, arch)]
@@ -94,9 +99,19 @@ def compare(before: str, after: str) -> None:
     names = sorted(path.name for path in Path(before).glob("*.ptx"))
     differ = [name for name in names if normalized(Path(before, name)) != normalized(Path(after, name))]
     for name in differ:
-        print(f"differs: {name}")
+        same_text = _unnumbered(Path(before, name)) == _unnumbered(Path(after, name))
+        print(f"differs: {name}" + (" (the same instructions with registers assigned otherwise: read the diff)"
+                                    if same_text else ""))
     print(f"{len(names) - len(differ)} of {len(names)} variants the same")
     raise SystemExit(1 if differ else 0)
+
+
+def _unnumbered(path: Path) -> list[str]:
+    """The normalized PTX with every register's number dropped. Equal texts that ``normalized``
+    tells apart hold the same instructions on registers assigned otherwise: NVVM choosing which of
+    several registers set to one value (zeros, say) an accumulator starts from, which only a read
+    of the diff tells from a changed dataflow."""
+    return [re.sub(r"(%[a-z]+)#\d+", r"\1", line) for line in normalized(path)]
 
 
 def main() -> None:

@@ -32,21 +32,17 @@ struct KeyCta : KeyRows<PaddedTiles> {
         gemm_abt<ATOMS, BLOCK_N, DIM_QK, LD_QK, LD_QK>(pt, sK + wrow * LD_QK, q);
 
         float dst[ATOMS][BLOCK_N / 8][4];  // dP^T, then dS^T
-#if DKDV_PARTS & 1
-        zero<ATOMS, BLOCK_N>(dst);
-        gemm_abt<ATOMS, BLOCK_N, DIM_V, LD_V, LD_V>(dst, sV + wrow * LD_V, dout);
-#endif
+        if constexpr (DKDV_PARTS & 1) {
+            zero<ATOMS, BLOCK_N>(dst);
+            gemm_abt<ATOMS, BLOCK_N, DIM_V, LD_V, LD_V>(dst, sV + wrow * LD_V, dout);
+        }
         probs_and_grads<MASKED>(h, m, pt, dst);
         if constexpr (EXACT) exact_operands<MASKED>(h, m);
 #if DQ_ATOMIC
         store_ds(sDS + buf * BLOCK_M * LD_DS, dst);
 #endif
-#if DKDV_PARTS & 2
-        gemm_areg<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, pt, dout, sStage + wrow * BLOCK_N);
-#endif
-#if DKDV_PARTS & 1
-        gemm_areg<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, dst, q, sStage + wrow * BLOCK_N);
-#endif
+        if constexpr (DKDV_PARTS & 2) gemm_areg<ATOMS, BLOCK_N, DIM_V, LD_V>(dv, pt, dout, sStage + wrow * BLOCK_N);
+        if constexpr (DKDV_PARTS & 1) gemm_areg<ATOMS, BLOCK_N, DIM_QK, LD_QK>(dk, dst, q, sStage + wrow * BLOCK_N);
 #if DQ_ATOMIC
         dq_head = h;
         dq_row = m;

@@ -20,12 +20,9 @@ struct KeyRows {
     int end;             // query rows [.., end) use some key of the CTA
     int tile_lo, tiles;  // the query tiles from row tile_lo on that some key of the CTA reads
     int buf;             // the Q/dO buffers of the step being computed
-#if DKDV_PARTS & 1
+    // The sums; a build of one of them (DKDV_PARTS) never touches the other, which the compiler drops.
     float dk[ATOMS][DIM_QK / 8][4];
-#endif
-#if DKDV_PARTS & 2
     float dv[ATOMS][DIM_V / 8][4];
-#endif
 
     // Whether the CTA has keys to write (padded keys past len_k still get dk = dv = 0), and its
     // query tiles.
@@ -42,12 +39,8 @@ struct KeyRows {
     }
 
     __device__ __forceinline__ void zero_sums() {
-#if DKDV_PARTS & 1
-        zero<ATOMS, DIM_QK>(dk);
-#endif
-#if DKDV_PARTS & 2
-        zero<ATOMS, DIM_V>(dv);
-#endif
+        if constexpr (DKDV_PARTS & 1) zero<ATOMS, DIM_QK>(dk);
+        if constexpr (DKDV_PARTS & 2) zero<ATOMS, DIM_V>(dv);
     }
 
     // K and V requested (no commit), by the GROUP threads numbered tid.
@@ -123,11 +116,8 @@ struct KeyRows {
     }
     template <bool MASKED>
     __device__ __forceinline__ bool reads_do(int h, int m, int r, int j) const {
-#if DROPOUT
-        return allowed<MASKED>(h, m, r, j) && dropout_keep(p, b, h, m + j, n0 + wrow + r);
-#else
+        if constexpr (DROPOUT) return allowed<MASKED>(h, m, r, j) && dropout_keep(p, b, h, m + j, n0 + wrow + r);
         return allowed<MASKED>(h, m, r, j);
-#endif
     }
 
     // The scores S^T of this warp's keys and the step's queries (at row m, head h) into P^T, then
@@ -142,12 +132,11 @@ struct KeyRows {
         mods.load(p, s, h);
         const float* lse = sLse + buf * BLOCK_N;
         const float* delta = sDelta + buf * BLOCK_N;
-#if DROPOUT
         KeepBits<ATOMS, BLOCK_N / 8> keep;
-        keep.draw(p, [&](int mt, int nt, bool counter_aligned) {
-            return dropout_keep_atom_t(p, b, h, m + 8 * nt, n0 + wrow + 16 * mt, counter_aligned);
-        });
-#endif
+        if constexpr (DROPOUT)
+            keep.draw(p, [&](int mt, int nt, bool counter_aligned) {
+                return dropout_keep_atom_t(p, b, h, m + 8 * nt, n0 + wrow + 16 * mt, counter_aligned);
+            });
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
@@ -160,21 +149,12 @@ struct KeyRows {
                     const float pr = !PROBS ? pt[mt][nt][e]
                                    : ok ? exp2f(mods.log2_prob(p, pt[mt][nt][e], m + c, n0 + wrow + r, lse[c] * LOG2E, capped))
                                         : 0.f;
-#if DROPOUT
-                    const bool kept = keep.kept(mt, nt, e);
-                    if (PROBS) pt[mt][nt][e] = kept ? pr * p.drop_scale : 0.f;
-#if DKDV_PARTS & 1
-                    const float dpr = kept ? dst[mt][nt][e] * p.drop_scale : 0.f;
-#endif
-#else
-                    if (PROBS) pt[mt][nt][e] = pr;
-#if DKDV_PARTS & 1
-                    const float dpr = dst[mt][nt][e];
-#endif
-#endif
-#if DKDV_PARTS & 1
-                    if (GRADS) dst[mt][nt][e] = ok ? through_softcap(pr * (dpr - delta[c]), capped) : 0.f;
-#endif
+                    const bool kept = !DROPOUT || keep.kept(mt, nt, e);
+                    if (PROBS) pt[mt][nt][e] = !DROPOUT ? pr : kept ? pr * p.drop_scale : 0.f;
+                    if constexpr (DKDV_PARTS & 1) {
+                        const float dpr = !DROPOUT ? dst[mt][nt][e] : kept ? dst[mt][nt][e] * p.drop_scale : 0.f;
+                        if (GRADS) dst[mt][nt][e] = ok ? through_softcap(pr * (dpr - delta[c]), capped) : 0.f;
+                    }
                 }
             }
     }
@@ -186,23 +166,20 @@ struct KeyRows {
     __device__ __forceinline__ void exact_operands(int h, int m) {
         elem_t* q = q_tile();
         elem_t* dout = do_tile();
-#if DKDV_PARTS & 2
-        const bool bad_do = tile_nonfinite<BLOCK_N, DIM_V, Tiles::V_PITCH>(dout);
-        if (bad_do)
-            poison_allowed<ATOMS, BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>>(
-                [this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, dout, nan_at<ATOMS, DIM_V>(dv));
-#else
-        const bool bad_do = false;
-#endif
-#if DKDV_PARTS & 1
-        // Dropped pairs still read Q (dS = -P D): only masked tiles need the exact dK.
-        const bool bad_q = MASKED && tile_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(q);
-        if (bad_q)
-            poison_allowed<ATOMS, BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>>(
-                [this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q, nan_at<ATOMS, DIM_QK>(dk));
-#else
-        const bool bad_q = false;
-#endif
+        bool bad_do = false, bad_q = false;
+        if constexpr (DKDV_PARTS & 2) {
+            bad_do = tile_nonfinite<BLOCK_N, DIM_V, Tiles::V_PITCH>(dout);
+            if (bad_do)
+                poison_allowed<ATOMS, BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>>(
+                    [this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, dout, nan_at<ATOMS, DIM_V>(dv));
+        }
+        if constexpr (DKDV_PARTS & 1) {
+            // Dropped pairs still read Q (dS = -P D): only masked tiles need the exact dK.
+            bad_q = MASKED && tile_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(q);
+            if (bad_q)
+                poison_allowed<ATOMS, BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>>(
+                    [this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q, nan_at<ATOMS, DIM_QK>(dk));
+        }
         if (bad_do || bad_q) {  // every computing thread is done with the products that read them
             compute_sync();
             if (bad_do) clear_nonfinite<BLOCK_N, DIM_V, Tiles::V_PITCH>(dout);
@@ -266,20 +243,18 @@ struct KeyRows {
             for (int e = 0; e < 4; ++e) {
                 const int j = n0 + wrow + frag_row(mt, e);
                 if (j >= keys_out()) continue;
-#if DKDV_PARTS & 1
+                if constexpr (DKDV_PARTS & 1)
 #pragma unroll
-                for (int nt = 0; nt < DIM_QK / 8; ++nt) {
-                    const int c = frag_col(nt, e);
-                    if (c < p.head_dim) dk_out[(i64)j * p.dk_n + c] = from_float(dk[mt][nt][e] * p.scale);
-                }
-#endif
-#if DKDV_PARTS & 2
+                    for (int nt = 0; nt < DIM_QK / 8; ++nt) {
+                        const int c = frag_col(nt, e);
+                        if (c < p.head_dim) dk_out[(i64)j * p.dk_n + c] = from_float(dk[mt][nt][e] * p.scale);
+                    }
+                if constexpr (DKDV_PARTS & 2)
 #pragma unroll
-                for (int nt = 0; nt < DIM_V / 8; ++nt) {
-                    const int c = frag_col(nt, e);
-                    if (c < p.head_dim_v) dv_out[(i64)j * p.dv_n + c] = from_float(dv[mt][nt][e]);
-                }
-#endif
+                    for (int nt = 0; nt < DIM_V / 8; ++nt) {
+                        const int c = frag_col(nt, e);
+                        if (c < p.head_dim_v) dv_out[(i64)j * p.dv_n + c] = from_float(dv[mt][nt][e]);
+                    }
             }
     }
 };

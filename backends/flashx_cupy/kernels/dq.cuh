@@ -102,13 +102,11 @@ struct QueryRows {
     __device__ __forceinline__ void grads(bool masked, int n, float (&sc)[ATOMS][BLOCK_N / 8][4],
                                           const float (&dp)[ATOMS][BLOCK_N / 8][4]) const {
         static_assert(PROBS || (!DROPOUT && !SOFTCAP), "dS from P needs the unscaled P, and no cap");
-#if DROPOUT
         KeepBits<ATOMS, BLOCK_N / 8> keep;
-        if constexpr (GRADS)
+        if constexpr (DROPOUT && GRADS)
             keep.draw(p, [&](int mt, int nt, bool counter_aligned) {
                 return dropout_keep_atom(p, b, h, m0 + wrow + 16 * mt, n + 8 * nt, counter_aligned);
             });
-#endif
 #pragma unroll
         for (int mt = 0; mt < ATOMS; ++mt)
 #pragma unroll
@@ -126,11 +124,7 @@ struct QueryRows {
                         sc[mt][nt][e] = pr;
                         continue;
                     }
-#if DROPOUT
-                    const float dpr = keep.kept(mt, nt, e) ? dp[mt][nt][e] * p.drop_scale : 0.f;
-#else
-                    const float dpr = dp[mt][nt][e];
-#endif
+                    const float dpr = !DROPOUT ? dp[mt][nt][e] : keep.kept(mt, nt, e) ? dp[mt][nt][e] * p.drop_scale : 0.f;
                     sc[mt][nt][e] = ok ? through_softcap(pr * (dpr - delta[mt][e / 2]), capped) : 0.f;
                 }
             }
