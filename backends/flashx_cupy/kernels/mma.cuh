@@ -184,8 +184,9 @@ __device__ __forceinline__ int frag_col(int nt, int e) { return nt * 8 + 2 * (th
 // LAZY moves the max only when the tile's exceeds it by more than STALE_MAX_LOG2 (FA4's rule), so
 // that most tiles past the first leave it, and with it the output, as they are (alpha exactly 1).
 // The max is then only a reference: the weights 2^(s - max) reach at most 2^STALE_MAX_LOG2, which
-// float32 sums and 16-bit or e4m3 weights hold with the same relative rounding, and the output
-// and the LSE are taken against the same reference, so neither changes but by rounding.
+// float32 sums and 16-bit weights hold with the same relative rounding, and the output and the
+// LSE are taken against the same reference, so neither changes but by rounding (forward.cuh's
+// LAZY_MAX says why e4m3 weights keep the exact max).
 constexpr float STALE_MAX_LOG2 = 8.f;
 
 template <bool LAZY = false>
