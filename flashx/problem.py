@@ -279,6 +279,23 @@ class Problem(BaseProblem):
         left, right = self.band or (-1, -1)
         return (reach if left == -1 else left), (reach if right == -1 else right)
 
+    def as_decode(self) -> DecodeProblem | None:
+        """This call as decoding over a full contiguous cache (the contract's "Attention as
+        decoding"): k and v as the cache, every sequence holding all Nk keys and no new ones, query
+        i at key position Nk - Nq + i as here. None where attention has what decoding lacks:
+        packed or per-sequence lengths, masks, dropout, FP8 inputs. A method, not a derived
+        value: the problem it returns holds this call's arrays (slopes, sinks)."""
+        if (self.varlen or self.fp8 or self.dropout_p > 0 or self.seqlens_q is not None
+                or self.seqlens_k is not None or self.mask is not None or self.block_mask is not None):
+            return None
+        return DecodeProblem(
+            array_kind=self.array_kind, device=self.device, device_index=self.device_index, dtype=self.dtype,
+            batch=self.batch, heads_q=self.heads_q, heads_k=self.heads_k, head_dim=self.head_dim,
+            head_dim_v=self.head_dim_v, softmax_scale=self.softmax_scale, causal=self.causal, window=self.window,
+            softcap=self.softcap, alibi_slopes=self.alibi_slopes, sinks=self.sinks, deterministic=self.deterministic,
+            seqlen_q=self.seqlen_q, new_tokens=0, page_size=None, num_pages=self.batch, capacity=self.seqlen_k,
+            cache_seqlens=None)
+
     def _uses(self) -> dict[str, bool]:
         return {
             **super()._uses(),
@@ -380,7 +397,7 @@ class DecodeProblem(BaseProblem):
     page_size: int | None  # None: a contiguous cache
     num_pages: int  # P of a paged cache; B of a contiguous one (one run of S slots per sequence)
     capacity: int  # the most keys a sequence can hold: S, or max_pages * page_size
-    cache_seqlens: Any  # (B,) int32
+    cache_seqlens: Any  # (B,) int32; None: every sequence holds all ``capacity`` keys (``Problem.as_decode``)
     block_table: Any = None  # (B, max_pages) int32, paged caches only
     causal: bool = True
     mask: Any = None  # bool, broadcastable to (B, Hq, Nq, Nq): the last Nq keys

@@ -791,6 +791,25 @@ def test_remembered_calls_compute_what_planned_calls_do(monkeypatch):
         assert plan.prepared(plan.call_key(*inputs, "triton", options)) is not None
 
 
+def test_a_short_query_runs_as_decoding_planned_or_remembered(monkeypatch):
+    """A query of at most decode.SHORT_QUERY rows whose rows of a kv head fill one row tile (Nq x
+    group <= 64) runs as decoding (``decode.attention_as_decoding``): as the oracle, its backward
+    from those residuals included, on a planned call and on a remembered one. 17 rows take the
+    forward kernel."""
+    from flashx_triton import decode, forward as module
+
+    decoded = []
+    run = module.decode
+    monkeypatch.setattr(module, "decode", lambda *args: decoded.append(args[0].seqlen_q) or run(*args))
+    for nq in (1, decode.SHORT_QUERY, decode.SHORT_QUERY + 1):
+        q, do = randn(2, nq, 8, 16), randn(2, nq, 8, 16)
+        k, v = randn(2, 90, 2, 16), randn(2, 90, 2, 16)
+        check_against_oracle(q, k, v, do, causal=True, window=(40, 0))
+        first, again = (flashx.attention(q, k, v, backend="triton", softcap=3.0) for _ in range(2))
+        assert torch.equal(first, again)
+    assert decoded == [1] * 3 + [decode.SHORT_QUERY] * 3
+
+
 # ---------------------------------------------------------------- accumulating into running sums
 
 

@@ -203,13 +203,13 @@ def _outputs(m, l, SINKS, h, HAS_SINKS: tl.constexpr):
     return tl.where(empty, 0.0, alpha / l_safe), tl.where(empty, no_key, (m + tl.log2(l_safe)) * LN2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["keys", "left", "right"])
 def _split_kernel(
     Q, K, V, SEQLENS, TABLE, MASK, SLOPES, SINKS, K_DESCALE, V_DESCALE, O, LSE,
     stride_qb, stride_qn, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd, stride_tb, stride_tj, stride_mb, stride_mh, stride_mi, stride_mj,
     stride_os, stride_ob, stride_on, stride_oh, stride_od, stride_ls, stride_lb, stride_lh, stride_ln,
-    heads_k, seqlen_q, group, new_tokens, left, right, scale_log2, num_splits, mods,
+    heads_k, seqlen_q, group, new_tokens, keys, left, right, scale_log2, num_splits, mods,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -220,7 +220,8 @@ def _split_kernel(
     only where the split is the only one: then its rows are whole and take the sink. An FP8
     cache's k_descale joins the scale of the scores, its v_descale o's factor. Under PDL
     (``programmatic``) it reads nothing before the launch before it is done, and lets the merge
-    launch once its keys are read."""
+    launch once its keys are read. Without SEQLENS every sequence holds ``keys`` keys: attention
+    as decoding (``attention_as_decoding``)."""
     if PDL:
         gdc_wait()
     rows_total = seqlen_q * group
@@ -236,7 +237,10 @@ def _split_kernel(
     valid = r < rows_total
     i = r // group  # query row
     h = kv_head * group + r % group  # query head
-    length = tl.load(SEQLENS + b) + new_tokens  # Lk of this sequence
+    if SEQLENS is None:
+        length = keys
+    else:
+        length = tl.load(SEQLENS + b) + new_tokens  # Lk of this sequence
     diag = length - seqlen_q  # query i sits at key position diag + i
     first_i = row_tile * BLOCK_M // group
     last_i = (tl.minimum(row_tile * BLOCK_M + BLOCK_M, rows_total) - 1) // group
@@ -390,6 +394,22 @@ def _append_kernel(
                 stride_vh, stride_vd, heads_k, v_descale, HEAD_DIM_V, BLOCK_H, BLOCK_DV, FP8)
 
 
+#: The longest query an attention call may have to run as decoding (``attention_as_decoding``).
+SHORT_QUERY = 16
+
+
+def attention_as_decoding(problem):
+    """The attention ``problem`` as decoding (``Problem.as_decode``) where this backend computes it
+    so, else None: a query of at most SHORT_QUERY rows whose rows of each kv head fill one row
+    tile (Nq x group <= 64), the shape of a decoding step that reaches ``flashx.attention`` (a
+    transformers ``generate()`` step). The forward kernel would run one program per query head over
+    all its keys, reading each kv head's keys once per query head and leaving most SMs idle; the
+    split kernel reads them once per GQA group, in as many splits as fill the GPU."""
+    if problem.seqlen_q > SHORT_QUERY or problem.seqlen_q * problem.group > 64:
+        return None
+    return problem.as_decode()
+
+
 def config(problem) -> dict:
     """The split kernel's tiles, warps and pipeline depth for this problem (see the module docstring)."""
     rows = problem.seqlen_q * problem.group
@@ -507,7 +527,7 @@ def _build_split(problem, tensors, count) -> Launch:
     return Launch(_split_kernel, grid, _options(problem, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]),
                   **bound, **mods,
                   heads_k=problem.heads_k, seqlen_q=problem.seqlen_q, group=problem.group,
-                  new_tokens=problem.new_tokens, left=unbounded if left == -1 else left,
+                  new_tokens=problem.new_tokens, keys=problem.capacity, left=unbounded if left == -1 else left,
                   right=unbounded if right == -1 else right, scale_log2=problem.scale_log2,
                   num_splits=count, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
                   **tile_widths(problem.head_dim, problem.head_dim_v), BLOCK_M=tiles["BLOCK_M"],

@@ -10,6 +10,10 @@ FP8 inputs (the contract's FP8 section) run the same kernel under the FP8 flag
 (``flashx_triton.fp8``): Q K^T from the FP8 tiles, q_descale * k_descale folded into the scores'
 scale once per program, the weights rounded to e4m3 against the running max for their product
 with V (read with its keys contiguous), v_descale folded into o's factor, o in out_dtype.
+
+A short query (a decoding step that reaches ``flashx.attention``) runs as decoding instead
+(``flashx_triton.decode.attention_as_decoding``): split-KV, each kv head's keys read once for its
+GQA group.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton.language as tl
 
 from flashx_triton import tuning
 from flashx_triton.arguments import LENGTHS, problem_args
+from flashx_triton.decode import attention_as_decoding, decode
 from flashx_triton.dropout import DROPOUT_DRAW, dropout_keep_tile, dropout_state, kept_scale
 from flashx_triton.fp8 import descale_factors, fp8_mode, keys_contiguous, negated, readable_keys, widened
 from flashx_triton.launch import (Passes, aligned, call_args, flag_nonfinite, layout, next_program, per_problem,
@@ -236,6 +241,9 @@ def _merged(o_sums, lse_sums, o, lse):
 
 
 def forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    decoding = attention_as_decoding(problem)
+    if decoding is not None:
+        return decode(decoding, q, k, v, None, None)
     q, k, v = _operands(problem, q, k, v)
     tensors, draws = call_args(problem)
     tensors = (problem.q_descale, problem.k_descale, problem.v_descale, *tensors)
@@ -249,7 +257,10 @@ def prepare_forward(problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     the outputs' allocation). A call's tensors must have the alignment that the launch was built
     for, which depends on their addresses: one with another goes through ``forward``. So do the
     calls of a problem whose operands are copied or negated on each call (a strided head dim, a
-    negative scale)."""
+    negative scale). A short query runs as decoding (``decode.attention_as_decoding``)."""
+    decoding = attention_as_decoding(problem)
+    if decoding is not None:
+        return lambda q, k, v: decode(decoding, q, k, v, None, None)
     if any(x is not y for x, y in zip(_operands(problem, q, k, v), (q, k, v))):
         return functools.partial(forward, problem)
     tensors, draws = call_args(problem)

@@ -59,6 +59,23 @@ def test_gqa(flashx_target, flashx_rng, heads, variant):
     flashx_target.check(case)
 
 
+#: Decoding steps that reach attention (a transformers generate() step): a few query rows over
+#: many keys, which a backend may compute as decoding (the contract's "Attention as decoding"):
+#: split-KV, each kv head's keys read once for its group. (Nq, Nk, Hq, Hk, causal, window); the
+#: last has more rows than keys, so that its first rows have none.
+SHORT_QUERIES = [(1, 300, 8, 2, False, None), (4, 300, 8, 2, True, None), (16, 129, 4, 4, True, (50, 0)),
+                 (3, 70, 8, 1, False, (10, 5)), (6, 4, 4, 2, True, None)]
+
+
+@pytest.mark.parametrize("shape", SHORT_QUERIES, ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=full_only)])
+def test_short_query(flashx_target, flashx_rng, shape, dtype):
+    seqlen_q, seqlen_k, heads_q, heads_k, causal, window = shape
+    case = make_case(flashx_rng, batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_k=heads_k,
+                     head_dim=64, dtype=dtype, causal=causal, window=window)
+    flashx_target.check(case)
+
+
 @pytest.mark.parametrize("seed", [8, 41, 48, 194])
 def test_one_row_with_large_scores(flashx_target, seed):
     """One query row with scaled scores near 24, in float32 (hypothesis found this shape).

@@ -70,6 +70,10 @@ CONTEXTS = {
     "dropout": lambda rng, dtype, mods: make_case(rng, seqlen_q=70, seqlen_k=90, head_dim=32, dtype=dtype,
                                                   dropout_p=0.25, seed=7, rng_offset=3, **mods(2, 2)),
     "sparse-mask": _sparse_mask,
+    # a decoding step that reaches attention, which a backend may compute as decoding (the
+    # contract's "Attention as decoding"): a few query rows over many keys, GQA
+    "short-query": lambda rng, dtype, mods: make_case(rng, seqlen_q=3, seqlen_k=150, heads_q=8, heads_k=2, head_dim=32,
+                                                       dtype=dtype, causal=True, **mods(2, 8)),
 }
 
 
