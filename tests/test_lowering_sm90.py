@@ -204,7 +204,8 @@ def test_lengths_band_reaches_and_dropout_draws_compile_no_variants_of_their_own
     reaches and dropout draw (``flashx_triton.arguments.LENGTHS``,
     ``flashx_triton.dropout.DROPOUT_DRAW``), where Triton would compile one per class of each (1,
     a multiple of 16, neither; i32 or i64). Each launch is keyed by Triton's JIT, which is then
-    told not to compile (``jit_cache_hook``)."""
+    told not to compile (``jit_cache_hook``). A one-row query runs as decoding: its split kernel
+    writes o itself with one split and float32 parts with more, two launches of one kernel."""
     from flashx_triton import TritonBackend, launch
     from triton import knobs
 
@@ -217,7 +218,8 @@ def test_lengths_band_reaches_and_dropout_draws_compile_no_variants_of_their_own
     def keyed_only(self, *tensors):
         values = dict(zip(self.kernel.arg_names, (*tensors, *self.bound)))
         constexprs = tuple(values[param.name] for param in self.kernel.params if param.is_constexpr)
-        option_sets.add((self.kernel.fn.__name__, constexprs, tuple(sorted(self.options.items()))))
+        dtypes = tuple(getattr(x, "dtype", None) for x in tensors)  # a split kernel writes o, or float32 parts
+        option_sets.add((self.kernel.fn.__name__, constexprs, dtypes, tuple(sorted(self.options.items()))))
         self.kernel.warmup(*tensors, *self.bound, grid=self.grid, **self.options)
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", declined)
@@ -237,7 +239,8 @@ def test_lengths_band_reaches_and_dropout_draws_compile_no_variants_of_their_own
         problem = build_problem(q, k, v, dropout_p=0.1, seed=seed, rng_offset=rng_offset, dropout_offsets=offsets)
         o, lse = backend.forward(problem, q, k, v)
         backend.backward(problem, q, k, v, o, lse, torch.randn_like(o))
-    assert {name for name, _ in variants} == {"_forward_kernel", "_prepare_kernel", "_gradients_kernel"}
+    assert {name for name, _ in variants} == {"_forward_kernel", "_prepare_kernel", "_gradients_kernel",
+                                              "_split_kernel", "_merge_kernel"}
     assert len(variants) == len(option_sets)
 
 

@@ -203,7 +203,7 @@ def _outputs(m, l, SINKS, h, HAS_SINKS: tl.constexpr):
     return tl.where(empty, 0.0, alpha / l_safe), tl.where(empty, no_key, (m + tl.log2(l_safe)) * LN2)
 
 
-@triton.jit(do_not_specialize=["keys", "left", "right"])
+@triton.jit(do_not_specialize=["keys", "left", "right", "num_splits"])
 def _split_kernel(
     Q, K, V, SEQLENS, TABLE, MASK, SLOPES, SINKS, K_DESCALE, V_DESCALE, O, LSE,
     stride_qb, stride_qn, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
