@@ -441,8 +441,8 @@ def programs_per_sm(problem, tiles: dict, shared_memory: int) -> int:
     programs than it does: the K and V tiles of the pipeline's stages but one (as Triton's
     pipeliner allocates them), an FP8 cache's 16-bit V tile, the query tile, and the rows' scores
     and features in float32. ``tests/test_lowering_sm90.py`` holds the count to at most what the
-    compiled kernels' own shared memory gives for sm_90 (at d128, bf16: 70 KB contiguous, two an
-    SM; 136 KB paged or FP8, one)."""
+    compiled kernels' own shared memory gives for sm_90 (at d128, bf16 queries: 70 KB over a 16-bit
+    cache, paged or not, and 88 KB over an FP8 cache of up to 32 rows; two an SM)."""
     widths = tile_widths(problem.head_dim, problem.head_dim_v)
     size = 1 if problem.fp8 else 4 if problem.dtype == "float32" else 2
     staged = (tiles["num_stages"] - 1) * tiles["BLOCK_N"] * (widths["BLOCK_D"] + widths["BLOCK_DV"]) * size
