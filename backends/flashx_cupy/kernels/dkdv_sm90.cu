@@ -209,14 +209,21 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     //       of their 64-column panels, BLOCK_M rows of 128 bytes.
     __device__ __forceinline__ void issue_dk_dq(u32 q_addr) {
         fence_proxy_async();  // this thread's rows of dS^T, for the products of both warpgroups
-        if (dq_issuer()) bulk_wait_read<0>();
-        compute_sync();
+        warpgroup_sync();     // this warpgroup's rows, dK's operand: its product runs while the other catches up
         const u32 ds = smem_addr(ds_tile());
         const u64 ds_k = wgmma_desc(ds, 16) + desc_step<BLOCK_M>(threadIdx.x / 128 * 64, 0);
         const u64 ds_mn = wgmma_desc(ds, BLOCK_M * 128) + desc_step<BLOCK_M>(dq_key0(), 0);
         wgmma_fence();
         wgmma_ss_whole_k<DIM_QK, BLOCK_N, BLOCK_M, BLOCK_N, false, true, true>(dk[0], ds_k, wgmma_desc(q_addr, BLOCK_N * 128));
+        if (dq_issuer()) bulk_wait_read<0>();
+        compute_sync();       // both warpgroups' rows, dQ's operand
         wgmma_ss_whole_k<64, DQ_KEYS, BLOCK_M, BLOCK_M, true, true>(dq_share[0], ds_mn, k_dq_desc);
+    }
+
+    // The barrier of this warpgroup's 128 threads (exact.cuh takes 1 and 2), named by a register:
+    // with a constant in each of two branches ptxas spilled at d128.
+    static __device__ __forceinline__ void warpgroup_sync() {
+        asm volatile("bar.sync %0, 128;" ::"r"(3 + threadIdx.x / 128) : "memory");
     }
 
     // The step's dQ share (queries from row m of head h) added to the sums, once its product is
@@ -243,9 +250,7 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
                 *(float2*)(sDQ + (nt * BLOCK_N + qrow + frag_row(0, 2 * half)) * DQ_PANEL + frag_col(0, 0)) =
                     make_float2(dq_share[0][nt][2 * half] * p.scale, dq_share[0][nt][2 * half + 1] * p.scale);
         fence_proxy_async();
-        // The warpgroup's barrier (exact.cuh takes 1 and 2), named by a register: with a constant
-        // in each of two branches ptxas spilled at d128.
-        asm volatile("bar.sync %0, 128;" ::"r"(3 + threadIdx.x / 128) : "memory");
+        warpgroup_sync();
         if (dq_issuer()) {
             const u32 bytes = min(BLOCK_N, s.len_q - m) * DQ_PANEL * sizeof(float);
 #pragma unroll
