@@ -130,11 +130,13 @@ def test_tiles_fit(key, split):
     ({}, "90", False, "forward"),  # cp.async copies 16-byte chunks
     ({"dtype": "float32"}, "90", True, "forward"),
     ({"head_dim_v": 256}, "90", True, "forward"),
-    ({"mask": object()}, "90", True, "forward"),
-    ({"block_mask": object()}, "90", True, "forward"),
+    ({"mask": object()}, "90", True, "forward_sm90"),
+    ({"block_mask": object()}, "90", True, "forward_sm90"),
     ({"dropout_p": 0.1}, "90", True, "forward_sm90"),
     ({"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64, "band": (-1, 0)}, "90", True, "forward_sm90"),
-    ({"dropout_p": 0.1, "mask": object()}, "90", True, "forward"),
+    ({"dropout_p": 0.1, "mask": object(), "block_mask": object()}, "90", True, "forward_sm90"),
+    ({"mask": object()}, "90", False, "forward"),
+    ({"dtype": "float8_e4m3fn", "block_mask": object()}, "90", True, "forward_fp8_sm90"),
     ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "90", True, "forward_sm90"),  # the shared softmax
     ({"softcap": 30.0, "alibi_slopes": object(), "sinks": object()}, "80", True, "forward"),
     ({"dtype": "float8_e4m3fn"}, "90", True, "forward_fp8_sm90"),  # FP8: the one forward (fp8_forward_reasons)
@@ -152,7 +154,9 @@ def test_forward_kernel_choice(changes, capability, is_aligned, kernel):
     ({"head_dim": 256, "head_dim_v": 256, "varlen": True}, False, "forward"),
     ({"head_dim": 128, "head_dim_v": 256}, True, "forward"),  # mixed classes
     ({"head_dim": 256, "head_dim_v": 64}, True, "forward"),
-    ({"head_dim": 256, "head_dim_v": 256, "dropout_p": 0.1}, True, "forward"),
+    ({"head_dim": 256, "head_dim_v": 256, "dropout_p": 0.1}, True, "forward"),  # Philox's registers spill
+    ({"head_dim": 256, "head_dim_v": 256, "mask": object()}, True, "forward"),  # ... and the pair tests
+    ({"head_dim": 256, "head_dim_v": 256, "block_mask": object()}, True, "forward"),
     ({}, False, "forward_sm90"),
 ])
 def test_forward_kernel_choice_d256(changes, tma_, kernel):
@@ -195,6 +199,10 @@ def test_sm90_forward_variant(dim):
     ({"head_dim": 160, "head_dim_v": 256, "band": (-1, 0)}, True, (128, 80, 8, 2)),
     ({"dropout_p": 0.1}, True, (128, 128, 8, 3)),  # Philox's registers spill beside S of 176 keys
     ({"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64}, True, (128, 128, 8, 3)),  # ... or in a third warpgroup
+    ({"block_mask": object()}, True, (128, 128, 8, 3)),  # the tile votes, likewise
+    ({"block_mask": object(), "head_dim": 64, "head_dim_v": 64}, True, (128, 128, 8, 3)),
+    ({"mask": object(), "head_dim": 64, "head_dim_v": 64}, True, (128, 128, 8, 3)),  # the pair tests
+    ({"mask": object(), "dropout_p": 0.1, "band": (-1, 0)}, True, (128, 64, 8, 3)),  # ... beside 64 keys at d128
 ])
 def test_sm90_forward_tiles(changes, tma_, tile):
     """FORWARD_SM90_TILES by the widest head-dim class, the band and the loads; the V ring's size
@@ -808,11 +816,11 @@ def _fp8_problem(dtype="float8_e4m3fn", shape=(1, 4, 2, 64), shape_v=None, **opt
     (90, {"shape": (1, 4, 2, 256)}, ["takes FP8 head dims up to 128, not 256"]),
     (90, {"shape": (1, 4, 2, 40)}, ["takes FP8 head dims that are multiples of 16 (16-byte copies), not 40/40"]),
     (90, {"shape_v": (1, 4, 2, 24)}, ["takes FP8 head dims that are multiples of 16 (16-byte copies), not 64/24"]),
-    (90, {"block_mask": "blocks"}, ["takes no block mask with FP8 inputs"]),
+    (90, {"block_mask": "blocks", "mask": "pairs"}, []),
 ])
 def test_fp8_forward_declarations(monkeypatch, capability, options, reasons):
     """Attention on float8_e4m3fn q, k, v runs on the wgmma forward: compute capability 9.0, head
-    dims up to 128 in whole 16-byte chunks, no block mask; each limit is said. float8_e5m2 is
+    dims up to 128 in whole 16-byte chunks; each limit is said. float8_e5m2 is
     declined by the base's undeclared dtype; dropout by the base for every FP8 call."""
     import flashx_cupy
     import torch
@@ -848,6 +856,11 @@ def test_fp8_forward_variant():
     masked = _fp8_problem(shape=(1, 4, 2, 128), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
     variant = variants.choose(variants.forward_kernel(masked, True, "90"), masked, aligned=True)
     assert variant.block_n == variants.FP8_MASKED_KEYS < variants.FORWARD_FP8_TILES[128, False][1]
+    blocks = flashx.BlockMask(torch.ones((1, 1), dtype=torch.bool), 64)
+    for dim in (64, 128):  # the block mask's tile votes take two warpgroups and 128 keys
+        voted = _fp8_problem(shape=(1, 4, 2, dim), block_mask=blocks)
+        variant = variants.choose(variants.forward_kernel(voted, True, "90"), voted, aligned=True)
+        assert (variant.block_m, variant.block_n, variant.warps) == (128, variants.FP8_MASKED_KEYS, 8)
     text = variants.source("forward_fp8_sm90.cu")
     assert f"#define PRODUCER_THREADS {32 * variants.PRODUCER_WARPS} " in text
     for name in ("forward_fp8_sm90.cu", "forward_sm90.cu"):  # one CTA and kernel, forward_sm90.cuh's

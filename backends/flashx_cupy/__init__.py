@@ -3,9 +3,9 @@ NVRTC through ``cupy.RawModule``.
 
 The kernels (``kernels/*.cu``, ``*.cuh``) use tensor cores for float16 and bfloat16
 (mma.sync.m16n8k16 fed by ldmatrix, float32 accumulation, K/V tiles double-buffered with
-cp.async) and IEEE fma for float32 (no TF32). On compute capability 9.0 the 16-bit forward without
-a mask, block mask or dropout runs on Hopper's warpgroup products instead (wgmma, sm_90a code,
-``kernels/forward_sm90.cu``), and so does the 16-bit backward up to head dim 128
+cp.async) and IEEE fma for float32 (no TF32). On compute capability 9.0 the 16-bit forward runs
+on Hopper's warpgroup products instead (wgmma, sm_90a code, ``kernels/forward_sm90.cu``; at head
+dim 256 without dropout or masks), and so does the 16-bit backward up to head dim 128
 (``kernels/dq_sm90.cu``, ``kernels/dkdv_sm90.cu``), which computes dQ in a kernel of its own,
 without atomics. Elsewhere, without a band (causal, window), the 16-bit backward adds dQ in its
 dK/dV kernel by unordered float32 reductions; with ``deterministic=True``, or a band, it computes dQ

@@ -107,6 +107,9 @@ FORWARD_FP8_TILES = {
     (128, True): (128, 192, 8),
 }
 FP8_MASKED_KEYS = 128
+#: The 16-bit wgmma forward under a bool mask, by head-dim class: keys a tile of two warpgroups. At
+#: d128 the pair tests spill 92 B beside S of 128 keys (with dropout 192 B), none beside 64.
+SM90_MASKED_KEYS = {64: 128, 128: 64}
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
 #: taking 16 of them each, STAGES tiles in flight. The rows a CTA holds (BLOCK_M) follow the problem
@@ -298,12 +301,17 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
     v_buffers = 3
     if kernel == "forward_sm90":
         block_m, block_n, warps, v_buffers = FORWARD_SM90_TILES[max(dim_qk, dim_v), problem.band is not None, tma]
-        if problem.dropout_p > 0:  # Philox's registers spill beside S of 176 keys or in a third warpgroup
+        if problem.dropout_p > 0 or problem.mask is not None or problem.block_mask is not None:
+            # Philox's registers, or a mask's tests, spill beside S of 176 keys or in a third warpgroup
             block_m, block_n, warps, v_buffers = 128, 128, 8, 3
+        if problem.mask is not None:
+            block_n = SM90_MASKED_KEYS[max(dim_qk, dim_v)]
     elif kernel == "forward_fp8_sm90":
         block_m, block_n, warps = FORWARD_FP8_TILES[max(dim_qk, dim_v), problem.band is not None]
         if problem.mask is not None:
             block_n = min(block_n, FP8_MASKED_KEYS)
+        if problem.block_mask is not None:  # its tile votes spill in a third warpgroup or beside 192 keys
+            block_m, block_n, warps = 128, FP8_MASKED_KEYS, 8
     else:
         block_m, block_n, warps = TILES[table, width, max(dim_qk, dim_v)]
     return Variant(
@@ -397,19 +405,20 @@ def forward_kernel(problem, aligned: bool, compute_capability: str, tma: bool = 
 
     "forward_sm90" (wgmma, sm_90a code) runs on compute capability 9.0 for 16-bit problems whose
     operands are all ``aligned``, with head dims up to 128 or both of class 256 by ``tma`` (the
-    two V buffers of its d256 tiles need TMA's producer, FORWARD_SM90_TILES), and without a bool
-    mask or a block mask; it takes a band (causal, window), seqlens, varlen (which takes no TMA),
-    the score modifications and dropout (its softmax and epilogue are forward.cuh's), dropout at
-    head dims up to 128 (at d256 Philox's registers beside O's 128 floats a thread spill).
+    two V buffers of its d256 tiles need TMA's producer, FORWARD_SM90_TILES); it takes a band
+    (causal, window), seqlens, varlen (which takes no TMA), the score modifications, dropout, a bool
+    mask and a block mask (its softmax, schedule and epilogue are forward.cuh's), the last three at
+    head dims up to 128 (at d256 Philox's registers or the pair tests spill beside O's 128 floats a
+    thread).
     "forward" (mma.sync) serves every other problem, and every GPU. FP8 problems take
     "forward_fp8_sm90" (``fp8_forward_reasons`` says where it cannot).
     """
     if problem.fp8:
         return "forward_fp8_sm90"
     dims = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
-    tiled = max(dims) <= 128 or (dims == (256, 256) and tma and problem.dropout_p == 0)
-    if (compute_capability == "90" and problem.dtype != "float32" and aligned and tiled
-            and problem.mask is None and problem.block_mask is None):
+    plain = problem.dropout_p == 0 and problem.mask is None and problem.block_mask is None
+    tiled = max(dims) <= 128 or (dims == (256, 256) and tma and plain)
+    if compute_capability == "90" and problem.dtype != "float32" and aligned and tiled:
         return "forward_sm90"
     return "forward"
 
@@ -417,9 +426,7 @@ def forward_kernel(problem, aligned: bool, compute_capability: str, tma: bool = 
 def fp8_forward_reasons(problem, compute_capability: int | None) -> list[str]:
     """Why "forward_fp8_sm90" cannot take the float8_e4m3fn problem ``problem`` on a GPU of
     ``compute_capability`` (90 for 9.0; None where CuPy cannot tell), or nothing. Its e4m3
-    products are sm_90a code; it copies Q and K in 16-byte chunks; it has no path for a block mask,
-    whose tile test is a barrier of the whole CTA (the producer warpgroup would have to take part).
-    There is no other FP8 forward here."""
+    products are sm_90a code; it copies Q and K in 16-byte chunks. There is no other FP8 forward here."""
     reasons = []
     if compute_capability is not None and compute_capability != 90:
         reasons.append(f"runs FP8 attention on compute capability 9.0 only (wgmma's e4m3 products), "
@@ -430,8 +437,6 @@ def fp8_forward_reasons(problem, compute_capability: int | None) -> list[str]:
     if problem.head_dim % 16 or problem.head_dim_v % 16:
         reasons.append(f"takes FP8 head dims that are multiples of 16 (16-byte copies), not "
                        f"{problem.head_dim}/{problem.head_dim_v}")
-    if problem.block_mask is not None:
-        reasons.append("takes no block mask with FP8 inputs")
     return reasons
 
 

@@ -492,3 +492,15 @@ def _short(value) -> str:
     if isinstance(value, np.ndarray):
         return f"{value.dtype}{value.shape}" if value.size > 8 else repr(value.tolist())
     return repr(value)
+
+
+def spans_no_block_reads(rng, batch: int, heads: int, seqlen_q: int, seqlen_k: int, size: int = 64):
+    """A block mask of (size, size) blocks over seqlen_k keys (7 * size or more), random where it allows, with
+    keys [2, 4) and [6, 7) blocks wide that no query block may read: whole key tiles of 128 and of
+    64 are skipped, tiles of other widths partly; and the (B, Nk, 1, 1) positions of those keys."""
+    blocks = rng.random((batch, heads, -(-seqlen_q // size), seqlen_k // size)) < 0.7
+    unread = np.zeros((batch, seqlen_k, 1, 1), bool)
+    for lo, hi in ((2, 4), (6, 7)):
+        blocks[..., lo:hi] = False
+        unread[:, lo * size:hi * size] = True
+    return flashx.BlockMask(blocks, size), unread

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import flashx
-from flashx_conformance.harness import Case, diagonal, make_case, make_varlen_case
+from flashx_conformance.harness import Case, diagonal, make_case, make_varlen_case, spans_no_block_reads
 from flashx_conformance.test_decode import check as check_decode
 from flashx_conformance.test_decode import make_decode_case
 from flashx_conformance.tolerance import round_to
@@ -94,6 +94,14 @@ def _sparse_mask(rng, dtype, **options):
     return quantized(rng, case).with_poison("k", key).with_poison("v", key)
 
 
+def _long_keys_block_mask(rng, dtype, **options):
+    """Whole key tiles that no query block reads (NaN in k and v), skipped between read ones."""
+    block_mask, unread = spans_no_block_reads(rng, 2, 2, 130, 448)
+    case = make_case(rng, batch=2, heads_q=2, seqlen_q=130, seqlen_k=448, head_dim=64, dtype=dtype,
+                     block_mask=block_mask, **options)
+    return quantized(rng, case).with_poison("k", unread).with_poison("v", unread)
+
+
 def _long_keys_seqlens(rng, dtype, head_dim=128, causal=True, ends=(410, 500), **options):
     """Several key tiles of any width the FP8 forwards take, and a sequence that ends inside one
     (key 410: in the second 128 keys of a 192-key tile), NaN past it in k and v."""
@@ -132,6 +140,7 @@ CONTEXTS = {
     "block-mask": lambda rng, dtype, **options: quantized(rng, make_case(
         rng, seqlen_q=64, seqlen_k=96, head_dim=32, dtype=dtype,
         block_mask=flashx.BlockMask(rng.random((2, 2, 4, 6)) < 0.6, 16), **options)),
+    "long-keys-block-mask": _long_keys_block_mask,
     "long-keys-seqlens": _long_keys_seqlens,
     "long-keys-nan-v": _long_keys_nan_v,
     "long-keys-d64": lambda rng, dtype, **options: _long_keys_seqlens(

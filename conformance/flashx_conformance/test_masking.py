@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import flashx
-from flashx_conformance.harness import diagonal, full_only, make_case, make_varlen_case
+from flashx_conformance.harness import diagonal, full_only, make_case, make_varlen_case, spans_no_block_reads
 
 SHAPES_NQ_NK = [(1, 239), (3, 799), (5, 2), (97, 97), (113, 64), (1, 1)] + [
     pytest.param(*lengths, marks=full_only) for lengths in ((127, 513), (1025, 1023))
@@ -136,6 +136,17 @@ def test_block_mask(flashx_target, flashx_rng, block_size):
         block_mask=flashx.BlockMask(blocks, block_size),
     )
     flashx_target.check(case)
+
+
+@pytest.mark.parametrize("head_dim", [64, pytest.param(128, marks=full_only)])
+def test_block_mask_skips_key_tiles(flashx_target, flashx_rng, head_dim):
+    """Key tiles that no row of a query tile may read are skipped unread (NaN in their k and v) between
+    tiles that are read: a kernel whose warps schedule the key tiles apart (a producer and the
+    computing warps, each voting among its own threads) must skip the same ones."""
+    block_mask, unread = spans_no_block_reads(flashx_rng, 2, 2, 130, 448)
+    case = make_case(flashx_rng, batch=2, heads_q=2, seqlen_q=130, seqlen_k=448, head_dim=head_dim,
+                     dtype=flashx_target.dtype, block_mask=block_mask)
+    flashx_target.check(case.with_poison("k", unread).with_poison("v", unread))
 
 
 SEQLENS = {

@@ -82,16 +82,19 @@ struct ForwardRows {
         return true;
     }
 
-    // The first tile from n on that the block mask allows, or end.
-    __device__ __forceinline__ int allowed_tile(int n) const {
-        while (n < end && !blocks_allow(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end))) n += BLOCK_N;
+    // The first tile from n on that the block mask allows, or end: the answer of the GROUP threads
+    // of one role numbered tid (blocks_allow), so that a producer runs the schedule with its own.
+    template <int GROUP = THREADS>
+    __device__ __forceinline__ int allowed_tile(int n, int tid = threadIdx.x) const {
+        while (n < end && !blocks_allow<GROUP>(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end), tid)) n += BLOCK_N;
         return n;
     }
 
     // The masked tile after n, or end.
-    __device__ __forceinline__ int next_masked(int n) const {
+    template <int GROUP = THREADS>
+    __device__ __forceinline__ int next_masked(int n, int tid = threadIdx.x) const {
         n += BLOCK_N;
-        return allowed_tile(n == unmasked_lo ? unmasked_hi : n);
+        return allowed_tile<GROUP>(n == unmasked_lo ? unmasked_hi : n, tid);
     }
 
     // Whether row r of the tile reads key j through V: allowed (masked tiles test it) and kept.
@@ -223,10 +226,11 @@ struct ForwardRows {
 // buffers cta.buf and requests the tile at next (none at end) into the others: the masked tiles,
 // then the unmasked ones, one uniform branch a tile picking the body. The first tile is requested
 // here into buffers 0, in one group with what the caller requested before (Q). cta.finish() ends
-// the products and hands the buffers over to O's staging.
-template <typename Cta>
-__device__ __forceinline__ void attend_key_tiles(Cta& cta) {
-    const int first_masked = cta.allowed_tile(cta.lo == cta.unmasked_lo ? cta.unmasked_hi : cta.lo);
+// the products and hands the buffers over to O's staging. The block mask's votes are among the
+// GROUP threads numbered tid that run the schedule: all of them, or one role's.
+template <int GROUP = THREADS, typename Cta>
+__device__ __forceinline__ void attend_key_tiles(Cta& cta, int tid = threadIdx.x) {
+    const int first_masked = cta.template allowed_tile<GROUP>(cta.lo == cta.unmasked_lo ? cta.unmasked_hi : cta.lo, tid);
     const int first = first_masked < cta.end ? first_masked : cta.unmasked_lo;
     cta.buf = 1;
     cta.load_kv(first);
@@ -236,7 +240,7 @@ __device__ __forceinline__ void attend_key_tiles(Cta& cta) {
         const bool masked = n < unmasked_lo || n >= unmasked_hi;
         int next;
         if (masked) {
-            next = cta.next_masked(n);
+            next = cta.template next_masked<GROUP>(n, tid);
             next = next < end ? next : unmasked_lo;  // after the last masked tile, the first unmasked one
             cta.template attend<true>(n, next);
         } else {

@@ -330,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1)
         const In* q = (const In*)p.q + row_offset(b, s.start_q, 0, h, p.q_b, p.q_n, p.q_h);
         Operands::load_rows<BLOCK_M>(sQ, q, p.q_n, p.q_d, producer.m0, s.len_q, p.head_dim, producer.tid);
         cp_async_commit();
-        attend_key_tiles(producer);
+        attend_key_tiles<PRODUCER_THREADS>(producer, producer.tid);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"((int)COMPUTE_REGISTERS));
