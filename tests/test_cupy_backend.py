@@ -203,6 +203,7 @@ def test_sm90_forward_variant(dim):
     ({"block_mask": object(), "head_dim": 64, "head_dim_v": 64}, True, (128, 128, 8, 3)),
     ({"mask": object(), "head_dim": 64, "head_dim_v": 64}, True, (128, 128, 8, 3)),  # the pair tests
     ({"mask": object(), "dropout_p": 0.1, "band": (-1, 0)}, True, (128, 64, 8, 3)),  # ... beside 64 keys at d128
+    ({"block_mask": object(), "dropout_p": 0.1}, True, (128, 64, 8, 3)),  # and a block mask's beside Philox's
 ])
 def test_sm90_forward_tiles(changes, tma_, tile):
     """FORWARD_SM90_TILES by the widest head-dim class, the band and the loads; the V ring's size

@@ -107,8 +107,9 @@ FORWARD_FP8_TILES = {
     (128, True): (128, 192, 8),
 }
 FP8_MASKED_KEYS = 128
-#: The 16-bit wgmma forward under a bool mask, by head-dim class: keys a tile of two warpgroups. At
-#: d128 the pair tests spill 92 B beside S of 128 keys (with dropout 192 B), none beside 64.
+#: The 16-bit wgmma forward under a bool mask, or a block mask with dropout, by head-dim class: keys
+#: a tile of two warpgroups. At d128 the pair tests spill beside S of 128 keys (a bool mask 92 B, with
+#: dropout 192 B; a block mask with dropout 212 B), 0-24 B beside 64.
 SM90_MASKED_KEYS = {64: 128, 128: 64}
 #: Decoding (``kernels/decode.cu``): (cache element width "16", "32", or "8" for an FP8 cache under
 #: 16-bit queries; head-dim class) -> (BLOCK_N, WARPS, STAGES): BLOCK_N keys a tile, WARPS warps
@@ -304,7 +305,7 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
         if problem.dropout_p > 0 or problem.mask is not None or problem.block_mask is not None:
             # Philox's registers, or a mask's tests, spill beside S of 176 keys or in a third warpgroup
             block_m, block_n, warps, v_buffers = 128, 128, 8, 3
-        if problem.mask is not None:
+        if problem.mask is not None or (problem.block_mask is not None and problem.dropout_p > 0):
             block_n = SM90_MASKED_KEYS[max(dim_qk, dim_v)]
     elif kernel == "forward_fp8_sm90":
         block_m, block_n, warps = FORWARD_FP8_TILES[max(dim_qk, dim_v), problem.band is not None]

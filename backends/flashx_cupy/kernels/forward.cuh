@@ -65,7 +65,7 @@ struct ForwardRows {
         if (rows_end <= m0 || end <= first) first = end = 0;
         lo = first / BLOCK_N * BLOCK_N;
         unmasked_lo = unmasked_hi = end;
-        if constexpr (!MASK && !BLOCK_MASK) {
+        if constexpr (!MASK) {
             if (m0 + BLOCK_M <= s.len_q) {
                 const int from = max(m0 + BLOCK_M - 1 + diag - p.left, lo);  // every row of the tile reaches back
                 const int to = min(s.len_k, m0 + diag + p.right + 1);        // and forward
@@ -82,19 +82,29 @@ struct ForwardRows {
         return true;
     }
 
-    // The first tile from n on that the block mask allows, or end: the answer of the GROUP threads
-    // of one role numbered tid (blocks_allow), so that a producer runs the schedule with its own.
-    template <int GROUP = THREADS>
-    __device__ __forceinline__ int allowed_tile(int n, int tid = threadIdx.x) const {
-        while (n < end && !blocks_allow<GROUP>(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end), tid)) n += BLOCK_N;
-        return n;
+    // The tile visited after the tile at n, the block mask aside: the band's masked tiles [lo,
+    // unmasked_lo) and [unmasked_hi, end) first, then its unmasked ones.
+    __device__ __forceinline__ int after(int n) const {
+        if (n >= unmasked_lo && n < unmasked_hi) return n + BLOCK_N < unmasked_hi ? n + BLOCK_N : end;
+        n += BLOCK_N;
+        if (n == unmasked_lo) n = unmasked_hi;
+        return n < end ? n : unmasked_lo;  // after the last masked tile, the first unmasked one
     }
 
-    // The masked tile after n, or end.
-    template <int GROUP = THREADS>
-    __device__ __forceinline__ int next_masked(int n, int tid = threadIdx.x) const {
-        n += BLOCK_N;
-        return allowed_tile<GROUP>(n == unmasked_lo ? unmasked_hi : n, tid);
+    // The first tile visited, the block mask aside, or end.
+    __device__ __forceinline__ int first_tile() const {
+        if (lo != unmasked_lo) return lo;
+        return unmasked_hi < end ? unmasked_hi : unmasked_lo;
+    }
+
+    // The first tile visited from n on that the block mask does not skip, or end, and its cover
+    // (blocks_cover: the vote of the GROUP threads numbered tid that run the schedule).
+    template <int GROUP>
+    __device__ __forceinline__ int visited(int n, int& cover, int tid) const {
+        cover = COVER_ALL;
+        while (n < end && (cover = blocks_cover<GROUP>(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end), tid)) == COVER_NONE)
+            n = after(n);
+        return n;
     }
 
     // Whether row r of the tile reads key j through V: allowed (masked tiles test it) and kept.
@@ -223,30 +233,26 @@ struct ForwardRows {
 };
 
 // Every key tile of the CTA through cta.attend<MASKED>(n, next), which reads the tile at n from
-// buffers cta.buf and requests the tile at next (none at end) into the others: the masked tiles,
-// then the unmasked ones, one uniform branch a tile picking the body. The first tile is requested
-// here into buffers 0, in one group with what the caller requested before (Q). cta.finish() ends
-// the products and hands the buffers over to O's staging. The block mask's votes are among the
-// GROUP threads numbered tid that run the schedule: all of them, or one role's.
+// buffers cta.buf and requests the tile at next (none at end) into the others: the band's masked
+// tiles, then its unmasked ones (ForwardRows::after), one uniform branch a tile picking the body; a
+// tile that the block mask allows in part takes the masked body, one it allows nowhere is not
+// visited. The first tile is requested here into buffers 0, in one group with what the caller
+// requested before (Q). cta.finish() ends the products and hands the buffers over to O's staging.
+// The block mask's votes are among the GROUP threads numbered tid that run the schedule: all of
+// them, or one role's.
 template <int GROUP = THREADS, typename Cta>
 __device__ __forceinline__ void attend_key_tiles(Cta& cta, int tid = threadIdx.x) {
-    const int first_masked = cta.template allowed_tile<GROUP>(cta.lo == cta.unmasked_lo ? cta.unmasked_hi : cta.lo, tid);
-    const int first = first_masked < cta.end ? first_masked : cta.unmasked_lo;
+    int cover;
+    const int first = cta.template visited<GROUP>(cta.first_tile(), cover, tid);
     cta.buf = 1;
     cta.load_kv(first);
     cta.buf = 0;
     const int end = cta.end, unmasked_lo = cta.unmasked_lo, unmasked_hi = cta.unmasked_hi;
     for (int n = first; n < end;) {
-        const bool masked = n < unmasked_lo || n >= unmasked_hi;
-        int next;
-        if (masked) {
-            next = cta.template next_masked<GROUP>(n, tid);
-            next = next < end ? next : unmasked_lo;  // after the last masked tile, the first unmasked one
-            cta.template attend<true>(n, next);
-        } else {
-            next = n + BLOCK_N < unmasked_hi ? n + BLOCK_N : end;
-            cta.template attend<false>(n, next);
-        }
+        const bool masked = n < unmasked_lo || n >= unmasked_hi || cover != COVER_ALL;
+        const int next = cta.template visited<GROUP>(cta.after(n), cover, tid);
+        if (masked) cta.template attend<true>(n, next);
+        else cta.template attend<false>(n, next);
         n = next;
     }
     cta.finish();
