@@ -52,45 +52,34 @@ __device__ __forceinline__ bool tile_unmasked(const Params& p, const Sequence& s
     return i1 <= s.len_q && j1 <= s.len_k && j0 >= (i1 - 1) + diag - p.left && j1 - 1 <= i0 + diag + p.right;
 }
 
-// Over this thread's share (the GROUP threads numbered tid) of the blocks that hold the pairs of
-// rows [i0, i1) and keys [j0, j1): whether some block allows its pairs, and whether all do.
-template <int GROUP>
-__device__ __forceinline__ void blocks_held(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1,
-                                            int tid, bool& any, bool& all) {
+// What the block mask allows of the pairs of rows [i0, i1) and keys [j0, j1), the answer of the
+// GROUP threads numbered tid (the computing threads', or a producer's, group_sync_or): none (a tile
+// skipped unread), some (a tile that tests every pair), or all (a tile that needs none of the
+// block mask's tests). Without WHOLE, one vote: COVER_SOME then stands for some or all.
+enum BlockCover { COVER_NONE, COVER_SOME, COVER_ALL };
+template <int GROUP = THREADS, bool WHOLE = true>
+__device__ __forceinline__ int blocks_cover(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1,
+                                            int tid = threadIdx.x) {
+    if constexpr (!BLOCK_MASK) return COVER_ALL;
     const int bi0 = i0 / p.block_q, bi1 = (i1 - 1) / p.block_q + 1;
     const int bj0 = j0 / p.block_k, bj1 = (j1 - 1) / p.block_k + 1;
     const int n = (bi1 - bi0) * (bj1 - bj0);
-    any = false, all = true;
+    bool any = false, all = true;
     for (int idx = tid; idx < n; idx += GROUP) {
         const int bi = bi0 + idx / (bj1 - bj0), bj = bj0 + idx % (bj1 - bj0);
         const bool allowed = ((const unsigned char*)p.blocks)[(i64)s.b * p.blocks_b + (i64)h * p.blocks_h +
                                                               (i64)bi * p.blocks_i + (i64)bj * p.blocks_j] != 0;
         any |= allowed, all &= allowed;
     }
+    if (!group_sync_or<GROUP>(any)) return COVER_NONE;
+    if constexpr (!WHOLE) return COVER_SOME;
+    return group_sync_or<GROUP>(!all) ? COVER_SOME : COVER_ALL;
 }
 
-// Whether the block mask allows some pair of rows [i0, i1) and keys [j0, j1) (the answer of the
-// GROUP threads numbered tid: the computing threads', or a producer's, group_sync_or); a tile it
-// disallows is skipped unread.
+// Whether the block mask allows some pair of rows [i0, i1) and keys [j0, j1) (blocks_cover's one
+// vote); a tile it disallows is skipped unread.
 template <int GROUP = THREADS>
 __device__ __forceinline__ bool blocks_allow(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1,
                                              int tid = threadIdx.x) {
-    if constexpr (!BLOCK_MASK) return true;
-    bool any, all;
-    blocks_held<GROUP>(p, s, h, i0, i1, j0, j1, tid, any, all);
-    return group_sync_or<GROUP>(any);
-}
-
-// What the block mask allows of the pairs of rows [i0, i1) and keys [j0, j1), the answer of the
-// GROUP threads numbered tid (as blocks_allow's): none (a tile skipped unread), some (a tile that
-// tests every pair), or all (a tile that needs none of the block mask's tests).
-enum BlockCover { COVER_NONE, COVER_SOME, COVER_ALL };
-template <int GROUP = THREADS>
-__device__ __forceinline__ int blocks_cover(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1,
-                                            int tid = threadIdx.x) {
-    if constexpr (!BLOCK_MASK) return COVER_ALL;
-    bool any, all;
-    blocks_held<GROUP>(p, s, h, i0, i1, j0, j1, tid, any, all);
-    if (!group_sync_or<GROUP>(any)) return COVER_NONE;
-    return group_sync_or<GROUP>(!all) ? COVER_SOME : COVER_ALL;
+    return blocks_cover<GROUP, false>(p, s, h, i0, i1, j0, j1, tid) != COVER_NONE;
 }
