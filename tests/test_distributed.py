@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.util
 import itertools
 import os
 import re
 import weakref
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,6 +41,7 @@ from flashx.distributed import (peak_bytes_per_token, ring_attention, shard,  # 
                                 simulate_ring_attention, unshard)
 from flashx.errors import DTypeError, OptionError, ShapeError, UnsupportedError  # noqa: E402
 from flashx.ring.sequences import pair_call  # noqa: E402
+from tests.script_modules import load_script  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag")  # the layouts of padded and packed input ("document_zigzag": packed only)
 SEQLEN = 24  # divisible by 2W for W = 2, 3, 4: every layout fits every group size
@@ -170,11 +169,7 @@ def _causal_work(lengths: list[int], world_size: int, layout: str) -> list[int]:
 
 def _benchmark_documents() -> list[int]:
     """The documents of scripts/ring_gpus.py's packed part: 262,144 tokens in documents of 1k to 64k."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "ring_gpus.py"
-    spec = importlib.util.spec_from_file_location("ring_gpus", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.document_lengths(262144, 1024, 65536)
+    return load_script("ring_gpus").document_lengths(262144, 1024, 65536)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])

@@ -3,20 +3,14 @@ longest context from peak memory (the GPU parts themselves run on a GPU host, or
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ring_gpus.py"
+from tests.script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def ring():
-    spec = importlib.util.spec_from_file_location("ring_gpus", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ring_gpus")
 
 
 def _kernel(name, start, duration):

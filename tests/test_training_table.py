@@ -3,21 +3,15 @@ the rows it times (the timing itself runs on a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "training_table.py"
+from tests.script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("training_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("training_table")
 
 
 @pytest.mark.parametrize("seqlen, causal, window", [(7, False, None), (7, True, None), (9, False, 3), (5, False, 0),
