@@ -94,7 +94,7 @@ def main() -> None:
                 text = variants.source(variants.FILES[variant.kernel], folder)
                 function = built[variant] = cupy.RawModule(code=text, options=variant.options).get_function(variant.entry_point)
                 function.max_dynamic_shared_size_bytes = shared
-            function((grid,), (threads,), (params.view(launch.OPAQUE), *extra), shared_mem=shared)
+            function((grid,), (threads,), (params.view(launch.OPAQUE[params.itemsize]), *extra), shared_mem=shared)
         else:
             plain(variant, device, grid, params, *extra)
         end.record()

@@ -553,22 +553,58 @@ def test_kernels_are_built_once_and_looked_up_by_variant(monkeypatch):
 
 # -- argument packing ----------------------------------------------------------------------
 
-def test_params_layout_matches_the_struct():
-    """PARAMS lists the fields of ``struct Params`` in order, with C's sizes and offsets."""
-    text = (variants.KERNELS / "common.cuh").read_text()
-    body = re.search(r"struct Params \{(.*?)\};", text, re.DOTALL).group(1)
+def _struct_fields(file: str, name: str, offset: int = 0) -> tuple[list, int]:
+    """The (name, offset, size) of each field of ``struct name`` in kernels/``file``, laid out from
+    ``offset`` (a base's size), and the struct's end."""
+    text = (variants.KERNELS / file).read_text()
+    body = re.search(rf"struct {name}(?: : \w+)? \{{(.*?)\}};", text, re.DOTALL).group(1)
     sizes = {"u64": 8, "i64": 8, "int": 4, "float": 4}
-    fields, offset = [], 0
+    fields = []
     for kind, names in re.findall(r"(u64|i64|int|float) ([^;]+);", body):
-        for name in (n.strip() for n in names.split(",")):
+        for field in (n.strip() for n in names.split(",")):
             offset = -(-offset // sizes[kind]) * sizes[kind]
-            fields.append((name, offset, sizes[kind]))
+            fields.append((field, offset, sizes[kind]))
             offset += sizes[kind]
-    assert list(launch.PARAMS.names) == [name for name, _, _ in fields]
-    assert [launch.PARAMS.fields[name][1] for name, _, _ in fields] == [o for _, o, _ in fields]
-    assert [launch.PARAMS.fields[name][0].itemsize for name, _, _ in fields] == [s for _, _, s in fields]
-    assert launch.PARAMS.itemsize == -(-offset // 8) * 8
-    assert launch.OPAQUE.itemsize == launch.PARAMS.itemsize and launch.OPAQUE.names is None  # the same bytes, as one
+    return fields, -(-offset // 8) * 8
+
+
+@pytest.mark.parametrize("layout, file, struct", [
+    ("PARAMS", "common.cuh", "Params"),
+    ("BACKWARD_PARAMS", "backward.cuh", "BackwardParams"),
+    ("DECODE_PARAMS", "decode.cu", "DecodeParams"),
+])
+def test_params_layouts_match_the_structs(layout, file, struct):
+    """Each record lists the fields of its struct in order, with C's sizes and offsets; a struct
+    derived from ``Params`` has its fields after ``Params``'s whole size, as C++ lays out a class
+    whose base is plain data."""
+    fields, end = _struct_fields("common.cuh", "Params")
+    if struct != "Params":
+        own, end = _struct_fields(file, struct, end)
+        assert re.search(rf"struct {struct} : Params \{{", (variants.KERNELS / file).read_text())
+        fields += own
+    dtype = getattr(launch, layout)
+    assert list(dtype.names) == [name for name, _, _ in fields]
+    assert [dtype.fields[name][1] for name, _, _ in fields] == [o for _, o, _ in fields]
+    assert [dtype.fields[name][0].itemsize for name, _, _ in fields] == [s for _, _, s in fields]
+    assert dtype.itemsize == end
+    opaque = launch.OPAQUE[dtype.itemsize]  # the same bytes, as one
+    assert opaque.itemsize == dtype.itemsize and opaque.names is None
+
+
+def test_each_kernel_takes_its_layout():
+    """The forwards take ``Params``, the backward's kernels ``BackwardParams``, decoding's
+    ``DecodeParams``: the struct the host packs for each (launch.pack, decode.pack_decode)."""
+    expected = {"forward": "Params", "forward_sm90": "Params", "forward_fp8_sm90": "Params",
+                "delta": "BackwardParams", "dq": "BackwardParams", "dkdv": "BackwardParams",
+                "dq_sm90": "BackwardParams", "dkdv_sm90": "BackwardParams", "decode": "DecodeParams",
+                "decode_merge": "DecodeParams", "decode_append": "DecodeParams"}
+    for kernel, struct in expected.items():
+        text = variants.source(variants.FILES[kernel])
+        entry = variants.ENTRY_POINTS[kernel]
+        if kernel in ("forward_sm90", "forward_fp8_sm90"):  # named by a macro, defined in forward_sm90.cuh
+            entry = "FORWARD_SM90"
+        assert re.search(rf"\b{entry}\(const {struct} p\b", text), kernel
+    assert len(launch.OPAQUE) == 3  # each layout's size its own
 
 
 def test_pack():

@@ -25,7 +25,8 @@ import functools
 
 from flashx.splits import decode_splits
 from flashx_cupy import variants
-from flashx_cupy.launch import aligned, caller_stream, launch, record, row_stat_fields, score_mod_fields, tiles
+from flashx_cupy.launch import (DECODE_PARAMS, aligned, caller_stream, launch, record, row_stat_fields,
+                                score_mod_fields, tiles)
 
 #: Shared memory the driver keeps per CTA beside its dynamic shared memory.
 RESERVED_SHARED_PER_CTA = 1024
@@ -61,13 +62,14 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new):
 
 
 def pack_decode(problem, **fields):
-    """The ``PARAMS`` record of a DecodeProblem: the band's sides with an unbounded one as a reach
+    """The ``DECODE_PARAMS`` record of a DecodeProblem: the band's sides with an unbounded one as a reach
     past every key (so that a kernel tests each side with one compare), the cache's geometry."""
     reach = problem.capacity + problem.seqlen_q
     assert reach < 2**29, "positions plus the band's reach must stay within int32"
     left, right = problem.band or (-1, -1)
-    return record(problem, dict(left=reach if left == -1 else left, right=reach if right == -1 else right,
-                                new_tokens=problem.new_tokens, page_size=problem.page_size or 0) | fields)
+    return record(problem, DECODE_PARAMS, dict(left=reach if left == -1 else left,
+                                               right=reach if right == -1 else right, new_tokens=problem.new_tokens,
+                                               page_size=problem.page_size or 0) | fields)
 
 
 def decode_fields(problem, q, k_cache, v_cache, k_new, v_new, o, lse) -> dict:

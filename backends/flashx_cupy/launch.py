@@ -1,7 +1,9 @@
-"""Problems and tensors packed into the kernels' ``Params`` struct, and the launches.
+"""Problems and tensors packed into the kernels' argument structs, and the launches.
 
-The kernels take one by-value struct (``kernels/common.cuh``), passed to CuPy as a NumPy
-structured array of the same layout (``PARAMS``: 8-byte fields first, so no padding can differ).
+Each kernel takes one by-value struct: ``Params`` (``kernels/common.cuh``) for the forwards, or one
+derived from it for the backward's and decoding's kernels (``BackwardParams``, ``DecodeParams``),
+passed to CuPy as a NumPy structured array of the same layout (``PARAMS``, ``BACKWARD_PARAMS``,
+``DECODE_PARAMS``: 8-byte fields first, so no padding can differ).
 Tensors arrive as torch CUDA tensors (the backend's array kind: CuPy has no bfloat16) and are
 read through their addresses and strides; outputs are allocated by torch. Every launch runs on
 the caller's current stream: torch's for torch callers, CuPy's for CuPy callers.
@@ -17,21 +19,17 @@ import numpy as np
 from flashx.problem import head_dim_class
 from flashx_cupy import tma, variants
 
-_POINTERS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "cu_q", "cu_k", "seqlens_q", "seqlens_k",
-             "mask", "blocks", "alibi_slopes", "sinks", "dsinks_rows", "cache_seqlens", "block_table", "k_new", "v_new",
-             "o_part", "lse_part", "k_descale", "v_descale")
-_STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n", "v_h", "v_d",
-            "o_b", "o_n", "o_h", "o_d", "do_b", "do_n", "do_h", "do_d",
-            "dq_b", "dq_n", "dq_h", "dk_b", "dk_n", "dk_h", "dv_b", "dv_n", "dv_h",
-            "lse_b", "lse_h", "delta_b", "delta_h", "mask_b", "mask_h", "mask_i", "mask_j",
-            "blocks_b", "blocks_h", "blocks_i", "blocks_j", "alibi_b",
-            "table_b", "kn_b", "kn_n", "kn_h", "kn_d", "vn_b", "vn_n", "vn_h", "vn_d")
+_POINTERS = ("q", "k", "v", "o", "lse", "cu_q", "cu_k", "seqlens_q", "seqlens_k", "mask", "blocks", "alibi_slopes",
+             "sinks", "k_descale", "v_descale")
+_STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n", "v_h", "v_d", "o_b", "o_n", "o_h", "o_d",
+            "lse_b", "lse_h", "mask_b", "mask_h", "mask_i", "mask_j", "blocks_b", "blocks_h", "blocks_i", "blocks_j",
+            "alibi_b")
 _INTS = ("batch", "heads_q", "heads_k", "group", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0",
-         "kv_head0", "kv_heads", "new_tokens", "page_size", "splits")
+         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0")
 _FLOATS = ("scale", "scale_log2", "drop_scale", "softcap_scale", "softcap_log2")
 
-#: The layout of ``struct Params``.
+#: The layout of ``struct Params`` (kernels/common.cuh): the forward kernels' arguments, and the
+#: first fields of every other kernel's.
 PARAMS = np.dtype(
     [(name, np.uint64) for name in _POINTERS]
     + [(name, np.int64) for name in _STRIDES]
@@ -40,17 +38,45 @@ PARAMS = np.dtype(
     + [(name, np.float32) for name in _FLOATS],
     align=True,
 )
-#: How a ``PARAMS`` record travels to CuPy: as one opaque element of its size. CuPy finds a NumPy
-#: argument's address through ``__array_interface__``, which describes a structured dtype field by
-#: field, at a cost (tens of microseconds a launch) that an opaque element does not have.
-OPAQUE = np.dtype((np.void, PARAMS.itemsize))
 
 
-def pack(problem, **fields) -> np.ndarray:
-    """A one-element ``PARAMS`` array for the attention ``problem``; ``fields`` give the tensors'
-    addresses and strides (names of ``PARAMS``). Unnamed pointers are null, unnamed strides 0."""
+def _derived(pointers: tuple, strides: tuple, ints: tuple) -> np.dtype:
+    """The layout of a struct derived from ``Params``: its fields, then these (8-byte ones first)
+    from the end of ``Params``, as C++ lays out a class with a base of plain data."""
+    own = np.dtype([(name, np.uint64) for name in pointers] + [(name, np.int64) for name in strides]
+                   + [(name, np.int32) for name in ints], align=True)
+    names = PARAMS.names + own.names
+    return np.dtype({"names": names,
+                     "formats": [PARAMS.fields[name][0] for name in PARAMS.names] + [own.fields[name][0] for name in own.names],
+                     "offsets": [PARAMS.fields[name][1] for name in PARAMS.names]
+                     + [PARAMS.itemsize + own.fields[name][1] for name in own.names],
+                     "itemsize": PARAMS.itemsize + own.itemsize})
+
+
+#: The layout of ``struct BackwardParams`` (kernels/backward.cuh).
+BACKWARD_PARAMS = _derived(
+    ("dout", "dq", "dk", "dv", "delta", "dsinks_rows"),
+    ("do_b", "do_n", "do_h", "do_d", "dq_b", "dq_n", "dq_h", "dk_b", "dk_n", "dk_h", "dv_b", "dv_n", "dv_h",
+     "delta_b", "delta_h"),
+    ("kv_head0", "kv_heads"))
+#: The layout of ``struct DecodeParams`` (kernels/decode.cu).
+DECODE_PARAMS = _derived(
+    ("cache_seqlens", "block_table", "k_new", "v_new", "o_part", "lse_part"),
+    ("table_b", "kn_b", "kn_n", "kn_h", "kn_d", "vn_b", "vn_n", "vn_h", "vn_d"),
+    ("new_tokens", "page_size", "splits"))
+#: How a record travels to CuPy: as one opaque element of its size (by size: each layout's differs).
+#: CuPy finds a NumPy argument's address through ``__array_interface__``, which describes a
+#: structured dtype field by field, at a cost (tens of microseconds a launch) that an opaque
+#: element does not have.
+OPAQUE = {layout.itemsize: np.dtype((np.void, layout.itemsize)) for layout in (PARAMS, BACKWARD_PARAMS, DECODE_PARAMS)}
+
+
+def pack(problem, layout: np.dtype = PARAMS, **fields) -> np.ndarray:
+    """A one-element array of ``layout`` (PARAMS or BACKWARD_PARAMS) for the attention ``problem``;
+    ``fields`` give the tensors' addresses and strides (names of the layout). Unnamed pointers are
+    null, unnamed strides 0."""
     left, right = problem.band_reach
-    return record(problem, dict(
+    return record(problem, layout, dict(
         seqlen_k=problem.seqlen_k,
         left=left,
         right=right,
@@ -61,16 +87,14 @@ def pack(problem, **fields) -> np.ndarray:
         seed=problem.seed,
         drop_row0=problem.dropout_offsets[0],
         drop_col0=problem.dropout_offsets[1],
-        kv_head0=0,
-        kv_heads=problem.heads_k,
         drop_scale=problem.dropout_scale,
     ) | fields)
 
 
-def record(problem, values: dict) -> np.ndarray:
-    """A one-element ``PARAMS`` array holding what every operation's problem derives (heads, head
-    dims, the scale, softcap's factors), then ``values``."""
-    params = np.zeros(1, dtype=PARAMS)
+def record(problem, layout: np.dtype, values: dict) -> np.ndarray:
+    """A one-element array of ``layout`` holding what every operation's problem derives (heads,
+    head dims, the scale, softcap's factors), then ``values``."""
+    params = np.zeros(1, dtype=layout)
     shared = dict(
         batch=problem.batch,
         heads_q=problem.heads_q,
@@ -183,7 +207,7 @@ def launch(variant: variants.Variant, device, grid: int, params: np.ndarray, *ex
         raise UnsupportedError(f"cupy: {variant.kernel} needs {variant.shared_memory} bytes of shared memory per block, "
                                f"this GPU allows {limit}")
     kernel = variants.kernel(variant, device)
-    kernel((grid,), (variant.threads,), (params.view(OPAQUE), *extra), shared_mem=variant.shared_memory)
+    kernel((grid,), (variant.threads,), (params.view(OPAQUE[params.itemsize]), *extra), shared_mem=variant.shared_memory)
 
 
 def tiles(rows: int, block: int) -> int:
@@ -306,11 +330,13 @@ def backward(problem, q, k, v, o, lse, do):
                       **tensor_fields("do", do, varlen), **tensor_fields("dq", dq, varlen, 3),
                       **tensor_fields("dk", dk, varlen, 3), **tensor_fields("dv", dv, varlen, 3),
                       **row_stat_fields("lse", lse, varlen), **row_stat_fields("delta", delta, varlen),
+                      kv_head0=0, kv_heads=problem.heads_k,
                       **({} if dsinks_rows is None else {"dsinks_rows": dsinks_rows.data_ptr()}))
 
         variant = variants.choose("delta", problem, is_aligned)
         rows = problem.total_q if varlen else problem.batch * problem.seqlen_q
-        launch(variant, device, tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, **fields), np.int32(rows))
+        launch(variant, device, tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, BACKWARD_PARAMS, **fields),
+               np.int32(rows))
 
         sm90 = variants.sm90_backward(problem, is_aligned, device.compute_capability)
         if variants.fused_dq(problem):
@@ -319,13 +345,14 @@ def backward(problem, q, k, v, o, lse, do):
         else:
             variant = variants.choose("dq_sm90" if sm90 else "dq", problem, is_aligned)
             tiles_m = tiles(problem.seqlen_q, variant.block_m)
-            launch(variant, device, tiles_m * problem.heads_q * problem.batch, pack(problem, tiles_m=tiles_m, **fields))
+            launch(variant, device, tiles_m * problem.heads_q * problem.batch,
+                   pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m, **fields))
             for parts in variants.dkdv_parts(head_dim_class(problem.head_dim),
                                              head_dim_class(problem.head_dim_v)):
                 variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, parts)
                 tiles_m = tiles(problem.seqlen_k, variant.block_m)
                 launch(variant, device, tiles_m * problem.heads_k * problem.batch,
-                       pack(problem, tiles_m=tiles_m, **fields))
+                       pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m, **fields))
         grads = (dq, dk, dv) if dsinks_rows is None else (dq, dk, dv, sum_over_rows(problem, dsinks_rows))
     return grads
 
@@ -348,8 +375,8 @@ def _dkdv_adding_dq(problem, device, variant, fields: dict, dq) -> None:
     for first, heads in chunks:
         sums = buffer.narrow(-4, 0, heads * group).zero_()
         as_heads = sums.flatten(-4, -3).transpose(-3, -2)  # (B, Nq, heads * panels, DQ_PANEL), a view
-        params = pack(problem, tiles_m=tiles_m, kv_head0=first, kv_heads=heads,
-                      **(fields | tensor_fields("dq", as_heads, problem.varlen, 3)))
+        params = pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m,
+                      **(fields | dict(kv_head0=first, kv_heads=heads) | tensor_fields("dq", as_heads, problem.varlen, 3)))
         launch(variant, device, tiles_m * heads * problem.batch, params)
         _round_sums(sums, dq[..., first * group:(first + heads) * group, :], problem.head_dim)
 

@@ -42,6 +42,15 @@
 #include "common.cuh"
 #include "score_mods.cuh"
 
+// The backward kernels' arguments: Params, then dO and the gradients, D and each row's term of
+// dsinks, and the kv heads of a dK/dV launch (flashx_cupy.launch.BACKWARD_PARAMS).
+struct BackwardParams : Params {
+    u64 dout, dq, dk, dv, delta;
+    u64 dsinks_rows;  // float32, shaped and strided like delta: each row's term of dsinks
+    i64 do_b, do_n, do_h, do_d, dq_b, dq_n, dq_h, dk_b, dk_n, dk_h, dv_b, dv_n, dv_h, delta_b, delta_h;
+    int kv_head0, kv_heads;  // the dK/dV kernel's launch covers kv heads [kv_head0, kv_head0 + kv_heads)
+};
+
 #ifndef DKDV_PARTS
 #define DKDV_PARTS 3
 #endif
@@ -53,7 +62,7 @@
 static_assert(!DQ_ATOMIC || (TENSOR_CORES && DKDV_PARTS == 3), "the fused dQ takes dS of both parts' kernel, on tensor cores");
 
 // The LSE of query row i (within the sequence) in base 2, and D.
-__device__ __forceinline__ void row_stats(const Params& p, const Sequence& s, int h, int i, float& lse2, float& delta) {
+__device__ __forceinline__ void row_stats(const BackwardParams& p, const Sequence& s, int h, int i, float& lse2, float& delta) {
     if (i < s.len_q) {
         lse2 = ((const float*)p.lse)[(i64)s.b * p.lse_b + (i64)h * p.lse_h + s.start_q + i] * LOG2E;
         delta = ((const float*)p.delta)[(i64)s.b * p.delta_b + (i64)h * p.delta_h + s.start_q + i];

@@ -46,27 +46,23 @@ typedef u16 elem_t;
 #define NEG_INF __int_as_float(0xff800000u)
 #define QUIET_NAN __int_as_float(0x7fffffff)
 
-// The arguments of every kernel, packed on the host by flashx_cupy.launch.PARAMS (same order,
-// 8-byte fields first so that no padding differs between numpy and C).
+// The arguments of the forward kernels and what every kernel reads: the problem, Q, K, V, O and
+// the LSE, the lengths, the masks, the score modifications, dropout and FP8's descales. Packed on
+// the host by flashx_cupy.launch.PARAMS (same order, 8-byte fields first so that no padding
+// differs between numpy and C); the backward's and decoding's kernels take a struct derived from
+// it (BackwardParams in backward.cuh, DecodeParams in decode.cu), whose fields follow these.
 struct Params {
-    u64 q, k, v, o, lse, dout, dq, dk, dv, delta, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks;
+    u64 q, k, v, o, lse, cu_q, cu_k, seqlens_q, seqlens_k, mask, blocks;
     u64 alibi_slopes, sinks;  // float32: slopes (Hq,) or (B, Hq), sinks (Hq,)
-    u64 dsinks_rows;          // float32, shaped and strided like delta: each row's term of dsinks
-    // decoding (decode.cu): int32 cache_seqlens (B,) and block_table (B, max_pages); the new tokens;
-    // float32 partial results of the splits, (splits, B * Nq * Hq, DIM_V) and (splits, B * Nq * Hq);
-    // an FP8 cache's float32 descales (B, Hk), null for 1
-    u64 cache_seqlens, block_table, k_new, v_new, o_part, lse_part, k_descale, v_descale;
-    i64 q_b, q_n, q_h, q_d, k_b, k_n, k_h, k_d, v_b, v_n, v_h, v_d;
-    i64 o_b, o_n, o_h, o_d, do_b, do_n, do_h, do_d;
-    i64 dq_b, dq_n, dq_h, dk_b, dk_n, dk_h, dv_b, dv_n, dv_h;
-    i64 lse_b, lse_h, delta_b, delta_h, mask_b, mask_h, mask_i, mask_j, blocks_b, blocks_h, blocks_i, blocks_j;
+    // float32 descales, null for 1: the FP8 forward's q_descale * k_descale and v_descale (B, Hk),
+    // an FP8 cache's k_descale and v_descale (B, Hk)
+    u64 k_descale, v_descale;
+    i64 q_b, q_n, q_h, q_d, k_b, k_n, k_h, k_d, v_b, v_n, v_h, v_d, o_b, o_n, o_h, o_d;
+    i64 lse_b, lse_h, mask_b, mask_h, mask_i, mask_j, blocks_b, blocks_h, blocks_i, blocks_j;
     i64 alibi_b;  // 0 for slopes per head, Hq for slopes per sequence and head
-    i64 table_b, kn_b, kn_n, kn_h, kn_d, vn_b, vn_n, vn_h, vn_d;  // block_table's row, k_new's and v_new's strides
     u64 seed;
     int batch, heads_q, heads_k, group, seqlen_q, seqlen_k, head_dim, head_dim_v;
     int left, right, block_q, block_k, rng_offset, drop_threshold, tiles_m, drop_row0, drop_col0;
-    int kv_head0, kv_heads;  // the dK/dV kernel's launch covers kv heads [kv_head0, kv_head0 + kv_heads)
-    int new_tokens, page_size, splits;  // decoding: Nn, page_size (0: a contiguous cache), splits of each sequence's keys
     float scale, scale_log2, drop_scale;
     float softcap_scale, softcap_log2;  // scale / c and log2(e) c (score_mods.cuh)
 };

@@ -56,6 +56,15 @@
 #include "score_mods.cuh"
 #include "mbarrier.cuh"
 
+// The decoding kernels' arguments: Params, then int32 cache_seqlens (B,) and block_table (B,
+// max_pages), the new tokens, the splits' float32 partial results, (splits, B * Nq * Hq, DIM_V) and
+// (splits, B * Nq * Hq), and their strides and counts (flashx_cupy.launch.DECODE_PARAMS).
+struct DecodeParams : Params {
+    u64 cache_seqlens, block_table, k_new, v_new, o_part, lse_part;
+    i64 table_b, kn_b, kn_n, kn_h, kn_d, vn_b, vn_n, vn_h, vn_d;  // block_table's row, k_new's and v_new's strides
+    int new_tokens, page_size, splits;  // Nn, page_size (0: a contiguous cache), splits of each sequence's keys
+};
+
 #if FP8_CACHE
 #include "fp8.cuh"
 typedef u8 cache_t;  // e4m3 bytes, widened in shared memory
@@ -82,7 +91,7 @@ static_assert(!BULK || (ALIGNED && THREADS == 2 * BLOCK_N), "bulk copies: 16-byt
 // 2^(s - m2) over its keys: ``scale`` turns the row's accumulator into o, ``lse`` in natural log,
 // the sink of head h joined under SINKS. A sum of 0 means no allowed key: scale 0, lse the sink
 // or -inf. NaN stays NaN.
-__device__ __forceinline__ void row_result(const Params& p, int h, float m2, float sum, float& scale, float& lse) {
+__device__ __forceinline__ void row_result(const DecodeParams& p, int h, float m2, float sum, float& scale, float& lse) {
     const bool empty = sum == 0.f;
     if constexpr (SINKS) {
         const float sink = ((const float*)p.sinks)[h];
@@ -97,7 +106,7 @@ __device__ __forceinline__ void row_result(const Params& p, int h, float m2, flo
 }
 
 // The index of row (b, i, h) in the splits' partial results: (b, i, h) row-major, as o.
-__device__ __forceinline__ i64 part_row(const Params& p, int b, int i, int h) {
+__device__ __forceinline__ i64 part_row(const DecodeParams& p, int b, int i, int h) {
     return ((i64)b * p.seqlen_q + i) * p.heads_q + h;
 }
 
@@ -153,7 +162,7 @@ __device__ __forceinline__ void zero_columns(T* s, int width) {
 // A CTA of flashx_decode: its rows, the keys they use, its split's tiles, and each warp's running
 // softmax over its keys.
 struct DecodeCta {
-    const Params& p;
+    const DecodeParams& p;
     int b, hk, split, row0, rows;  // rows [row0, row0 + BLOCK_M) of the group's rows = Nq * group
     int length, diag;              // Lk and Lk - Nq: query i sits at key position diag + i
     int lo, hi;                    // keys [lo, hi) are used by some row of the CTA
@@ -532,7 +541,7 @@ struct DecodeCta {
 #define DECODE_BOUNDS __launch_bounds__(THREADS)
 #endif
 
-extern "C" __global__ void DECODE_BOUNDS flashx_decode(const Params p) {
+extern "C" __global__ void DECODE_BOUNDS flashx_decode(const DecodeParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* sQ = (elem_t*)smem;                                // BLOCK_M x LD_QK
     elem_t* sK = sQ + BLOCK_M * LD_QK;                         // COMPUTE_TILES x BLOCK_N x LD_QK
@@ -581,7 +590,7 @@ extern "C" __global__ void DECODE_BOUNDS flashx_decode(const Params p) {
 // One warp per (sequence, query row, head): lse = logsumexp of the splits' LSEs (and the sink),
 // o = their outputs weighted by 2^(lse_split - lse). Splits without a key (LSE -inf) weigh exactly
 // 0; NaN propagates. The splits are summed in order: the same bits every call.
-extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode_merge(const Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode_merge(const DecodeParams p) {
     const int lane = threadIdx.x % 32;
     const i64 rows = (i64)p.batch * p.seqlen_q * p.heads_q;
     const i64 row = (i64)blockIdx.x * WARPS + threadIdx.x / 32;  // (b, i, h) row-major: part_row
@@ -630,7 +639,7 @@ __device__ __forceinline__ cache_t cached(elem_t x, u64 descales, i64 at) {
 
 // One CTA per new token t of sequence b: its (Hk, D) keys and (Hk, Dv) values into the cache slot
 // of position cache_seqlens[b] + t, element by element through every stride (a few kilobytes).
-extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode_append(const Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS) flashx_decode_append(const DecodeParams p) {
     const int b = blockIdx.x / p.new_tokens, t = blockIdx.x % p.new_tokens;
     const int position = ((const int*)p.cache_seqlens)[b] + t;
     int page = b, slot = position;

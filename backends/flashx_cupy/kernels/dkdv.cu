@@ -103,7 +103,7 @@ struct KeyCta : KeyRows<PaddedTiles> {
 
 // One CTA an SM is asked for: left free, ptxas holds the float32 d64 variant to 168 registers
 // (three CTAs an SM) and spills.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const BackwardParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* sK = (elem_t*)smem;                                            // BLOCK_M x LD_QK
     elem_t* sV = sK + BLOCK_M * LD_QK;                                     // BLOCK_M x LD_V

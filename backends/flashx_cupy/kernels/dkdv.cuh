@@ -11,7 +11,7 @@
 // ``step`` is query tile step % tiles of query head hk * group + step / tiles.
 template <typename Tiles>
 struct KeyRows {
-    const Params& p;
+    const BackwardParams& p;
     Sequence s;
     int b, hk, n0, wrow;  // the CTA's first key; this warp's first key, from n0
     elem_t *sK, *sV, *sQ, *sDO;

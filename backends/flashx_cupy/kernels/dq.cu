@@ -6,7 +6,7 @@
 #if SINKS
 // Whether row ``row`` of the q tensor (the delta kernel's b and n) has an allowed key for head h.
 // A packed row's sequence is found by bisecting cu_seqlens_q; rows past its end have none.
-__device__ bool row_of_tensor_has_key(const Params& p, int b, int n, int h) {
+__device__ bool row_of_tensor_has_key(const BackwardParams& p, int b, int n, int h) {
 #if VARLEN
     const int* cu_q = (const int*)p.cu_q;
     if (n >= cu_q[p.batch]) return false;
@@ -23,7 +23,7 @@ __device__ bool row_of_tensor_has_key(const Params& p, int b, int n, int h) {
 }
 #endif
 
-extern "C" __global__ void flashx_delta(const Params p, int rows) {
+extern "C" __global__ void flashx_delta(const BackwardParams p, int rows) {
     // One warp per (row of the q tensor, query head); rows counts B * Nq (padded) or Tq (varlen).
     const i64 id = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -74,7 +74,7 @@ struct QueryCta : QueryRows<PaddedTiles> {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const BackwardParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* sQ = (elem_t*)smem;                                            // BLOCK_M x LD_QK
     elem_t* sDO = sQ + BLOCK_M * LD_QK;                                    // BLOCK_M x LD_V

@@ -11,7 +11,7 @@
 template <typename Tiles>
 struct QueryRows {
     using Layout = Tiles;
-    const Params& p;
+    const BackwardParams& p;
     Sequence s;
     int b, h, m0, wrow;  // the CTA's first row; this warp's first row, from m0
     elem_t *sQ, *sDO, *sK, *sV;

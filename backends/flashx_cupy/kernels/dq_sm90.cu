@@ -97,7 +97,7 @@ struct QueryCtaSm90 : QueryRows<SwizzledTiles> {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flashx_dq_sm90(const Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flashx_dq_sm90(const BackwardParams p) {
     extern __shared__ __align__(1024) unsigned char smem[];
     elem_t* sQ = (elem_t*)smem;                                                   // Swizzle128<BLOCK_M>: BLOCK_M x DIM_QK
     elem_t* sDO = sQ + BLOCK_M * DIM_QK;                                          // Swizzle128<BLOCK_M>: BLOCK_M x DIM_V
