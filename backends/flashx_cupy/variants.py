@@ -271,13 +271,13 @@ class Variant:
             # swizzled, unpadded: the resident tiles (K and V, or Q and dO), a ring of the streamed ones,
             # the fused dQ's two dS^T tiles and each warpgroup's float32 staging of its 64 columns of
             # dQ, then dK/dV's LSE and D a stage or dQ's allowed pairs of a tile; each stage's two
-            # barriers and item
+            # barriers, item and cover (ring.cuh)
             stages = RING_STAGES
             extra = stages * 2 * self.block_n * 4 if self.kernel == "dkdv_sm90" else self.block_m * self.block_n
             fused = (2 * self.block_m * self.block_n * size + self.warps // 4 * self.block_n * 64 * 4
                      if self.dq_atomic else 0)
             return (size * (self.block_m + stages * self.block_n) * (self.dim_qk + self.dim_v) + fused + extra
-                    + stages * (2 * 8 + 4))
+                    + stages * (2 * 8 + 2 * 4))
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
         m, n = self.block_m, self.block_n

@@ -79,6 +79,17 @@ struct KeyRows {
         return step;
     }
 
+    // The first step from ``step`` on that the block mask does not skip, and its ``cover`` (the
+    // answer of the GROUP threads numbered tid, blocks_cover).
+    template <int GROUP>
+    __device__ __forceinline__ int covered_step(int step, int& cover, int tid) const {
+        cover = COVER_ALL;
+        while (step < steps() && (cover = blocks_cover<GROUP>(p, s, head_of(step), row_of(step),
+                                                                min(row_of(step) + BLOCK_N, end), n0, keys_end, tid)) == COVER_NONE)
+            ++step;
+        return step;
+    }
+
     __device__ __forceinline__ elem_t* q_tile() const { return sQ + buf * BLOCK_N * Tiles::QK_PITCH; }
     __device__ __forceinline__ elem_t* do_tile() const { return sDO + buf * BLOCK_N * Tiles::V_PITCH; }
 

@@ -62,9 +62,11 @@ struct KeyProducerSm90 : KeyRows<SwizzledTiles> {
 
     __device__ __forceinline__ void run() {
         load_keys<PRODUCER_THREADS>(tid);  // in the first step's group
-        ring->produce(allowed_step<PRODUCER_THREADS>(0, tid), steps(), tid,
+        int cover;
+        const int first = covered_step<PRODUCER_THREADS>(0, cover, tid);
+        ring->produce(first, cover, steps(), tid,
                       [this](int step, int slot) { load_rows<PRODUCER_THREADS>(step, slot, tid); },
-                      [this](int step) { return allowed_step<PRODUCER_THREADS>(step + 1, tid); });
+                      [this](int step, int& cover) { return covered_step<PRODUCER_THREADS>(step + 1, cover, tid); });
     }
 };
 
@@ -102,10 +104,10 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
 
     // The producer's steps, each with its body (accumulate_steps' choice).
     __device__ __forceinline__ void run() {
-        ring->consume(steps(), [this](int step, int slot) {
+        ring->consume(steps(), [this](int step, int cover, int slot) {
             buf = slot;
             const int m = row_of(step);
-            const bool unmasked = tile_unmasked(p, s, m, m + BLOCK_N, n0, n0 + BLOCK_M);
+            const bool unmasked = tile_unmasked(p, s, m, m + BLOCK_N, n0, n0 + BLOCK_M, cover);
             if (unmasked)
                 accumulate<false>(step);
             else

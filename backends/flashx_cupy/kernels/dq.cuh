@@ -83,6 +83,16 @@ struct QueryRows {
         return n;
     }
 
+    // The first key tile from key n on that the block mask does not skip, and its ``cover`` (the
+    // answer of the GROUP threads numbered tid, blocks_cover).
+    template <int GROUP>
+    __device__ __forceinline__ int covered_tile(int n, int& cover, int tid) const {
+        cover = COVER_ALL;
+        while (n < end && (cover = blocks_cover<GROUP>(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end), tid)) == COVER_NONE)
+            n += BLOCK_N;
+        return n;
+    }
+
     __device__ __forceinline__ elem_t* k_tile(int buf) const { return sK + buf * BLOCK_N * Tiles::QK_PITCH; }
     __device__ __forceinline__ elem_t* v_tile(int buf) const { return sV + buf * BLOCK_N * Tiles::V_PITCH; }
 

@@ -35,12 +35,14 @@ struct QueryProducerSm90 : QueryRows<SwizzledTiles> {
 
     __device__ __forceinline__ void run() {
         load_rows<PRODUCER_THREADS>(tid);  // in the first tile's group
-        ring->produce(allowed_tile<PRODUCER_THREADS>(lo, tid), end, tid,
+        int cover;
+        const int first = covered_tile<PRODUCER_THREADS>(lo, cover, tid);
+        ring->produce(first, cover, end, tid,
                       [this](int n, int slot) {
                           if (n < end) load_kv<PRODUCER_THREADS>(n, slot, tid);
                           cp_async_commit();
                       },
-                      [this](int n) { return allowed_tile<PRODUCER_THREADS>(n + BLOCK_N, tid); });
+                      [this](int n, int& cover) { return covered_tile<PRODUCER_THREADS>(n + BLOCK_N, cover, tid); });
     }
 };
 
@@ -50,15 +52,15 @@ struct QueryCtaSm90 : QueryRows<SwizzledTiles> {
     Ring<>* ring;
 
     __device__ __forceinline__ void run() {
-        ring->consume(end, [this](int n, int slot) { accumulate(n, slot); });
+        ring->consume(end, [this](int n, int cover, int slot) { accumulate(n, cover, slot); });
     }
 
-    // The key tile at n, from buffers buf.
-    __device__ __forceinline__ void accumulate(int n, int buf) {
+    // The key tile at n, from buffers buf; cover: the block mask's of it.
+    __device__ __forceinline__ void accumulate(int n, int cover, int buf) {
         constexpr bool SPLIT = !DROPOUT && !SOFTCAP;  // dS from P and dP alone, after P
         elem_t* k = k_tile(buf);
         const u32 k_addr = smem_addr(k);
-        const bool masked = !tile_unmasked(p, s, m0, m0 + BLOCK_M, n, n + BLOCK_N);
+        const bool masked = !tile_unmasked(p, s, m0, m0 + BLOCK_M, n, n + BLOCK_N, cover);
 
         // K-major operands in this swizzle ignore the leading byte offset (16 by convention); a
         // step of 16 along the head dim is an offset within the 128-byte rows, or the next panel.

@@ -44,19 +44,25 @@ __device__ __forceinline__ bool allowed_pair(const Params& p, const Sequence& s,
     return ok;
 }
 
-// Whether every pair of query rows [i0, i1) and keys [j0, j1) is allowed without looking
-// (inside both lengths and the band; no mask). Tiles for which it holds skip the pair rule.
-__device__ __forceinline__ bool tile_unmasked(const Params& p, const Sequence& s, int i0, int i1, int j0, int j1) {
-    if constexpr (MASK || BLOCK_MASK) return false;
+// What a block mask allows of a tile's pairs (blocks_cover): none (the tile is skipped unread),
+// some (it tests every pair), or all (it needs none of the block mask's tests).
+enum BlockCover { COVER_NONE, COVER_SOME, COVER_ALL };
+
+// Whether every pair of query rows [i0, i1) and keys [j0, j1) is allowed without looking: inside
+// both lengths and the band, no bool mask, and a block mask's ``cover`` of the tile all. Tiles for
+// which it holds skip the pair rule.
+__device__ __forceinline__ bool tile_unmasked(const Params& p, const Sequence& s, int i0, int i1, int j0, int j1,
+                                              int cover = COVER_SOME) {
+    if constexpr (MASK) return false;
+    if constexpr (BLOCK_MASK)
+        if (cover != COVER_ALL) return false;
     const int diag = s.len_k - s.len_q;
     return i1 <= s.len_q && j1 <= s.len_k && j0 >= (i1 - 1) + diag - p.left && j1 - 1 <= i0 + diag + p.right;
 }
 
-// What the block mask allows of the pairs of rows [i0, i1) and keys [j0, j1), the answer of the
-// GROUP threads numbered tid (the computing threads', or a producer's, group_sync_or): none (a tile
-// skipped unread), some (a tile that tests every pair), or all (a tile that needs none of the
-// block mask's tests). Without WHOLE, one vote: COVER_SOME then stands for some or all.
-enum BlockCover { COVER_NONE, COVER_SOME, COVER_ALL };
+// What the block mask allows of the pairs of rows [i0, i1) and keys [j0, j1) (BlockCover), the
+// answer of the GROUP threads numbered tid (the computing threads', or a producer's,
+// group_sync_or). Without WHOLE, one vote: COVER_SOME then stands for some or all.
 template <int GROUP = THREADS, bool WHOLE = true>
 __device__ __forceinline__ int blocks_cover(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1,
                                             int tid = threadIdx.x) {
