@@ -39,6 +39,8 @@ constexpr bool UNMASKED_MAX_OF_DOTS = PRODUCER_THREADS > 0 && !SOFTCAP && !ALIBI
 #define WEIGHTS_E4M3 0
 #endif
 constexpr bool LAZY_MAX = PRODUCER_THREADS > 0 && !WEIGHTS_E4M3;
+// A block mask whose blocks a tile spans at most this many of: each lane tests a tile alone (visited).
+constexpr int WARP_SCAN_BLOCKS = 9;
 
 // A CTA's query rows, the keys they use and their running softmax and output. Each warp owns
 // ATOMS atoms of 16 rows from row wrow of the tile.
@@ -97,11 +99,50 @@ struct ForwardRows {
         return unmasked_hi < end ? unmasked_hi : unmasked_lo;
     }
 
-    // The first tile visited from n on that the block mask does not skip, or end, and its cover
-    // (blocks_cover: the vote of the GROUP threads numbered tid that run the schedule).
+    // The tiles in the order visited (after()): the band's masked ones before and after its
+    // unmasked ones, then those; rank r's tile, or end past the last.
+    __device__ __forceinline__ int masked_before() const { return (unmasked_lo - lo + BLOCK_N - 1) / BLOCK_N; }
+    __device__ __forceinline__ int masked_after() const { return (end - unmasked_hi + BLOCK_N - 1) / BLOCK_N; }
+    __device__ __forceinline__ int tile_of_rank(int r) const {
+        const int before = masked_before(), masked = before + masked_after();
+        if (r < before) return lo + r * BLOCK_N;
+        if (r < masked) return unmasked_hi + (r - before) * BLOCK_N;
+        const int n = unmasked_lo + (r - masked) * BLOCK_N;
+        return n < unmasked_hi ? n : end;
+    }
+    __device__ __forceinline__ int rank_of(int n) const {
+        if (n >= unmasked_lo && n < unmasked_hi) return masked_before() + masked_after() + (n - unmasked_lo) / BLOCK_N;
+        if (n >= unmasked_hi) return masked_before() + (n - unmasked_hi) / BLOCK_N;
+        return (n - lo) / BLOCK_N;
+    }
+
+    // The first tile visited from n on that the block mask does not skip, or end, and its cover.
+    // In the wgmma forwards, where a tile spans few blocks, every warp of the GROUP threads that run
+    // the schedule finds it alone, 32 tiles a round (a lane a tile, a ballot), with no barrier;
+    // elsewhere the GROUP threads vote on one tile at a time (blocks_cover). (In the mma.sync
+    // forward the lanes' scan spills beside its registers at d128.)
     template <int GROUP>
     __device__ __forceinline__ int visited(int n, int& cover, int tid) const {
         cover = COVER_ALL;
+        if constexpr (BLOCK_MASK && PRODUCER_THREADS > 0) {
+            if ((BLOCK_M / p.block_q + 1) * (BLOCK_N / p.block_k + 1) <= WARP_SCAN_BLOCKS) {
+                const int lane = threadIdx.x % 32;
+                for (int r = rank_of(n); n < end; r += 32) {
+                    const int mine = tile_of_rank(r + lane);
+                    const int held = mine < end ? blocks_cover<1, true, false>(p, s, h, m0, rows_end, mine,
+                                                                                min(mine + BLOCK_N, end), 0)
+                                                : COVER_NONE;
+                    const u32 found = __ballot_sync(0xffffffffu, held != COVER_NONE);
+                    if (found) {
+                        const int first = __ffs(found) - 1;
+                        cover = __shfl_sync(0xffffffffu, held, first);
+                        return __shfl_sync(0xffffffffu, mine, first);
+                    }
+                    n = tile_of_rank(r + 32);
+                }
+                return n;
+            }
+        }
         while (n < end && (cover = blocks_cover<GROUP>(p, s, h, m0, rows_end, n, min(n + BLOCK_N, end), tid)) == COVER_NONE)
             n = after(n);
         return n;

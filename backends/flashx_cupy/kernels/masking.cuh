@@ -62,8 +62,9 @@ __device__ __forceinline__ bool tile_unmasked(const Params& p, const Sequence& s
 
 // What the block mask allows of the pairs of rows [i0, i1) and keys [j0, j1) (BlockCover), the
 // answer of the GROUP threads numbered tid (the computing threads', or a producer's,
-// group_sync_or). Without WHOLE, one vote: COVER_SOME then stands for some or all.
-template <int GROUP = THREADS, bool WHOLE = true>
+// group_sync_or). Without WHOLE, one vote: COVER_SOME then stands for some or all. Without VOTE,
+// the calling thread's own answer over all the blocks (GROUP 1, tid 0), no barrier.
+template <int GROUP = THREADS, bool WHOLE = true, bool VOTE = true>
 __device__ __forceinline__ int blocks_cover(const Params& p, const Sequence& s, int h, int i0, int i1, int j0, int j1,
                                             int tid = threadIdx.x) {
     if constexpr (!BLOCK_MASK) return COVER_ALL;
@@ -77,9 +78,13 @@ __device__ __forceinline__ int blocks_cover(const Params& p, const Sequence& s, 
                                                               (i64)bi * p.blocks_i + (i64)bj * p.blocks_j] != 0;
         any |= allowed, all &= allowed;
     }
-    if (!group_sync_or<GROUP>(any)) return COVER_NONE;
-    if constexpr (!WHOLE) return COVER_SOME;
-    return group_sync_or<GROUP>(!all) ? COVER_SOME : COVER_ALL;
+    if constexpr (!VOTE) {
+        return !any ? COVER_NONE : all ? COVER_ALL : COVER_SOME;
+    } else {
+        if (!group_sync_or<GROUP>(any)) return COVER_NONE;
+        if constexpr (!WHOLE) return COVER_SOME;
+        return group_sync_or<GROUP>(!all) ? COVER_SOME : COVER_ALL;
+    }
 }
 
 // Whether the block mask allows some pair of rows [i0, i1) and keys [j0, j1) (blocks_cover's one
