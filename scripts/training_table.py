@@ -7,8 +7,9 @@ bf16 throughout. Each row is a shape and mode (fwd or fwd+bwd): d128 and d64 at 
 H*D = 2048, causal or not; GQA Hq 32 / Hk 8 (B=4, N=4k, causal); B=32, N=512, causal; a window
 (1024, 0); d256 (B=2, N=4k, H=8); B=1, N=32k, causal; and dropout 0.1 on flashx alone. TFLOP/s as
 flash-attn counts: 4 B H D times the allowed pairs for the forward, 3.5 times that for
-forward+backward. Each point is the median of ``triton.testing.do_bench``, after a first call and
-0.5 s of rest. FlexAttention is compiled per row from a reset dynamo, with its block mask built by
+forward+backward. Each point is the median of ``triton.testing.do_bench``, after a first call,
+what it left running (``settle_flashx``: the steady state's speed, as ``flashx bench`` times it)
+and 0.5 s of rest. FlexAttention is compiled per row from a reset dynamo, with its block mask built by
 ``create_block_mask``. FA4 is timed where ``flash_attn.cute`` imports
 (``../shared/device/fa4-wheels.sh`` installs it on a machine without a network). A row that a
 peer cannot run records the error instead.
@@ -31,6 +32,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from triton.testing import do_bench
 
 import flashx
+from flashx_bench.implementations import settle_flashx
 
 IMPLEMENTATIONS = ("triton", "cupy", "cudnn", "flex", "fa4")
 #: (label, mode, batch, seqlen, heads_q, heads_k, head_dim, causal, window, dropout, implementations)
@@ -114,6 +116,7 @@ def time_row(row, deadline: float) -> dict:
                 def step():
                     torch.autograd.grad(call(), leaves, dout)
             step()
+            settle_flashx()
             torch.cuda.synchronize()
             time.sleep(0.5)
             result[name] = round(flops / do_bench(step, warmup=25, rep=150, return_mode="median") / 1e9, 1)
