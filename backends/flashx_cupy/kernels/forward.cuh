@@ -55,6 +55,10 @@ struct ForwardRows {
     float acc[ATOMS][DIM_V / 8][4];
     float row_max[ATOMS][2], row_sum[ATOMS][2];  // per lane: its columns' share of the row sum
     ScoreMods mods;
+    // The warp's last scan of the block mask (visited): of the 32 tiles from rank scan_rank on,
+    // those allowed in some pairs (bits of scan_some) and in all (scan_all).
+    int scan_rank;
+    u32 scan_some, scan_all;
 
     // Whether the CTA has rows to write; if so, its key range and empty running state.
     __device__ __forceinline__ bool start() {
@@ -81,6 +85,7 @@ struct ForwardRows {
 #pragma unroll
             for (int half = 0; half < 2; ++half) row_max[mt][half] = NEG_INF, row_sum[mt][half] = 0.f;
         mods.load(p, s, h);
+        scan_rank = -32;
         return true;
     }
 
@@ -118,27 +123,31 @@ struct ForwardRows {
 
     // The first tile visited from n on that the block mask does not skip, or end, and its cover.
     // In the wgmma forwards, where a tile spans few blocks, every warp of the GROUP threads that run
-    // the schedule finds it alone, 32 tiles a round (a lane a tile, a ballot), with no barrier;
-    // elsewhere the GROUP threads vote on one tile at a time (blocks_cover). (In the mma.sync
-    // forward the lanes' scan spills beside its registers at d128.)
+    // the schedule finds it alone, with no barrier: a scan tests 32 tiles (a lane a tile, a ballot)
+    // and serves the calls until the schedule passes them. Elsewhere the GROUP threads vote on one
+    // tile at a time (blocks_cover). (In the mma.sync forward the lanes' scan spills beside its
+    // registers at d128.)
     template <int GROUP>
-    __device__ __forceinline__ int visited(int n, int& cover, int tid) const {
+    __device__ __forceinline__ int visited(int n, int& cover, int tid) {
         cover = COVER_ALL;
         if constexpr (BLOCK_MASK && PRODUCER_THREADS > 0) {
             if ((BLOCK_M / p.block_q + 1) * (BLOCK_N / p.block_k + 1) <= WARP_SCAN_BLOCKS) {
-                const int lane = threadIdx.x % 32;
-                for (int r = rank_of(n); n < end; r += 32) {
-                    const int mine = tile_of_rank(r + lane);
-                    const int held = mine < end ? blocks_cover<1, true, false>(p, s, h, m0, rows_end, mine,
-                                                                                min(mine + BLOCK_N, end), 0)
-                                                : COVER_NONE;
-                    const u32 found = __ballot_sync(0xffffffffu, held != COVER_NONE);
-                    if (found) {
-                        const int first = __ffs(found) - 1;
-                        cover = __shfl_sync(0xffffffffu, held, first);
-                        return __shfl_sync(0xffffffffu, mine, first);
+                for (int r = rank_of(n); n < end; r = scan_rank + 32, n = tile_of_rank(r)) {
+                    if ((unsigned)(r - scan_rank) >= 32u) {
+                        const int mine = tile_of_rank(r + threadIdx.x % 32);
+                        const int held = mine < end ? blocks_cover<1, true, false>(p, s, h, m0, rows_end, mine,
+                                                                                    min(mine + BLOCK_N, end), 0)
+                                                    : COVER_NONE;
+                        scan_rank = r;
+                        scan_some = __ballot_sync(0xffffffffu, held != COVER_NONE);
+                        scan_all = __ballot_sync(0xffffffffu, held == COVER_ALL);
                     }
-                    n = tile_of_rank(r + 32);
+                    const u32 ahead = scan_some >> (r - scan_rank);
+                    if (ahead) {
+                        const int first = r - scan_rank + __ffs(ahead) - 1;
+                        cover = scan_all >> first & 1 ? COVER_ALL : COVER_SOME;
+                        return tile_of_rank(scan_rank + first);
+                    }
                 }
                 return n;
             }
