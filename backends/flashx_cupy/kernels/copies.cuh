@@ -71,36 +71,36 @@ struct Swizzle128 {
 template <int ROWS, int COLS, typename Layout, int GROUP = THREADS>
 __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* base, i64 row_stride, i64 col_stride, int row0,
                                           int rows_valid, int width, int tid = threadIdx.x) {
-#if ALIGNED
-    // Each thread copies one 16-byte column chunk of every STEP-th row.
-    constexpr int PER_ROW = COLS / CHUNK, STEP = GROUP / PER_ROW;
-    static_assert(GROUP % PER_ROW == 0, "a thread keeps its column");
-    if constexpr (STEP % Layout::PERIOD != 0) {
-        // Too few threads to keep a thread's rows a period apart (a swizzled tile of 256 columns by
-        // 128 threads): each half of the columns in turn, a tile of whole 64-column panels of its own.
-        constexpr int HALF = COLS / 2;
-        static_assert(HALF % 64 == 0, "the halves are whole panels");
-        load_tile<ROWS, HALF, Layout, GROUP>(s, base, row_stride, col_stride, row0, rows_valid, width, tid);
-        load_tile<ROWS, HALF, Layout, GROUP>((elem_t*)((char*)s + Layout::offset(0, HALF)), base + HALF, row_stride,
-                                             col_stride, row0, rows_valid, width - HALF, tid);
-        return;
-    }
-    const int c = tid % PER_ROW * CHUNK, r0 = tid / PER_ROW;
-    const elem_t* src = base + (i64)(row0 + r0) * row_stride + c;
-    const i64 src_step = STEP * row_stride;
-    const u32 dst = smem_addr(s) + Layout::offset(r0, c);
-    const int rows_left = c < width ? rows_valid - row0 - r0 : 0;  // rows of this thread's column to read
+    if constexpr (ALIGNED) {
+        // Each thread copies one 16-byte column chunk of every STEP-th row.
+        constexpr int PER_ROW = COLS / CHUNK, STEP = GROUP / PER_ROW;
+        static_assert(GROUP % PER_ROW == 0, "a thread keeps its column");
+        if constexpr (STEP % Layout::PERIOD != 0) {
+            // Too few threads to keep a thread's rows a period apart (a swizzled tile of 256 columns by
+            // 128 threads): each half of the columns in turn, a tile of whole 64-column panels of its own.
+            constexpr int HALF = COLS / 2;
+            static_assert(HALF % 64 == 0, "the halves are whole panels");
+            load_tile<ROWS, HALF, Layout, GROUP>(s, base, row_stride, col_stride, row0, rows_valid, width, tid);
+            load_tile<ROWS, HALF, Layout, GROUP>((elem_t*)((char*)s + Layout::offset(0, HALF)), base + HALF, row_stride,
+                                                 col_stride, row0, rows_valid, width - HALF, tid);
+            return;
+        }
+        const int c = tid % PER_ROW * CHUNK, r0 = tid / PER_ROW;
+        const elem_t* src = base + (i64)(row0 + r0) * row_stride + c;
+        const i64 src_step = STEP * row_stride;
+        const u32 dst = smem_addr(s) + Layout::offset(r0, c);
+        const int rows_left = c < width ? rows_valid - row0 - r0 : 0;  // rows of this thread's column to read
 #pragma unroll
-    for (int i = 0; i < (ROWS + STEP - 1) / STEP; ++i, src += src_step) {
-        if (ROWS % STEP != 0 && r0 + i * STEP >= ROWS) break;
-        const bool valid = i * STEP < rows_left;
-        cp_async16(dst + i * STEP * Layout::ROW_BYTES, valid ? src : base, valid);
+        for (int i = 0; i < (ROWS + STEP - 1) / STEP; ++i, src += src_step) {
+            if (ROWS % STEP != 0 && r0 + i * STEP >= ROWS) break;
+            const bool valid = i * STEP < rows_left;
+            cp_async16(dst + i * STEP * Layout::ROW_BYTES, valid ? src : base, valid);
+        }
+    } else {
+        for (int idx = tid; idx < ROWS * COLS; idx += GROUP) {
+            const int r = idx / COLS, c = idx % COLS;
+            const bool valid = row0 + r < rows_valid && c < width;
+            Layout::at(s, r, c) = valid ? base[(i64)(row0 + r) * row_stride + c * col_stride] : from_float(0.f);
+        }
     }
-#else
-    for (int idx = tid; idx < ROWS * COLS; idx += GROUP) {
-        const int r = idx / COLS, c = idx % COLS;
-        const bool valid = row0 + r < rows_valid && c < width;
-        Layout::at(s, r, c) = valid ? base[(i64)(row0 + r) * row_stride + c * col_stride] : from_float(0.f);
-    }
-#endif
 }

@@ -3,25 +3,23 @@
 
 #include "dq.cuh"
 
-#if SINKS
 // Whether row ``row`` of the q tensor (the delta kernel's b and n) has an allowed key for head h.
 // A packed row's sequence is found by bisecting cu_seqlens_q; rows past its end have none.
 __device__ bool row_of_tensor_has_key(const BackwardParams& p, int b, int n, int h) {
-#if VARLEN
-    const int* cu_q = (const int*)p.cu_q;
-    if (n >= cu_q[p.batch]) return false;
-    int lo = 0, hi = p.batch;  // cu_q[lo] <= n < cu_q[hi]
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (cu_q[mid] <= n) lo = mid; else hi = mid;
+    if constexpr (VARLEN) {
+        const int* cu_q = (const int*)p.cu_q;
+        if (n >= cu_q[p.batch]) return false;
+        int lo = 0, hi = p.batch;  // cu_q[lo] <= n < cu_q[hi]
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) / 2;
+            if (cu_q[mid] <= n) lo = mid; else hi = mid;
+        }
+        const Sequence s = sequence(p, lo);
+        return row_has_key(p, s, h, n - s.start_q);
+    } else {
+        return row_has_key(p, sequence(p, b), h, n);
     }
-    const Sequence s = sequence(p, lo);
-    return row_has_key(p, s, h, n - s.start_q);
-#else
-    return row_has_key(p, sequence(p, b), h, n);
-#endif
 }
-#endif
 
 extern "C" __global__ void flashx_delta(const BackwardParams p, int rows) {
     // One warp per (row of the q tensor, query head); rows counts B * Nq (padded) or Tq (varlen).
@@ -31,10 +29,10 @@ extern "C" __global__ void flashx_delta(const BackwardParams p, int rows) {
     const int h = (int)(id % p.heads_q);
     const i64 row = id / p.heads_q;
     int b = 0, n = (int)row;
-#if !VARLEN
-    b = (int)(row / p.seqlen_q);
-    n = (int)(row % p.seqlen_q);
-#endif
+    if constexpr (!VARLEN) {
+        b = (int)(row / p.seqlen_q);
+        n = (int)(row % p.seqlen_q);
+    }
     const elem_t* o = (const elem_t*)p.o + (i64)b * p.o_b + (i64)n * p.o_n + (i64)h * p.o_h;
     const elem_t* dout = (const elem_t*)p.dout + (i64)b * p.do_b + (i64)n * p.do_n + (i64)h * p.do_h;
     float sum = 0.f;
@@ -42,16 +40,16 @@ extern "C" __global__ void flashx_delta(const BackwardParams p, int rows) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) ((float*)p.delta)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] = sum;
-#if SINKS
-    // d lse / d sink = exp(sink - lse) and d o / d sink = -exp(sink - lse) o give the row's term;
-    // a row without an allowed key adds exactly 0, whatever its dO holds.
-    const bool has_key = row_of_tensor_has_key(p, b, n, h);
-    if (lane == 0) {
-        const float lse = ((const float*)p.lse)[(i64)b * p.lse_b + (i64)h * p.lse_h + n];
-        const float sink = ((const float*)p.sinks)[h];
-        ((float*)p.dsinks_rows)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] = has_key ? -expf(sink - lse) * sum : 0.f;
+    if constexpr (SINKS) {
+        // d lse / d sink = exp(sink - lse) and d o / d sink = -exp(sink - lse) o give the row's term;
+        // a row without an allowed key adds exactly 0, whatever its dO holds.
+        const bool has_key = row_of_tensor_has_key(p, b, n, h);
+        if (lane == 0) {
+            const float lse = ((const float*)p.lse)[(i64)b * p.lse_b + (i64)h * p.lse_h + n];
+            const float sink = ((const float*)p.sinks)[h];
+            ((float*)p.dsinks_rows)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] = has_key ? -expf(sink - lse) * sum : 0.f;
+        }
     }
-#endif
 }
 
 // QueryRows with the products on mma.sync.

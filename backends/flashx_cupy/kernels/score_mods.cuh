@@ -25,43 +25,41 @@
 #endif
 
 __device__ __forceinline__ float softcap_tanh(float x) {
-#if DTYPE == 2
-    return tanhf(x);
-#else
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#endif
+    if constexpr (DTYPE == 2) {
+        return tanhf(x);
+    } else {
+        float y;
+        asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+        return y;
+    }
 }
 
 // The modifications of one query head in one sequence: ALiBi's slope is read once, when a
 // program (or, in the dK/dV kernel, a step) takes the head.
 struct ScoreMods {
-#if ALIBI
+    // ALiBi's (unused without it)
     float slope_log2;  // log2(e) a: alibi_slopes[h] or alibi_slopes[b, h] (alibi_b = 0 or Hq)
     int diag;          // Lk - Lq: the distance is from the bottom-right aligned diagonal
-#endif
 
     __device__ __forceinline__ void load(const Params& p, const Sequence& s, int h) {
-#if ALIBI
-        slope_log2 = ((const float*)p.alibi_slopes)[(i64)s.b * p.alibi_b + h] * LOG2E;
-        diag = s.len_k - s.len_q;
-#endif
+        if constexpr (ALIBI) {
+            slope_log2 = ((const float*)p.alibi_slopes)[(i64)s.b * p.alibi_b + h] * LOG2E;
+            diag = s.len_k - s.len_q;
+        }
     }
 
     // The base-2 score of query i and key j whose dot product is ``dot``; ``capped`` receives
     // tanh(scale dot / c), of which the backward takes the cap's derivative.
     __device__ __forceinline__ float score2(const Params& p, float dot, int i, int j, float& capped) const {
-#if SOFTCAP
-        capped = softcap_tanh(dot * p.softcap_scale);
-        float x = capped * p.softcap_log2;
-#else
-        float x = dot * p.scale_log2;
-#endif
-#if ALIBI
+        float x;
+        if constexpr (SOFTCAP) {
+            capped = softcap_tanh(dot * p.softcap_scale);
+            x = capped * p.softcap_log2;
+        } else {
+            x = dot * p.scale_log2;
+        }
         // a NaN slope makes every score NaN, an infinite one NaN on the diagonal (inf * 0): IEEE, as the contract says
-        x = fmaf(-slope_log2, fabsf((float)(i + diag - j)), x);
-#endif
+        if constexpr (ALIBI) x = fmaf(-slope_log2, fabsf((float)(i + diag - j)), x);
         return x;
     }
 
@@ -72,22 +70,16 @@ struct ScoreMods {
 
     // log2 P of the pair from its row's base-2 LSE: the backward's recomputation.
     __device__ __forceinline__ float log2_prob(const Params& p, float dot, int i, int j, float lse2, float& capped) const {
-#if SOFTCAP || ALIBI
-        return score2(p, dot, i, j, capped) - lse2;
-#else
+        if constexpr (SOFTCAP || ALIBI) return score2(p, dot, i, j, capped) - lse2;
         return fmaf(dot, p.scale_log2, -lse2);  // fused, as the kernels had it before the modifications
-#endif
     }
 };
 
 // dS of a pair as the scaled score's gradient: times the cap's derivative 1 - tanh^2, which is 0
 // where the capped score saturates (an infinite one included).
 __device__ __forceinline__ float through_softcap(float ds, float capped) {
-#if SOFTCAP
-    return ds * fmaf(-capped, capped, 1.f);
-#else
+    if constexpr (SOFTCAP) return ds * fmaf(-capped, capped, 1.f);
     return ds;
-#endif
 }
 
 // The sink of head h in base 2 joins a row's softmax as one more column, with no value: the row's
