@@ -2,8 +2,9 @@
 default) in one process, on a GPU of compute capability 9.0: each case's backward runs alternately
 with this tree's kernels and the ref's, CUDA events around each kernel's launches alone, and the
 two must give the same gradients bit for bit (same products in the same order; only who copies
-and when differ). Where ``fused_dq`` holds (no band, not deterministic), this tree's backward is
-flashx_dkdv_sm90 adding dQ, which is timed alone (its sums' order varies from run to run).
+and when differ). Where ``fused_dq`` holds (not deterministic; under a band, with every dQ sum in
+one launch), this tree's backward is flashx_dkdv_sm90 adding dQ, which is timed alone (its sums'
+order varies from run to run).
 
     python3 scripts/sm90_backward_ab.py                            # bf16, B=2, N=8192, H=16: d128, d64, each causal or not
     python3 scripts/sm90_backward_ab.py --ref main --dim 128 --causal 1 --repeats 30
@@ -102,7 +103,7 @@ def main() -> None:
 
     launch.launch = timed
     if args.no_fused_dq:
-        variants.fused_dq = lambda problem: False
+        variants.fused_dq = lambda problem, sm90, whole_sums: False
     for dim in args.dim:
         for causal in args.causal:
             compare(args, dim, bool(causal), state)

@@ -1,7 +1,7 @@
 """The training-step table of issues 38 and 39 in one process: flashx's Triton and CuPy backends
 beside cuDNN (SDPA), FlexAttention and FlashAttention-4, on a CUDA GPU.
 
-    python scripts/training_table.py [--seconds 470]
+    python scripts/training_table.py [--seconds 470] [--implementations cupy cudnn] [--modes fwd+bwd]
 
 bf16 throughout. Each row is a shape and mode (fwd or fwd+bwd): d128 and d64 at B*N = 16k and
 H*D = 2048, causal or not; GQA Hq 32 / Hk 8 (B=4, N=4k, causal); B=32, N=512, causal; a window
@@ -92,6 +92,17 @@ def attend(name: str, q, k, v, causal: bool, window: int | None, dropout: float)
     return call, (q, k, v), False
 
 
+def selected(rows: list, implementations, modes) -> list:
+    """The rows of ``modes`` (all where None), each with only the ``implementations`` named (all
+    where None); a row left with none is dropped."""
+    chosen = []
+    for *fields, names in rows:
+        names = tuple(name for name in names if implementations is None or name in implementations)
+        if names and (modes is None or fields[1] in modes):
+            chosen.append((*fields, names))
+    return chosen
+
+
 def time_row(row, deadline: float) -> dict:
     label, mode, batch, seqlen, heads_q, heads_k, dim, causal, window, dropout, names = row
     torch._dynamo.reset()  # static shapes, one compile a row
@@ -128,11 +139,13 @@ def time_row(row, deadline: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=470, help="no new point starts after this many seconds")
+    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, help="only these (default: all)")
+    parser.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), help="only these rows (default: all)")
     args = parser.parse_args()
     deadline = time.time() + args.seconds
     out = os.path.join(os.environ.get("OUT", "/tmp"), "table.json")
     rows = []
-    for row in ROWS:
+    for row in selected(ROWS, args.implementations, args.modes):
         if time.time() > deadline:
             break
         rows.append(time_row(row, deadline))

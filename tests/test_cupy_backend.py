@@ -301,23 +301,27 @@ def test_sm90_backward_variants(kernel, dim_qk, dim_v):
 
 @pytest.mark.parametrize("capability, switch, changes, launched", [
     ("90", None, {}, ["delta", "dkdv_sm90 adding dQ"]),  # fused_dq: flashx_dq_sm90 does not run
-    ("90", None, {"causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
+    ("90", None, {"causal": True}, ["delta", "dkdv_sm90 adding dQ"]),  # a band: the sums in one launch
+    ("90", None, {"causal": True, "sums_whole_bytes": 0}, ["delta", "dq_sm90", "dkdv_sm90"]),  # or the split kernels
     ("90", None, {"deterministic": True}, ["delta", "dq_sm90", "dkdv_sm90"]),  # no atomics
     ("90", "0", {}, ["delta", "dkdv adding dQ"]),  # the mma.sync kernel with its fused dQ
     ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
     ("80", None, {}, ["delta", "dkdv adding dQ"]),
     ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
     ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv_sm90 adding dQ"]),
-    ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
+    ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dkdv_sm90 adding dQ"]),
+    ("90", None, {"causal": True, "deterministic": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
 ])
 def test_backward_launches(monkeypatch, capability, switch, changes, launched):
     """On compute capability 9.0 a 16-bit backward takes the wgmma kernels: flashx_dkdv_sm90 adding
     dQ where ``fused_dq`` holds, else the two kernels, which add no atomics; the switch brings back
-    the mma.sync kernels."""
+    the mma.sync kernels. ``sums_whole_bytes`` in ``changes`` sets launch.DQ_SUMS_WHOLE_BYTES."""
     import contextlib
 
     import torch
 
+    if "sums_whole_bytes" in changes:
+        monkeypatch.setattr(launch, "DQ_SUMS_WHOLE_BYTES", changes.pop("sums_whole_bytes"))
     if switch is None:
         monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
     else:
@@ -372,7 +376,7 @@ def test_sm90_fused_dq_variant(dim_qk, dim_v):
     64 queries, one per step in turn) on 1024-byte boundaries beside its shared memory, and each
     warpgroup's float32 staging of its 64 columns of a step's dQ."""
     problem = _problem(head_dim=dim_qk, head_dim_v=dim_v)
-    assert variants.fused_dq(problem)
+    assert variants.fused_dq(problem, sm90=True, whole_sums=True)
     fused = variants.choose("dkdv_sm90", problem, aligned=True, dq_atomic=True)
     plain = variants.choose("dkdv_sm90", problem, aligned=True)
     assert fused.macros["DQ_ATOMIC"] == 1 and fused.options != plain.options
@@ -410,17 +414,22 @@ def test_dkdv_split_only_for_the_widest():
     assert variants.dkdv_parts(64, 256) == (1, 2)
 
 
-@pytest.mark.parametrize("changes, fused", [
-    ({}, True),
-    ({"dtype": "float16", "head_dim": 40, "head_dim_v": 96}, True),
-    ({"deterministic": True}, False),  # the reductions' order varies from run to run
-    ({"band": (-1, 0)}, False),  # causal: the split kernels skip more empty tiles
-    ({"dtype": "float32"}, False),  # no tensor cores: the float32 products stage in shared memory
-    ({"head_dim_v": 256}, False),  # dK and dV in two launches: no one launch holds dS and both sums
+@pytest.mark.parametrize("changes, sm90, whole_sums, fused", [
+    ({}, False, False, True),
+    ({}, True, True, True),
+    ({"dtype": "float16", "head_dim": 40, "head_dim_v": 96}, False, False, True),
+    ({"deterministic": True}, True, True, False),  # the reductions' order varies from run to run
+    ({"band": (-1, 0)}, False, True, False),  # causal on mma.sync: the split kernels skip more empty tiles
+    ({"band": (-1, 0)}, True, True, True),  # on wgmma with the sums in one launch
+    ({"band": (1024, 0)}, True, True, True),
+    ({"band": (-1, 0)}, True, False, False),  # not in launches of a few kv heads
+    ({"band": (-1, 0), "deterministic": True}, True, True, False),
+    ({"dtype": "float32"}, False, True, False),  # no tensor cores: the float32 products stage in shared memory
+    ({"head_dim_v": 256}, True, True, False),  # dK and dV in two launches: no one launch holds dS and both sums
 ])
-def test_fused_dq_unless_determinism_is_asked(changes, fused):
+def test_fused_dq_unless_determinism_is_asked(changes, sm90, whole_sums, fused):
     problem = _problem(**changes)
-    assert variants.fused_dq(problem) is fused
+    assert variants.fused_dq(problem, sm90, whole_sums) is fused
     if fused:  # and its shared memory fits
         variant = variants.choose("dkdv", problem, aligned=True, dq_atomic=True)
         assert variant.macros["DQ_ATOMIC"] == 1 and variant.shared_memory <= 227 * 1024
@@ -433,16 +442,21 @@ def test_fused_dq_unless_determinism_is_asked(changes, fused):
     (3, 0, 5, 3, True),
 ])
 def test_dq_sums_in_chunks_of_kv_heads(batch, seqlen, heads_k, group, varlen):
-    """Every kv head in exactly one launch, and a launch's float32 sums within the bound unless one
-    head alone exceeds it."""
+    """Every kv head in exactly one launch: all in one where their float32 sums fit the whole
+    bound, else a launch's sums within the chunk bound unless one head alone exceeds it."""
     problem = SimpleNamespace(varlen=varlen, total_q=5000 if varlen else None, batch=batch, seqlen_q=seqlen,
                               heads_k=heads_k, group=group, head_dim=100)
     chunks = launch.kv_head_chunks(problem)
     assert [h for first, heads in chunks for h in range(first, first + heads)] == list(range(heads_k))
     rows = 5000 if varlen else batch * seqlen
     per_head = rows * group * 128 * 4
-    assert all(heads * per_head <= max(launch.DQ_SUMS_BYTES, per_head) for _, heads in chunks)
-    assert len(chunks) == -(-heads_k // max(1, min(heads_k, launch.DQ_SUMS_BYTES // per_head)))
+    whole = heads_k * per_head <= launch.DQ_SUMS_WHOLE_BYTES
+    assert launch.dq_sums_whole(problem) is whole
+    if whole:
+        assert chunks == [(0, heads_k)]
+    else:
+        assert all(heads * per_head <= max(launch.DQ_SUMS_BYTES, per_head) for _, heads in chunks)
+        assert len(chunks) == -(-heads_k // max(1, min(heads_k, launch.DQ_SUMS_BYTES // per_head)))
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -475,6 +489,7 @@ def test_dq_sums_in_panels(monkeypatch, varlen):
                         ctypes.c_float.from_address(int(p["dq"] + 4 * at)).value += value(
                             b, p["kv_head0"] * problem.group + hh, i, c)
 
+    monkeypatch.setattr(launch, "DQ_SUMS_WHOLE_BYTES", 0)
     monkeypatch.setattr(launch, "DQ_SUMS_BYTES", 1)  # a launch a kv head
     monkeypatch.setattr(launch, "launch", kernel)
     shape = (6, 6, 100) if varlen else (2, 5, 6, 100)

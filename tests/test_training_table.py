@@ -30,3 +30,11 @@ def test_rows_name_known_implementations_and_modes(table):
     for label, mode, *_, names in table.ROWS:
         assert mode in ("fwd", "fwd+bwd") and set(names) <= set(table.IMPLEMENTATIONS), label
     assert len({(row[0], row[1]) for row in table.ROWS}) == len(table.ROWS)  # each row once
+
+
+def test_selected_rows_keep_the_named_implementations_and_modes(table):
+    rows = table.selected(table.ROWS, ["cupy", "flex"], ["fwd+bwd"])
+    assert rows and all(row[1] == "fwd+bwd" and set(row[-1]) <= {"cupy", "flex"} for row in rows)
+    assert [row[0] for row in rows] == [row[0] for row in table.ROWS if row[1] == "fwd+bwd"]  # dropout's has cupy
+    assert [row[-1] for row in table.selected(table.ROWS, ["flex"], None)] == [("flex",)] * (len(table.ROWS) - 1)
+    assert table.selected(table.ROWS, None, None) == [tuple(row) for row in table.ROWS]

@@ -6,10 +6,11 @@ The kernels (``kernels/*.cu``, ``*.cuh``) use tensor cores for float16 and bfloa
 cp.async) and IEEE fma for float32 (no TF32). On compute capability 9.0 the 16-bit forward runs
 on Hopper's warpgroup products instead (wgmma, sm_90a code, ``kernels/forward_sm90.cu``; at head
 dim 256 without dropout or masks), and so does the 16-bit backward up to head dim 128
-(``kernels/dq_sm90.cu``, ``kernels/dkdv_sm90.cu``), which computes dQ in a kernel of its own,
-without atomics. Elsewhere, without a band (causal, window), the 16-bit backward adds dQ in its
-dK/dV kernel by unordered float32 reductions; with ``deterministic=True``, or a band, it computes dQ
-in a kernel of its own. Without atomics the backward is bitwise reproducible.
+(``kernels/dq_sm90.cu``, ``kernels/dkdv_sm90.cu``). The 16-bit backward adds dQ in its dK/dV
+kernel by unordered float32 reductions without a band (causal, window), and on wgmma under a band
+too where dQ's float32 sums fit one launch (``variants.fused_dq``); with ``deterministic=True``, or
+elsewhere, it computes dQ in a kernel of its own. Without atomics the backward is bitwise
+reproducible.
 The score modifications (softcap, ALiBi, sinks: ``kernels/score_mods.cuh``) are compile-time
 options of every kernel, so a call without them runs the code it ran before they existed.
 Decoding with a KV cache (``attention_with_kvcache``) is split-KV attention over contiguous or

@@ -214,20 +214,35 @@ def tiles(rows: int, block: int) -> int:
     return -(-rows // block)
 
 
-#: The fused backward's float32 dQ sums take at most this much memory at a time: a larger problem
-#: runs its kv heads in several launches, so that its peak stays near the deterministic path's
-#: (and the sums stay in the L2 cache that their reductions hit).
+#: The fused backward's float32 dQ sums (four bytes an element of dQ, its head dim padded to its
+#: class) take one launch where they fit this much memory, as FA3's dQ accumulator holds them all:
+#: launches of a few kv heads each pay their own causal tail and the clearing and rounding of their
+#: sums, which cost a causal step more than the split kernels' two extra products.
+DQ_SUMS_WHOLE_BYTES = 256 * 2**20
+#: Larger sums take launches of kv heads whose sums fit this much at a time, so that the peak stays
+#: near the split kernels' (and the sums stay in the L2 cache that their reductions hit).
 DQ_SUMS_BYTES = 32 * 2**20
 #: The fused backward's float32 dQ sums lie in panels of this many columns (``DQ_PANEL`` in
 #: kernels/backward.cuh): an m16n8 atom's, so that a warp's store of one atom is 256 contiguous bytes.
 DQ_PANEL = 8
 
 
+def dq_sums_per_kv_head(problem) -> int:
+    """The bytes of the fused backward's float32 dQ sums of one kv head's query heads."""
+    rows = problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
+    return rows * problem.group * head_dim_class(problem.head_dim) * 4
+
+
+def dq_sums_whole(problem) -> bool:
+    """Whether the fused backward adds the dQ of every kv head in one launch (DQ_SUMS_WHOLE_BYTES)."""
+    return dq_sums_per_kv_head(problem) * problem.heads_k <= DQ_SUMS_WHOLE_BYTES
+
+
 def kv_head_chunks(problem) -> list[tuple[int, int]]:
     """(first kv head, kv heads) of each fused dK/dV launch."""
-    rows = problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
-    per_kv_head = rows * problem.group * head_dim_class(problem.head_dim) * 4
-    heads = max(1, min(problem.heads_k, DQ_SUMS_BYTES // per_kv_head))
+    if dq_sums_whole(problem):
+        return [(0, problem.heads_k)]
+    heads = max(1, min(problem.heads_k, DQ_SUMS_BYTES // dq_sums_per_kv_head(problem)))
     return [(first, min(heads, problem.heads_k - first)) for first in range(0, problem.heads_k, heads)]
 
 
@@ -339,7 +354,7 @@ def backward(problem, q, k, v, o, lse, do):
                np.int32(rows))
 
         sm90 = variants.sm90_backward(problem, is_aligned, device.compute_capability)
-        if variants.fused_dq(problem):
+        if variants.fused_dq(problem, sm90, dq_sums_whole(problem)):
             variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, dq_atomic=True)
             _dkdv_adding_dq(problem, device, variant, fields, dq)
         else:

@@ -457,15 +457,20 @@ def sm90_backward(problem, aligned: bool, compute_capability: str) -> bool:
             and os.environ.get(SM90_BACKWARD_ENV, "1") != "0")
 
 
-def fused_dq(problem) -> bool:
-    """Whether the backward adds dQ in the dK/dV kernel (five products, not seven; flashx_dkdv or
-    flashx_dkdv_sm90), by float32 reductions whose order varies from run to run: on tensor cores,
-    where one dK/dV launch holds both accumulators, unless the call asks for a deterministic backward. Not with a band (causal,
-    window): there the split kernels skip more of the empty tiles, and were faster on the H100
-    (6.8 ms against 7.7 for the fused kernel, bf16, N=8k, d128, causal)."""
+def fused_dq(problem, sm90: bool, whole_sums: bool) -> bool:
+    """Whether the backward adds dQ in the dK/dV kernel (five products, not seven; flashx_dkdv or,
+    where ``sm90``, flashx_dkdv_sm90), by float32 reductions whose order varies from run to run: on
+    tensor cores, where one dK/dV launch holds both accumulators, unless the call asks for a
+    deterministic backward.
+
+    Under a band (causal, window) only the wgmma kernel, and only with the sums of every kv head in
+    one launch (``whole_sums``, launch.DQ_SUMS_WHOLE_BYTES): on the H200 it then ran causal steps
+    1.05-1.17x faster than the split kernels, and in launches of 32 MiB of sums 0.58-1.06x. The
+    mma.sync split kernels were faster under a band on the H100 (6.8 ms against 7.7 for the fused
+    kernel, bf16, N=8k, d128, causal)."""
     dims = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
-    return (not problem.deterministic and problem.band is None and problem.dtype != "float32"
-            and dkdv_parts(*dims) == (3,))
+    return (not problem.deterministic and (problem.band is None or (sm90 and whole_sums))
+            and problem.dtype != "float32" and dkdv_parts(*dims) == (3,))
 
 
 def dkdv_parts(dim_qk: int, dim_v: int) -> tuple[int, ...]:

@@ -9,8 +9,8 @@
 // Without atomics the backward is deterministic, and flashx_dq computes S and dP again: seven
 // products. With DQ_ATOMIC, flashx_dkdv also adds each tile's dS K to a float32 dQ (p.dq, of the
 // launch's kv heads) by unordered reductions, and flashx_dq is not launched: five products, the
-// sum's order left to the hardware. The host picks it for 16-bit problems without a band unless
-// the call asks for determinism (flashx_cupy.variants.fused_dq).
+// sum's order left to the hardware. The host picks it for 16-bit problems unless the call asks
+// for determinism, under a band only on wgmma with every sum in one launch (variants.fused_dq).
 // P is recomputed from the LSE; with dropout, Z is drawn again from (seed, rng_offset):
 //   dV = (P Z / (1 - p))^T dO,  dS = P (Z dP / (1 - p) - D),  dP = dO V^T;
 // a dropped pair reads no dO (its dP is 0), but its dS = -P D still reaches dQ and dK. The score
