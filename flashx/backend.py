@@ -154,5 +154,32 @@ class Backend:
         return f"<flashx backend {self.name} {self.version}>"
 
 
+#: How many static problems and layouts a backend's ``per_static_problem`` memory holds before it
+#: starts again empty.
+BUILT_LIMIT = 256
+
+
+def per_static_problem(memory: dict, problem: BaseProblem, key, build: Callable[[], Any]) -> Any:
+    """``build()``, made once per static problem (``problem.static_key``: what runs, not what it
+    runs on) and ``key`` (what else the build reads: a kernel's name, ``tensor_layout`` of the
+    call's tensors) and kept in ``memory``, a backend's own dict. What is built must hold no array
+    and none of a call's own values (addresses, dropout's seed): calls with masks, lengths or a
+    drawn seed are new problems every time, and share what their first call built."""
+    full_key = (problem.static_key, key)
+    found = memory.get(full_key)
+    if found is None:
+        if len(memory) >= BUILT_LIMIT:
+            memory.clear()
+        found = memory[full_key] = build()
+    return found
+
+
+def tensor_layout(*tensors) -> tuple:
+    """What a launch depends on in tensors (torch's) of a given problem, whose shapes and dtype
+    the problem fixes: their strides, and whether each address is a multiple of 16 bytes (vector
+    and TMA copies need it); None for an absent one."""
+    return tuple(None if x is None else (x.stride(), x.data_ptr() % 16 == 0) for x in tensors)
+
+
 def _names(items) -> str:
     return ", ".join(sorted(items))

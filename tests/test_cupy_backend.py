@@ -31,6 +31,28 @@ def _gpu() -> bool:
     return unavailable_reason() is None
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launches(monkeypatch):
+    """Each test builds its launches afresh (``launch.per_problem``), under the patches it makes."""
+    monkeypatch.setattr(launch, "_built", {})
+
+
+def _route_launches(monkeypatch, device, record):
+    """The forward's and backward's launches on ``device`` call ``record(variant, grid, params,
+    extra)`` (``params``: the struct as its layout) instead of a kernel."""
+    import contextlib
+
+    layouts = {layout.itemsize: layout for layout in (launch.PARAMS, launch.BACKWARD_PARAMS)}
+    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext((device, None)))
+
+    def kernel_of(variant, device):
+        def kernel(grid, block, args, shared_mem, stream):
+            record(variant, grid[0], args[0].view(layouts[args[0].itemsize]), args[1:])
+        return kernel
+
+    monkeypatch.setattr(launch, "_kernel", kernel_of)
+
+
 # -- declarations and availability ---------------------------------------------------------
 
 def test_declarations():
@@ -316,7 +338,6 @@ def test_backward_launches(monkeypatch, capability, switch, changes, launched):
     """On compute capability 9.0 a 16-bit backward takes the wgmma kernels: flashx_dkdv_sm90 adding
     dQ where ``fused_dq`` holds, else the two kernels, which add no atomics; the switch brings back
     the mma.sync kernels. ``sums_whole_bytes`` in ``changes`` sets launch.DQ_SUMS_WHOLE_BYTES."""
-    import contextlib
 
     import torch
 
@@ -334,9 +355,7 @@ def test_backward_launches(monkeypatch, capability, switch, changes, launched):
     lse = torch.zeros(problem.lse_shape)
     device = SimpleNamespace(id=0, compute_capability=capability)
     kernels = []
-    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
-    monkeypatch.setattr(launch, "launch",
-                        lambda variant, *args: kernels.append(variant.kernel + " adding dQ" * variant.dq_atomic))
+    _route_launches(monkeypatch, device, lambda variant, *args: kernels.append(variant.kernel + " adding dQ" * variant.dq_atomic))
     launch.backward(problem, q, k, v, o, lse, do)
     assert kernels == launched
 
@@ -471,14 +490,14 @@ def test_dq_sums_in_panels(monkeypatch, varlen):
     cu = np.array([0, 2, 5], np.int32)
     problem = _torch_problem(dtype="bfloat16", heads_q=6, heads_k=2, head_dim=100, head_dim_v=100,
                              **(dict(total_q=6, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu) if varlen else {}))
-    variant = SimpleNamespace(dim_qk=128, block_m=128)
+    variant = SimpleNamespace(dim_qk=128, block_m=128, threads=384, shared_memory=0)
     panels = variant.dim_qk // launch.DQ_PANEL
     rows = [(start, end - start) for start, end in zip(cu, cu[1:])] if varlen else [(0, problem.seqlen_q)] * 2
 
     def value(b, h, i, c):  # small integers, exact in bfloat16
         return float((31 * b + 7 * h + 3 * i + c) % 97)
 
-    def kernel(variant, device, grid, params):
+    def kernel(variant, grid, params, extra):
         p = params[0]
         for b, (start, length) in enumerate(rows):
             for hh in range(p["kv_heads"] * problem.group):
@@ -491,10 +510,10 @@ def test_dq_sums_in_panels(monkeypatch, varlen):
 
     monkeypatch.setattr(launch, "DQ_SUMS_WHOLE_BYTES", 0)
     monkeypatch.setattr(launch, "DQ_SUMS_BYTES", 1)  # a launch a kv head
-    monkeypatch.setattr(launch, "launch", kernel)
+    _route_launches(monkeypatch, None, kernel)
     shape = (6, 6, 100) if varlen else (2, 5, 6, 100)
     dq = torch.zeros(shape, dtype=torch.bfloat16)
-    launch._dkdv_adding_dq(problem, None, variant, {}, dq)
+    launch._dkdv_adding_dq(problem, None, variant, {}, dq)(None, {}, dq)
     want = torch.zeros(shape)
     for b, (start, length) in enumerate(rows):
         for h in range(6):
@@ -704,7 +723,6 @@ def test_varlen_outputs_are_filled_only_where_rows_lie_past_the_sequences(monkey
     """No kernel writes the rows past cu_seqlens[-1]: o, lse and the gradients start as the
     contract's values there (0, -inf), filled when allocated. Where every row belongs to a sequence
     (``rows_past_sequences`` False), every element is written and nothing is filled first."""
-    import contextlib
 
     import torch
 
@@ -712,9 +730,7 @@ def test_varlen_outputs_are_filled_only_where_rows_lie_past_the_sequences(monkey
     problem = _torch_problem(total_q=5, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu, rows_past_sequences=past)
     q, k, v, o, do = torch.ones(5, 3, 8), torch.ones(5, 1, 8), torch.ones(5, 1, 8), torch.ones(5, 3, 8), torch.ones(5, 3, 8)
     lse = torch.zeros(problem.lse_shape)
-    device = SimpleNamespace(id=0, compute_capability="90")
-    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
-    monkeypatch.setattr(launch, "launch", lambda *args, **kw: None)
+    _route_launches(monkeypatch, SimpleNamespace(id=0, compute_capability="90"), lambda *args: None)
     fills = []
     for name in ("zeros", "full"):
         fill = getattr(torch, name)
@@ -722,6 +738,38 @@ def test_varlen_outputs_are_filled_only_where_rows_lie_past_the_sequences(monkey
     launch.forward(problem, q, k, v)
     launch.backward(problem, q, k, v, o, lse, do)
     assert bool(fills) == past
+
+
+@pytest.mark.parametrize("capability", ["80", "90"])
+def test_calls_of_a_problem_share_its_launches_and_bring_their_own_values(monkeypatch, capability):
+    """Calls of one static problem and layout build their launches once (``launch.per_problem``:
+    variants chosen, structs packed) and each launch reads the call's own tensors, seed and RNG
+    offset, written into the kept struct (``KernelLaunch``)."""
+    import torch
+
+    launched, chosen = [], []
+    _route_launches(monkeypatch, SimpleNamespace(id=0, compute_capability=capability),
+                    lambda variant, grid, params, extra: launched.append(params[0].copy()))
+    monkeypatch.setattr(tma, "usable", lambda problem, *tensors: False)  # no tensor maps of CPU tensors
+    choose = variants.choose
+    monkeypatch.setattr(variants, "choose", lambda kernel, *args, **kw: chosen.append(kernel) or choose(kernel, *args, **kw))
+    for seed, offset in ((3, 0), ((1 << 64) - 5, 9 << 32 | 77)):
+        problem = _torch_problem(dtype="bfloat16", head_dim=64, head_dim_v=64, dropout_p=0.25, seed=seed,
+                                 rng_offset=offset)
+        q, do = (torch.randn(2, 5, 3, 64, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(2, 7, 1, 64, dtype=torch.bfloat16) for _ in range(2))
+        launched.clear()
+        o, lse = launch.forward(problem, q, k, v)
+        dq, dk, dv = launch.backward(problem, q, k, v, o, lse, do)
+        for params in launched:
+            assert (params["seed"], params["rng_offset"].view(np.uint32)) == (seed, offset & 0xFFFFFFFF)
+            assert (params["q"], params["k"], params["v"]) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        forward, *backward = launched
+        assert (forward["o"], forward["lse"]) == (o.data_ptr(), lse.data_ptr())
+        for params in backward:
+            assert params.dtype == launch.BACKWARD_PARAMS and params["dout"] == do.data_ptr()
+            assert (params["dk"], params["dv"]) == (dk.data_ptr(), dv.data_ptr())
+    assert len(chosen) == 1 + len(backward)  # the first call's
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -958,25 +1006,17 @@ def test_keys_in_fp8_order():
         assert not vt[b][..., columns[length:32]].any()
 
 
-def test_fp8_fields():
-    """The FP8 forward's V^T travels with its strides (v_n: a feature row's), the scores' factor
-    q_descale * k_descale as k_descale, v_descale as it is; a missing descale is 1 (null)."""
+def test_fp8_descales():
+    """The FP8 forward takes the scores' factor q_descale * k_descale as k_descale, v_descale as
+    it is; a missing descale is 1 (null, absent from the call's fields)."""
     import torch
 
-    v = torch.zeros(2, 20, 3, 32, dtype=torch.float8_e4m3fn)
     descales = {name: torch.full((2, 3), value) for name, value in (("q_descale", 2.0), ("k_descale", 0.25),
                                                                     ("v_descale", 3.0))}
-    problem = SimpleNamespace(seqlen_k=20, varlen=False, batch=2, **descales)
-    fields, (vt, scores) = launch.fp8_fields(problem, v)
-    assert (fields["v"], fields["v_b"], fields["v_h"], fields["v_n"], fields["v_d"]) == (
-        vt.data_ptr(), 3 * 32 * 32, 32 * 32, 32, 1)
-    assert fields["k_descale"] == scores.data_ptr() and torch.equal(scores, torch.full((2, 3), 0.5))
-    assert fields["v_descale"] == descales["v_descale"].data_ptr()
-    fields, (_, scores) = launch.fp8_fields(SimpleNamespace(**(vars(problem) | {"q_descale": None})), v)
-    assert scores is descales["k_descale"]
-    fields, (_, scores) = launch.fp8_fields(SimpleNamespace(seqlen_k=20, varlen=False, batch=2, q_descale=None,
-                                                            k_descale=None, v_descale=None), v)
-    assert scores is None and "k_descale" not in fields and "v_descale" not in fields
+    fields = launch.fp8_descales(SimpleNamespace(**descales))
+    assert torch.equal(fields["k_descale"], torch.full((2, 3), 0.5)) and fields["v_descale"] is descales["v_descale"]
+    assert launch.fp8_descales(SimpleNamespace(**(descales | {"q_descale": None})))["k_descale"] is descales["k_descale"]
+    assert launch.fp8_descales(SimpleNamespace(q_descale=None, k_descale=None, v_descale=None)) == {}
 
 
 def _nvrtc_ptx(variant):
@@ -1138,7 +1178,7 @@ def test_decode_launches_bulk(monkeypatch, capability, switch, is_aligned, bulk)
     problem, q, (k_cache, v_cache), tokens = _decode_problem(batch=2, seqlen_q=1, slots=256, new=1, num_splits=3)
     device = SimpleNamespace(id=0, compute_capability=capability)
     launched = []
-    monkeypatch.setattr(decode, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
+    monkeypatch.setattr(decode, "caller_stream", lambda problem, x: contextlib.nullcontext((device, None)))
     monkeypatch.setattr(decode, "aligned", lambda problem, *tensors: is_aligned)
     monkeypatch.setattr(decode, "device_size", lambda device_id: (132, 228 * 1024))
     monkeypatch.setattr(decode, "launch", lambda variant, *args: launched.append(variant))
@@ -1545,9 +1585,7 @@ def test_tma_variant():
 ])
 def test_forward_passes_the_maps(monkeypatch, changes, capability, takes):
     """The forward picks the TMA build where ``tma.usable`` holds and hands the wgmma forward its maps."""
-    import contextlib
 
-    import torch
 
     from cuda.bindings import driver
 
@@ -1557,10 +1595,9 @@ def test_forward_passes_the_maps(monkeypatch, changes, capability, takes):
     problem = _torch_problem(dtype="bfloat16", seqlen_q=300, seqlen_k=300, heads_q=4, heads_k=4, head_dim=128,
                              head_dim_v=128, **changes)
     q = k = v = _kv()
-    device = SimpleNamespace(id=0, compute_capability=capability)
-    monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext(device))
     launched = []
-    monkeypatch.setattr(launch, "launch", lambda variant, device, grid, params, *extra: launched.append((variant, extra)))
+    _route_launches(monkeypatch, SimpleNamespace(id=0, compute_capability=capability),
+                    lambda variant, grid, params, extra: launched.append((variant, extra)))
     launch.forward(problem, q, k, v)
     (variant, extra), = launched
     assert variant.tma is takes

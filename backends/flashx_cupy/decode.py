@@ -37,7 +37,7 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new):
     """(o, lse) after the new tokens are written into the caches; o in q's dtype, lse float32."""
     import torch
 
-    with caller_stream(problem, q) as device:
+    with caller_stream(problem, q) as (device, stream):
         o = torch.empty(problem.o_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
         is_aligned = aligned(problem, q, k_cache, v_cache)
@@ -53,11 +53,11 @@ def decode(problem, q, k_cache, v_cache, k_new, v_new):
         row_tiles = tiles(problem.seqlen_q * problem.group, variant.block_m)
         params = pack_decode(problem, splits=splits, tiles_m=row_tiles, **fields)
         same_build = {kernel: dataclasses.replace(variant, kernel=kernel) for kernel in variants.DECODE_KERNELS}
-        launch(same_build["decode_append"], device, problem.batch * problem.new_tokens, params)
+        launch(same_build["decode_append"], device, stream, problem.batch * problem.new_tokens, params)
         if rows:
-            launch(variant, device, problem.batch * problem.heads_k * row_tiles * splits, params)
+            launch(variant, device, stream, problem.batch * problem.heads_k * row_tiles * splits, params)
             if splits > 1:
-                launch(same_build["decode_merge"], device, tiles(rows, variant.warps), params)
+                launch(same_build["decode_merge"], device, stream, tiles(rows, variant.warps), params)
     return o, lse
 
 

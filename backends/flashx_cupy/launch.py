@@ -18,6 +18,7 @@ import struct
 
 import numpy as np
 
+from flashx.backend import per_static_problem, tensor_layout
 from flashx.problem import head_dim_class
 from flashx_cupy import tma, variants
 
@@ -155,25 +156,30 @@ def row_stat_fields(name: str, x, varlen: bool) -> dict:
 
 
 def auxiliary_fields(problem) -> dict:
-    """The addresses of cu_seqlens and seqlens, ALiBi's slopes and the sinks (``score_mod_fields``),
-    the mask and the block mask, broadcast to (B, Hq, ., .). The core hands the lengths over as
-    int32 and the slopes and sinks in the lse's dtype (float32 here), each contiguous: the kernels
-    read them where they are, so a call converts and copies none of them."""
+    """The addresses of the auxiliary arrays (``auxiliary_arrays``), ALiBi's batch stride
+    (``score_mod_fields``), and the strides of the mask and the block mask, broadcast to
+    (B, Hq, ., .). The core hands the lengths over as int32 and the slopes and sinks in the lse's
+    dtype (float32 here), each contiguous: the kernels read them where they are, so a call converts
+    and copies none of them."""
     fields = score_mod_fields(problem)
-    for name, array in (("cu_q", problem.cu_seqlens_q), ("cu_k", problem.cu_seqlens_k),
-                        ("seqlens_q", problem.seqlens_q), ("seqlens_k", problem.seqlens_k)):
-        if array is not None:
-            fields[name] = array.data_ptr()
+    fields.update((name, array.data_ptr()) for name, array in auxiliary_arrays(problem) if array is not None)
     shape = (problem.batch, problem.heads_q)
     if problem.mask is not None:
         mask = problem.mask.expand(*shape, problem.seqlen_q, problem.seqlen_k)
-        fields.update(mask=mask.data_ptr(), **dict(zip(("mask_b", "mask_h", "mask_i", "mask_j"), mask.stride())))
+        fields.update(zip(("mask_b", "mask_h", "mask_i", "mask_j"), mask.stride()))
     if problem.block_mask is not None:
         bq, bk = problem.block_mask.block_size
         blocks = problem.block_mask.blocks.expand(*shape, -(-problem.seqlen_q // bq), -(-problem.seqlen_k // bk))
-        fields.update(blocks=blocks.data_ptr(),
-                      **dict(zip(("blocks_b", "blocks_h", "blocks_i", "blocks_j"), blocks.stride())))
+        fields.update(zip(("blocks_b", "blocks_h", "blocks_i", "blocks_j"), blocks.stride()))
     return fields
+
+
+def auxiliary_arrays(problem) -> tuple:
+    """(struct field, array or None) of each array of the problem's that the kernels read where it lies."""
+    blocks = problem.block_mask.blocks if problem.block_mask is not None else None
+    return (("cu_q", problem.cu_seqlens_q), ("cu_k", problem.cu_seqlens_k), ("seqlens_q", problem.seqlens_q),
+            ("seqlens_k", problem.seqlens_k), ("mask", problem.mask), ("blocks", blocks),
+            ("alibi_slopes", problem.alibi_slopes), ("sinks", problem.sinks))
 
 
 def score_mod_fields(problem) -> dict:
@@ -204,8 +210,9 @@ def aligned(problem, *tensors) -> bool:
 
 @contextlib.contextmanager
 def caller_stream(problem, x):
-    """Run on the caller's current stream, torch's allocations included (the contract's
-    "Backend plugins" section): torch's stream for torch callers, CuPy's for CuPy callers.
+    """The device (a cupy.cuda.Device, made current) and the caller's current stream, as CuPy's
+    launches take it (``launch``, ``KernelLaunch``): torch's stream for torch callers, CuPy's for
+    CuPy callers (the contract's "Backend plugins" section), torch's allocations included.
     Address 0 is the legacy default stream in both libraries."""
     import cupy
     import torch
@@ -213,27 +220,106 @@ def caller_stream(problem, x):
     index = x.device.index
     with cupy.cuda.Device(index) as device:
         if problem.array_kind == "cupy":
-            pointer = cupy.cuda.get_current_stream().ptr
-            ours = torch.cuda.ExternalStream(pointer, device=x.device) if pointer else torch.cuda.default_stream(x.device)
+            stream = cupy.cuda.get_current_stream()
+            ours = torch.cuda.ExternalStream(stream.ptr, device=x.device) if stream.ptr else torch.cuda.default_stream(x.device)
             with torch.cuda.stream(ours):
-                yield device
+                yield device, stream
         else:
-            pointer = torch.cuda.current_stream(x.device).cuda_stream
-            with cupy.cuda.ExternalStream(pointer, index) if pointer else cupy.cuda.Stream.null:
-                yield device
+            yield device, _cupy_stream(torch.cuda.current_stream(x.device).cuda_stream, index)
 
 
-def launch(variant: variants.Variant, device, grid: int, params: np.ndarray, *extra) -> None:
-    if grid == 0:
-        return
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(pointer: int, device_index: int):
+    """CuPy's handle of torch's stream ``pointer``: made once, as making one costs a short call
+    microseconds it does not have."""
+    import cupy
+
+    return cupy.cuda.ExternalStream(pointer, device_index) if pointer else cupy.cuda.Stream.null
+
+
+def launch(variant: variants.Variant, device, stream, grid: int, params: np.ndarray, *extra) -> None:
+    """One launch of ``variant`` on ``stream``, with ``params`` packed whole for this call."""
+    if grid:
+        _kernel(variant, device)((grid,), (variant.threads,), (params.view(OPAQUE[params.itemsize]), *extra),
+                                 shared_mem=variant.shared_memory, stream=stream)
+
+
+def _kernel(variant: variants.Variant, device):
+    """The compiled kernel of ``variant``, once its shared memory is known to fit ``device``."""
     limit = variants.shared_memory_limit(device.id)
     if variant.shared_memory > limit:
         from flashx.errors import UnsupportedError
 
         raise UnsupportedError(f"cupy: {variant.kernel} needs {variant.shared_memory} bytes of shared memory per block, "
                                f"this GPU allows {limit}")
-    kernel = variants.kernel(variant, device)
-    kernel((grid,), (variant.threads,), (params.view(OPAQUE[params.itemsize]), *extra), shared_mem=variant.shared_memory)
+    return variants.kernel(variant, device)
+
+
+class KernelLaunch:
+    """A launch of one kernel for a static problem and layout (``flashx.backend.tensor_layout``):
+    the compiled kernel, its grid, and its struct packed but for the fields each call brings
+    (``call_fields``: its arrays' addresses, dropout's seed and RNG offset), which ``__call__``
+    writes in.
+
+    Built once per static problem and layout (``per_problem``), so that a call packs no more than
+    those: a short training step (B=32, N=512) spent more host time packing structs and choosing
+    variants than its kernels ran. The per-call fields are null in the kept struct, so a call that
+    leaves out one it needs faults rather than reading another call's address."""
+
+    def __init__(self, variant: variants.Variant, device, grid: int, params: np.ndarray):
+        self.kernel = _kernel(variant, device)
+        self.grid, self.block, self.shared_memory = (grid,), (variant.threads,), variant.shared_memory
+        self.writers = _per_call_writers(params.dtype)
+        template = bytearray(params.tobytes())
+        for writer, offset in self.writers.values():
+            writer.pack_into(template, offset, 0)
+        self.template, self.opaque = bytes(template), OPAQUE[params.itemsize]
+
+    def __call__(self, stream, fields: dict, *extra) -> None:
+        """Launch on ``stream`` with ``fields`` written into the struct."""
+        if self.grid[0] == 0:
+            return
+        params = bytearray(self.template)
+        for name, value in fields.items():
+            writer, offset = self.writers[name]
+            writer.pack_into(params, offset, value)
+        self.kernel(self.grid, self.block, (np.frombuffer(params, self.opaque), *extra),
+                    shared_mem=self.shared_memory, stream=stream)
+
+
+@functools.cache
+def _per_call_writers(layout: np.dtype) -> dict:
+    """field -> (struct.Struct, offset) of ``layout``'s per-call fields: every 8-byte unsigned one
+    (the addresses and dropout's seed) and dropout's RNG offset."""
+    return {name: (struct.Struct("<" + _CODES[layout.fields[name][0]]), layout.fields[name][1])
+            for name in layout.names if layout.fields[name][0] == np.uint64 or name == "rng_offset"}
+
+
+def call_fields(problem, **tensors) -> dict:
+    """What a call brings to its ``KernelLaunch``: the addresses of ``tensors`` (named as the
+    struct names them) and of the problem's auxiliary arrays, and dropout's seed and RNG offset."""
+    fields = {name: x.data_ptr() for name, x in tensors.items() if x is not None}
+    for name, array in auxiliary_arrays(problem):
+        if array is not None:
+            fields[name] = array.data_ptr()
+    if problem.dropout_p > 0:
+        fields.update(seed=problem.seed, rng_offset=np.uint32(problem.rng_offset_words[0]).view(np.int32))
+    return fields
+
+
+#: What was built per static problem and layout: ``per_problem``.
+_built: dict[tuple, object] = {}
+
+
+def per_problem(problem, key, build):
+    """``build()``, made once per static problem and ``key`` (``flashx.backend.per_static_problem``)."""
+    return per_static_problem(_built, problem, key, build)
+
+
+def strided_layout(problem, *tensors) -> tuple:
+    """``tensor_layout`` of ``tensors`` and of the arrays read through their strides (the masks)."""
+    blocks = problem.block_mask.blocks if problem.block_mask is not None else None
+    return tensor_layout(*tensors, problem.mask, blocks)
 
 
 def tiles(rows: int, block: int) -> int:
@@ -276,7 +362,7 @@ def forward(problem, q, k, v):
     import torch
 
     varlen = problem.varlen
-    with caller_stream(problem, q) as device:
+    with caller_stream(problem, q) as (device, stream):
         out_dtype = getattr(torch, problem.out_dtype)
         if varlen and problem.rows_past_sequences:  # rows of no sequence read as empty rows
             o = torch.zeros(problem.o_shape, dtype=out_dtype, device=q.device)
@@ -284,41 +370,63 @@ def forward(problem, q, k, v):
         else:
             o = torch.empty(problem.o_shape, dtype=out_dtype, device=q.device)
             lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
-        if problem.fp8:
+        descales = {}
+        if problem.fp8:  # ``v`` becomes the copy the FP8 forward reads, alive until the launch is queued
             q, k = (x if aligned(problem, x) else x.clone(memory_format=torch.contiguous_format) for x in (q, k))
-            v_fields, made = fp8_fields(problem, v)  # ``made`` lives until the launch is queued
-            is_aligned = True
-        else:
-            v_fields, made = tensor_fields("v", v, varlen), ()
-            is_aligned = aligned(problem, q, k, v)
-        by_tma = tma.usable(problem, k, v)
-        kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability, by_tma)
-        variant = variants.choose(kernel, problem, is_aligned, tma=kernel == "forward_sm90" and by_tma)
-        tiles_m = tiles(problem.seqlen_q, variant.block_m)
-        params = pack(problem, tiles_m=tiles_m, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
-                      **tensor_fields("k", k, varlen), **v_fields, **tensor_fields("o", o, varlen),
-                      **row_stat_fields("lse", lse, varlen))
-        maps = (tma.kernel_argument(variant, k, v),) if kernel in ("forward_sm90", "forward_fp8_sm90") else ()
-        launch(variant, device, tiles_m * problem.heads_q * problem.batch, params, *maps)
-        del made
+            v, descales = keys_in_fp8_order(problem, v), fp8_descales(problem)
+        run = per_problem(problem, ("forward", strided_layout(problem, q, k, v, o, lse)),
+                          lambda: _forward_launch(problem, device, q, k, v, o, lse))
+        run(stream, call_fields(problem, q=q, k=k, v=v, o=o, lse=lse, **descales), k, v)
     return o, lse
 
 
-def fp8_fields(problem, v) -> tuple[dict, tuple]:
-    """The FP8 forward's V (``keys_in_fp8_order``: v_n its feature rows' stride) and descales:
-    the scores' factor q_descale * k_descale, multiplied here (one (B, Hk) product), as
-    ``k_descale``, and ``v_descale``; null for 1. Also the tensors made here, which the launch reads
-    (the caching allocator reuses their memory in the stream's order, after the launch)."""
-    vt = keys_in_fp8_order(problem, v)
-    fields = {"v": vt.data_ptr(), "v_b": vt.stride(0), "v_h": vt.stride(1), "v_n": vt.stride(2), "v_d": 1}
+def _forward_launch(problem, device, q, k, v, o, lse):
+    """The forward's launch for the static problem and layout of these tensors (FP8: ``v`` in
+    ``keys_in_fp8_order``), as a function of a call's (stream, ``call_fields``, k, v). The wgmma
+    forwards' tensor maps of K and V are kept per pair of addresses (a model's steps reuse
+    theirs), as encoding them costs a short call microseconds."""
+    varlen = problem.varlen
+    is_aligned = problem.fp8 or aligned(problem, q, k, v)
+    by_tma = tma.usable(problem, k, v)
+    kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability, by_tma)
+    variant = variants.choose(kernel, problem, is_aligned, tma=kernel == "forward_sm90" and by_tma)
+    tiles_m = tiles(problem.seqlen_q, variant.block_m)
+    v_fields = ({"v_b": v.stride(0), "v_h": v.stride(1), "v_n": v.stride(2), "v_d": 1} if problem.fp8
+                else tensor_fields("v", v, varlen))  # FP8: (B, Hk, Dv, Nk'), keys contiguous
+    params = pack(problem, tiles_m=tiles_m, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
+                  **tensor_fields("k", k, varlen), **v_fields, **tensor_fields("o", o, varlen),
+                  **row_stat_fields("lse", lse, varlen))
+    run = KernelLaunch(variant, device, tiles_m * problem.heads_q * problem.batch, params)
+    if kernel not in variants.SM90_FORWARDS:
+        return lambda stream, fields, k, v: run(stream, fields)
+    maps = {}
+
+    def run_with_maps(stream, fields, k, v):
+        key = k.data_ptr(), v.data_ptr()
+        found = maps.get(key)
+        if found is None:
+            if len(maps) >= MAPS_KEPT:
+                maps.clear()
+            found = maps[key] = tma.kernel_argument(variant, k, v)
+        run(stream, fields, found)
+
+    return run_with_maps
+
+
+#: Pairs of K and V addresses whose tensor maps a forward launch keeps.
+MAPS_KEPT = 64
+
+
+def fp8_descales(problem) -> dict:
+    """The FP8 forward's descales by struct field: the scores' factor q_descale * k_descale,
+    multiplied here (one (B, Hk) product), as ``k_descale``, and ``v_descale``; absent for 1."""
+    descales = {}
     present = [x for x in (problem.q_descale, problem.k_descale) if x is not None]
-    scores = None
     if present:
-        scores = present[0] * present[1] if len(present) == 2 else present[0]
-        fields["k_descale"] = scores.data_ptr()
+        descales["k_descale"] = present[0] * present[1] if len(present) == 2 else present[0]
     if problem.v_descale is not None:
-        fields["v_descale"] = problem.v_descale.data_ptr()
-    return fields, (vt, scores)
+        descales["v_descale"] = problem.v_descale
+    return descales
 
 
 def keys_in_fp8_order(problem, v):
@@ -356,7 +464,7 @@ def backward(problem, q, k, v, o, lse, do):
     import torch
 
     varlen = problem.varlen
-    with caller_stream(problem, q) as device:
+    with caller_stream(problem, q) as (device, stream):
         # varlen: rows past cu_seqlens[-1], of no sequence, stay 0
         zeros_or_empty = torch.zeros if varlen and problem.rows_past_sequences else torch.empty
         dq = zeros_or_empty(q.shape, dtype=q.dtype, device=q.device)
@@ -365,42 +473,59 @@ def backward(problem, q, k, v, o, lse, do):
         delta = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
         # the delta kernel's term of each row in dsinks, summed here in a fixed order (deterministic)
         dsinks_rows = torch.empty_like(delta) if problem.sinks is not None else None
-        is_aligned = aligned(problem, q, k, v, o, do)
-        fields = dict(**auxiliary_fields(problem), **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),
-                      **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
-                      **tensor_fields("do", do, varlen), **tensor_fields("dq", dq, varlen, 3),
-                      **tensor_fields("dk", dk, varlen, 3), **tensor_fields("dv", dv, varlen, 3),
-                      **row_stat_fields("lse", lse, varlen), **row_stat_fields("delta", delta, varlen),
-                      kv_head0=0, kv_heads=problem.heads_k,
-                      **({} if dsinks_rows is None else {"dsinks_rows": dsinks_rows.data_ptr()}))
-
-        variant = variants.choose("delta", problem, is_aligned)
-        rows = problem.total_q if varlen else problem.batch * problem.seqlen_q
-        launch(variant, device, tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, BACKWARD_PARAMS, **fields),
-               np.int32(rows))
-
-        sm90 = variants.sm90_backward(problem, is_aligned, device.compute_capability)
-        if variants.fused_dq(problem, sm90, dq_sums_whole(problem)):
-            variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, dq_atomic=True)
-            _dkdv_adding_dq(problem, device, variant, fields, dq)
-        else:
-            variant = variants.choose("dq_sm90" if sm90 else "dq", problem, is_aligned)
-            tiles_m = tiles(problem.seqlen_q, variant.block_m)
-            launch(variant, device, tiles_m * problem.heads_q * problem.batch,
-                   pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m, **fields))
-            for parts in variants.dkdv_parts(head_dim_class(problem.head_dim),
-                                             head_dim_class(problem.head_dim_v)):
-                variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, parts)
-                tiles_m = tiles(problem.seqlen_k, variant.block_m)
-                launch(variant, device, tiles_m * problem.heads_k * problem.batch,
-                       pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m, **fields))
+        run = per_problem(problem, ("backward", strided_layout(problem, q, k, v, o, lse, do)),
+                          lambda: _backward_launches(problem, device, q, k, v, o, lse, do, dq, dk, dv, delta))
+        run(stream, call_fields(problem, q=q, k=k, v=v, o=o, lse=lse, dout=do, dq=dq, dk=dk, dv=dv, delta=delta,
+                                dsinks_rows=dsinks_rows), dq)
         grads = (dq, dk, dv) if dsinks_rows is None else (dq, dk, dv, sum_over_rows(problem, dsinks_rows))
     return grads
 
 
-def _dkdv_adding_dq(problem, device, variant, fields: dict, dq) -> None:
-    """The fused dK/dV launches, a chunk of kv heads each: dQ of the chunk's query heads is summed
-    in float32 (scaled, the head dim padded to its class) and then rounded into ``dq``.
+def _backward_launches(problem, device, q, k, v, o, lse, do, dq, dk, dv, delta):
+    """The backward's launches for the static problem and layout of these tensors, as a function
+    of a call's (stream, ``call_fields``, dq): delta, then dQ, dK and dV, in one kernel adding dQ
+    where ``fused_dq`` holds, else dQ's kernel and dK/dV's (two where ``dkdv_parts`` splits them)."""
+    varlen = problem.varlen
+    is_aligned = aligned(problem, q, k, v, o, do)
+    fields = dict(**auxiliary_fields(problem), **tensor_fields("q", q, varlen), **tensor_fields("k", k, varlen),
+                  **tensor_fields("v", v, varlen), **tensor_fields("o", o, varlen),
+                  **tensor_fields("do", do, varlen), **tensor_fields("dq", dq, varlen, 3),
+                  **tensor_fields("dk", dk, varlen, 3), **tensor_fields("dv", dv, varlen, 3),
+                  **row_stat_fields("lse", lse, varlen), **row_stat_fields("delta", delta, varlen),
+                  kv_head0=0, kv_heads=problem.heads_k)
+    rows = problem.total_q if varlen else problem.batch * problem.seqlen_q
+    delta_launch = KernelLaunch(variants.choose("delta", problem, is_aligned), device,
+                                tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, BACKWARD_PARAMS, **fields))
+    sm90 = variants.sm90_backward(problem, is_aligned, device.compute_capability)
+    if variants.fused_dq(problem, sm90, dq_sums_whole(problem)):
+        variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, dq_atomic=True)
+        gradients = _dkdv_adding_dq(problem, device, variant, fields, dq)
+    else:
+        variant = variants.choose("dq_sm90" if sm90 else "dq", problem, is_aligned)
+        tiles_m = tiles(problem.seqlen_q, variant.block_m)
+        launches = [KernelLaunch(variant, device, tiles_m * problem.heads_q * problem.batch,
+                                 pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m, **fields))]
+        for parts in variants.dkdv_parts(head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)):
+            variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, parts)
+            tiles_m = tiles(problem.seqlen_k, variant.block_m)
+            launches.append(KernelLaunch(variant, device, tiles_m * problem.heads_k * problem.batch,
+                                         pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m, **fields)))
+
+        def gradients(stream, call, dq):
+            for launch in launches:
+                launch(stream, call)
+
+    def run(stream, call, dq):
+        delta_launch(stream, call, np.int32(rows))
+        gradients(stream, call, dq)
+
+    return run
+
+
+def _dkdv_adding_dq(problem, device, variant, fields: dict, dq):
+    """The fused dK/dV launches, a chunk of kv heads each, as a function of a call's (stream,
+    ``call_fields``, dq): dQ of the chunk's query heads is summed in float32 (scaled, the head
+    dim padded to its class) and then rounded into ``dq``.
 
     The sums of a query head lie in panels of ``DQ_PANEL`` columns, each panel's rows contiguous:
     (B, heads, panels, Nq, DQ_PANEL), or (heads, panels, Tq, DQ_PANEL) packed, so that a query
@@ -411,15 +536,26 @@ def _dkdv_adding_dq(problem, device, variant, fields: dict, dq) -> None:
     tiles_m = tiles(problem.seqlen_k, variant.block_m)
     group, chunks = problem.group, kv_head_chunks(problem)
     batch, rows = dq.shape[:-3], dq.shape[-3]
-    buffer = torch.empty((*batch, chunks[0][1] * group, variant.dim_qk // DQ_PANEL, rows, DQ_PANEL),
-                         dtype=torch.float32, device=dq.device)
+    shape = (*batch, chunks[0][1] * group, variant.dim_qk // DQ_PANEL, rows, DQ_PANEL)
+    layout = torch.empty(shape, dtype=torch.float32, device="meta")  # the sums' strides, no memory
+    launches = []
     for first, heads in chunks:
-        sums = buffer.narrow(-4, 0, heads * group).zero_()
-        as_heads = sums.flatten(-4, -3).transpose(-3, -2)  # (B, Nq, heads * panels, DQ_PANEL), a view
+        as_heads = layout.narrow(-4, 0, heads * group).flatten(-4, -3).transpose(-3, -2)  # (B, Nq, heads * panels, DQ_PANEL)
         params = pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m,
                       **(fields | dict(kv_head0=first, kv_heads=heads) | tensor_fields("dq", as_heads, problem.varlen, 3)))
-        launch(variant, device, tiles_m * heads * problem.batch, params)
-        _round_sums(sums, dq[..., first * group:(first + heads) * group, :], problem.head_dim)
+        launches.append(KernelLaunch(variant, device, tiles_m * heads * problem.batch, params))
+
+    head_dim = problem.head_dim  # the function keeps no Problem (``per_problem``)
+
+    def run(stream, call, dq):
+        buffer = torch.empty(shape, dtype=torch.float32, device=dq.device)
+        call = call | {"dq": buffer.data_ptr()}  # every chunk's sums start at the buffer's start
+        for (first, heads), launch in zip(chunks, launches):
+            sums = buffer.narrow(-4, 0, heads * group).zero_()
+            launch(stream, call)
+            _round_sums(sums, dq[..., first * group:(first + heads) * group, :], head_dim)
+
+    return run
 
 
 def _round_sums(sums, dq, head_dim: int) -> None:

@@ -15,14 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flashx.backend import BUILT_LIMIT, per_static_problem
+from flashx.backend import tensor_layout as layout
 from flashx_triton import background, tuning
 from flashx_triton.dropout import dropout_args
-
-
-def layout(*tensors: torch.Tensor | None) -> tuple:
-    """What a launch depends on in tensors of a given problem (whose shapes and dtype are fixed):
-    their strides, and whether each is ``aligned``; None for an absent one."""
-    return tuple(None if x is None else (x.stride(), aligned(x)) for x in tensors)
 
 
 def aligned(x: torch.Tensor) -> bool:
@@ -31,26 +27,14 @@ def aligned(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0
 
 
-#: What was built for a static problem (``Problem.static_key``: what runs, not what it runs on)
-#: and a caller's key (the kernel, the layout of its tensors and of ``call_args``' tensors): a call of the
-#: same shapes and options skips everything built, whether or not it is the same Problem (calls
-#: with masks, lengths or a drawn seed are new Problems every time). Nothing built holds a Problem
-#: or a call's own values: those reach the kernels through ``call_args`` on every call.
+#: What was built for a static problem and a caller's key (the kernel, ``tensor_layout`` of its
+#: tensors and of ``call_args``' tensors): ``per_problem``.
 _built: dict[tuple, object] = {}
 
 
-_BUILT_LIMIT = 256  # past it the memory starts again empty
-
-
 def per_problem(problem, key, build):
-    """``build()``, made once per static problem and ``key``."""
-    full_key = (problem.static_key, key)
-    found = _built.get(full_key)
-    if found is None:
-        if len(_built) >= _BUILT_LIMIT:
-            _built.clear()
-        found = _built[full_key] = build()
-    return found
+    """``build()``, made once per static problem and ``key`` (``flashx.backend.per_static_problem``)."""
+    return per_static_problem(_built, problem, key, build)
 
 
 def call_args(problem) -> tuple[tuple, tuple]:
@@ -241,7 +225,7 @@ def flags(device: torch.device, programs: int) -> torch.Tensor:
     key = (device, stream, programs)
     found = buffers.get(key)
     if found is None:
-        if len(buffers) >= _BUILT_LIMIT:
+        if len(buffers) >= BUILT_LIMIT:
             buffers.clear()
         found = buffers[key] = torch.zeros((programs,), dtype=torch.int8, device=device)
     return found
