@@ -322,16 +322,16 @@ def test_sm90_backward_variants(kernel, dim_qk, dim_v):
 
 
 @pytest.mark.parametrize("capability, switch, changes, launched", [
-    ("90", None, {}, ["delta", "dkdv_sm90 adding dQ"]),  # fused_dq: flashx_dq_sm90 does not run
-    ("90", None, {"causal": True}, ["delta", "dkdv_sm90 adding dQ"]),  # a band: the sums in one launch
+    ("90", None, {}, ["delta", "dkdv_sm90 adding dQ", "dq_round"]),  # fused_dq: flashx_dq_sm90 does not run
+    ("90", None, {"causal": True}, ["delta", "dkdv_sm90 adding dQ", "dq_round"]),  # a band: the sums in one launch
     ("90", None, {"causal": True, "sums_whole_bytes": 0}, ["delta", "dq_sm90", "dkdv_sm90"]),  # or the split kernels
     ("90", None, {"deterministic": True}, ["delta", "dq_sm90", "dkdv_sm90"]),  # no atomics
-    ("90", "0", {}, ["delta", "dkdv adding dQ"]),  # the mma.sync kernel with its fused dQ
+    ("90", "0", {}, ["delta", "dkdv adding dQ", "dq_round"]),  # the mma.sync kernel with its fused dQ
     ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
-    ("80", None, {}, ["delta", "dkdv adding dQ"]),
+    ("80", None, {}, ["delta", "dkdv adding dQ", "dq_round"]),
     ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
-    ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv_sm90 adding dQ"]),
-    ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dkdv_sm90 adding dQ"]),
+    ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv_sm90 adding dQ", "dq_round"]),
+    ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dkdv_sm90 adding dQ", "dq_round"]),
     ("90", None, {"causal": True, "deterministic": True}, ["delta", "dq_sm90", "dkdv_sm90"]),
 ])
 def test_backward_launches(monkeypatch, capability, switch, changes, launched):
@@ -481,8 +481,9 @@ def test_dq_sums_in_chunks_of_kv_heads(batch, seqlen, heads_k, group, varlen):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_dq_sums_in_panels(monkeypatch, varlen):
     """The fused backward's dQ sums as the kernels address them (dkdv.cuh's dq_panel: a head's
-    panel i is head h * panels + i of DQ_PANEL columns) come back into dq, a launch a kv head, the
-    head dim's padding and rows past the sequences left out."""
+    panel i is head h * panels + i of DQ_PANEL columns) come back into dq by flashx_dq_round
+    (modelled here index for index), a launch a kv head, the head dim's padding and rows past the
+    sequences left out."""
     import ctypes
 
     import torch
@@ -490,15 +491,15 @@ def test_dq_sums_in_panels(monkeypatch, varlen):
     cu = np.array([0, 2, 5], np.int32)
     problem = _torch_problem(dtype="bfloat16", heads_q=6, heads_k=2, head_dim=100, head_dim_v=100,
                              **(dict(total_q=6, total_k=5, cu_seqlens_q=cu, cu_seqlens_k=cu) if varlen else {}))
-    variant = SimpleNamespace(dim_qk=128, block_m=128, threads=384, shared_memory=0)
+    variant = SimpleNamespace(kernel="dkdv_sm90", dim_qk=128, block_m=128, threads=384, shared_memory=0)
+    rounding = SimpleNamespace(kernel="dq_round", threads=256, shared_memory=0)
     panels = variant.dim_qk // launch.DQ_PANEL
     rows = [(start, end - start) for start, end in zip(cu, cu[1:])] if varlen else [(0, problem.seqlen_q)] * 2
 
     def value(b, h, i, c):  # small integers, exact in bfloat16
         return float((31 * b + 7 * h + 3 * i + c) % 97)
 
-    def kernel(variant, grid, params, extra):
-        p = params[0]
+    def add_sums(p):  # flashx_dkdv_sm90's additions, as dkdv.cuh addresses them
         for b, (start, length) in enumerate(rows):
             for hh in range(p["kv_heads"] * problem.group):
                 for i in range(length):
@@ -508,12 +509,36 @@ def test_dq_sums_in_panels(monkeypatch, varlen):
                         ctypes.c_float.from_address(int(p["dq"] + 4 * at)).value += value(
                             b, p["kv_head0"] * problem.group + hh, i, c)
 
+    def round_sums(p, r, grid):  # flashx_dq_round, thread by thread
+        flat = dq.view(-1)
+        for t in range(grid * rounding.threads):
+            panel, head, row = t % panels, t // panels % r["heads"], t // panels // r["heads"]
+            if row >= r["rows"]:
+                continue
+            sequence_rows = r["rows"] if varlen else p["seqlen_q"]
+            b, n = divmod(row, sequence_rows)
+            source = int(r["sums"]) + 4 * ((((b * r["heads"] + head) * panels + panel) * sequence_rows + n) * launch.DQ_PANEL)
+            for j in range(launch.DQ_PANEL):
+                if panel * launch.DQ_PANEL + j < p["head_dim"]:
+                    at = b * p["dq_b"] + n * p["dq_n"] + (r["head0"] + head) * p["dq_h"] + panel * launch.DQ_PANEL + j
+                    assert p["dq"] == dq.data_ptr()
+                    flat[at] = ctypes.c_float.from_address(source + 4 * j).value
+
+    def kernel(launched, grid, params, extra):
+        if launched.kernel == "dq_round":
+            chunk = extra[0].view(launch.DQ_ROUND)[0]
+            round_sums({name: int(params[0][name]) for name in ("dq", "dq_b", "dq_n", "dq_h", "seqlen_q", "head_dim")},
+                       {name: int(chunk[name]) for name in launch.DQ_ROUND.names}, grid)
+        else:
+            add_sums(params[0])
+
     monkeypatch.setattr(launch, "DQ_SUMS_WHOLE_BYTES", 0)
     monkeypatch.setattr(launch, "DQ_SUMS_BYTES", 1)  # a launch a kv head
     _route_launches(monkeypatch, None, kernel)
     shape = (6, 6, 100) if varlen else (2, 5, 6, 100)
     dq = torch.zeros(shape, dtype=torch.bfloat16)
-    launch._dkdv_adding_dq(problem, None, variant, {}, dq)(None, {}, dq)
+    params = launch.pack(problem, launch.BACKWARD_PARAMS, **launch.tensor_fields("dq", dq, varlen, 3))
+    launch._dkdv_adding_dq(problem, None, variant, {}, dq, rounding, params)(None, {"dq": dq.data_ptr()}, dq)
     want = torch.zeros(shape)
     for b, (start, length) in enumerate(rows):
         for h in range(6):
@@ -521,6 +546,14 @@ def test_dq_sums_in_panels(monkeypatch, varlen):
                 at = (start + i, h) if varlen else (b, i, h)
                 want[at] = torch.tensor([value(b, h, i, c) for c in range(100)])
     assert torch.equal(dq.float(), want)
+
+
+@pytest.mark.parametrize("layout, struct", [("DQ_ROUND", "DqRound")])
+def test_small_layouts_match_their_structs(layout, struct):
+    fields, end = _struct_fields("dq.cu", struct)
+    dtype = getattr(launch, layout)
+    assert [(name, dtype.fields[name][1], dtype.fields[name][0].itemsize) for name in dtype.names] == fields
+    assert dtype.itemsize == end
 
 
 # -- sources and cache keys ----------------------------------------------------------------
@@ -533,7 +566,7 @@ def test_source_inlines_the_headers():
     assert "void __launch_bounds__(THREADS, 1) flashx_dkdv" in variants.source("dkdv.cu")
     defined = {name: re.findall(r"__global__ void .*?(flashx_\w+)\(", variants.source(name))
                for name in ("dq.cu", "dkdv.cu", "dq_sm90.cu", "dkdv_sm90.cu")}
-    assert defined == {"dq.cu": ["flashx_delta", "flashx_dq"], "dkdv.cu": ["flashx_dkdv"],
+    assert defined == {"dq.cu": ["flashx_delta", "flashx_dq_round", "flashx_dq"], "dkdv.cu": ["flashx_dkdv"],
                        "dq_sm90.cu": ["flashx_dq_sm90"], "dkdv_sm90.cu": ["flashx_dkdv_sm90"]}
     for name in ("forward_sm90.cu", "dq_sm90.cu", "dkdv_sm90.cu"):  # the wgmma helpers, from one header
         assert variants.source(name).count("__device__ __forceinline__ u64 wgmma_desc(") == 1

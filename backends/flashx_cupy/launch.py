@@ -67,11 +67,14 @@ DECODE_PARAMS = _derived(
     ("cache_seqlens", "block_table", "k_new", "v_new", "o_part", "lse_part"),
     ("table_b", "kn_b", "kn_n", "kn_h", "kn_d", "vn_b", "vn_n", "vn_h", "vn_d"),
     ("new_tokens", "page_size", "splits"))
+#: The layout of ``struct DqRound`` (kernels/dq.cu): flashx_dq_round's second parameter.
+DQ_ROUND = np.dtype([("sums", np.uint64), ("rows", np.int32), ("head0", np.int32), ("heads", np.int32)], align=True)
 #: How a record travels to CuPy: as one opaque element of its size (by size: each layout's differs).
 #: CuPy finds a NumPy argument's address through ``__array_interface__``, which describes a
 #: structured dtype field by field, at a cost (tens of microseconds a launch) that an opaque
 #: element does not have.
 OPAQUE = {layout.itemsize: np.dtype((np.void, layout.itemsize)) for layout in (PARAMS, BACKWARD_PARAMS, DECODE_PARAMS)}
+DQ_ROUND_OPAQUE = np.dtype((np.void, DQ_ROUND.itemsize))
 
 
 def pack(problem, layout: np.dtype = PARAMS, **fields) -> np.ndarray:
@@ -494,12 +497,14 @@ def _backward_launches(problem, device, q, k, v, o, lse, do, dq, dk, dv, delta):
                   **row_stat_fields("lse", lse, varlen), **row_stat_fields("delta", delta, varlen),
                   kv_head0=0, kv_heads=problem.heads_k)
     rows = problem.total_q if varlen else problem.batch * problem.seqlen_q
+    params = pack(problem, BACKWARD_PARAMS, **fields)
     delta_launch = KernelLaunch(variants.choose("delta", problem, is_aligned), device,
-                                tiles(rows * problem.heads_q, variants.DELTA_WARPS), pack(problem, BACKWARD_PARAMS, **fields))
+                                tiles(rows * problem.heads_q, variants.DELTA_WARPS), params)
     sm90 = variants.sm90_backward(problem, is_aligned, device.compute_capability)
     if variants.fused_dq(problem, sm90, dq_sums_whole(problem)):
         variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, dq_atomic=True)
-        gradients = _dkdv_adding_dq(problem, device, variant, fields, dq)
+        rounding = variants.choose("dq_round", problem, is_aligned)
+        gradients = _dkdv_adding_dq(problem, device, variant, fields, dq, rounding, params)
     else:
         variant = variants.choose("dq_sm90" if sm90 else "dq", problem, is_aligned)
         tiles_m = tiles(problem.seqlen_q, variant.block_m)
@@ -522,10 +527,11 @@ def _backward_launches(problem, device, q, k, v, o, lse, do, dq, dk, dv, delta):
     return run
 
 
-def _dkdv_adding_dq(problem, device, variant, fields: dict, dq):
+def _dkdv_adding_dq(problem, device, variant, fields: dict, dq, rounding, params):
     """The fused dK/dV launches, a chunk of kv heads each, as a function of a call's (stream,
     ``call_fields``, dq): dQ of the chunk's query heads is summed in float32 (scaled, the head
-    dim padded to its class) and then rounded into ``dq``.
+    dim padded to its class), and then ``rounding`` (flashx_dq_round, its struct ``params``)
+    rounds the sums into ``dq``.
 
     The sums of a query head lie in panels of ``DQ_PANEL`` columns, each panel's rows contiguous:
     (B, heads, panels, Nq, DQ_PANEL), or (heads, panels, Tq, DQ_PANEL) packed, so that a query
@@ -536,37 +542,28 @@ def _dkdv_adding_dq(problem, device, variant, fields: dict, dq):
     tiles_m = tiles(problem.seqlen_k, variant.block_m)
     group, chunks = problem.group, kv_head_chunks(problem)
     batch, rows = dq.shape[:-3], dq.shape[-3]
-    shape = (*batch, chunks[0][1] * group, variant.dim_qk // DQ_PANEL, rows, DQ_PANEL)
+    rows_q = rows * (batch[0] if batch else 1)
+    panels = variant.dim_qk // DQ_PANEL
+    shape = (*batch, chunks[0][1] * group, panels, rows, DQ_PANEL)
     layout = torch.empty(shape, dtype=torch.float32, device="meta")  # the sums' strides, no memory
     launches = []
     for first, heads in chunks:
         as_heads = layout.narrow(-4, 0, heads * group).flatten(-4, -3).transpose(-3, -2)  # (B, Nq, heads * panels, DQ_PANEL)
-        params = pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m,
-                      **(fields | dict(kv_head0=first, kv_heads=heads) | tensor_fields("dq", as_heads, problem.varlen, 3)))
-        launches.append(KernelLaunch(variant, device, tiles_m * heads * problem.batch, params))
-
-    head_dim = problem.head_dim  # the function keeps no Problem (``per_problem``)
+        sums_params = pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m,
+                           **(fields | dict(kv_head0=first, kv_heads=heads) | tensor_fields("dq", as_heads, problem.varlen, 3)))
+        launches.append((KernelLaunch(variant, device, tiles_m * heads * problem.batch, sums_params),
+                         KernelLaunch(rounding, device, tiles(rows_q * heads * group * panels, rounding.threads), params),
+                         dict(rows=rows_q, head0=first * group, heads=heads * group)))
 
     def run(stream, call, dq):
         buffer = torch.empty(shape, dtype=torch.float32, device=dq.device)
-        call = call | {"dq": buffer.data_ptr()}  # every chunk's sums start at the buffer's start
-        for (first, heads), launch in zip(chunks, launches):
-            sums = buffer.narrow(-4, 0, heads * group).zero_()
-            launch(stream, call)
-            _round_sums(sums, dq[..., first * group:(first + heads) * group, :], head_dim)
+        sums = call | {"dq": buffer.data_ptr()}  # every chunk's sums start at the buffer's start
+        for (first, heads), (adding, round_sums, chunk) in zip(chunks, launches):
+            buffer.narrow(-4, 0, heads * group).zero_()
+            adding(stream, sums)
+            round_sums(stream, call, _packer(DQ_ROUND)(chunk | {"sums": buffer.data_ptr()}).view(DQ_ROUND_OPAQUE))
 
     return run
-
-
-def _round_sums(sums, dq, head_dim: int) -> None:
-    """``dq`` (B, Nq, heads, head_dim) or packed from the panels of ``sums``
-    (_dkdv_adding_dq's layout): whole panels, then the columns of a last partial one."""
-    panels = sums.movedim(-2, -4)  # (B, Nq, heads, panels, DQ_PANEL)
-    whole = head_dim // DQ_PANEL
-    if whole:
-        dq[..., :whole * DQ_PANEL].unflatten(-1, (whole, DQ_PANEL)).copy_(panels[..., :whole, :])
-    if head_dim % DQ_PANEL:
-        dq[..., whole * DQ_PANEL:].copy_(panels[..., whole, :head_dim % DQ_PANEL])
 
 
 def sum_over_rows(problem, terms):

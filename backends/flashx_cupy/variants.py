@@ -145,10 +145,12 @@ DECODE_BULK_ENV = "FLASHX_CUPY_DECODE_BULK"
 BULK_ROW_BYTES = 256  # the shortest cache row decoding copies in bulk (``decode_bulk``)
 FILES = {"forward": "forward.cu", "forward_sm90": "forward_sm90.cu", "forward_fp8_sm90": "forward_fp8_sm90.cu",
          "dq": "dq.cu", "dkdv": "dkdv.cu", "dkdv_sm90": "dkdv_sm90.cu", "dq_sm90": "dq_sm90.cu", "delta": "dq.cu",
+         "dq_round": "dq.cu",
          **{kernel: "decode.cu" for kernel in DECODE_KERNELS}}
 ENTRY_POINTS = {"forward": "flashx_forward", "forward_sm90": "flashx_forward_sm90",
                 "forward_fp8_sm90": "flashx_forward_fp8_sm90", "dq": "flashx_dq", "dkdv": "flashx_dkdv",
                 "dkdv_sm90": "flashx_dkdv_sm90", "dq_sm90": "flashx_dq_sm90", "delta": "flashx_delta",
+                "dq_round": "flashx_dq_round",
                 "decode": "flashx_decode", "decode_merge": "flashx_decode_merge", "decode_append": "flashx_decode_append"}
 #: Kernels built for one architecture: wgmma exists only in sm_90a code. CuPy appends its own
 #: ``-arch=sm_XX`` after these options; NVRTC keeps the architecture-specific target.
@@ -166,7 +168,9 @@ SM90_FORWARDS = ("forward_sm90", "forward_fp8_sm90")
 #: The buffers of the wgmma backward's rings, the streamed tiles in flight (``RING_STAGES`` in
 #: kernels/ring.cuh).
 RING_STAGES = 3
-#: The delta kernel lives in the dQ kernel's module (same macros, one build); a warp per row.
+#: The kernels that live in the dQ kernel's module (same macros, one build) beside it, by
+#: threads alone: delta and the fused backward's rounding of its dQ sums; DELTA_WARPS warps a CTA.
+DQ_MODULE_EXTRAS = ("delta", "dq_round")
 DELTA_WARPS = 8
 
 
@@ -174,7 +178,7 @@ DELTA_WARPS = 8
 class Variant:
     """One kernel specialised for a problem's dtype, head dims, tiles and features."""
 
-    kernel: str  # "forward" | "forward_sm90" | "forward_fp8_sm90" | "dq" | "dkdv" | "dq_sm90" | "dkdv_sm90" | "delta" | one of DECODE_KERNELS
+    kernel: str  # "forward" | "forward_sm90" | "forward_fp8_sm90" | "dq" | "dkdv" | "dq_sm90" | "dkdv_sm90" | one of DQ_MODULE_EXTRAS or DECODE_KERNELS
     dtype: str  # the data's; "forward_fp8_sm90": o's (out_dtype), its inputs being float8_e4m3fn
     dim_qk: int  # head-dim classes
     dim_v: int
@@ -204,7 +208,7 @@ class Variant:
     @property
     def threads(self) -> int:
         producer = PRODUCER_WARPS if self.kernel in PRODUCER_KERNELS else 0
-        return 32 * (DELTA_WARPS if self.kernel == "delta" else self.warps + producer)
+        return 32 * (DELTA_WARPS if self.kernel in DQ_MODULE_EXTRAS else self.warps + producer)
 
     @property
     def entry_point(self) -> str:
@@ -246,7 +250,7 @@ class Variant:
     @property
     def shared_memory(self) -> int:
         """Dynamic shared memory of one CTA in bytes: the carving at the top of each kernel."""
-        if self.kernel in ("delta", "decode_merge", "decode_append"):
+        if self.kernel in (*DQ_MODULE_EXTRAS, "decode_merge", "decode_append"):
             return 0
         size = ELEMENT_SIZES[self.dtype]
         if self.kernel == "decode":
@@ -296,7 +300,7 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
     (``flashx_cupy.tma.usable``)."""
     dim_qk, dim_v = head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)
     width = "8" if problem.fp8 else "32" if problem.dtype == "float32" else "16"
-    table = "dq" if kernel == "delta" else "dkdv_dq" if dq_atomic and kernel == "dkdv" else kernel
+    table = "dq" if kernel in DQ_MODULE_EXTRAS else "dkdv_dq" if dq_atomic and kernel == "dkdv" else kernel
     if kernel == "forward" and problem.mask is not None and ("forward_mask", width, max(dim_qk, dim_v)) in TILES:
         table = "forward_mask"
     v_buffers = 3
