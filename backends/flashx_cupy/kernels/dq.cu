@@ -23,9 +23,10 @@ __device__ bool row_of_tensor_has_key(const BackwardParams& p, int b, int n, int
 
 // The delta kernel's lanes a (row of the q tensor, query head): where the operands are ALIGNED, a
 // lane reads 16-byte chunks, and a row takes the lanes its DIM_V columns fill, up to the warp (a
-// d64 row 8 lanes of 16-bit chunks: four rows a warp); else the warp, element by element.
+// d64 row 8 lanes of 16-bit chunks: four rows a warp); else the warp, element by element. With
+// sinks a row is a warp's: whether it has a key is the warp's vote (row_has_key).
 constexpr int DELTA_STEP = ALIGNED ? CHUNK : 1;
-constexpr int DELTA_LANES = ALIGNED && DIM_V / CHUNK < 32 ? DIM_V / CHUNK : 32;
+constexpr int DELTA_LANES = ALIGNED && !SINKS && DIM_V / CHUNK < 32 ? DIM_V / CHUNK : 32;
 
 extern "C" __global__ void flashx_delta(const BackwardParams p, int rows) {
     // rows counts B * Nq (padded) or Tq (varlen); every lane takes part in the sums' shuffles.
@@ -55,15 +56,17 @@ extern "C" __global__ void flashx_delta(const BackwardParams p, int rows) {
     }
 #pragma unroll
     for (int offset = DELTA_LANES / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (!valid || lane != 0) return;
+    if (!valid) return;  // with sinks, the whole warp
+    bool has_key = true;
+    if constexpr (SINKS) has_key = row_of_tensor_has_key(p, b, n, h);
+    if (lane != 0) return;
     ((float*)p.delta)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] = sum;
     if constexpr (SINKS) {
         // d lse / d sink = exp(sink - lse) and d o / d sink = -exp(sink - lse) o give the row's term;
         // a row without an allowed key adds exactly 0, whatever its dO holds.
         const float lse = ((const float*)p.lse)[(i64)b * p.lse_b + (i64)h * p.lse_h + n];
         const float sink = ((const float*)p.sinks)[h];
-        ((float*)p.dsinks_rows)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] =
-            row_of_tensor_has_key(p, b, n, h) ? -expf(sink - lse) * sum : 0.f;
+        ((float*)p.dsinks_rows)[(i64)b * p.delta_b + (i64)h * p.delta_h + n] = has_key ? -expf(sink - lse) * sum : 0.f;
     }
 }
 
