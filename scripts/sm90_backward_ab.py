@@ -81,27 +81,32 @@ def main() -> None:
     folder = ref_kernels(args.ref)
     built: dict = {}
     state = {"ref": False, "events": {}}
-    plain = launch.launch
+    plain = launch._kernel
 
-    def timed(variant, device, grid, params, *extra):
+    def timed(variant, device):
+        kernel = plain(variant, device)
         if variant.kernel not in PRODUCTS:
-            return plain(variant, device, grid, params, *extra)
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        if state["ref"]:
-            threads, shared = ref_launch(variant)
-            function = built.get(variant)
-            if function is None:
-                text = variants.source(variants.FILES[variant.kernel], folder)
-                function = built[variant] = cupy.RawModule(code=text, options=variant.options).get_function(variant.entry_point)
-                function.max_dynamic_shared_size_bytes = shared
-            function((grid,), (threads,), (params.view(launch.OPAQUE[params.itemsize]), *extra), shared_mem=shared)
-        else:
-            plain(variant, device, grid, params, *extra)
-        end.record()
-        state["events"].setdefault(variant.kernel, []).append((start, end))
+            return kernel
 
-    launch.launch = timed
+        def run(grid, block, args, shared_mem=0, stream=None):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            if state["ref"]:
+                threads, shared = ref_launch(variant)
+                function = built.get(variant)
+                if function is None:
+                    text = variants.source(variants.FILES[variant.kernel], folder)
+                    function = built[variant] = cupy.RawModule(code=text, options=variant.options).get_function(variant.entry_point)
+                    function.max_dynamic_shared_size_bytes = shared
+                function(grid, (threads,), args, shared_mem=shared, stream=stream)
+            else:
+                kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
+            end.record(stream)
+            state["events"].setdefault(variant.kernel, []).append((start, end))
+
+        return run
+
+    launch._kernel = timed
     if args.no_fused_dq:
         variants.fused_dq = lambda problem, sm90, whole_sums: False
     for dim in args.dim:
