@@ -18,8 +18,8 @@ from flashx_cupy import CupyBackend, decode, launch, tma, unavailable_reason, va
 
 
 def _problem(**changes):
-    fields = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, varlen=False, seqlens_q=None, seqlens_k=None,
-                  mask=None, block_mask=None, dropout_p=0.0, deterministic=False, band=None, softcap=None,
+    fields = dict(dtype="bfloat16", seqlen_k=8192, head_dim=128, head_dim_v=128, varlen=False, seqlens_q=None,
+                  seqlens_k=None, mask=None, block_mask=None, dropout_p=0.0, deterministic=False, band=None, softcap=None,
                   alibi_slopes=None, sinks=None, softmax_scale=0.125)
     fields |= changes
     fp8 = fields["dtype"].startswith("float8")
@@ -215,7 +215,11 @@ def test_sm90_forward_variant(dim):
     ({"head_dim": 64, "head_dim_v": 128}, True, (128, 176, 8, 2)),  # the wider class picks
     ({"head_dim": 128, "head_dim_v": 64, "seqlens_k": object()}, True, (128, 176, 8, 2)),
     ({"head_dim": 64, "head_dim_v": 64}, True, (192, 128, 12, 3)),  # three warpgroups at d64
-    ({"head_dim": 40, "head_dim_v": 64, "band": (-1, 0)}, False, (192, 128, 12, 3)),
+    ({"head_dim": 40, "head_dim_v": 64, "band": (-1, 0)}, False, (128, 128, 8, 3)),  # two under a band
+    ({"seqlen_k": 2048}, True, (128, 128, 8, 3)),  # a short loop over key tiles: SHORT_TILE
+    ({"seqlen_k": 512, "head_dim": 64, "head_dim_v": 64}, False, (128, 128, 8, 3)),
+    ({"seqlen_k": 2049}, True, (128, 176, 8, 2)),
+    ({"seqlen_k": 512, "head_dim": 256, "head_dim_v": 256}, True, (128, 80, 8, 2)),  # d256 keeps its table
     ({"dtype": "float16", "head_dim": 64, "head_dim_v": 64, "varlen": True}, False, (192, 128, 12, 3)),
     ({"head_dim": 256, "head_dim_v": 256}, True, (128, 80, 8, 2)),  # FA3's 80 keys at d256, by TMA
     ({"head_dim": 160, "head_dim_v": 256, "band": (-1, 0)}, True, (128, 80, 8, 2)),

@@ -74,7 +74,9 @@ TILES = {
 #: The 16-bit wgmma forward ("forward_sm90"): (head-dim class, banded, TMA) -> (BLOCK_M, BLOCK_N,
 #: WARPS, V buffers), computing warpgroups of 64 query rows and BLOCK_N keys a tile (S's N), FA3's
 #: shapes. Banded is ``problem.band is not None`` (causal, window); TMA is ``tma.usable``. Where
-#: both head dims are of class 64, three warpgroups of 64 rows. At d128 without a band, 176 keys a
+#: both head dims are of class 64 and no band, three warpgroups of 64 rows (under a band two: on the
+#: H200, bf16, B*N = 16k, H = 32, causal TFLOP/s with three against two, N 8k 350/358, 4k 294/329,
+#: 1k 149/205). At d128 without a band, 176 keys a
 #: tile, where Q, two K and three V tiles and the first tile's zeros (kernels/forward_sm90.cuh) would
 #: exceed 227 KB: V takes two buffers and the zeros lie in one of them, which only TMA's producer
 #: serves (its tiles announce themselves); a band keeps 128 keys (fewer masked keys at its edges).
@@ -85,8 +87,8 @@ TILES = {
 FORWARD_SM90_TILES = {
     (64, False, False): (192, 128, 12, 3),
     (64, False, True): (192, 128, 12, 3),
-    (64, True, False): (192, 128, 12, 3),
-    (64, True, True): (192, 128, 12, 3),
+    (64, True, False): (128, 128, 8, 3),
+    (64, True, True): (128, 128, 8, 3),
     (128, False, False): (128, 128, 8, 3),
     (128, False, True): (128, 176, 8, 2),
     (128, True, False): (128, 128, 8, 3),
@@ -94,6 +96,14 @@ FORWARD_SM90_TILES = {
     (256, False, True): (128, 80, 8, 2),
     (256, True, True): (128, 80, 8, 2),
 }
+#: Problems of at most SHORT_KEYS keys (seqlen_k: a CTA's loop over key tiles) take SHORT_TILE at
+#: head dims up to 128, whatever the table says: where a CTA's loop is a few tiles long, two
+#: warpgroups and 128 keys beat the larger tiles. On the H200 (bf16, B*N = 16k, H*D = 2048, fwd
+#: TFLOP/s, the table's tile against SHORT_TILE): d64 without a band N 512 216/257, 1k 286/322, 2k
+#: 354/351, 4k 388/370; d128 without a band (176 keys) 512 291/376, 1k 413/469, 2k 495/517, 4k
+#: 581/532.
+SHORT_KEYS = 2048
+SHORT_TILE = (128, 128, 8, 3)
 #: The wgmma forward on float8_e4m3fn inputs: (head-dim class, banded) -> (BLOCK_M, BLOCK_N, WARPS).
 #: At d64 without a band, three warpgroups of 64 rows timed 462-471 TFLOP/s against 416-424 for two
 #: on the H200 (B=2, N=8k, H=32), and with a band 348-352 against 358-359; at d128 three warpgroups
@@ -306,6 +316,8 @@ def choose(kernel: str, problem, aligned: bool, dkdv_parts: int = 3, dq_atomic: 
     v_buffers = 3
     if kernel == "forward_sm90":
         block_m, block_n, warps, v_buffers = FORWARD_SM90_TILES[max(dim_qk, dim_v), problem.band is not None, tma]
+        if problem.seqlen_k <= SHORT_KEYS and max(dim_qk, dim_v) <= 128:
+            block_m, block_n, warps, v_buffers = SHORT_TILE
         if problem.dropout_p > 0 or problem.mask is not None or problem.block_mask is not None:
             # Philox's registers, or a mask's tests, spill beside S of 176 keys or in a third warpgroup
             block_m, block_n, warps, v_buffers = 128, 128, 8, 3
