@@ -1290,3 +1290,39 @@ def test_the_cache_directory_is_flashx_cache_dir_else_xdg_cache_home_else_home(m
     assert cache_directory() == tmp_path / "xdg" / "flashx"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_directory() == tmp_path / "home" / ".cache" / "flashx"
+
+
+def test_per_static_problem_builds_once_per_description_and_key(monkeypatch):
+    """A backend's memory (``flashx.backend.per_static_problem``) builds once per static problem
+    and key: calls that differ in a drawn seed share the build, other shapes or keys build anew,
+    and past BUILT_LIMIT the memory starts again empty."""
+    from flashx import backend as base
+    from flashx.problem import Problem
+
+    def problem(**changes):
+        fields = dict(array_kind="numpy", device="cpu", device_index=None, dtype="float32", batch=1, seqlen_q=4,
+                      seqlen_k=4, total_q=None, total_k=None, heads_q=2, heads_k=2, head_dim=8, head_dim_v=8,
+                      softmax_scale=0.5, dropout_p=0.1, seed=1)
+        return Problem(**(fields | changes))
+
+    memory, builds = {}, []
+
+    def build():
+        builds.append(1)
+        return len(builds)
+
+    assert base.per_static_problem(memory, problem(), "k", build) == 1
+    assert base.per_static_problem(memory, problem(seed=99), "k", build) == 1  # a call's own seed: the same build
+    assert base.per_static_problem(memory, problem(seqlen_q=5), "k", build) == 2
+    assert base.per_static_problem(memory, problem(), "other", build) == 3
+    monkeypatch.setattr(base, "BUILT_LIMIT", 3)
+    assert base.per_static_problem(memory, problem(head_dim=16), "k", build) == 4 and len(memory) == 1
+
+
+def test_tensor_layout_is_strides_and_alignment():
+    torch = pytest.importorskip("torch")
+    from flashx.backend import tensor_layout
+
+    x = torch.zeros(4, 8, dtype=torch.float16)
+    assert tensor_layout(x, None, x.t()) == (((8, 1), True), None, ((1, 8), True))
+    assert tensor_layout(x.view(-1)[1:])[0][1] is False  # 2 bytes past a 16-byte boundary
