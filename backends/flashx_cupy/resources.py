@@ -143,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m flashx_cupy.resources", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", nargs="+", default=["forward", "dq", "dkdv"],
                         choices=["forward", "forward_sm90", "forward_fp8_sm90", "dq", "dkdv", "dq_sm90", "dkdv_sm90",
-                                 *variants.DECODE_KERNELS])
+                                 *variants.DQ_MODULE_EXTRAS, *variants.DECODE_KERNELS])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=list(variants.DTYPE_CODES))
     parser.add_argument("--dim", nargs="+", type=int, default=list(variants.HEAD_DIM_CLASSES))
     parser.add_argument("--tile", help="BLOCK_MxBLOCK_NxWARPS instead of the shipped tiles (forward_sm90: xV_BUFFERS too)")
@@ -169,7 +169,8 @@ def main() -> None:
                     tiles = {tiles for (served, _), tiles in variants.FORWARD_FP8_TILES.items() if served == dim}
                 else:
                     width = "32" if dtype == "float32" else "16"
-                    table = "dkdv_dq" if features.get("dq_atomic") and kernel == "dkdv" else kernel
+                    table = ("dq" if kernel in variants.DQ_MODULE_EXTRAS
+                             else "dkdv_dq" if features.get("dq_atomic") and kernel == "dkdv" else kernel)
                     tiles = {variants.TILES[table, width, dim]} if (table, width, dim) in variants.TILES else set()
                 if args.tile:
                     tiles = {tuple(map(int, args.tile.split("x")))}
