@@ -88,13 +88,16 @@ def pack(problem, layout: np.dtype = PARAMS, **fields) -> np.ndarray:
         right=right,
         block_q=problem.block_mask.block_size[0] if problem.block_mask is not None else 1,
         block_k=problem.block_mask.block_size[1] if problem.block_mask is not None else 1,
-        rng_offset=np.uint32(problem.rng_offset_words[0]).view(np.int32),
         drop_threshold=np.uint32(problem.dropout_threshold).view(np.int32),
-        seed=problem.seed,
         drop_row0=problem.dropout_offsets[0],
         drop_col0=problem.dropout_offsets[1],
         drop_scale=problem.dropout_scale,
-    ) | fields)
+    ) | dropout_draw(problem) | fields)
+
+
+def dropout_draw(problem) -> dict:
+    """The struct's fields that a call draws: dropout's seed and the low word of its RNG offset."""
+    return dict(seed=problem.seed, rng_offset=np.uint32(problem.rng_offset_words[0]).view(np.int32))
 
 
 def record(problem, layout: np.dtype, values: dict) -> np.ndarray:
@@ -306,7 +309,7 @@ def call_fields(problem, **tensors) -> dict:
         if array is not None:
             fields[name] = array.data_ptr()
     if problem.dropout_p > 0:
-        fields.update(seed=problem.seed, rng_offset=np.uint32(problem.rng_offset_words[0]).view(np.int32))
+        fields.update(dropout_draw(problem))
     return fields
 
 
