@@ -170,23 +170,38 @@ struct KeyRows {
             }
     }
 
+    // Whether a row statistic of the step (``stats``: its BLOCK_N LSEs or Ds) is non-finite. A row's
+    // D (rowsum(dO * O) in float32) is non-finite wherever its dO is, as inf * 0 and inf - inf are
+    // NaN; so is its LSE wherever its Q is, every allowed score then being infinite or NaN, unless
+    // a softcap caps the scores or a sink keeps the LSE of scores all -inf finite (p.sinks: the
+    // dK/dV kernels are built without SINKS, as P comes from the LSE). Every warp reads the same
+    // values and agrees without a barrier.
+    __device__ __forceinline__ bool rows_nonfinite(const float* stats) const {
+        bool bad = false;
+        for (int i = threadIdx.x % 32; i < BLOCK_N; i += 32) bad |= (__float_as_uint(stats[i]) & 0x7f800000u) == 0x7f800000u;
+        return __any_sync(0xffffffffu, bad);
+    }
+
     // A tile of which some pair reads no dO (and, if masked, no Q): the outputs whose allowed
     // pairs read a non-finite dO or Q element made NaN, and those elements cleared before the
-    // products (exact.cuh).
+    // products (exact.cuh). A tile is scanned only where its rows' D (for dO) or LSE (for Q) leave
+    // it in doubt (rows_nonfinite): each scan is a barrier of the computing threads, which every
+    // masked step, and with dropout every step, would otherwise meet.
     template <bool MASKED>
     __device__ __forceinline__ void exact_operands(int h, int m) {
         elem_t* q = q_tile();
         elem_t* dout = do_tile();
         bool bad_do = false, bad_q = false;
         if constexpr (DKDV_PARTS & 2) {
-            bad_do = tile_nonfinite<BLOCK_N, DIM_V, Tiles::V_PITCH>(dout);
+            bad_do = rows_nonfinite(sDelta + buf * BLOCK_N) && tile_nonfinite<BLOCK_N, DIM_V, Tiles::V_PITCH>(dout);
             if (bad_do)
                 poison_allowed<ATOMS, BLOCK_N, DIM_V, typename Tiles::template V<BLOCK_N>>(
                     [this, h, m](int r, int j) { return reads_do<MASKED>(h, m, r, j); }, dout, nan_at<ATOMS, DIM_V>(dv));
         }
         if constexpr (DKDV_PARTS & 1) {
             // Dropped pairs still read Q (dS = -P D): only masked tiles need the exact dK.
-            bad_q = MASKED && tile_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(q);
+            bad_q = MASKED && (SOFTCAP || p.sinks || rows_nonfinite(sLse + buf * BLOCK_N))
+                    && tile_nonfinite<BLOCK_N, DIM_QK, Tiles::QK_PITCH>(q);
             if (bad_q)
                 poison_allowed<ATOMS, BLOCK_N, DIM_QK, typename Tiles::template QK<BLOCK_N>>(
                     [this, h, m](int r, int j) { return allowed<MASKED>(h, m, r, j); }, q, nan_at<ATOMS, DIM_QK>(dk));
