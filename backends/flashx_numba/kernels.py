@@ -398,10 +398,12 @@ def delta_kernel(dtype: str):
 @device_function
 def gradient_pair(p, dp, delta, keep, drop_scale):
     """(weight of dO in dV, dS) of one allowed pair: P * Z / (1 - p) and P * (dP - delta), where
-    dP = dO . v * Z / (1 - p) (dropped pairs: SKIP, and dP = 0)."""
+    dP = dO . v * Z / (1 - p) (dropped pairs: SKIP, and dP = 0). dS is +0, never -0 (the weight
+    SKIP), where P = 0 and dP < delta: the pair still multiplies its operands, and an infinite
+    entry of q or k gives NaN there, as the contract's arithmetic does."""
     if keep:
-        return p * drop_scale, p * (dp * drop_scale - delta)
-    return SKIP, p * (np.float32(0) - delta)
+        return p * drop_scale, p * (dp * drop_scale - delta) + np.float32(0)
+    return SKIP, p * (np.float32(0) - delta) + np.float32(0)
 
 
 @functools.cache

@@ -56,8 +56,9 @@ def device_function(function):
 
 #: The P or dS written for a pair that adds nothing (disallowed, or dropped): -0.0. Its term is
 #: skipped, not multiplied: 0 * NaN is NaN, and NaN or inf in data that only such pairs read
-#: must not reach any output. An allowed pair's P is never -0.0 (exp() >= +0); its dS is where
-#: P = 0, a term that adds 0 anyway unless the row's own data hold an infinity.
+#: must not reach any output. An allowed pair's P is never -0.0 (exp() >= +0), nor its dS, which
+#: would be where P = 0 and dP < delta: the kernels add +0 to it, so that an infinity in the
+#: row's own data still gives NaN (``kernels.gradient_pair``, ``score_mods.through_softcap``).
 SKIP = np.float32(-0.0)
 NEG_INF = np.float32(-np.inf)  # float32, so that no computation widens to float64
 

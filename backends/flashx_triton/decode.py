@@ -82,7 +82,8 @@ from flashx_triton.arguments import dot_precision, tile_widths
 from flashx_triton.fp8 import cache_values, descale_factors, fp8_mode, quantized_e4m3
 from flashx_triton.launch import Launch, layout
 from flashx_triton.products import dot, masked_dot
-from flashx_triton.score_mods import LOG2E, descaled_scores, modified_scores, score_mod_args, score_rule, with_sink
+from flashx_triton.score_mods import (LOG2E, ROW_MAX_START, descaled_scores, modified_scores, score_mod_args,
+                                      score_rule, with_sink)
 
 PROGRAMS_PER_SM = 2  # the most split programs an SM is counted to hold (the module docstring says why)
 RESERVED_SHARED = 1024  # shared memory the driver keeps per program beside the kernel's
@@ -164,11 +165,9 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
             s, _ = modified_scores(dot(q, tl.trans(k), None, DOT_PRECISION), i[:, None], cols[None, :], scale_log2,
                                    rule, SOFTCAP, ALIBI, FAST_TANH)
             s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_ref[:, None])
-            alpha = tl.exp2(m_i - m_ref)
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # never -inf: ROW_MAX_START
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = masked_dot(p.to(v.dtype), v, ok, acc * alpha[:, None], True, DOT_PRECISION)
         else:
@@ -277,7 +276,7 @@ def _split_kernel(
         scale_log2, rule = descaled_scores(scale_log2, rule, score_factor)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], ROW_MAX_START, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for part in tl.static_range(3):  # masked tiles, full tiles, masked tiles: in key order
         if part == 0:

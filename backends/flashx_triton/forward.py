@@ -35,8 +35,8 @@ from flashx_triton.loads import last_dim_contiguous, load_rows, lse_strides, row
 from flashx_triton.masking import (MASKED_PARTS, allowed_pairs, band_part, band_parts, band_tiles, diagonal_part,
                                    pair_rule, query_tile)
 from flashx_triton.products import dot, masked_dot, pv_operand
-from flashx_triton.score_mods import (LOG2E, alibi_split, descaled_scores, modified_scores, score_mod_args, score_rule,
-                                      with_sink)
+from flashx_triton.score_mods import (LOG2E, ROW_MAX_START, alibi_split, descaled_scores, modified_scores,
+                                      score_mod_args, score_rule, with_sink)
 
 
 @triton.jit
@@ -90,12 +90,10 @@ def _attend_tiles(acc, m_i, l_i, q, k_desc, v_desc, k_base, v_base, seq, k_start
                     s += key_terms[None, :]
                 if MASKED:
                     s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1) + row_terms)
-                # A row with nothing allowed yet keeps m = -inf; subtract 0 there, not -inf.
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                m_new = tl.maximum(m_i, tl.max(s, 1) + row_terms)  # never -inf: ROW_MAX_START
                 # Every p of a row is taken against its one rounded max, as its sum and LSE are.
-                p = tl.exp2(s - (m_ref - row_terms)[:, None])
-                alpha = tl.exp2(m_i - m_ref)
+                p = tl.exp2(s - (m_new - row_terms)[:, None])
+                alpha = tl.exp2(m_i - m_new)
             else:  # a row's max is max(q k^T) * scale: one multiply less per score
                 m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
                 p = tl.exp2(s * scale_log2 - m_new[:, None])
@@ -165,7 +163,7 @@ def _forward_kernel(
                                 mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM), other=0.0), FP8 == "emulated")
 
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], ROW_MAX_START, dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             first, full_lo, full_hi, end = band_tiles(m0, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_MASK or HAS_BLOCK_MASK)
@@ -192,7 +190,8 @@ def _forward_kernel(
             if not EXACT:  # the plain launch, which only a problem with masked tiles has (Passes)
                 finite = flag_nonfinite(REDO, tl.sum(tl.sum(acc, 1), 0))
 
-            # l_i == 0 only where no key was allowed (the row max contributes 1); NaN rows stay NaN.
+            # l_i == 0 only where no key was allowed or every allowed score is -inf (the row max
+            # contributes 1 otherwise): o = 0, lse = the sink or -inf, either way. NaN rows stay NaN.
             empty = (l_i == 0.0) | (rows >= q_len)
             if HAS_SINKS:  # a row without keys keeps the sink alone: lse = sink exactly, o = 0
                 sink = tl.load(SINKS + h)

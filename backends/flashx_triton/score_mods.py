@@ -19,6 +19,11 @@ import triton.language as tl
 from flashx_triton import tuning
 
 LOG2E = tl.constexpr(1.4426950408889634)
+#: Where a row's running max starts: the lowest finite float, not -inf. A row whose max were still
+#: -inf (no key allowed yet, or only -inf scores from an infinity in q or k, which full tiles do not
+#: mask) would take p = exp2(-inf - -inf) = NaN where p must be 0 and its sum stay 0. Every finite
+#: score is at least this, so the max is the row's as before, and no tile pays for a guard.
+ROW_MAX_START = tl.constexpr(-3.4028234663852886e38)
 
 
 def score_mod_args(problem, scale: float) -> dict:

@@ -172,6 +172,25 @@ def test_score_mods_nan_and_inf(flashx_target, flashx_rng):
     assert np.isnan(got["o"][1, has_key, 2]).all() and np.isfinite(got["o"][1, :, 3]).all()
 
 
+@pytest.mark.parametrize("mod, dtype", diagonal(["softcap", "sinks"], ["target", "float16", "bfloat16"]), ids=str)
+def test_score_mods_infinite_query(flashx_target, flashx_rng, mod, dtype):
+    """A -inf entry of q whose row keeps a finite lse: the softcap caps the row's infinite scores,
+    and a sink is the lse of a row whose scores are all -inf. dk is NaN at that column for exactly
+    the keys the row may read: the keys past its causal edge share its tiles' products, not its
+    pairs. A kernel that trusts a finite lse to mean a finite q fails here."""
+    seqlen_k, dtype = (45, flashx_target.dtype) if dtype == "target" else (77, dtype)
+    mods = {"softcap": 2.0} if mod == "softcap" else {"sinks": np.array([0.5, -1.0, 1.5, 0.25])}
+    case = make_case(flashx_rng, seqlen_q=45, seqlen_k=seqlen_k, heads_q=4, heads_k=2, head_dim=32, dtype=dtype,
+                     causal=True, **mods)
+    case.inputs["k"][1, :, 1, 5] = np.abs(case.inputs["k"][1, :, 1, 5]) + 0.25  # each score of the row -inf, none NaN
+    where = np.zeros(case.inputs["q"].shape, dtype=bool)
+    where[1, 20, 3, 5] = True  # query head 3 reads kv head 1
+    got = flashx_target.check(case.with_poison("q", where, -math.inf))
+    allowed = np.arange(seqlen_k) <= 20 + seqlen_k - 45
+    assert np.isfinite(got["lse"][1, 3, 20]), "the row's lse is not finite: the case tests nothing"
+    assert np.isnan(got["dk"][1, allowed, 1, 5]).all() and np.isfinite(got["dk"][1, ~allowed, 1, 5]).all()
+
+
 @pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "softcap"])
 def test_score_mods_sinks_merge_once(flashx_target, flashx_rng, softcap):
     """Keys split in two parts, the sink given to one of them only, or to neither and merged as
