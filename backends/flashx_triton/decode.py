@@ -188,8 +188,8 @@ def _attend_tiles(acc, m_i, l_i, q, K_HEAD, V_HEAD, TABLE_ROW, mask_rows, t_lo, 
 def _outputs(m, l, SINKS, h, HAS_SINKS: tl.constexpr):
     """(the factor that turns a row's accumulator into o, its lse in natural log) from its running
     max ``m`` and sum ``l`` in base 2, with the sink's column of query head ``h`` joined once under
-    HAS_SINKS. l = 0 only where no key was allowed (a row's maximum contributes 1): o = 0 there,
-    and lse = the sink, or -inf. NaN rows stay NaN."""
+    HAS_SINKS. l = 0 only where no key was allowed or every allowed score is -inf (a row's maximum
+    contributes 1 otherwise): o = 0 there, and lse = the sink, or -inf. NaN rows stay NaN."""
     empty = l == 0.0
     if HAS_SINKS:
         sink = tl.load(SINKS + h)
