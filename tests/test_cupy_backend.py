@@ -676,7 +676,7 @@ def test_each_kernel_takes_its_layout():
         if kernel in ("forward_sm90", "forward_fp8_sm90"):  # named by a macro, defined in forward_sm90.cuh
             entry = "FORWARD_SM90"
         assert re.search(rf"\b{entry}\(const {struct} p\b", text), kernel
-    assert len(launch.OPAQUE) == 3  # each layout's size its own
+    assert len(launch.OPAQUE) == 4  # each layout's size its own: Params, BackwardParams, DecodeParams, DqRound
 
 
 def test_pack():

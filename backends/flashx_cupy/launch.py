@@ -73,8 +73,8 @@ DQ_ROUND = np.dtype([("sums", np.uint64), ("rows", np.int32), ("head0", np.int32
 #: CuPy finds a NumPy argument's address through ``__array_interface__``, which describes a
 #: structured dtype field by field, at a cost (tens of microseconds a launch) that an opaque
 #: element does not have.
-OPAQUE = {layout.itemsize: np.dtype((np.void, layout.itemsize)) for layout in (PARAMS, BACKWARD_PARAMS, DECODE_PARAMS)}
-DQ_ROUND_OPAQUE = np.dtype((np.void, DQ_ROUND.itemsize))
+OPAQUE = {layout.itemsize: np.dtype((np.void, layout.itemsize))
+          for layout in (PARAMS, BACKWARD_PARAMS, DECODE_PARAMS, DQ_ROUND)}
 
 
 def pack(problem, layout: np.dtype = PARAMS, **fields) -> np.ndarray:
@@ -564,7 +564,7 @@ def _dkdv_adding_dq(problem, device, variant, fields: dict, dq, rounding, params
         for (first, heads), (adding, round_sums, chunk) in zip(chunks, launches):
             buffer.narrow(-4, 0, heads * group).zero_()
             adding(stream, sums)
-            round_sums(stream, call, _packer(DQ_ROUND)(chunk | {"sums": buffer.data_ptr()}).view(DQ_ROUND_OPAQUE))
+            round_sums(stream, call, _packer(DQ_ROUND)(chunk | {"sums": buffer.data_ptr()}).view(OPAQUE[DQ_ROUND.itemsize]))
 
     return run
 

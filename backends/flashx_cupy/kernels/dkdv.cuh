@@ -178,7 +178,7 @@ struct KeyRows {
     // values and agrees without a barrier.
     __device__ __forceinline__ bool rows_nonfinite(const float* stats) const {
         bool bad = false;
-        for (int i = threadIdx.x % 32; i < BLOCK_N; i += 32) bad |= (__float_as_uint(stats[i]) & 0x7f800000u) == 0x7f800000u;
+        for (int i = threadIdx.x % 32; i < BLOCK_N; i += 32) bad |= !finite_float(stats[i]);
         return __any_sync(0xffffffffu, bad);
     }
 

@@ -26,13 +26,15 @@ __device__ __forceinline__ elem_t from_float(float f) {
 #endif
 }
 
+__device__ __forceinline__ bool finite_float(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+
 __device__ __forceinline__ bool finite_bits(elem_t x) {
 #if DTYPE == 0
     return (x & 0x7c00u) != 0x7c00u;
 #elif DTYPE == 1
     return (x & 0x7f80u) != 0x7f80u;
 #else
-    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+    return finite_float(x);
 #endif
 }
 
