@@ -290,8 +290,8 @@ def test_sm90_forward_tiles_restore():
     ({}, "100", True, False),
     ({}, "90", False, False),  # cp.async copies 16-byte chunks
     ({"dtype": "float32"}, "90", True, False),
-    ({"head_dim_v": 256}, "90", True, False),  # dK and dV in two launches
-    ({"head_dim": 256, "head_dim_v": 64}, "90", True, False),
+    ({"head_dim_v": 256}, "90", True, True),  # dK and dV in two launches, steps of 32 rows
+    ({"head_dim": 256, "head_dim_v": 256, "dropout_p": 0.1, "band": (-1, 0)}, "90", True, True),
 ])
 def test_sm90_backward_choice(monkeypatch, changes, capability, is_aligned, sm90):
     monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
@@ -301,24 +301,31 @@ def test_sm90_backward_choice(monkeypatch, changes, capability, is_aligned, sm90
 
 
 @pytest.mark.parametrize("kernel", ["dq_sm90", "dkdv_sm90"])
-@pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128)])
+@pytest.mark.parametrize("dim_qk, dim_v", [(64, 64), (128, 128), (64, 128), (256, 256), (128, 256), (256, 64)])
 def test_sm90_backward_variants(kernel, dim_qk, dim_v):
     """Two computing warpgroups of 64 resident rows, a producer warpgroup, and steps of 64 streamed
-    rows through a ring of buffers, each stage with two barriers and its item; swizzled tiles start
-    on 1024-byte boundaries; the builds target sm_90a."""
+    rows (32 at d256) through a ring of buffers, each stage with two barriers and its item: three
+    stages unless the carve would pass 227 KiB; swizzled tiles start on 1024-byte boundaries; the
+    builds target sm_90a and see the ring's stages."""
+    widest = max(dim_qk, dim_v)
     variant = variants.choose(kernel, _problem(head_dim=dim_qk, head_dim_v=dim_v), aligned=True)
-    assert (variant.block_m, variant.block_n, variant.warps) == (128, 64, 8)
+    assert (variant.block_m, variant.block_n, variant.warps) == (128, 64 if widest <= 128 else 32, 8)
     assert variant.threads == 32 * (variant.warps + variants.PRODUCER_WARPS)
     assert (variant.dkdv_parts, variant.dq_atomic) == (3, False)
     size = variants.ELEMENT_SIZES[variant.dtype]
     tiles = [rows * dim * size for rows in (variant.block_m, variant.block_n) for dim in (dim_qk, dim_v)]
     assert all(bytes_ % 1024 == 0 for bytes_ in tiles)
+
     # the resident tiles, the ring's streamed ones, then dK/dV's LSE and D a stage or dQ's allowed pairs of a
     # tile; the ring's two mbarriers, item and cover a stage
-    stages = variants.RING_STAGES
-    extra = stages * 2 * variant.block_n * 4 if kernel == "dkdv_sm90" else variant.block_m * variant.block_n
-    assert (variant.shared_memory == tiles[0] + tiles[1] + stages * (tiles[2] + tiles[3]) + extra + stages * (2 * 8 + 2 * 4)
-            <= 227 * 1024)
+    def carve(stages):
+        extra = stages * 2 * variant.block_n * 4 if kernel == "dkdv_sm90" else variant.block_m * variant.block_n
+        return tiles[0] + tiles[1] + stages * (tiles[2] + tiles[3]) + extra + stages * (2 * 8 + 2 * 4)
+
+    stages = variants.RING_STAGES if carve(variants.RING_STAGES) <= 227 * 1024 else 2
+    assert variant.ring_stages == stages and variant.shared_memory == carve(stages) <= 227 * 1024
+    assert f"-DRING_STAGES={stages}" in variant.options
+    assert (kernel, widest, stages) != ("dkdv_sm90", 256, 2)  # three stages fit beside K and V at d256
     assert "--gpu-architecture=sm_90a" in variant.options and variant.entry_point == f"flashx_{kernel}"
     assert f"#define PRODUCER_THREADS {32 * variants.PRODUCER_WARPS} " in (variants.KERNELS / variants.FILES[kernel]).read_text()
     assert f"#define RING_STAGES {variants.RING_STAGES} " in (variants.KERNELS / "ring.cuh").read_text()
@@ -333,7 +340,8 @@ def test_sm90_backward_variants(kernel, dim_qk, dim_v):
     ("90", "0", {}, ["delta", "dkdv adding dQ", "dq_round"]),  # the mma.sync kernel with its fused dQ
     ("90", "0", {"causal": True}, ["delta", "dq", "dkdv"]),
     ("80", None, {}, ["delta", "dkdv adding dQ", "dq_round"]),
-    ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),  # dK, then dV
+    ("90", None, {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq_sm90", "dkdv_sm90", "dkdv_sm90"]),  # dK, then dV
+    ("90", "0", {"head_dim": 256, "head_dim_v": 256}, ["delta", "dq", "dkdv", "dkdv"]),
     ("90", None, {"head_dim": 64, "head_dim_v": 64}, ["delta", "dkdv_sm90 adding dQ", "dq_round"]),
     ("90", None, {"head_dim": 64, "head_dim_v": 64, "causal": True}, ["delta", "dkdv_sm90 adding dQ", "dq_round"]),
     ("90", None, {"causal": True, "deterministic": True}, ["delta", "dq_sm90", "dkdv_sm90"]),

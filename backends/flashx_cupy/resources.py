@@ -175,7 +175,7 @@ def main() -> None:
                 if args.tile:
                     tiles = {tuple(map(int, args.tile.split("x")))}
                 for tile in sorted(tiles):  # none: a head dim this kernel does not serve
-                    for parts in variants.dkdv_parts(dim, dim) if kernel == "dkdv" else (3,):
+                    for parts in variants.dkdv_parts(dim, dim) if kernel in ("dkdv", "dkdv_sm90") else (3,):
                         variant = variants.Variant(kernel, dtype, dim, dim, *tile, dkdv_parts=parts, **features)
                         report(variant, args.arch, args.blocks)
 

@@ -65,11 +65,15 @@ TILES = {
     # 80 for 128 on the H100 (bf16, N=8k, d128; mask and dropout 56.5 against 49.5).
     ("forward_mask", "16", 128): (64, 64, 4),
     # The wgmma backward: two warpgroups of 64 keys (dK/dV) or query rows (dQ), 64 of the other
-    # a step (the scores and dP beside the sums in registers).
+    # a step (the scores and dP beside the sums in registers). At d256 a step takes 32, so that the
+    # resident tiles (128 rows of 512 bytes, 128 KiB) leave room for a ring of streamed ones, and
+    # dK and dV take a launch each (``dkdv_parts``).
     ("dkdv_sm90", "16", 64): (128, 64, 8),
     ("dkdv_sm90", "16", 128): (128, 64, 8),
+    ("dkdv_sm90", "16", 256): (128, 32, 8),
     ("dq_sm90", "16", 64): (128, 64, 8),
     ("dq_sm90", "16", 128): (128, 64, 8),
+    ("dq_sm90", "16", 256): (128, 32, 8),
 }
 #: The 16-bit wgmma forward ("forward_sm90"): (head-dim class, banded, TMA) -> (BLOCK_M, BLOCK_N,
 #: WARPS, V buffers), computing warpgroups of 64 query rows and BLOCK_N keys a tile (S's N), FA3's
@@ -175,9 +179,12 @@ PRODUCER_WARPS = 4
 PRODUCER_KERNELS = ("forward_sm90", "forward_fp8_sm90", "dkdv_sm90", "dq_sm90")
 #: The wgmma forwards, whose row max is over the dot products unless ``negative_scale`` (forward.cuh).
 SM90_FORWARDS = ("forward_sm90", "forward_fp8_sm90")
+SM90_BACKWARDS = ("dkdv_sm90", "dq_sm90")
 #: The buffers of the wgmma backward's rings, the streamed tiles in flight (``RING_STAGES`` in
-#: kernels/ring.cuh).
+#: kernels/ring.cuh), unless fewer must fit shared memory (``Variant.ring_stages``).
 RING_STAGES = 3
+#: Shared memory a CTA may take on compute capability 9.0.
+SM90_SHARED_BYTES = 227 * 1024
 #: The kernels that live in the dQ kernel's module (same macros, one build) beside it, by
 #: threads alone: delta and the fused backward's rounding of its dQ sums; DELTA_WARPS warps a CTA.
 DQ_MODULE_EXTRAS = ("delta", "dq_round")
@@ -249,7 +256,26 @@ class Variant:
                 "BULK": int(self.decode_bulk)} if self.kernel in DECODE_KERNELS else {}),
             **({"TMA": int(self.tma), "V_BUFFERS": self.v_buffers} if self.kernel == "forward_sm90" else {}),
             **({"NEGATIVE_SCALE": int(self.negative_scale)} if self.kernel in SM90_FORWARDS else {}),
+            **({"RING_STAGES": self.ring_stages} if self.kernel in SM90_BACKWARDS else {}),
         }
+
+    def sm90_backward_shared_memory(self, stages: int) -> int:
+        """The wgmma backward kernels' carve with a ring of ``stages``: swizzled, unpadded, the
+        resident tiles (K and V, or Q and dO), the ring's streamed ones, the fused dQ's two dS^T tiles
+        and each warpgroup's float32 staging of its 64 columns of dQ, then dK/dV's LSE and D a stage
+        or dQ's allowed pairs of a tile; each stage's two barriers, item and cover (ring.cuh)."""
+        size = ELEMENT_SIZES[self.dtype]
+        extra = stages * 2 * self.block_n * 4 if self.kernel == "dkdv_sm90" else self.block_m * self.block_n
+        fused = (2 * self.block_m * self.block_n * size + self.warps // 4 * self.block_n * 64 * 4
+                 if self.dq_atomic else 0)
+        return (size * (self.block_m + stages * self.block_n) * (self.dim_qk + self.dim_v) + fused + extra
+                + stages * (2 * 8 + 2 * 4))
+
+    @property
+    def ring_stages(self) -> int:
+        """The wgmma backward's ring: RING_STAGES, or two where three would pass SM90_SHARED_BYTES
+        (dQ's kernel at d256)."""
+        return RING_STAGES if self.sm90_backward_shared_memory(RING_STAGES) <= SM90_SHARED_BYTES else 2
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -281,17 +307,8 @@ class Variant:
         if self.kernel == "forward_fp8_sm90":  # bytes: Q and two K tiles of 128-byte rows, three V^T tiles, zeros; barriers
             vt_keys = -(-self.block_n // 128) * 128  # V^T's rows: whole panels of 128 keys
             return 128 * (self.block_m + 2 * self.block_n) + 4 * self.dim_v * vt_keys + 128
-        if self.kernel in ("dkdv_sm90", "dq_sm90"):
-            # swizzled, unpadded: the resident tiles (K and V, or Q and dO), a ring of the streamed ones,
-            # the fused dQ's two dS^T tiles and each warpgroup's float32 staging of its 64 columns of
-            # dQ, then dK/dV's LSE and D a stage or dQ's allowed pairs of a tile; each stage's two
-            # barriers, item and cover (ring.cuh)
-            stages = RING_STAGES
-            extra = stages * 2 * self.block_n * 4 if self.kernel == "dkdv_sm90" else self.block_m * self.block_n
-            fused = (2 * self.block_m * self.block_n * size + self.warps // 4 * self.block_n * 64 * 4
-                     if self.dq_atomic else 0)
-            return (size * (self.block_m + stages * self.block_n) * (self.dim_qk + self.dim_v) + fused + extra
-                    + stages * (2 * 8 + 2 * 4))
+        if self.kernel in SM90_BACKWARDS:
+            return self.sm90_backward_shared_memory(self.ring_stages)
         pad = 16 // size
         ld_qk, ld_v = self.dim_qk + pad, self.dim_v + pad
         m, n = self.block_m, self.block_n
@@ -462,14 +479,13 @@ def sm90_backward(problem, aligned: bool, compute_capability: str) -> bool:
     ``compute_capability`` (CuPy's "90" form): flashx_dkdv_sm90 adding dQ where ``fused_dq`` holds,
     else flashx_dq_sm90 and flashx_dkdv_sm90, which add no atomics and so serve deterministic calls.
 
-    They run on compute capability 9.0 for 16-bit problems whose operands are all ``aligned``, with
-    head dims up to 128, and take every feature of the pair rule, dropout and the score
-    modifications (dq.cuh's and dkdv.cuh's, shared with the mma.sync kernels). flashx_dq and
-    flashx_dkdv (mma.sync) serve every other problem, every GPU, and all problems where the
-    environment sets ``SM90_BACKWARD_ENV`` to "0".
+    They run on compute capability 9.0 for 16-bit problems whose operands are all ``aligned``, at
+    every head dim (d256 in steps of 32 rows, dK and dV in a launch each: TILES), and take every
+    feature of the pair rule, dropout and the score modifications (dq.cuh's and dkdv.cuh's, shared
+    with the mma.sync kernels). flashx_dq and flashx_dkdv (mma.sync) serve every other problem,
+    every GPU, and all problems where the environment sets ``SM90_BACKWARD_ENV`` to "0".
     """
-    widest = max(head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v))
-    return (compute_capability == "90" and problem.dtype != "float32" and aligned and widest <= 128
+    return (compute_capability == "90" and problem.dtype != "float32" and aligned
             and os.environ.get(SM90_BACKWARD_ENV, "1") != "0")
 
 

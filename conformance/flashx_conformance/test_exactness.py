@@ -48,6 +48,34 @@ def test_exactness(flashx_target, flashx_rng, shape, dtype):
     flashx_target.check(case)
 
 
+#: The widest head dims (class 256, alone and beside 128) under each feature that changes a
+#: backward's steps, over lengths that cross the tiles a backend takes there (CuPy's wgmma backward:
+#: 128 keys a CTA, steps of 32 query rows, dK and dV in a launch each). (D, Dv) and the options.
+WIDE_DIMS = [(256, 256), (256, 128), (128, 256), (192, 256)]
+WIDE_FEATURES = {
+    "plain": lambda rng: {},
+    "causal-gqa": lambda rng: dict(causal=True, heads_q=4, heads_k=2),
+    "window": lambda rng: dict(window=(37, 11)),
+    "dropout": lambda rng: dict(dropout_p=0.2, seed=11, rng_offset=5, causal=True),
+    "mask": lambda rng: dict(mask=rng.random((2, 2, 70, 150)) < 0.3),
+    "mods": lambda rng: dict(causal=True, softcap=3.0, alibi_slopes=np.array([0.5, 0.25]), sinks=np.array([0.5, -1.0])),
+    "seqlens": lambda rng: dict(seqlens_q=np.array([70, 33], np.int32), seqlens_k=np.array([150, 129], np.int32),
+                                causal=True),
+}
+
+
+@pytest.mark.parametrize("feature, dims, dtype", [
+    pytest.param(feature, dims, dtype, marks=full_only)
+    for (feature, dims), dtype in zip([(f, d) for f in WIDE_FEATURES for d in WIDE_DIMS],
+                                      ["bfloat16", "float16"] * len(WIDE_FEATURES) * len(WIDE_DIMS))], ids=str)
+def test_widest_head_dims(flashx_target, flashx_rng, feature, dims, dtype):
+    """Forward and backward at head dims of class 256 with each feature, 16-bit (the tensor-core paths)."""
+    head_dim, head_dim_v = dims
+    options = dict(batch=2, seqlen_q=70, seqlen_k=150, heads_q=2) | WIDE_FEATURES[feature](flashx_rng)
+    case = make_case(flashx_rng, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, **options)
+    flashx_target.check(case)
+
+
 GQA = [(4, 4), (4, 2), (14, 2), (8, 1), (7, 1), (21, 3)]  # ratios 1, 2, 7, MQA, MQA, 7
 
 

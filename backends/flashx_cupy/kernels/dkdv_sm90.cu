@@ -1,16 +1,18 @@
 // flashx_dkdv_sm90: dK and dV on Hopper's warpgroup products (wgmma, sm_90a), for 16-bit
-// problems of head-dim classes 64 and 128, beside flashx_dq_sm90, or with DQ_ATOMIC adding dQ
-// itself (backward.cuh says how the kernels divide the work). The semantics are dkdv.cuh's, shared
-// with flashx_dkdv: only the products, the layout of the tiles and who copies them differ.
+// problems, beside flashx_dq_sm90, or with DQ_ATOMIC adding dQ itself (backward.cuh says how the
+// kernels divide the work). The semantics are dkdv.cuh's, shared with flashx_dkdv: only the
+// products, the layout of the tiles and who copies them differ.
 //
-// A CTA holds 128 keys, two computing warpgroups of 64, and streams query tiles of 64 rows. A
+// A CTA holds 128 keys, two computing warpgroups of 64, and streams query tiles of BLOCK_N rows. A
 // producer warpgroup (PRODUCER_THREADS, as in forward_sm90.cu) runs the schedule and copies K and
 // V, then each step's Q, dO, LSE and D by cp.async into a ring of RING_STAGES buffers on mbarriers
 // (ring.cuh). No barrier of the whole CTA stands in the loop, so the two computing warpgroups
 // drift apart and one's pointwise work overlaps the other's products. The accumulators stay in
 // registers: dK and dV (64 x DIM per warpgroup, DIM / 2 floats a thread each) beside the step's
-// S^T and dP^T (64 x 64, 32 floats each), which is why a query tile is 64 rows, and why the
-// producer gives up its registers to the computing threads (ring.cuh).
+// S^T and dP^T (64 x BLOCK_N, BLOCK_N / 2 floats each), which is why a query tile is at most 64
+// rows, and why the producer gives up its registers to the computing threads (ring.cuh). At d256
+// a launch holds one of dK and dV (DKDV_PARTS: 128 floats a thread), and a query tile is 32 rows,
+// so that a ring of three fits beside the resident K and V (128 KiB).
 //
 // Every tile lies in wgmma's 128-byte swizzle (Swizzle128), so that one copy of a Q tile serves
 // both products that read it, and likewise dO:
@@ -50,9 +52,9 @@
 #include "bulk_reduce.cuh"
 
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS == 8, "two warpgroups, one 16-key atom a warp");
-static_assert(BLOCK_M == 128 && BLOCK_N == 64, "64 keys a warpgroup; 64 queries a step (poison_allowed's bits)");
-static_assert((DIM_QK == 64 || DIM_QK == 128) && (DIM_V == 64 || DIM_V == 128), "the products' N: 64 or 128");
-static_assert(DKDV_PARTS == 3, "both sums in one launch");
+static_assert(BLOCK_M == 128 && (BLOCK_N == 64 || BLOCK_N == 32), "64 keys a warpgroup; 32 or 64 queries a step (poison_allowed's bits)");
+static_assert(DIM_QK % 64 == 0 && DIM_V % 64 == 0, "the products' N: 64, 128 or 256");
+static_assert((DKDV_PARTS == 3) == (DIM_QK <= 128 && DIM_V <= 128), "both sums in one launch up to d128, one of them at d256");
 
 // The producer warpgroup (threads THREADS .. THREADS + PRODUCER_THREADS - 1): the schedule of
 // steps, K and V with the first, each step's rows into the ring (ring.cuh).
@@ -124,22 +126,25 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
     // Step ``step``, whose rows lie in buffers ``buf``.
     template <bool MASKED>
     __device__ __forceinline__ void accumulate(int step) {
+        constexpr bool DK = DKDV_PARTS & 1, DV = DKDV_PARTS & 2;
         constexpr bool EXACT = MASKED || DROPOUT;  // some pair of the tile reads no dO (and, if masked, no Q)
-        constexpr bool SPLIT = !DROPOUT && !SOFTCAP;  // dS^T from P^T and dP^T alone, after P^T
-        constexpr bool EARLY_DV = SPLIT && !EXACT;    // ... and no operand to clear before dV's product
+        constexpr bool SPLIT = DK && !DROPOUT && !SOFTCAP;  // dS^T from P^T and dP^T alone, after P^T
+        constexpr bool EARLY_DV = DV && SPLIT && !EXACT;    // ... and no operand to clear before dV's product
         const int h = head_of(step), m = row_of(step);
         const u32 q_addr = smem_addr(q_tile()), do_addr = smem_addr(do_tile());
 
         // K-major operands in this swizzle ignore the leading byte offset (16 by convention); a
         // step of 16 along the head dim is an offset within the 128-byte rows, or the next panel.
         float pt[1][BLOCK_N / 8][4];   // S^T, then P^T, then P^T Z / (1 - p)
-        float dst[1][BLOCK_N / 8][4];  // dP^T, then dS^T
+        float dst[1][BLOCK_N / 8][4];  // dP^T, then dS^T (DK)
         const u64 q_k = wgmma_desc(q_addr, 16), do_k = wgmma_desc(do_addr, 16);
         wgmma_fence();
         wgmma_ss_whole_k<BLOCK_N, DIM_QK, BLOCK_M, BLOCK_N>(pt[0], k_desc, q_k);
         wgmma_commit();
-        wgmma_ss_whole_k<BLOCK_N, DIM_V, BLOCK_M, BLOCK_N>(dst[0], v_desc, do_k);
-        wgmma_commit();
+        if constexpr (DK) {
+            wgmma_ss_whole_k<BLOCK_N, DIM_V, BLOCK_M, BLOCK_N>(dst[0], v_desc, do_k);
+            wgmma_commit();
+        }
 
         u32 pf[BLOCK_N / 16][4];
         if constexpr (SPLIT) {
@@ -155,10 +160,10 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
         }
         wgmma_wait<EARLY_DV ? 1 : 0>();  // dP^T (and S^T); dV's product runs on
         if constexpr (!SPLIT) fence_registers<BLOCK_N>(pt[0]);
-        fence_registers<BLOCK_N>(dst[0]);
+        if constexpr (DK) fence_registers<BLOCK_N>(dst[0]);
         probs_and_grads<MASKED, !SPLIT, true>(h, m, pt, dst);
         if constexpr (EXACT) exact_operands<MASKED>(h, m);
-        if constexpr (!EARLY_DV) {
+        if constexpr (DV && !EARLY_DV) {
             to_fragments<BLOCK_N>(pt[0], pf);
             wgmma_fence();
             issue_rs<DIM_V>(dv[0], pf, do_addr);
@@ -167,15 +172,17 @@ struct KeyCtaSm90 : KeyRows<SwizzledTiles> {
         store_ds(ds_tile(), dst);
         issue_dk_dq(q_addr);
 #else
-        u32 dsf[BLOCK_N / 16][4];
-        to_fragments<BLOCK_N>(dst[0], dsf);
-        wgmma_fence();
-        issue_rs<DIM_QK>(dk[0], dsf, q_addr);
+        if constexpr (DK) {
+            u32 dsf[BLOCK_N / 16][4];
+            to_fragments<BLOCK_N>(dst[0], dsf);
+            wgmma_fence();
+            issue_rs<DIM_QK>(dk[0], dsf, q_addr);
+        }
 #endif
         wgmma_commit();
         wgmma_wait<0>();  // the fragments die with the step, and the buffers are free
-        fence_registers<DIM_V>(dv[0]);
-        fence_registers<DIM_QK>(dk[0]);
+        if constexpr (DV) fence_registers<DIM_V>(dv[0]);
+        if constexpr (DK) fence_registers<DIM_QK>(dk[0]);
 #if DQ_ATOMIC
         fence_registers<64>(dq_share[0]);
 #endif

@@ -1,12 +1,14 @@
-// flashx_dq_sm90: dQ on Hopper's warpgroup products (wgmma, sm_90a), for 16-bit problems of
-// head-dim classes 64 and 128, beside flashx_dkdv_sm90 (backward.cuh says how the kernels divide
-// the work). The semantics are dq.cuh's, shared with flashx_dq: only the products and the layout
-// of the tiles differ. flashx_delta stays in dq.cu's module.
+// flashx_dq_sm90: dQ on Hopper's warpgroup products (wgmma, sm_90a), for 16-bit problems, beside
+// flashx_dkdv_sm90 (backward.cuh says how the kernels divide the work). The semantics are dq.cuh's,
+// shared with flashx_dq: only the products and the layout of the tiles differ. flashx_delta stays
+// in dq.cu's module.
 //
 // The forward's shape: a CTA holds 128 query rows, two computing warpgroups of 64, with Q and dO
-// resident, and streams key tiles of 64. A producer warpgroup, as in flashx_dkdv_sm90, runs the
-// schedule and copies Q and dO, then each key tile's K and V by cp.async into a ring of
-// RING_STAGES buffers on mbarriers (ring.cuh): no barrier of the whole CTA stands in the loop.
+// resident, and streams key tiles of BLOCK_N: 64, or 32 at d256, where Q and dO take 128 KiB and a
+// ring of two stages fits beside them (variants.Variant.ring_stages). A producer warpgroup, as in
+// flashx_dkdv_sm90, runs the schedule and copies Q and dO, then each key tile's K and V by
+// cp.async into a ring of RING_STAGES buffers on mbarriers (ring.cuh): no barrier of the whole
+// CTA stands in the loop.
 // Every tile lies in wgmma's 128-byte swizzle, so that one copy of a K tile serves both products
 // that read it:
 //   S   = Q K^T    A = Q, B = K, both K-major (the head dim is the product's K): wgmma_ss;
@@ -24,8 +26,8 @@
 #include "ring.cuh"
 
 static_assert(TENSOR_CORES && ATOMS == 1 && WARPS == 8, "two warpgroups, one 16-row atom a warp");
-static_assert(BLOCK_M == 128 && BLOCK_N == 64, "64 rows a warpgroup; 64 keys a tile (poison_allowed's bits)");
-static_assert((DIM_QK == 64 || DIM_QK == 128) && (DIM_V == 64 || DIM_V == 128), "the products' N: 64 or 128");
+static_assert(BLOCK_M == 128 && (BLOCK_N == 64 || BLOCK_N == 32), "64 rows a warpgroup; 32 or 64 keys a tile (poison_allowed's bits)");
+static_assert(DIM_QK % 64 == 0 && DIM_V % 64 == 0, "the products' N: 64, 128 or 256");
 
 // The producer warpgroup (threads THREADS .. THREADS + PRODUCER_THREADS - 1): the schedule of key
 // tiles, Q and dO with the first, each tile's K and V into the ring.

@@ -14,7 +14,9 @@
 // (128 * (24 + 2 * 240) = 384 * 168), as FA3 does; at 232, the forward's split, ptxas serializes
 // the dK/dV kernel's d128 products (info C7512).
 
-#define RING_STAGES 3  // the buffers of a ring (variants.RING_STAGES)
+#ifndef RING_STAGES
+#define RING_STAGES 3  // the buffers of a ring (variants.Variant.ring_stages)
+#endif
 
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;"); }
 __device__ __forceinline__ void compute_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;"); }

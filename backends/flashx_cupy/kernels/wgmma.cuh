@@ -18,8 +18,11 @@
 #define WGMMA_TYPES ".f32.bf16.bf16"
 #endif
 
-// The accumulator operands of a product of N = 64 (32 registers a thread), 128 (64) or 176 (88).
+// The accumulator operands of a product of N = 32 (16 registers a thread), 64 (32), 128 (64) or
+// 176 (88).
 #define WGMMA_D4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define WGMMA_D16(d) WGMMA_D4(d, 0), WGMMA_D4(d, 1), WGMMA_D4(d, 2), WGMMA_D4(d, 3)
+#define WGMMA_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define WGMMA_D32(d, i)                                                                             \
     WGMMA_D4(d, i), WGMMA_D4(d, i + 1), WGMMA_D4(d, i + 2), WGMMA_D4(d, i + 3), WGMMA_D4(d, i + 4), \
         WGMMA_D4(d, i + 5), WGMMA_D4(d, i + 6), WGMMA_D4(d, i + 7)
@@ -96,6 +99,11 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b) {
                      "wgmma.mma_async.sync.aligned.m64n128k16" WGMMA_TYPES " " WGMMA_R64 ", %64, %65, acc, 1, 1, %67, %68;\n}"
                      : WGMMA_D32(d, 0), WGMMA_D32(d, 8)
                      : "l"(a), "l"(b), "n"((int)ACCUMULATE), "n"((int)A_MN), "n"((int)B_MN));
+    else if constexpr (N == 32)
+        asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16" WGMMA_TYPES " " WGMMA_R16 ", %16, %17, acc, 1, 1, %19, %20;\n}"
+                     : WGMMA_D16(d)
+                     : "l"(a), "l"(b), "n"((int)ACCUMULATE), "n"((int)A_MN), "n"((int)B_MN));
     else if constexpr (N == 176)
         asm volatile("{\n.reg .pred acc;\nsetp.ne.b32 acc, %90, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n176k16" WGMMA_TYPES " " WGMMA_R88 ", %88, %89, acc, 1, 1, %91, %92;\n}"
@@ -106,7 +114,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], u64 a, u64 b) {
                      "wgmma.mma_async.sync.aligned.m64n80k16" WGMMA_TYPES " " WGMMA_R40 ", %40, %41, acc, 1, 1, %43, %44;\n}"
                      : WGMMA_D40(d)
                      : "l"(a), "l"(b), "n"((int)ACCUMULATE), "n"((int)A_MN), "n"((int)B_MN));
-    static_assert(N == 64 || N == 128 || N == 176 || N == 80, "a product's N: 64, 128, 176 or 80");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 176 || N == 80, "a product's N: 32, 64, 128, 176 or 80");
 }
 
 // The descriptor's step along K by k (a multiple of 16) in a Swizzle128<ROWS> tile: along its
