@@ -38,12 +38,13 @@ def _fresh_launches(monkeypatch):
 
 
 def _route_launches(monkeypatch, device, record):
-    """The forward's and backward's launches on ``device`` call ``record(variant, grid, params,
-    extra)`` (``params``: the struct as its layout) instead of a kernel."""
+    """The forward's and backward's launches on ``device`` (an H100's 132 SMs) call ``record(variant,
+    grid, params, extra)`` (``params``: the struct as its layout) instead of a kernel."""
     import contextlib
 
     layouts = {layout.itemsize: layout for layout in (launch.PARAMS, launch.BACKWARD_PARAMS)}
     monkeypatch.setattr(launch, "caller_stream", lambda problem, x: contextlib.nullcontext((device, None)))
+    monkeypatch.setattr(launch, "device_size", lambda device_id: (132, 228 * 1024))
 
     def kernel_of(variant, device):
         def kernel(grid, block, args, shared_mem, stream):
@@ -372,6 +373,51 @@ def test_backward_launches(monkeypatch, capability, switch, changes, launched):
     assert kernels == launched
 
 
+@pytest.mark.parametrize("band, kernel, ctas, inner", [
+    ((-1, 0), "dkdv_sm90", 4096, True),  # causal: the backward's kernels at every size
+    ((-1, 0), "dq", 10**6, True),
+    ((-1, 0), "forward_sm90", 8 * 132, True),  # the forward while its grid is short
+    ((-1, 0), "forward_sm90", 8 * 132 + 1, False),
+    ((-1, 5), "dkdv", 64, True),  # a right side still leaves the left unbounded
+    (None, "dkdv_sm90", 64, False),  # no band: every tile of a head does the same work
+    ((1024, 0), "dkdv_sm90", 64, False),  # a window: likewise, but for its first tiles
+    ((16, -1), "dq_sm90", 64, False),  # the mirror band's heaviest tiles lie at the other end
+])
+def test_heads_inner(band, kernel, ctas, inner):
+    """The grid's order (kernels/scheduling.cuh): a sequence's heads innermost under a causal band,
+    in the forward only while its grid holds at most FORWARD_INNER_CTAS_PER_SM CTAs an SM."""
+    assert variants.heads_inner(_problem(band=band), kernel, ctas, 132) is inner
+
+
+@pytest.mark.parametrize("causal, seqlen, inner", [(True, 128, (1, 1, 1)), (False, 128, (0, 0, 0)),
+                                                   (True, 70_000, (0, 1, 1))])
+def test_heads_inner_packed(monkeypatch, causal, seqlen, inner):
+    """Each launch packs tiles_m and heads_inner for its own grid: the forward's (3 heads of 2
+    sequences, 128 query rows a CTA) takes heads innermost only while it is short; the backward's
+    kernels always under a causal band."""
+    import torch
+
+    monkeypatch.delenv(variants.SM90_BACKWARD_ENV, raising=False)
+    problem = _torch_problem(dtype="bfloat16", head_dim=64, head_dim_v=64, seqlen_q=seqlen, seqlen_k=seqlen,
+                             causal=causal, deterministic=True)
+    q, do, o = (torch.zeros(2, seqlen, 3, 64, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.zeros(2, seqlen, 1, 64, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.zeros(problem.lse_shape)
+    device = SimpleNamespace(id=0, compute_capability="90")
+    packed = {}
+
+    def record(variant, grid, params, extra):
+        if variant.kernel in ("forward_sm90", "dq_sm90", "dkdv_sm90"):
+            assert grid == params[0]["tiles_m"] * params[0]["batch"] * (3 if variant.kernel != "dkdv_sm90" else 1)
+            packed[variant.kernel] = int(params[0]["heads_inner"])
+
+    _route_launches(monkeypatch, device, record)
+    monkeypatch.setattr(launch.tma, "kernel_argument", lambda variant, k, v: np.zeros(1))
+    launch.forward(problem, q, k, v)
+    launch.backward(problem, q, k, v, o, lse, do)
+    assert (packed["forward_sm90"], packed["dq_sm90"], packed["dkdv_sm90"]) == inner
+
+
 def _nvrtc():
     """cuda-bindings' NVRTC, or a skip where it or its library is missing."""
     try:
@@ -546,11 +592,12 @@ def test_dq_sums_in_panels(monkeypatch, varlen):
 
     monkeypatch.setattr(launch, "DQ_SUMS_WHOLE_BYTES", 0)
     monkeypatch.setattr(launch, "DQ_SUMS_BYTES", 1)  # a launch a kv head
-    _route_launches(monkeypatch, None, kernel)
+    device = SimpleNamespace(id=0)
+    _route_launches(monkeypatch, device, kernel)
     shape = (6, 6, 100) if varlen else (2, 5, 6, 100)
     dq = torch.zeros(shape, dtype=torch.bfloat16)
     params = launch.pack(problem, launch.BACKWARD_PARAMS, **launch.tensor_fields("dq", dq, varlen, 3))
-    launch._dkdv_adding_dq(problem, None, variant, {}, dq, rounding, params)(None, {"dq": dq.data_ptr()}, dq)
+    launch._dkdv_adding_dq(problem, device, variant, {}, dq, rounding, params)(None, {"dq": dq.data_ptr()}, dq)
     want = torch.zeros(shape)
     for b, (start, length) in enumerate(rows):
         for h in range(6):

@@ -90,7 +90,8 @@ class CupyBackend(flashx.Backend):
         """How many parts of each sequence's keys ``decode`` computes in parallel for ``problem``:
         its ``num_splits``, or this backend's own choice for ``num_splits=0`` on the problem's GPU."""
         from flashx_cupy import variants
-        from flashx_cupy.decode import count_splits, device_size
+        from flashx_cupy.decode import count_splits
+        from flashx_cupy.launch import device_size
 
         variant = variants.choose_decode("decode", problem, aligned=True)  # alignment picks no tile
         return count_splits(problem, variant, *device_size(problem.device_index or 0))

@@ -25,7 +25,7 @@ import functools
 
 from flashx.splits import decode_splits
 from flashx_cupy import variants
-from flashx_cupy.launch import (DECODE_PARAMS, aligned, caller_stream, launch, record, row_stat_fields,
+from flashx_cupy.launch import (DECODE_PARAMS, aligned, caller_stream, device_size, launch, record, row_stat_fields,
                                 score_mod_fields, tiles)
 
 #: Shared memory the driver keeps per CTA beside its dynamic shared memory.
@@ -107,12 +107,3 @@ def ctas_per_sm(variant, shared_per_sm: int) -> int:
     """How many CTAs of the split kernel an SM holds by their shared memory and threads."""
     by_shared = shared_per_sm // (variant.shared_memory + RESERVED_SHARED_PER_CTA)
     return max(1, min(by_shared, MAX_THREADS_PER_SM // variant.threads))
-
-
-@functools.cache
-def device_size(device_id: int) -> tuple[int, int]:
-    """(SMs, shared memory per SM in bytes) of a GPU."""
-    import cupy
-
-    attributes = cupy.cuda.Device(device_id).attributes
-    return attributes["MultiProcessorCount"], attributes["MaxSharedMemoryPerMultiprocessor"]

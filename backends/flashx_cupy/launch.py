@@ -28,7 +28,8 @@ _STRIDES = ("q_b", "q_n", "q_h", "q_d", "k_b", "k_n", "k_h", "k_d", "v_b", "v_n"
             "lse_b", "lse_h", "mask_b", "mask_h", "mask_i", "mask_j", "blocks_b", "blocks_h", "blocks_i", "blocks_j",
             "alibi_b")
 _INTS = ("batch", "heads_q", "heads_k", "group", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0")
+         "left", "right", "block_q", "block_k", "rng_offset", "drop_threshold", "tiles_m", "drop_row0", "drop_col0",
+         "heads_inner")
 _FLOATS = ("scale", "scale_log2", "drop_scale", "softcap_scale", "softcap_log2")
 
 #: The layout of ``struct Params`` (kernels/common.cuh): the forward kernels' arguments, and the
@@ -332,6 +333,25 @@ def tiles(rows: int, block: int) -> int:
     return -(-rows // block)
 
 
+@functools.cache
+def device_size(device_id: int) -> tuple[int, int]:
+    """(SMs, shared memory per SM in bytes) of a GPU."""
+    import cupy
+
+    attributes = cupy.cuda.Device(device_id).attributes
+    return attributes["MultiProcessorCount"], attributes["MaxSharedMemoryPerMultiprocessor"]
+
+
+def tile_grid(problem, variant: variants.Variant, device, rows: int, heads: int) -> tuple[int, dict]:
+    """The grid of a kernel whose CTAs take tiles of ``variant.block_m`` of ``rows`` rows a head, of
+    ``heads`` heads a sequence, and the fields that say how to read it (kernels/scheduling.cuh):
+    tiles_m and heads_inner."""
+    tiles_m = tiles(rows, variant.block_m)
+    ctas = tiles_m * heads * problem.batch
+    inner = variants.heads_inner(problem, variant.kernel, ctas, device_size(device.id)[0])
+    return ctas, dict(tiles_m=tiles_m, heads_inner=int(inner))
+
+
 #: The fused backward's float32 dQ sums (four bytes an element of dQ, its head dim padded to its
 #: class) take one launch where they fit this much memory, as FA3's dQ accumulator holds them all:
 #: launches of a few kv heads each pay their own causal tail and the clearing and rounding of their
@@ -396,13 +416,13 @@ def _forward_launch(problem, device, q, k, v, o, lse):
     by_tma = tma.usable(problem, k, v)
     kernel = variants.forward_kernel(problem, is_aligned, device.compute_capability, by_tma)
     variant = variants.choose(kernel, problem, is_aligned, tma=kernel == "forward_sm90" and by_tma)
-    tiles_m = tiles(problem.seqlen_q, variant.block_m)
+    ctas, grid_fields = tile_grid(problem, variant, device, problem.seqlen_q, problem.heads_q)
     v_fields = ({"v_b": v.stride(0), "v_h": v.stride(1), "v_n": v.stride(2), "v_d": 1} if problem.fp8
                 else tensor_fields("v", v, varlen))  # FP8: (B, Hk, Dv, Nk'), keys contiguous
-    params = pack(problem, tiles_m=tiles_m, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
+    params = pack(problem, **grid_fields, **auxiliary_fields(problem), **tensor_fields("q", q, varlen),
                   **tensor_fields("k", k, varlen), **v_fields, **tensor_fields("o", o, varlen),
                   **row_stat_fields("lse", lse, varlen))
-    run = KernelLaunch(variant, device, tiles_m * problem.heads_q * problem.batch, params)
+    run = KernelLaunch(variant, device, ctas, params)
     if kernel not in variants.SM90_FORWARDS:
         return lambda stream, fields, k, v: run(stream, fields)
     maps = {}
@@ -510,14 +530,12 @@ def _backward_launches(problem, device, q, k, v, o, lse, do, dq, dk, dv, delta):
         gradients = _dkdv_adding_dq(problem, device, variant, fields, dq, rounding, params)
     else:
         variant = variants.choose("dq_sm90" if sm90 else "dq", problem, is_aligned)
-        tiles_m = tiles(problem.seqlen_q, variant.block_m)
-        launches = [KernelLaunch(variant, device, tiles_m * problem.heads_q * problem.batch,
-                                 pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m, **fields))]
+        ctas, grid_fields = tile_grid(problem, variant, device, problem.seqlen_q, problem.heads_q)
+        launches = [KernelLaunch(variant, device, ctas, pack(problem, BACKWARD_PARAMS, **grid_fields, **fields))]
         for parts in variants.dkdv_parts(head_dim_class(problem.head_dim), head_dim_class(problem.head_dim_v)):
             variant = variants.choose("dkdv_sm90" if sm90 else "dkdv", problem, is_aligned, parts)
-            tiles_m = tiles(problem.seqlen_k, variant.block_m)
-            launches.append(KernelLaunch(variant, device, tiles_m * problem.heads_k * problem.batch,
-                                         pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m, **fields)))
+            ctas, grid_fields = tile_grid(problem, variant, device, problem.seqlen_k, problem.heads_k)
+            launches.append(KernelLaunch(variant, device, ctas, pack(problem, BACKWARD_PARAMS, **grid_fields, **fields)))
 
         def gradients(stream, call, dq):
             for launch in launches:
@@ -542,7 +560,6 @@ def _dkdv_adding_dq(problem, device, variant, fields: dict, dq, rounding, params
     kernels see a panel as a head of DQ_PANEL columns: head h's panel i is head h * panels + i."""
     import torch
 
-    tiles_m = tiles(problem.seqlen_k, variant.block_m)
     group, chunks = problem.group, kv_head_chunks(problem)
     batch, rows = dq.shape[:-3], dq.shape[-3]
     rows_q = rows * (batch[0] if batch else 1)
@@ -552,9 +569,10 @@ def _dkdv_adding_dq(problem, device, variant, fields: dict, dq, rounding, params
     launches = []
     for first, heads in chunks:
         as_heads = layout.narrow(-4, 0, heads * group).flatten(-4, -3).transpose(-3, -2)  # (B, Nq, heads * panels, DQ_PANEL)
-        sums_params = pack(problem, BACKWARD_PARAMS, tiles_m=tiles_m,
+        ctas, grid_fields = tile_grid(problem, variant, device, problem.seqlen_k, heads)
+        sums_params = pack(problem, BACKWARD_PARAMS, **grid_fields,
                            **(fields | dict(kv_head0=first, kv_heads=heads) | tensor_fields("dq", as_heads, problem.varlen, 3)))
-        launches.append((KernelLaunch(variant, device, tiles_m * heads * problem.batch, sums_params),
+        launches.append((KernelLaunch(variant, device, ctas, sums_params),
                          KernelLaunch(rounding, device, tiles(rows_q * heads * group * panels, rounding.threads), params),
                          dict(rows=rows_q, head0=first * group, heads=heads * group)))
 

@@ -63,6 +63,7 @@ struct Params {
     u64 seed;
     int batch, heads_q, heads_k, group, seqlen_q, seqlen_k, head_dim, head_dim_v;
     int left, right, block_q, block_k, rng_offset, drop_threshold, tiles_m, drop_row0, drop_col0;
+    int heads_inner;  // the grid's order (scheduling.cuh, variants.heads_inner)
     float scale, scale_log2, drop_scale;
     float softcap_scale, softcap_log2;  // scale / c and log2(e) c (score_mods.cuh)
 };

@@ -115,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashx_dkdv(const Backw
     elem_t* sDS = (elem_t*)(sStage + (TENSOR_CORES ? 0 : BLOCK_M * BLOCK_N));  // DQ_ATOMIC: 2 x BLOCK_M x LD_DS
 
     int tile, hk, b;
-    grid_tile(p.tiles_m, p.kv_heads, tile, hk, b);
+    grid_tile<true>(p, p.kv_heads, tile, hk, b);  // the first keys are read by the most queries
     hk += p.kv_head0;
     KeyCta cta{{p, sequence(p, b), b, hk, tile * BLOCK_M, threadIdx.x / 32 * ATOMS * 16, sK, sV, sQ, sDO, sLse, sDelta},
                sDS, sStage, false, -1, 0, false};

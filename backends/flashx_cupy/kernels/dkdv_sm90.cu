@@ -284,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flas
     Ring<>* ring = (Ring<>*)(sDelta + RING_STAGES * BLOCK_N);
 
     int tile, hk, b;
-    grid_tile(p.tiles_m, p.kv_heads, tile, hk, b);
+    grid_tile<true>(p, p.kv_heads, tile, hk, b);  // the first keys are read by the most queries
     hk += p.kv_head0;
     const int warp = threadIdx.x / 32;
     KeyRows<SwizzledTiles> rows{p, sequence(p, b), b, hk, tile * BLOCK_M, warp % WARPS * 16, sK, sV, sQ, sDO, sLse, sDelta};

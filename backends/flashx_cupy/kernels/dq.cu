@@ -138,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_dq(const BackwardPa
     float* sStage = (float*)(sAllowed + BLOCK_M * BLOCK_N);                // float32: BLOCK_M x BLOCK_N
 
     int tile, h, b;
-    grid_tile(p.tiles_m, p.heads_q, tile, h, b);
+    grid_tile<false>(p, p.heads_q, tile, h, b);
     QueryCta cta{{p, sequence(p, b), b, h, tile * BLOCK_M, threadIdx.x / 32 * ATOMS * 16, sQ, sDO, sK, sV, sAllowed}, sStage};
     int n;
     if (!cta.start(n)) return;

@@ -111,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1) flas
     Ring<>* ring = (Ring<>*)(sAllowed + BLOCK_M * BLOCK_N);
 
     int tile, h, b;
-    grid_tile(p.tiles_m, p.heads_q, tile, h, b);
+    grid_tile<false>(p, p.heads_q, tile, h, b);
     const int warp = threadIdx.x / 32;
     QueryRows<SwizzledTiles> rows{p, sequence(p, b), b, h, tile * BLOCK_M, warp % WARPS * 16, sQ, sDO, sK, sV, sAllowed};
     if (!rows.schedule()) return;

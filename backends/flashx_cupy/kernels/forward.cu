@@ -67,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flashx_forward(const Param
     static_assert(BLOCK_M * LD_V <= BLOCK_M * LD_QK + 2 * BLOCK_N * (LD_QK + LD_V), "O's staging must fit the buffers");
 
     int tile, h, b;
-    grid_tile(p.tiles_m, p.heads_q, tile, h, b);
+    grid_tile<false>(p, p.heads_q, tile, h, b);
     const int warp = threadIdx.x / 32;
     const int hk = h / p.group;
     const Sequence s = sequence(p, b);

@@ -303,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER_THREADS, 1)
     static_assert(BLOCK_M * LD_V <= Operands::Q_TILE + 2 * Operands::K_TILE, "O's staging must fit below V");
 
     int tile, h, b;
-    grid_tile(p.tiles_m, p.heads_q, tile, h, b);
+    grid_tile<false>(p, p.heads_q, tile, h, b);
     const int hk = h / p.group;
     const Sequence s = sequence(p, b);
     const In* k = (const In*)p.k + row_offset(b, s.start_k, 0, hk, p.k_b, p.k_n, p.k_h);
