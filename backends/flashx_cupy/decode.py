@@ -21,7 +21,6 @@ and in a CUDA graph replayed with other lengths.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from flashx.splits import decode_splits
 from flashx_cupy import variants
