@@ -139,6 +139,14 @@ class BaseProblem:
         left, right = self.window or (-1, -1)
         return left, 0 if right == -1 else min(right, 0)
 
+    @property
+    def triangular_band(self) -> bool:
+        """Whether the band is bounded on the right only (causal, with or without a right reach): a
+        query tile's allowed keys then grow with its index and a key tile's queries shrink, so a
+        backend that schedules tiles by their work has a heaviest end."""
+        band = self.band
+        return band is not None and band[0] == -1 and band[1] != -1
+
     @functools.cached_property
     def scale_log2(self) -> float:
         """softmax_scale * log2(e): scores scaled in one multiply for an online softmax in base 2."""

@@ -373,20 +373,21 @@ def test_backward_launches(monkeypatch, capability, switch, changes, launched):
     assert kernels == launched
 
 
-@pytest.mark.parametrize("band, kernel, ctas, inner", [
-    ((-1, 0), "dkdv_sm90", 4096, True),  # causal: the backward's kernels at every size
-    ((-1, 0), "dq", 10**6, True),
-    ((-1, 0), "forward_sm90", 8 * 132, True),  # the forward while its grid is short
-    ((-1, 0), "forward_sm90", 8 * 132 + 1, False),
-    ((-1, 5), "dkdv", 64, True),  # a right side still leaves the left unbounded
-    (None, "dkdv_sm90", 64, False),  # no band: every tile of a head does the same work
-    ((1024, 0), "dkdv_sm90", 64, False),  # a window: likewise, but for its first tiles
-    ((16, -1), "dq_sm90", 64, False),  # the mirror band's heaviest tiles lie at the other end
+@pytest.mark.parametrize("options, kernel, ctas, inner", [
+    (dict(causal=True), "dkdv_sm90", 4096, True),  # causal: the backward's kernels at every size
+    (dict(causal=True), "dq", 10**6, True),
+    (dict(causal=True), "forward_sm90", 8 * 132, True),  # the forward while its grid is short
+    (dict(causal=True), "forward_sm90", 8 * 132 + 1, False),
+    (dict(causal=True, window=(-1, 5)), "dkdv", 64, True),  # the left side still unbounded
+    ({}, "dkdv_sm90", 64, False),  # no band: every tile of a head does the same work
+    (dict(window=(1024, 0)), "dkdv_sm90", 64, False),  # a window: likewise, but for its first tiles
+    (dict(window=(16, -1)), "dq_sm90", 64, False),  # the mirror band's heaviest tiles lie at the other end
 ])
-def test_heads_inner(band, kernel, ctas, inner):
-    """The grid's order (kernels/scheduling.cuh): a sequence's heads innermost under a causal band,
-    in the forward only while its grid holds at most FORWARD_INNER_CTAS_PER_SM CTAs an SM."""
-    assert variants.heads_inner(_problem(band=band), kernel, ctas, 132) is inner
+def test_heads_inner(options, kernel, ctas, inner):
+    """The grid's order (kernels/scheduling.cuh): a sequence's heads innermost under a causal band
+    (``Problem.triangular_band``), in the forward only while its grid holds at most
+    FORWARD_INNER_CTAS_PER_SM CTAs an SM."""
+    assert variants.heads_inner(_torch_problem(**options), kernel, ctas, 132) is inner
 
 
 @pytest.mark.parametrize("causal, seqlen, inner", [(True, 128, (1, 1, 1)), (False, 128, (0, 0, 0)),

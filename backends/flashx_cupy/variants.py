@@ -523,10 +523,7 @@ def heads_inner(problem, kernel: str, ctas: int, sm_count: int) -> bool:
     357, d256 B=2 N=4k H=8 267 against 221; the forward at d256 of that shape 552-557 against 488
     (512 CTAs), at d128 N=8k even (2048), at B=1 N=32k 539-542 against 560 (4096). Without a band,
     heads innermost ran 3% slower fwd+bwd and 6% slower forward at d128 N=8k."""
-    band = problem.band
-    if band is None or band[0] != -1 or band[1] == -1:
-        return False
-    return kernel in BACKWARD_KERNELS or ctas <= FORWARD_INNER_CTAS_PER_SM * sm_count
+    return problem.triangular_band and (kernel in BACKWARD_KERNELS or ctas <= FORWARD_INNER_CTAS_PER_SM * sm_count)
 
 
 def dkdv_parts(dim_qk: int, dim_v: int) -> tuple[int, ...]:
