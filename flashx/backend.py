@@ -8,6 +8,7 @@ Nothing here imports a GPU library.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -179,6 +180,13 @@ def tensor_layout(*tensors) -> tuple:
     the problem fixes: their strides, and whether each address is a multiple of 16 bytes (vector
     and TMA copies need it); None for an absent one."""
     return tuple(None if x is None else (x.stride(), x.data_ptr() % 16 == 0) for x in tensors)
+
+
+def weightless_rows_as_plus_inf(lse):
+    """lse (torch's) as a backward that recomputes P = exp(S - lse) reads it: rows without weight
+    (lse = -inf: no allowed key, or every allowed score -inf) as +inf, so that their P is exactly 0
+    rather than exp(-inf + inf) = NaN (docs/contract.md, "Rows of -inf scores"). NaN stays NaN."""
+    return lse.masked_fill(lse == -math.inf, math.inf)
 
 
 def _names(items) -> str:

@@ -1326,3 +1326,14 @@ def test_tensor_layout_is_strides_and_alignment():
     x = torch.zeros(4, 8, dtype=torch.float16)
     assert tensor_layout(x, None, x.t()) == (((8, 1), True), None, ((1, 8), True))
     assert tensor_layout(x.view(-1)[1:])[0][1] is False  # 2 bytes past a 16-byte boundary
+
+
+def test_weightless_rows_read_as_plus_inf():
+    torch = pytest.importorskip("torch")
+    from flashx.backend import weightless_rows_as_plus_inf
+
+    lse = torch.tensor([[-math.inf, 1.5, math.nan], [math.inf, -2.0, -math.inf]])
+    got = weightless_rows_as_plus_inf(lse)
+    assert got[0, 0] == math.inf and got[1, 2] == math.inf and got[1, 0] == math.inf
+    assert got[0, 1] == 1.5 and got[1, 1] == -2.0 and math.isnan(got[0, 2])
+    assert lse[0, 0] == -math.inf, "the forward's lse is left as it was"

@@ -18,7 +18,7 @@ import struct
 
 import numpy as np
 
-from flashx.backend import per_static_problem, tensor_layout
+from flashx.backend import per_static_problem, tensor_layout, weightless_rows_as_plus_inf
 from flashx.problem import head_dim_class
 from flashx_cupy import tma, variants
 
@@ -496,6 +496,7 @@ def backward(problem, q, k, v, o, lse, do):
         dq = zeros_or_empty(q.shape, dtype=q.dtype, device=q.device)
         dk = zeros_or_empty(k.shape, dtype=k.dtype, device=k.device)
         dv = zeros_or_empty(v.shape, dtype=v.dtype, device=v.device)
+        lse = weightless_rows_as_plus_inf(lse)
         delta = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
         # the delta kernel's term of each row in dsinks, summed here in a fixed order (deterministic)
         dsinks_rows = torch.empty_like(delta) if problem.sinks is not None else None

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from numba import cuda
 
+from flashx.backend import weightless_rows_as_plus_inf
 from flashx_numba.kernels import Tiles, delta_kernel, dkdv_kernel, dq_kernel, forward_kernel
 from flashx_numba.primitives import SIMULATOR
 
@@ -104,7 +105,7 @@ def backward(problem, q, k, v, o, lse, do):
     inputs = [_pairs(x) for x in (q, k, v, do)] if fragments else (q, k, v, do)
     q_, k_, v_, do_ = _rows(problem, *inputs)
     o_, do_stored, dq_, dk_, dv_ = _rows(problem, o, do, dq, dk, dv)
-    lse_, delta_, sink_terms_ = (_lse(problem, x) for x in (lse, delta, sink_terms))
+    lse_, delta_, sink_terms_ = (_lse(problem, x) for x in (weightless_rows_as_plus_inf(lse), delta, sink_terms))
     with _launching(q) as stream:
         rows = o.shape[0] * o.shape[1] * o.shape[2]
         _launch(delta_kernel(problem.dtype), -(-rows // DELTA_THREADS), DELTA_THREADS, stream, o_, do_stored, delta_,

@@ -412,7 +412,10 @@ def _backward_head(problem, seq, head_k, q, o, do, dq, lse, k, v, dk, dv, dsinks
     qa = _scaled_queries_t(problem, q, heads, 0, seq.lq, dtype)
     qa[-1] = 0
     queries = qa[:-1].T  # (rows, D), scaled
+    # A row without weight (no allowed key, or every allowed score -inf) has lse = -inf: as +inf,
+    # its P = exp(S - lse) is exactly 0 rather than exp(-inf + inf) = NaN.
     lse_rows = lse[heads].T.reshape(rows)
+    lse_rows = np.where(lse_rows == -np.inf, np.inf, lse_rows)
     d_out = do[:, heads].reshape(rows, dim_v).astype(dtype)
     delta = np.einsum("rd,rd->r", d_out, o[:, heads].reshape(rows, dim_v).astype(dtype))
     keys = _with_ones(k[:, head_k : head_k + 1], dtype)[0]  # (Lk, D + 1)

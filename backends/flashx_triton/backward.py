@@ -108,10 +108,11 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_base, do_base, seq, q_start, he
             if MASKED:
                 lse2 = tl.load(lse2_base + rows, mask=rows < q_len, other=float("inf"))
                 delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
-                # Rows that no key of this tile may use, and empty rows (whose dO may hold
-                # anything), are not loaded through pointers; TMA loads them, and masked_dot
-                # keeps their non-finite values out of dK and dV.
-                used = (rows >= first_row) & (rows < end_row) & (lse2 != float("inf"))
+                # Rows that no key of this tile may use are not loaded through pointers; TMA loads
+                # them, and masked_dot keeps their non-finite values out of dK and dV, as it does
+                # an empty row's (whose Q and dO may hold anything). A row whose allowed scores
+                # are all -inf (lse2 = +inf too) is read: its pairs carry its infinities.
+                used = (rows >= first_row) & (rows < end_row)
                 q = load_rows(q_desc, q_base, seq, q_start, head, start_m, stride_qn, used, HEAD_DIM, BLOCK_M, BLOCK_D,
                               USE_TMA, True, False, HOST_DESCRIPTORS)
                 do = load_rows(do_desc, do_base, seq, q_start, head, start_m, stride_dn, used, HEAD_DIM_V, BLOCK_M,
@@ -366,8 +367,9 @@ def _dq_program(
         lse_offset = b64 * stride_lb + h64 * stride_lh + q_start + m0
         lse2 = tl.load(LSE2 + lse_offset + rows_in_tile, mask=rows < q_len, other=float("inf"))
         delta = tl.load(DELTA + lse_offset + rows_in_tile, mask=rows < q_len, other=0.0)
-        # Empty rows and padding are never read: their dO and Q may hold anything.
-        live = (lse2 != float("inf"))[:, None]
+        # Padding is never read. An empty row's Q and dO may hold anything: no pair of it is
+        # allowed, so it lies in masked tiles alone, whose exact products keep them out (masked_dot).
+        live = (rows < q_len)[:, None]
         q = tl.load(Q + b64 * stride_qb + row0 * stride_qn + h64 * stride_qh + rows_in_tile[:, None] * stride_qn
                     + dims[None, :], mask=live & (dims[None, :] < HEAD_DIM), other=0.0)
         do = tl.load(DO + b64 * stride_db + row0 * stride_dn + h64 * stride_dh + rows_in_tile[:, None] * stride_dn

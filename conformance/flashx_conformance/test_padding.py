@@ -113,6 +113,40 @@ def test_nan_propagation(flashx_target, flashx_rng, name, dtype):
     assert nan_outputs and finite_outputs, f"NaN in {nan_outputs}, finite values in {finite_outputs}: the case tests nothing"
 
 
+# An infinite entry that makes every allowed score of one row -inf: (tensor, index, value, options). The
+# entry's column of the other operand is made of one sign (positive for a -inf entry, negative for +inf),
+# so that each of the row's scores is -inf and none NaN.
+MINUS_INF_ROWS = {
+    "q -inf, causal": ("q", (1, 20, 3, 5), -math.inf, {"causal": True}),
+    "q +inf, causal": ("q", (0, 33, 1, 9), math.inf, {"causal": True}),
+    "k -inf, one key a row": ("k", (1, 20, 1, 5), -math.inf, {"window": (0, 0)}),
+}
+
+
+@pytest.mark.parametrize("name, dtype", diagonal(list(MINUS_INF_ROWS), ["target", "float16", "bfloat16"]), ids=str)
+def test_rows_of_minus_inf_scores(flashx_target, flashx_rng, name, dtype):
+    """A row whose allowed scores are all -inf has no weight to give: o = 0 and lse = -inf, as an
+    empty row, and no gradient flows through its P (recomputed as exp(S - lse) it would be
+    exp(-inf + inf) = NaN). Its pairs are allowed all the same: the infinite entry reaches the
+    gradients through dS = 0 as plain arithmetic carries it (0 * inf = NaN), and nowhere else."""
+    tensor, index, value, options = MINUS_INF_ROWS[name]
+    seqlen_k, dtype = (45, flashx_target.dtype) if dtype == "target" else (77, dtype)
+    if "window" in options:
+        seqlen_k = 45  # one key a row: the diagonal's
+    case = make_case(flashx_rng, seqlen_q=45, seqlen_k=seqlen_k, heads_q=4, heads_k=2, head_dim=32, dtype=dtype,
+                     **options)
+    batch, row, head, column = index
+    other = "k" if tensor == "q" else "q"
+    one_sign = np.abs(case.inputs[other][batch, :, :, column]) + 0.25
+    case.inputs[other][batch, :, :, column] = one_sign if value < 0 else -one_sign
+    where = np.zeros(case.inputs[tensor].shape, dtype=bool)
+    where[index] = True
+    got = flashx_target.check(case.with_poison(tensor, where, value))
+    head_q = head if tensor == "q" else head * 2  # a query head of kv head ``head`` (group 2)
+    assert got["lse"][batch, head_q, row] == -math.inf and (got["o"][batch, row, head_q] == 0).all(), (
+        "the row's scores are not all -inf: the case tests nothing")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_large_magnitudes(flashx_target, flashx_rng, dtype):
     """Scores near 1e4 that still differ by O(1): the row max must be subtracted before exp.
