@@ -14,6 +14,10 @@ and 0.5 s of rest. FlexAttention is compiled per row from a reset dynamo, with i
 (``../shared/device/fa4-wheels.sh`` installs it on a machine without a network). A row that a
 peer cannot run records the error instead.
 
+With ``--kernels``, each point also says where its time goes: the GPU time of each kernel a step
+launches (``torch.profiler`` over KERNEL_STEPS steps) and the step replayed from a CUDA graph, with
+no host work between its launches. A step slower than its kernels' sum is bound by the host.
+
 Rows land in ``$OUT/table.json`` (default /tmp) as they are timed. Past ``--seconds`` no new point
 starts, so that a time box keeps what was done. A markdown table is printed last.
 """
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 import flashx
@@ -103,7 +108,47 @@ def selected(rows: list, implementations, modes) -> list:
     return chosen
 
 
-def time_row(row, deadline: float) -> dict:
+#: Steps profiled for ``--kernels``, and the length of the kernel names it keeps.
+KERNEL_STEPS, KERNEL_NAME = 10, 60
+
+
+def kernel_ms(events, steps: int) -> dict[str, float]:
+    """Milliseconds a step of each kernel (its name cut to KERNEL_NAME characters) among a
+    profile's ``events``, ``steps`` steps long, the longest first."""
+    totals: dict[str, float] = {}
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:KERNEL_NAME]
+            totals[name] = totals.get(name, 0.0) + event.device_time / 1000 / steps
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def where_time_goes(step) -> dict:
+    """``step``'s kernels (``kernel_ms``) and its replay from a CUDA graph in ms, or why it could
+    not be captured."""
+    with profile(activities=[ProfilerActivity.CUDA]) as run:
+        for _ in range(KERNEL_STEPS):
+            step()
+        torch.cuda.synchronize()
+    kernels = kernel_ms(run.events(), KERNEL_STEPS)
+    try:
+        side = torch.cuda.Stream()  # capture's warm-up runs off the default stream, as torch asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        replay = round(do_bench(graph.replay, warmup=25, rep=150, return_mode="median"), 4)
+    except Exception as error:  # noqa: BLE001 - a step that cannot be captured says why
+        replay = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:80]}"
+    return {"kernels_ms": round(sum(kernels.values()), 4), "graph_ms": replay,
+            "top": {name: round(ms, 4) for name, ms in list(kernels.items())[:5]}}
+
+
+def time_row(row, deadline: float, kernels: bool = False) -> dict:
     label, mode, batch, seqlen, heads_q, heads_k, dim, causal, window, dropout, names = row
     torch._dynamo.reset()  # static shapes, one compile a row
     torch.manual_seed(0)
@@ -130,7 +175,10 @@ def time_row(row, deadline: float) -> dict:
             settle_flashx()
             torch.cuda.synchronize()
             time.sleep(0.5)
-            result[name] = round(flops / do_bench(step, warmup=25, rep=150, return_mode="median") / 1e9, 1)
+            ms = do_bench(step, warmup=25, rep=150, return_mode="median")
+            result[name] = round(flops / ms / 1e9, 1)
+            if kernels:
+                result.setdefault("where", {})[name] = {"step_ms": round(ms, 4), **where_time_goes(step)}
         except Exception as error:  # noqa: BLE001 - a peer that cannot run a row records why
             result[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:80]}"
     return result
@@ -141,6 +189,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=470, help="no new point starts after this many seconds")
     parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, help="only these (default: all)")
     parser.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), help="only these rows (default: all)")
+    parser.add_argument("--kernels", action="store_true", help="also each step's kernels and its CUDA graph replay")
     args = parser.parse_args()
     deadline = time.time() + args.seconds
     out = os.path.join(os.environ.get("OUT", "/tmp"), "table.json")
@@ -148,7 +197,7 @@ def main() -> None:
     for row in selected(ROWS, args.implementations, args.modes):
         if time.time() > deadline:
             break
-        rows.append(time_row(row, deadline))
+        rows.append(time_row(row, deadline, args.kernels))
         with open(out, "w") as file:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "date": time.strftime("%Y-%m-%d"), "rows": rows}, file, indent=1)
@@ -157,6 +206,14 @@ def main() -> None:
     for result in rows:
         cells = (str(result.get(name, "-"))[:22] for name in IMPLEMENTATIONS)
         print(f"| {result['row']} | {result['mode']} | " + " | ".join(cells) + " |")
+    if args.kernels:
+        print("\n| case | mode | implementation | step ms | kernels ms | graph replay ms | longest kernel ms |\n|"
+              + " --- |" * 7)
+        for result in rows:
+            for name, where in result.get("where", {}).items():
+                longest = next(iter(where["top"].items()), ("-", "-"))
+                print(f"| {result['row']} | {result['mode']} | {name} | {where['step_ms']} | {where['kernels_ms']} | "
+                      f"{where['graph_ms']} | {longest[0][:40]}: {longest[1]} |")
 
 
 if __name__ == "__main__":

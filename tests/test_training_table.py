@@ -38,3 +38,19 @@ def test_selected_rows_keep_the_named_implementations_and_modes(table):
     assert [row[0] for row in rows] == [row[0] for row in table.ROWS if row[1] == "fwd+bwd"]  # dropout's has cupy
     assert [row[-1] for row in table.selected(table.ROWS, ["flex"], None)] == [("flex",)] * (len(table.ROWS) - 1)
     assert table.selected(table.ROWS, None, None) == [tuple(row) for row in table.ROWS]
+
+
+def test_kernel_ms_sums_each_kernel_per_step(table):
+    from types import SimpleNamespace
+
+    import torch
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    long_name = "_gradients_kernel" + "x" * 80
+    events = [SimpleNamespace(device_type=cuda, name="_forward_kernel", device_time=1000.0),
+              SimpleNamespace(device_type=cuda, name=long_name, device_time=3000.0),
+              SimpleNamespace(device_type=cuda, name="_forward_kernel", device_time=1000.0),
+              SimpleNamespace(device_type=cpu, name="aten::empty", device_time=9000.0)]
+    got = table.kernel_ms(events, steps=2)
+    assert got == {long_name[:table.KERNEL_NAME]: 1.5, "_forward_kernel": 1.0}
+    assert list(got) == [long_name[:table.KERNEL_NAME], "_forward_kernel"], "the longest first"
